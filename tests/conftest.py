@@ -1,6 +1,7 @@
 """Shared fixtures: an isolated home for Jupyter/IPython, and a runner for real mpiexec jobs."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,10 @@ class MPIResult:
         self.n = n
 
     def lines(self, prefix):
-        return [line for line in self.stdout.splitlines() if line.startswith(prefix)]
+        """Lines starting with ``prefix``; mpiexec may glue two ranks' lines together, so split there."""
+        marker = re.escape(prefix) + r" \d"
+        text = re.sub(f"(?={marker})", "\n", self.stdout)
+        return [line for line in text.splitlines() if re.match(marker, line)]
 
 
 def run_mpi(script, n, *args, env=None, timeout=120, check=True):

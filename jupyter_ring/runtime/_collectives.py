@@ -39,8 +39,8 @@ def allreduce_desc(name, shape, prescale, postscale, members=None):
     desc = (("name", name), ("shape", tuple(shape)), ("prescale_factor", prescale),
             ("postscale_factor", postscale))
     if members is not None:
-        desc += (("number of tensors", len(members)),
-                 ("tensors", tuple(members)))
+        # the count and the members explain a mismatch better than the fused total shape
+        desc = (("number of tensors", len(members)), ("tensors (name, shape)", tuple(members))) + desc
     return desc
 
 
@@ -63,7 +63,10 @@ def allreduce_into(rt, src, dst, op, prescale, postscale, name, desc):
             dst[...] = src
         _finish(dst, postscale, divisor)
     elif eager:
-        bufs = [src if r == rt.rank else np.frombuffer(peers[r][1], src.dtype, src.size) for r in range(n)]
+        # Reduce in rank order so every rank gets the same bits; in place, our own input must
+        # survive until its turn, so read it from a copy (at most eager_bytes).
+        own = src.copy() if dst is src else src
+        bufs = [own if r == rt.rank else np.frombuffer(peers[r][1], src.dtype, src.size) for r in range(n)]
         fn(bufs[0], bufs[1], out=dst)
         for buf in bufs[2:]:
             fn(dst, buf, out=dst)
@@ -136,12 +139,14 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
         seg_sends.setdefault(j, []).append(req)
 
     t0 = time.perf_counter()
-    # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: post
-    # it now, under its own tag, so the first allgather pieces never wait in MPI's queues.
-    ag_next = _post_ag(rt, dst, pieces, (r - 1) % n, left, inflight) if allgather else None
     j0 = (r - 1) % n
+    in_place = np.shares_memory(src, dst)
+    # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: out of
+    # place, post it now under its own tag so the first allgather pieces never wait in MPI's
+    # queues. In place, that memory is what step 0 sends, so it waits until those sends are done.
+    ag_next = _post_ag(rt, dst, pieces, j0, left, inflight) if allgather and not in_place else None
     for a, b in pieces(j0):
-        send(src, a, b, TAG_DATA, -1)
+        send(src, a, b, TAG_DATA, j0)
     pending = post_rs(0)
     for s in range(n - 1):
         j, reqs = pending
@@ -161,6 +166,9 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
                 send(dst, a, b, TAG_DATA, j)
     t1 = time.perf_counter()
     phases["reduce_scatter"] = (t0, t1)
+    if allgather and in_place:
+        rt._wait(seg_sends.get(j0, []), what, [right] * len(seg_sends.get(j0, [])))
+        ag_next = _post_ag(rt, dst, pieces, j0, left, inflight)
     if allgather:
         for s in range(n - 1):
             j, reqs = ag_next

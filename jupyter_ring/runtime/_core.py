@@ -60,6 +60,7 @@ FLAG_PAYLOAD = 1
 
 TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
 _SPIN_SECONDS = 0.002
+_DESC_BYTES = 1 << 16
 
 
 class _Restart(Exception):
@@ -357,13 +358,18 @@ class Runtime:
                 "dtype": str(array.dtype) if array is not None else None, "desc": desc}
         comm = self.comm
         data = pickle.dumps(mine)
-        sends = [comm.isend(data, p, TAG_DESC) for p in self.peers]
-        recvs = [comm.irecv(bytearray(1 << 20), p, TAG_DESC) for p in self.peers]
-        self._inflight = sends + recvs
+        if len(data) > _DESC_BYTES:  # a huge group: describe its first tensors only
+            mine["desc"] = tuple((label, value if label != "tensors" else value[:100]) for label, value in desc)
+            data = pickle.dumps(mine)[:_DESC_BYTES]
+        bufs = {p: bytearray(_DESC_BYTES) for p in self.peers}
+        recvs = [comm.Irecv(bufs[p], p, TAG_DESC) for p in self.peers]
+        sends = [comm.Isend(data, p, TAG_DESC) for p in self.peers]
+        self._inflight = recvs + sends
+        self._keep.append(data)
         self._wait(recvs + sends, f"{kind} '{name}' (comparing descriptions)", self.peers + self.peers)
         descs = {self.rank: mine}
-        for p, req in zip(self.peers, recvs):
-            descs[p] = pickle.loads(req.wait())
+        for p in self.peers:
+            descs[p] = pickle.loads(bufs[p])  # pickle stops at its STOP opcode: padding is ignored
         raise CollectiveMismatchError(describe_mismatch(descs))
 
     # ------------------------------------------------------------------ waits on data
@@ -385,7 +391,7 @@ def describe_mismatch(descs):
                          ("root", "root rank")):
         values = {r: descs[r][field] for r in ranks}
         if len(set(map(repr, values.values()))) > 1:
-            return _differ(title, label, values, _hint(field))
+            return _differ(title, label, values, _hint(label))
     # desc tuples: first element is a tuple of labelled fields
     for index, (label, _value) in enumerate(ref["desc"]):
         values = {}
@@ -427,4 +433,6 @@ def _hint(field):
         "shape": "Every rank must pass a tensor of the same shape (allgather: same trailing dims).",
         "number of tensors": "Every rank must pass the same number of tensors.",
         "root rank": "Pass the same root_rank on every rank.",
+        "reduce op": "Pass the same op= on every rank.",
+        "trailing shape": "allgather/alltoall tensors may differ in dim 0 only; the other dims must match.",
     }.get(field, "Every rank must call the collective with the same arguments.")

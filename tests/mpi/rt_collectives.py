@@ -1,0 +1,184 @@
+"""Every collective, every dtype class, awkward lengths: each rank checks its own result.
+
+Every rank builds every rank's random input from a seed shared by all, so each rank computes
+the numpy reference itself and asserts its own output.
+"""
+
+import sys
+
+import numpy as np
+
+import jupyter_ring.runtime as ring
+
+ring.init()
+r, n = ring.rank(), ring.size()
+LENGTHS = sorted({0, 1, max(n - 1, 0), n + 1, 2, 13, 1009, 16411, 65537, 1000003})
+failures = []
+
+
+def inputs(seed, length, dtype, lo=-50, hi=50):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        if dtype.kind == "b":
+            out.append(rng.integers(0, 2, length).astype(bool))
+        elif dtype.kind in "iu":
+            lo_ = 0 if dtype.kind == "u" else lo
+            out.append(rng.integers(lo_, hi, length).astype(dtype))
+        elif dtype.kind == "c":
+            out.append((rng.standard_normal(length) + 1j * rng.standard_normal(length)).astype(dtype))
+        else:
+            out.append(rng.standard_normal(length).astype(dtype))
+    return out
+
+
+def check(label, got, want, dtype):
+    got = np.asarray(got)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        failures.append(f"{label}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+        return
+    if dtype.kind in "fc":
+        tol = {np.dtype(np.float16): 2e-2, np.dtype(np.float32): 1e-4, np.dtype(np.complex64): 1e-4}.get(dtype, 1e-10) * max(1, n)
+        ok = np.allclose(got.astype(np.complex128), want.astype(np.complex128), rtol=tol, atol=tol)
+    else:
+        ok = np.array_equal(got, want)
+    if not ok:
+        failures.append(f"{label}: values differ (max err {np.max(np.abs(got.astype(float) - want.astype(float))) if got.size else 0})")
+
+
+def reference(xs, op, dtype):
+    if op in (ring.Sum, ring.Average):
+        acc = xs[0].astype(np.float64 if dtype.kind == "f" else dtype)
+        for x in xs[1:]:
+            acc = acc + x
+        if op == ring.Average:
+            acc = acc // n if dtype.kind in "iu" else acc / n
+        return acc.astype(dtype)
+    fn = {ring.Min: np.minimum, ring.Max: np.maximum, ring.Product: np.multiply}[op]
+    if dtype.kind == "b":
+        fn = np.logical_and if op in (ring.Min, ring.Product) else np.logical_or
+    acc = xs[0]
+    for x in xs[1:]:
+        acc = fn(acc, x)
+    return acc.astype(dtype)
+
+
+DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8, np.uint64,
+          np.int16, np.uint16, np.uint32, np.complex64, np.complex128, np.bool_]
+seed = 0
+# allreduce: every dtype with Sum over awkward lengths; every op on a few dtypes.
+for dt in map(np.dtype, DTYPES):
+    ops = [ring.Max, ring.Min] if dt.kind == "b" else [ring.Sum]
+    for op in ops:
+        for length in LENGTHS if dt in (np.dtype(np.float32), np.dtype(np.int64)) else [0, 1, n + 1, 16411, 65537]:
+            seed += 1
+            xs = inputs(seed, length, dt)
+            got = ring.allreduce(xs[r], op=op, name=f"ar.{dt}.{op}.{length}")
+            check(f"allreduce {dt} op={op} len={length}", got, reference(xs, op, dt), dt)
+
+for dt in map(np.dtype, [np.float32, np.float64, np.int32, np.uint8]):
+    for op in (ring.Average, ring.Min, ring.Max, ring.Product):
+        for length in (1, 7, 20011):
+            seed += 1
+            lo, hi = (1, 3) if op == ring.Product else (-50, 50)
+            xs = inputs(seed, length, dt, lo, hi)
+            if op == ring.Product and dt.kind == "f":
+                xs = [np.abs(x) % 2 + 0.5 for x in xs]
+                xs = [x.astype(dt) for x in xs]
+            got = ring.allreduce(xs[r], op=op, name=f"op.{dt}.{op}.{length}")
+            check(f"allreduce {dt} op={op} len={length}", got, reference(xs, op, dt), dt)
+
+# In place, multi-dimensional, non-contiguous input, pre/postscale.
+seed += 1
+xs = inputs(seed, 6 * 7 * 5, np.dtype(np.float64))
+a = xs[r].reshape(6, 7, 5).copy()
+ring.allreduce_(a, op=ring.Sum, name="inplace")
+check("allreduce_ in place", a, reference(xs, ring.Sum, np.dtype(np.float64)).reshape(6, 7, 5), np.dtype(np.float64))
+nc = xs[r].reshape(6, 35)[:, ::2]
+check("allreduce non-contiguous", ring.allreduce(nc, op=ring.Sum, name="noncontig"),
+      reference([x.reshape(6, 35)[:, ::2] for x in xs], ring.Sum, np.dtype(np.float64)), np.dtype(np.float64))
+got = ring.allreduce(xs[r], op=ring.Sum, prescale_factor=0.5, postscale_factor=3.0, name="scaled")
+check("allreduce scales", got, reference(xs, ring.Sum, np.dtype(np.float64)) * 1.5, np.dtype(np.float64))
+got = ring.allreduce(xs[r], average=True, name="average-kw")
+check("allreduce average=True", got, reference(xs, ring.Average, np.dtype(np.float64)), np.dtype(np.float64))
+check("allreduce 0-d", ring.allreduce(np.float32(r + 1), op=ring.Sum, name="scalar"),
+      np.asarray(np.float32(n * (n + 1) / 2)), np.dtype(np.float32))
+
+# Async + fusion: 37 small tensors of awkward sizes, handles resolved in reverse order.
+seed += 1
+rng = np.random.default_rng(seed)
+sizes = [int(s) for s in rng.integers(0, 3000, 37)]
+per_rank = [[np.random.default_rng(seed * 1000 + q * 100 + i).standard_normal(s).astype(np.float32)
+             for i, s in enumerate(sizes)] for q in range(n)]
+handles = [ring.allreduce_async(per_rank[r][i], op=ring.Sum, name=f"fuse.{i}") for i in range(len(sizes))]
+assert all(ring.poll(h) for h in handles[:1])
+for i in reversed(range(len(sizes))):
+    want = reference([per_rank[q][i] for q in range(n)], ring.Sum, np.dtype(np.float32))
+    check(f"fused allreduce {i}", ring.synchronize(handles[i]), want, np.dtype(np.float32))
+inplace = [per_rank[r][i].copy() for i in range(5)]
+hs = [ring.allreduce_async_(t, op=ring.Sum, name=f"fusein.{i}") for i, t in enumerate(inplace)]
+for i, h in enumerate(hs):
+    ring.synchronize(h)
+    check(f"fused in place {i}", inplace[i], reference([per_rank[q][i] for q in range(n)], ring.Sum, np.dtype(np.float32)), np.dtype(np.float32))
+outs = ring.grouped_allreduce([per_rank[r][i] for i in range(6)], op=ring.Sum, name="group")
+for i in range(6):
+    check(f"grouped {i}", outs[i], reference([per_rank[q][i] for q in range(n)], ring.Sum, np.dtype(np.float32)), np.dtype(np.float32))
+
+# allgather: dim 0 differs per rank, awkward trailing dims and dtypes.
+for dt in map(np.dtype, [np.float32, np.int16, np.bool_, np.complex128]):
+    for big in (False, True):
+        seed += 1
+        rows = [(q * 3 + (9000 if big else 0)) % 7919 for q in range(n)]
+        blocks = [inputs(seed + q, rows[q] * 3 * 2, dt)[q].reshape(rows[q], 3, 2) for q in range(n)]
+        got = ring.allgather(blocks[r], name=f"ag.{dt}.{big}")
+        check(f"allgather {dt} big={big}", got, np.concatenate(blocks), dt)
+check("allgather 0-d", ring.allgather(np.int32(r), name="ag0"), np.arange(n, dtype=np.int32), np.dtype(np.int32))
+h = ring.allgather_async(np.full(2, r, np.int8), name="ag-async")
+check("allgather async", ring.synchronize(h), np.repeat(np.arange(n, dtype=np.int8), 2), np.dtype(np.int8))
+
+# broadcast from every root, small and large.
+for root in range(n):
+    for length in (0, 5, 70001):
+        seed += 1
+        xs = inputs(seed, length, np.dtype(np.float32))
+        check(f"broadcast root={root} len={length}", ring.broadcast(xs[r], root_rank=root, name=f"bc.{root}.{length}"), xs[root], np.dtype(np.float32))
+buf = inputs(seed, 11, np.dtype(np.int64))[r].copy()
+ring.broadcast_(buf, root_rank=n - 1, name="bc_")
+check("broadcast_", buf, inputs(seed, 11, np.dtype(np.int64))[n - 1], np.dtype(np.int64))
+
+# reducescatter: rows not divisible by the world size.
+for rows in (1, n + 1, 2 * n + 3, 9001):
+    seed += 1
+    xs = [x.reshape(rows, 3) for x in inputs(seed, rows * 3, np.dtype(np.float64))]
+    full = reference(xs, ring.Sum, np.dtype(np.float64))
+    base, extra = divmod(rows, n)
+    lo = r * base + min(r, extra)
+    hi = lo + base + (1 if r < extra else 0)
+    check(f"reducescatter rows={rows}", ring.reducescatter(xs[r], op=ring.Sum, name=f"rs.{rows}"), full[lo:hi], np.dtype(np.float64))
+
+# alltoall with uneven splits, small and large blocks.
+for scale in (1, 3000):
+    splits_of = [[(q + d) % 3 * scale for d in range(n)] for q in range(n)]
+    blocks = [np.concatenate([np.full((splits_of[q][d], 2), q * 100 + d, np.int32) for d in range(n)]) for q in range(n)]
+    out, received = ring.alltoall(blocks[r], splits=splits_of[r], name=f"a2a.{scale}")
+    want = np.concatenate([np.full((splits_of[q][r], 2), q * 100 + r, np.int32) for q in range(n)])
+    check(f"alltoall scale={scale}", out, want, np.dtype(np.int32))
+    check(f"alltoall splits scale={scale}", received, np.array([splits_of[q][r] for q in range(n)], np.int32), np.dtype(np.int32))
+
+# objects, barrier, stats, timeline.
+obj = ring.broadcast_object({"from": r, "data": list(range(r + 3))} if r == 0 else None, root_rank=0, name="obj")
+assert obj == {"from": 0, "data": [0, 1, 2]}, obj
+big = ring.broadcast_object(b"x" * 200000 if r == n - 1 else None, root_rank=n - 1)
+assert big == b"x" * 200000
+objs = ring.allgather_object({"rank": r, "pad": "y" * (r * 50000)})
+assert [o["rank"] for o in objs] == list(range(n)) and all(len(o["pad"]) == q * 50000 for q, o in enumerate(objs))
+ring.barrier()
+stats = ring.stats()
+assert stats["allreduce"]["count"] > 50 and stats["allreduce"]["bytes"] > 0, stats
+if n > 1:
+    assert abs(stats["allreduce"]["busbw"] / stats["allreduce"]["algbw"] - 2 * (n - 1) / n) < 1e-9
+
+if failures:
+    print(f"RANK_FAIL {r}: " + "; ".join(failures[:20]), flush=True)
+    sys.exit(1)
+print(f"RANK_OK {r}", flush=True)

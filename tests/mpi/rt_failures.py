@@ -1,0 +1,141 @@
+"""The failure contract, one mode per run: mismatch, stall, interrupt, reinit.
+
+Usage: rt_failures.py MODE. Every rank asserts its own outcome and prints ``RANK_OK <rank>``.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import jupyter_ring.runtime as ring
+
+mode = sys.argv[1]
+ring.init()
+r, n = ring.rank(), ring.size()
+
+
+def expect_correct(label, seed=1234, length=100003):
+    """A collective after a failure must be exact (same name/shape as the abandoned ones)."""
+    xs = [np.random.default_rng(seed + q).standard_normal(length) for q in range(n)]
+    got = ring.allreduce(xs[r], op=ring.Sum, name="w.grad")
+    want = np.sum(xs, axis=0)
+    assert np.allclose(got, want, rtol=1e-10, atol=1e-10), f"{label}: wrong result after recovery"
+    small = ring.allreduce(np.array([r + 1.0]), op=ring.Sum, name="small")
+    assert small[0] == n * (n + 1) / 2, f"{label}: small allreduce wrong after recovery: {small}"
+
+
+def expect_mismatch(label, fn, *needles):
+    start = time.perf_counter()
+    try:
+        fn()
+    except ring.CollectiveMismatchError as exc:
+        msg = str(exc)
+        for needle in needles:
+            assert needle in msg, f"{label}: {needle!r} not in {msg!r}"
+        assert time.perf_counter() - start < 5, f"{label}: took {time.perf_counter() - start:.1f} s"
+        print(f"MISMATCH {r} {label}: {msg}", flush=True)
+    else:
+        raise AssertionError(f"{label}: no CollectiveMismatchError on rank {r}")
+    expect_correct(label)
+
+
+if mode == "mismatch":
+    assert n > 1
+    expect_mismatch("shape", lambda: ring.allreduce(np.zeros([17 + r] * 3, np.float32), name="w.grad"),
+                    "allreduce 'w.grad': shape (17, 17, 17) on rank 0 but (18, 18, 18) on rank 1")
+    expect_mismatch("big shape", lambda: ring.allreduce(np.zeros(200000 + r, np.float32), name="big"),
+                    "allreduce 'big'", "(200000,) on rank 0", "(200001,) on rank 1")
+    expect_mismatch("dtype", lambda: ring.allreduce(np.zeros(4, np.float32 if r else np.float64), name="d"),
+                    "dtype float64 on rank 0 but float32 on rank")
+    expect_mismatch("op", lambda: ring.allreduce(np.zeros(4), op=ring.Sum if r else ring.Max, name="o"),
+                    "reduce op Max on rank 0 but Sum on rank")
+    expect_mismatch("name", lambda: ring.allreduce(np.zeros(4), name=f"layer{min(r, 1)}"),
+                    "name layer0 on rank 0 but layer1 on rank")
+    expect_mismatch("kind", lambda: ring.broadcast(np.zeros(4), 0, name="k") if r == 0 else ring.allreduce(np.zeros(4), name="k"),
+                    "called broadcast on rank 0 but allreduce on rank")
+    expect_mismatch("root", lambda: ring.broadcast(np.zeros(3), root_rank=min(r, 1), name="b"),
+                    "root rank 0 on rank 0 but 1 on rank")
+    expect_mismatch("group size", lambda: ring.grouped_allreduce([np.zeros(3)] * (2 + min(r, 1)), name="g"),
+                    "number of tensors 2 on rank 0 but 3 on rank")
+    expect_mismatch("allgather trailing", lambda: ring.allgather(np.zeros((2, 3 + min(r, 1))), name="ag"),
+                    "trailing shape (3,) on rank 0 but (4,) on rank")
+
+elif mode == "stall":
+    # Rank 0 skips a collective: the others raise StallError naming rank 0, nobody hangs, and
+    # the next collective (same name and shape as the skipped one) is exact on every rank.
+    assert n > 1
+    timeout = float(os.environ["JUPYTER_RING_STALL_TIMEOUT"])
+    if r != 0:
+        start = time.perf_counter()
+        try:
+            ring.allreduce(np.ones(100003), name="w.grad")
+        except ring.StallError as exc:
+            waited = time.perf_counter() - start
+            assert exc.missing == (0,), exc.missing
+            assert "rank(s) [0]" in str(exc) and "w.grad" in str(exc), str(exc)
+            assert timeout <= waited < timeout + 3, f"raised after {waited:.2f} s"
+            print(f"STALL {r} after {waited:.2f}s: {exc}", flush=True)
+        else:
+            raise AssertionError("no StallError")
+    else:
+        time.sleep(timeout + 0.5)
+    expect_correct("after stall")
+
+elif mode == "interrupt":
+    # Every rank gets a real SIGINT while inside (or, rank 0, outside) a collective with the same
+    # name and shape as the next one; afterwards collectives are exact. As in a notebook, where
+    # the interrupt reaches every rank, each rank goes on only once all have been interrupted
+    # (a shared deadline), otherwise a released rank would legitimately mismatch a waiting one.
+    def kill_me(delay):
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def interrupted_loop(delay, length, before=None):
+        deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
+        threading.Thread(target=kill_me, args=(delay,), daemon=True).start()
+        start = time.perf_counter()
+        rounds = 0
+        try:
+            if before is not None:
+                before()
+            while True:
+                ring.allreduce(np.full(length, 7.0), name="w.grad")
+                rounds += 1
+        except KeyboardInterrupt:
+            latency = time.perf_counter() - start - delay
+            assert latency < 1.0, f"interrupt took {latency:.2f} s to land"
+            print(f"INTERRUPTED {r} after {rounds} rounds, {latency * 1000:.1f} ms after SIGINT", flush=True)
+        time.sleep(max(0.0, deadline - time.time()))
+
+    # rank 0 is busy elsewhere: the others wait for it inside allreduce
+    interrupted_loop(0.3 + 0.15 * r, 100003, before=(lambda: time.sleep(30)) if r == 0 else None)
+    ring.barrier()
+    expect_correct("after interrupt", seed=99)
+    # and again mid-ring: large buffers, small pieces, interrupts at staggered times
+    ring.config().chunk_bytes = 4096
+    interrupted_loop(0.2 + 0.05 * r, 400009)
+    expect_correct("after mid-ring interrupt", seed=7)
+
+elif mode == "reinit":
+    ring.init()  # a second init is a no-op
+    expect_correct("first")
+    ring.shutdown()
+    ring.shutdown()  # twice is harmless
+    assert not ring.is_initialized()
+    try:
+        ring.allreduce(np.zeros(1))
+    except ring.NotInitializedError as exc:
+        assert "ring.init()" in str(exc)
+    else:
+        raise AssertionError("allreduce after shutdown did not raise")
+    ring.init()
+    assert ring.size() == n and ring.rank() == r
+    expect_correct("after reinit")
+else:
+    raise SystemExit(f"unknown mode {mode}")
+
+print(f"RANK_OK {r}", flush=True)

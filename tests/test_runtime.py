@@ -1,0 +1,115 @@
+"""The ring runtime: unit tests here, multi-rank tests under a real mpiexec with 1 to 4 ranks."""
+
+import subprocess
+import sys
+
+import pytest
+
+import jupyter_ring.runtime as ring
+from jupyter_ring.runtime._config import Config
+from jupyter_ring.runtime._core import describe_mismatch
+from jupyter_ring.runtime._trace import Trace, busbw_factor
+
+PUBLIC = {
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "config", "Config", "Sum", "Average", "Min", "Max", "Product", "Adasum",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
+    "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
+    "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+}
+
+
+def all_ranks_ok(result):
+    ok = sorted(int(line.split()[1]) for line in result.lines("RANK_OK"))
+    assert ok == list(range(result.n)), f"ranks reporting OK: {ok}\n{result.stdout[-3000:]}"
+
+
+def test_public_names_are_exactly_the_intended_ones():
+    assert set(ring.__all__) == PUBLIC
+    assert all(hasattr(ring, name) for name in PUBLIC)
+
+
+def test_runtime_and_package_import_have_no_side_effects():
+    code = ("import sys, jupyter_ring, jupyter_ring.runtime; "
+            "bad = [m for m in ('mpi4py.MPI', 'IPython', 'ipyparallel', 'ipywidgets', 'torch', 'tensorflow') if m in sys.modules]; "
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_collectives_before_init_say_how_to_fix():
+    with pytest.raises(ring.NotInitializedError, match=r"call ring.init\(\)"):
+        ring.allreduce([1.0])
+    assert not ring.is_initialized()
+
+
+def test_config_reads_environment_and_rejects_nonsense(monkeypatch):
+    monkeypatch.setenv("JUPYTER_RING_STALL_TIMEOUT", "7.5")
+    monkeypatch.setenv("JUPYTER_RING_FUSION_THRESHOLD", "1048576")
+    config = Config.from_env()
+    assert config.stall_timeout == 7.5 and config.fusion_threshold == 1 << 20
+    monkeypatch.setenv("JUPYTER_RING_STALL_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="JUPYTER_RING_STALL_TIMEOUT='soon' is not a number"):
+        Config.from_env()
+    monkeypatch.setenv("JUPYTER_RING_STALL_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="stall_timeout must be > 0"):
+        Config.from_env()
+
+
+def test_mismatch_message_names_tensor_ranks_and_values():
+    descs = {q: {"kind": "allreduce", "name": "w.grad", "op": "Average", "root": -1, "dtype": "float32",
+                 "desc": (("name", "w.grad"), ("shape", (17, 23 if q != 3 else 24)))} for q in range(4)}
+    msg = describe_mismatch(descs)
+    assert msg.startswith("allreduce 'w.grad': shape (17, 23) on ranks 0, 1, 2 but (17, 24) on rank 3.")
+
+
+def test_busbw_follows_nccl_tests_definitions():
+    assert busbw_factor("allreduce", 4) == pytest.approx(1.5)
+    assert busbw_factor("allgather", 4) == pytest.approx(0.75)
+    assert busbw_factor("broadcast", 4) == 1.0
+    trace = Trace(rank=0, size=2, maxlen=10)
+    trace.record("allreduce", "x", 1000, 1.0, 1.5, {"ring": (1.1, 1.4)})
+    stats = trace.stats()["allreduce"]
+    assert stats["count"] == 1 and stats["algbw"] == pytest.approx(2000.0) and stats["busbw"] == pytest.approx(2000.0)
+    events = trace.chrome_events()
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["allreduce x", "ring"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_every_collective_every_dtype_awkward_lengths(mpirun, n):
+    all_ranks_ok(mpirun("rt_collectives.py", n, timeout=180))
+
+
+def test_tiny_pieces_and_no_eager_path_exercise_the_pipelined_ring(mpirun):
+    env = {"JUPYTER_RING_CHUNK_BYTES": "4096", "JUPYTER_RING_EAGER_BYTES": "0"}
+    all_ranks_ok(mpirun("rt_collectives.py", 3, env=env, timeout=180))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_mismatches_raise_on_every_rank_and_the_next_collective_works(mpirun, n):
+    result = mpirun("rt_failures.py", n, "mismatch")
+    all_ranks_ok(result)
+    shape_lines = [line for line in result.lines("MISMATCH") if line.split(" ", 2)[2].startswith("shape:")]
+    assert len(shape_lines) == n  # every rank raised, with the same message
+    assert len({line.split(" ", 3)[3] for line in shape_lines}) == 1
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_that_skips_a_collective_gives_stallerror_not_a_hang(mpirun, n):
+    result = mpirun("rt_failures.py", n, "stall", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=60)
+    all_ranks_ok(result)
+    assert len(result.lines("STALL")) == n - 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n):
+    result = mpirun("rt_failures.py", n, "interrupt", timeout=90)
+    all_ranks_ok(result)
+    assert len(result.lines("INTERRUPTED")) == 2 * n
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_shutdown_then_init_again(mpirun, n):
+    all_ranks_ok(mpirun("rt_failures.py", n, "reinit"))
