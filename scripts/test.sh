@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv (scripts/setup.sh) and run the whole test suite. CI runs exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"
