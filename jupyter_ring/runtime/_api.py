@@ -181,37 +181,47 @@ def _root(root_rank, where):
 # ------------------------------------------------------------------ allreduce
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks (default op: Average) and return a new array."""
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+    entry = _allreduce_entry(tensor, False, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_now(entry)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """In-place allreduce: ``tensor`` (a C-contiguous writable array) receives the result."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    entry = _allreduce_entry(tensor, True, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_now(entry)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Queue an allreduce; returns a handle for ``synchronize()``/``poll()``. Small ones are fused."""
-    return _queue_allreduce(tensor, False, average, name, op, prescale_factor, postscale_factor)
+    entry = _allreduce_entry(tensor, False, average, name, op, prescale_factor, postscale_factor)
+    return _enqueue(entry, entry[1].nbytes)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Queue an in-place allreduce; returns a handle."""
-    return _queue_allreduce(tensor, True, average, name, op, prescale_factor, postscale_factor)
+    entry = _allreduce_entry(tensor, True, average, name, op, prescale_factor, postscale_factor)
+    return _enqueue(entry, entry[1].nbytes)
 
 
-def _queue_allreduce(tensor, in_place, average, name, op, prescale, postscale):
+def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
+    """Check the arguments once, on the caller's line; the queue and the ring trust the entry."""
     rt = _rt()
-    where = "allreduce_" if in_place else "allreduce"
     name, explicit = _auto_name("allreduce", name)
-    where = f"{where} '{name}'"
+    where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
     arr = _inplace(tensor, where) if in_place else _array(tensor, where)
     op = _op(op, average, where)
     prescale = _factor(prescale, "prescale_factor", where)
     postscale = _factor(postscale, "postscale_factor", where)
-    C._reducer(op, arr.dtype)  # raise on a bad op/dtype now, on the caller's line
+    C._reducer(op, arr.dtype)
     C._scale_of(rt, arr, op, prescale, postscale, where)
-    entry = ("allreduce", arr, in_place, op, prescale, postscale, name, explicit)
-    return _enqueue(entry, arr.nbytes)
+    return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit)
+
+
+def _allreduce_now(entry):
+    """A blocking allreduce: straight to the ring unless async work is queued before it."""
+    if _proc.queue:
+        return synchronize(_enqueue(entry, entry[1].nbytes))
+    return _run_fused(_rt(), [entry])[0]
 
 
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -439,19 +449,18 @@ def _run_single(rt, entry):
 
 def _run_fused(rt, entries):
     """One allreduce pass over a batch of queued allreduces sharing dtype, op and scales."""
+    _kind, arr, in_place, op, pre, post, name, explicit = entries[0]
     if len(entries) == 1:
-        _kind, arr, in_place, op, pre, post, name, explicit = entries[0]
+        fn = C._reducer(op, arr.dtype)
+        scale_pre, scale_post, divisor = C._scale_of(rt, arr, op, pre, post, name)
         src = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
         dst = src if in_place else np.empty_like(src)
         desc = C.allreduce_desc(explicit, arr.shape, pre, post)
-        rt.run(C.allreduce_into, rt, src, dst, op, pre, post, name, desc)
+        rt.run(C.allreduce_into, rt, src, dst, fn, op, scale_pre, scale_post, divisor, name, desc)
         return [arr if in_place else dst.reshape(arr.shape)]
-    arrays = [e[1] for e in entries]
-    _kind, _arr, _in_place, op, pre, post, _name, _explicit = entries[0]
     members = tuple((e[7], e[1].shape) for e in entries)
-    name = f"fused[{entries[0][6]} +{len(entries) - 1}]"
-    results = _fused_pass(rt, arrays, op, pre, post, name, members, [e[2] for e in entries])
-    return results
+    name = f"fused[{name} +{len(entries) - 1}]"
+    return _fused_pass(rt, [e[1] for e in entries], op, pre, post, name, members, [e[2] for e in entries])
 
 
 def _run_group(rt, arrays, in_place, op, pre, post, name, explicit):
@@ -471,7 +480,9 @@ def _fused_pass(rt, arrays, op, pre, post, name, members, in_place):
         buf[offset:offset + a.size] = a.reshape(-1)
         offset += a.size
     desc = C.allreduce_desc(None, (total,), pre, post, members)
-    rt.run(C.allreduce_into, rt, buf, buf, op, pre, post, name, desc)
+    fn = C._reducer(op, dtype)
+    scale_pre, scale_post, divisor = C._scale_of(rt, buf, op, pre, post, name)
+    rt.run(C.allreduce_into, rt, buf, buf, fn, op, scale_pre, scale_post, divisor, name, desc)
     out, offset = [], 0
     for a, inp in zip(arrays, in_place):
         part = buf[offset:offset + a.size].reshape(a.shape)

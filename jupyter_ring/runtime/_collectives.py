@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from ._core import TAG_DATA, Average, Sum, _reducer
+from ._core import HEADER_BYTES, TAG_DATA, Average, _reducer
 
 __all__ = ["allreduce_into", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc"]
@@ -44,15 +44,16 @@ def allreduce_desc(name, shape, prescale, postscale, members=None):
     return desc
 
 
-def allreduce_into(rt, src, dst, op, prescale, postscale, name, desc):
-    """Reduce flat contiguous ``src`` over the ranks into flat ``dst`` (which may be ``src``)."""
+def allreduce_into(rt, src, dst, fn, op, prescale, postscale, divisor, name, desc):
+    """Reduce flat contiguous ``src`` over the ranks into flat ``dst`` (which may be ``src``).
+
+    ``fn``, the scales and ``divisor`` come from ``_reducer``/``_scale_of``, checked by the caller.
+    """
     start = time.perf_counter()
-    fn = _reducer(op, src.dtype)
-    prescale, postscale, divisor = _scale_of(rt, src, op, prescale, postscale, f"allreduce '{name}'")
     if prescale != 1.0:
         src = src * src.dtype.type(prescale)
     nbytes = src.nbytes
-    eager = nbytes <= rt.config.eager_bytes
+    eager = HEADER_BYTES + nbytes <= len(rt._sendbuf)
     peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc,
                          payload=_bytes(src) if eager else None)
     t_agreed = time.perf_counter()
@@ -64,8 +65,8 @@ def allreduce_into(rt, src, dst, op, prescale, postscale, name, desc):
         _finish(dst, postscale, divisor)
     elif eager:
         # Reduce in rank order so every rank gets the same bits; in place, our own input must
-        # survive until its turn, so read it from a copy (at most eager_bytes).
-        own = src.copy() if dst is src else src
+        # survive until its turn: read it from the copy that went out in the agreement message.
+        own = np.frombuffer(rt._sendbuf, src.dtype, src.size, HEADER_BYTES) if dst is src else src
         bufs = [own if r == rt.rank else np.frombuffer(peers[r][1], src.dtype, src.size) for r in range(n)]
         fn(bufs[0], bufs[1], out=dst)
         for buf in bufs[2:]:

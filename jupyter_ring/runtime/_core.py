@@ -54,6 +54,7 @@ DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 _AGREE = struct.Struct("<BBBxiqQ")
 # ... then flags, generation, sequence number, aux (per-rank value: rows, bytes).
 _HEADER = struct.Struct("<BBBxiqQBxxxIqq")
+_TAIL = struct.Struct("<BxxxIqq")
 HEADER_BYTES = _HEADER.size
 _AGREE_END = _AGREE.size
 FLAG_PAYLOAD = 1
@@ -114,6 +115,8 @@ class Runtime:
         self._notice_sends = []
         self._scratch = None
         self._eager = None
+        self._sendbuf = None
+        self._agree_cache = {}
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
@@ -150,8 +153,12 @@ class Runtime:
         self.cross_size = len(same_local)
 
     def _eager_buffers(self):
+        # Receive buffers (one per peer) and the send buffer of the agreement message. Reused by
+        # every collective: negotiate() returns only after its sends completed, and callers
+        # consume the received payloads before the next collective.
         capacity = HEADER_BYTES + self.config.eager_bytes
         self._eager = {p: bytearray(capacity) for p in self.peers}
+        self._sendbuf = bytearray(capacity)
 
     def close(self):
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
@@ -305,40 +312,33 @@ class Runtime:
         peer to its own ``(aux, payload)`` (alltoall). Returns a dict peer -> (aux, payload view
         or None) for every peer.
         """
-        MPI = self.MPI
         comm = self.comm
-        dtype_code = DTYPE_CODE.get(array.dtype, 255) if array is not None else 255
-        agree = (KIND_CODE[kind], dtype_code, op, root, count, _fingerprint(*desc))
+        key = (kind, array.dtype if array is not None else None, op, root, count, desc)
+        own = self._agree_cache.get(key)
+        if own is None:
+            if len(self._agree_cache) > 4096:
+                self._agree_cache.clear()
+            dtype_code = DTYPE_CODE.get(array.dtype, 255) if array is not None else 255
+            own = self._agree_cache[key] = _AGREE.pack(KIND_CODE[kind], dtype_code, op, root, count,
+                                                       _fingerprint(*desc))
         self.seq += 1
-        eager = self.config.eager_bytes
-
-        def build(aux_value, data):
-            flags = FLAG_PAYLOAD if data is not None and data.nbytes <= eager else 0
-            head = _HEADER.pack(*agree, flags, self.gen, self.seq, aux_value)
-            if flags:
-                buf = bytearray(HEADER_BYTES + data.nbytes)
-                buf[:HEADER_BYTES] = head
-                np.frombuffer(buf, np.uint8, offset=HEADER_BYTES)[:] = data
-                return buf
-            return head
-
-        recvs = [comm.Irecv(self._eager[p], p, TAG_HEADER) for p in self.peers]
+        peers = self.peers
+        recvs = [comm.Irecv(self._eager[p], p, TAG_HEADER) for p in peers]
         if per_peer is None:
-            shared = build(aux, payload)
-            sends = [comm.Isend(shared, p, TAG_HEADER) for p in self.peers]
-            self._keep.append(shared)
+            message = self._message(self._sendbuf, own, aux, payload)
+            sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
         else:
             sends = []
-            for p in self.peers:
-                buf = build(*per_peer[p])
+            for p in peers:
+                peer_aux, data = per_peer[p]
+                buf = bytearray(HEADER_BYTES + (data.nbytes if data is not None else 0))
                 self._keep.append(buf)
-                sends.append(comm.Isend(buf, p, TAG_HEADER))
+                sends.append(comm.Isend(self._message(buf, own, peer_aux, data), p, TAG_HEADER))
         reqs = recvs + sends
         self._inflight = reqs
-        self._wait(reqs, f"{kind} '{name}'", self.peers + self.peers)
+        self._wait(reqs, f"{kind} '{name}'", peers + peers)
         self._keep.clear()
 
-        own = _AGREE.pack(*agree)
         result = {}
         mismatch = False
         for p in self.peers:
@@ -346,11 +346,23 @@ class Runtime:
             view = memoryview(buf)
             if view[:_AGREE_END] != own:
                 mismatch = True
-            flags, _gen, _seq, peer_aux = struct.unpack_from("<BxxxIqq", buf, _AGREE_END)
+            flags, _gen, _seq, peer_aux = _TAIL.unpack_from(buf, _AGREE_END)
             result[p] = (peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
         if mismatch:
             self._explain_mismatch(kind, name, array, op, root, desc)
         return result
+
+    def _message(self, buf, own, aux, data):
+        """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send."""
+        # capacity was fixed at init/resync, the same on every rank
+        flags = FLAG_PAYLOAD if data is not None and HEADER_BYTES + data.nbytes <= len(self._sendbuf) else 0
+        buf[:_AGREE_END] = own
+        _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, self.seq, aux)
+        if not flags:
+            return memoryview(buf)[:HEADER_BYTES]
+        end = HEADER_BYTES + data.nbytes
+        np.frombuffer(buf, np.uint8, data.nbytes, HEADER_BYTES)[:] = data
+        return memoryview(buf)[:end]
 
     def _explain_mismatch(self, kind, name, array, op, root, desc):
         """Slow path: exchange full descriptions so every rank raises the same precise error."""
