@@ -18,6 +18,7 @@ PUBLIC = {
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "progress", "log", "track",
 }
 
 

@@ -49,6 +49,7 @@ from ._api import (
 )
 from ._config import Config
 from ._core import Adasum, Average, Max, Min, Product, Sum
+from ._report import log, progress, track
 from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
 
 __all__ = [
@@ -60,4 +61,5 @@ __all__ = [
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "progress", "log", "track",
 ]

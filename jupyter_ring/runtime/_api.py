@@ -10,6 +10,7 @@ from . import _collectives as C
 from ._config import Config
 from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
 from ._errors import NotInitializedError, RingError
+from ._report import reporter
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -56,6 +57,8 @@ def init(comm=None, **config):
     elif not isinstance(comm, MPI.Comm):
         raise TypeError(f"init(comm=...) takes an mpi4py communicator, got {type(comm).__name__}")
     _proc.rt = Runtime(comm, Config.from_env(**config))
+    reporter.rank = _proc.rt.rank
+    reporter.trace = _proc.rt.trace
     if not _proc.atexit:
         # Cancel our posted receives before mpi4py finalizes MPI (atexit runs last-in first-out).
         atexit.register(shutdown)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ._config import Config
 from ._errors import CollectiveMismatchError, RingError, StallError
+from ._report import reporter
 from ._trace import Trace
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES"]
@@ -195,16 +196,21 @@ class Runtime:
         delay = 1e-5
         while True:
             if Testall(reqs):
+                if warned:
+                    reporter.stalled(None, (), 0.0)
                 return
             if check_notices and self._poll_notices() > self.gen:
                 raise _Restart()
             waited = time.perf_counter() - start
             if waited > config.stall_warning and not warned:
                 warned = True
+                missing = self._missing(reqs, peers_of)
                 log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s",
-                            self.rank, waited, what, self._missing(reqs, peers_of))
+                            self.rank, waited, what, missing)
+                reporter.stalled(what, missing, waited)
             if waited > config.stall_timeout:
                 missing = self._missing(reqs, peers_of)
+                reporter.stalled(None, (), 0.0)
                 raise StallError(
                     f"{what}: rank {self.rank} waited {waited:.1f} s for rank(s) {missing}, which never "
                     f"arrived (stall timeout {config.stall_timeout:g} s). Every rank must call the same "

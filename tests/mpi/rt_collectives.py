@@ -178,6 +178,19 @@ assert stats["allreduce"]["count"] > 50 and stats["allreduce"]["bytes"] > 0, sta
 if n > 1:
     assert abs(stats["allreduce"]["busbw"] / stats["allreduce"]["algbw"] - 2 * (n - 1) / n) < 1e-9
 
+# timeline: collective, rank 0 writes one Chrome trace with a track (pid) per rank
+import json, os, tempfile  # noqa: E402
+path = ring.broadcast_object(os.path.join(tempfile.mkdtemp(), "trace.json") if r == 0 else None)
+ring.timeline(path)
+ring.barrier()
+if r == 0:
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    pids = {e["pid"] for e in events if e["ph"] == "X"}
+    assert pids == set(range(n)), pids
+    assert any(e["name"].startswith("allreduce ar.float32") for e in events)
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
 if failures:
     print(f"RANK_FAIL {r}: " + "; ".join(failures[:20]), flush=True)
     sys.exit(1)
