@@ -149,6 +149,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     for a, b in pieces(j0):
         send(src, a, b, TAG_DATA, j0)
     pending = post_rs(0)
+    step_start = t0
     for s in range(n - 1):
         j, reqs = pending
         if s + 1 < n - 1:
@@ -165,6 +166,9 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
                     send(dst, a, b, TAG_AG, j)
             else:
                 send(dst, a, b, TAG_DATA, j)
+        step_end = time.perf_counter()
+        phases[f"reduce_scatter[{s}] seg {j} from {left}"] = (step_start, step_end)
+        step_start = step_end
     t1 = time.perf_counter()
     phases["reduce_scatter"] = (t0, t1)
     if allgather and in_place:
@@ -182,6 +186,9 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
                 rt._wait([req], what, [left])
                 if s < n - 2:
                     send(dst, a, b, TAG_AG, j)
+            step_end = time.perf_counter()
+            phases[f"allgather[{s}] seg {j} from {left}"] = (step_start, step_end)
+            step_start = step_end
         phases["allgather"] = (t1, time.perf_counter())
     rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
