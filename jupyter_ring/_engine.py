@@ -1,0 +1,69 @@
+"""Engine-side setup run first on every rank by ``%ring start``: GPU binding, then the runtime.
+
+Runs inside each ipyparallel engine, before the user's first cell. It imports no framework:
+``CUDA_VISIBLE_DEVICES`` must be set before torch/tensorflow/cupy first touch CUDA.
+"""
+
+import os
+import socket
+
+__all__ = ["local_rank", "bind_device", "describe", "resync_at_next_collective"]
+
+# Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                    "PMIX_LOCAL_RANK", "PMI_LOCAL_RANK")
+
+
+def local_rank():
+    """This process's rank among the ranks on its host, from the launcher or from MPI."""
+    for var in _LOCAL_RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    from mpi4py import MPI
+
+    # Collective over COMM_WORLD: every engine runs this same setup code, so all ranks enter.
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def bind_device(gpus):
+    """Set ``CUDA_VISIBLE_DEVICES`` to this rank's GPU; return a device label for the table.
+
+    ``gpus`` is the list of GPU ids (strings) visible to the notebook kernel, ``[]`` to hide every
+    GPU, or ``None`` to leave the environment alone (no GPU on this machine).
+    """
+    if gpus is None:
+        return "cpu"
+    if not gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return "cpu"
+    gpu = gpus[local_rank() % len(gpus)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    return f"cuda:0 (GPU {gpu})"
+
+
+def describe(ring, device):
+    """One row of the ``%ring start`` table for this rank."""
+    return {"rank": ring.rank(), "size": ring.size(), "local_rank": ring.local_rank(),
+            "host": socket.gethostname(), "pid": os.getpid(), "device": device}
+
+
+def resync_at_next_collective():
+    """Make this rank resynchronise (fresh data communicator) at its next collective.
+
+    Run on every rank after a cell failed or was interrupted. A rank that abandoned a collective
+    may have already delivered its header to a peer that was not waiting yet; if only the
+    abandoning rank resyncs, that peer can later complete the collective with the stale header
+    while the abandoning rank waits in its resync for it. When every rank resyncs, the stale
+    message stays on the old communicator and can never match.
+    """
+    from jupyter_ring.runtime import _api
+
+    rt = getattr(getattr(_api, "_proc", None), "rt", None)
+    if rt is not None and hasattr(rt, "dirty"):
+        rt.dirty = True
+    return rt is not None

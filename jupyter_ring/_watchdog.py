@@ -1,0 +1,92 @@
+"""Kills a cluster's processes when the notebook kernel that started them dies.
+
+ipyparallel starts the controller and mpiexec in their own sessions, so when the kernel is killed
+(SIGKILL, OOM killer) they are re-parented to init and live on with every engine and nanny. This
+small process, started by :class:`jupyter_ring.cluster.RingCluster` in a session of its own,
+polls its parent pid; when the parent is gone it SIGKILLs every process tree listed in its pid
+file. It exits on its own when every listed process has exited (a normal ``%ring stop``).
+
+Usage (internal): ``python -m jupyter_ring._watchdog PARENT_PID PID_FILE``
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+
+__all__ = ["main"]
+
+POLL_S = 0.1          # how often the parent is checked: the kill happens within ~POLL_S
+REFRESH_S = 1.0       # how often the process trees are re-read
+
+
+def _read_roots(path, cache):
+    """The pids in ``path`` (a JSON list), re-read only when the file changed."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return cache.get("pids", [])
+    if cache.get("mtime") != mtime:
+        try:
+            with open(path) as f:
+                cache["pids"] = [int(p) for p in json.load(f)]
+            cache["mtime"] = mtime
+        except (OSError, ValueError):
+            pass  # half-written: the writer renames atomically, so retry on the next poll
+    return cache.get("pids", [])
+
+
+def _trees(pids, known):
+    """Processes for ``pids`` and all their descendants, merged into ``known`` (pid -> Process)."""
+    for pid in pids:
+        if pid not in known:
+            try:
+                known[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
+        try:
+            for child in known[pid].children(recursive=True):
+                known.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    return known
+
+
+def _kill(procs):
+    for proc in procs:
+        try:
+            # psutil checks the create time, so a recycled pid is never signalled.
+            proc.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parent, path = int(argv[0]), argv[1]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for us
+    cache, known = {}, {}
+    last_refresh = 0.0
+    seen_any = False
+    while True:
+        roots = _read_roots(path, cache)
+        now = time.monotonic()
+        if now - last_refresh >= REFRESH_S:
+            known = {pid: p for pid, p in _trees(roots, known).items() if p.is_running()}
+            last_refresh = now
+            seen_any = seen_any or bool(known)
+            if seen_any and not known:
+                return 0  # the cluster stopped normally
+        if os.getppid() != parent or not psutil.pid_exists(parent):
+            # Parent gone: take the trees as they are now (the roots outlive the kernel), plus what
+            # we saw before, and kill them all at once so no survivor restarts anything.
+            _kill(_trees(roots, known).values())
+            return 0
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,500 @@
+"""An MPI job of ipyparallel engines with the ring runtime initialised on every rank.
+
+:class:`RingCluster` wraps ``ipyparallel.Cluster(engines="mpi")``: it finds the environment's
+``mpiexec``, binds one GPU per rank through ``CUDA_VISIBLE_DEVICES``, runs
+``import jupyter_ring.runtime as ring; ring.init()`` on every engine, and starts a watchdog so
+that nothing outlives the kernel. The ``%ring`` magic is a thin layer over this class::
+
+    from jupyter_ring.cluster import RingCluster
+
+    cluster = RingCluster(n=2)
+    cluster.start()
+    cluster.view.execute("print(ring.rank())", block=True)
+    cluster.stop()
+
+This module never imports torch, tensorflow or cupy: the engines do, after their GPU is bound.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from traitlets import Bool, Enum, Float, Integer, List, Unicode
+from traitlets.config import Config, LoggingConfigurable
+
+from ._launch import find_mpiexec, mpi_env
+
+__all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
+           "parse_ranks"]
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+# Run first on every engine, in the user namespace: bind the GPU before any framework import,
+# then start the runtime so that ``ring`` is there in every cell.
+_SETUP_CODE = """\
+import jupyter_ring._engine as _jr_engine
+_jr_device = _jr_engine.bind_device(_jr_gpus)
+import jupyter_ring.runtime as ring
+ring.init()
+_jr_info = _jr_engine.describe(ring, _jr_device)
+del _jr_engine, _jr_device, _jr_gpus
+"""
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start, or is not in a state to do what was asked."""
+
+
+class DeadRankError(ClusterError):
+    """One or more ranks' engines have died; ``%ring restart`` brings the cluster back."""
+
+    def __init__(self, message, ranks):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+# ---------------------------------------------------------------------------- sizing and devices
+def _nvidia_gpu_count():
+    """GPUs the NVIDIA driver reports, without importing a framework (0 when there is none)."""
+    try:
+        return len([d for d in os.listdir("/proc/driver/nvidia/gpus") if d])
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def visible_gpus(spec="auto", environ=None):
+    """GPU ids (strings) the ranks may use: ``"auto"``, ``"none"`` or a list like ``"0,2"``.
+
+    ``auto`` respects the kernel's ``CUDA_VISIBLE_DEVICES`` (CUDA's rule: the list ends at the
+    first invalid entry such as ``-1``), else counts the driver's GPUs.
+    """
+    environ = os.environ if environ is None else environ
+    if spec == "none":
+        return []
+    if spec != "auto":
+        ids = [part.strip() for part in str(spec).split(",") if part.strip()]
+        if not ids:
+            raise ValueError(f"--gpus {spec!r}: give auto, none or a list of GPU ids like 0,1")
+        return ids
+    env = environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        ids = []
+        for part in env.split(","):
+            part = part.strip()
+            if not part or part.startswith("-"):
+                break
+            ids.append(part)
+        return ids
+    return [str(i) for i in range(_nvidia_gpu_count())]
+
+
+def _cpu_count():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_size(gpus, environ=None):
+    """One rank per GPU; else min(cores, JupyterHub's CPU_LIMIT, MEM_LIMIT / 2 GiB), at least 1."""
+    if gpus:
+        return len(gpus)
+    environ = os.environ if environ is None else environ
+    limits = [_cpu_count()]
+    for var, unit in (("CPU_LIMIT", 1), ("MEM_LIMIT", 2 * GiB)):
+        raw = environ.get(var, "").strip()
+        if raw:
+            try:
+                limits.append(int(float(raw) // unit))
+            except ValueError:
+                log.warning("ignoring %s=%r: not a number", var, raw)
+    return max(1, min(limits))
+
+
+def parse_ranks(text, size):
+    """``"0,2-3"`` -> ``[0, 2, 3]``; ValueError naming the bad part and the valid range."""
+    ranks = []
+    for part in str(text).split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not match:
+            raise ValueError(f"--ranks {text!r}: {part!r} is not a rank or a range a-b; "
+                             f"use e.g. --ranks 0,2-3 (ranks are 0..{size - 1})")
+        lo = int(match.group(1))
+        hi = int(match.group(2)) if match.group(2) is not None else lo
+        if hi < lo:
+            raise ValueError(f"--ranks {text!r}: range {part!r} runs backwards; write {hi}-{lo}")
+        if hi >= size:
+            raise ValueError(f"--ranks {text!r}: rank {hi} does not exist; the cluster has ranks "
+                             f"0..{size - 1}")
+        ranks.extend(r for r in range(lo, hi + 1) if r not in ranks)
+    return sorted(ranks)
+
+
+# ---------------------------------------------------------------------------------- the cluster
+class RingCluster(LoggingConfigurable):
+    """ipyparallel MPI engines, one per rank, with GPUs bound and ``ring`` initialised."""
+
+    n = Integer(None, allow_none=True, config=True,
+                help="Number of ranks (default: one per visible GPU, else CPU ranks as in "
+                     "default_size()).")
+    gpus = Unicode("auto", config=True,
+                   help="GPUs for the ranks: 'auto' (CUDA_VISIBLE_DEVICES or all the driver's "
+                        "GPUs), 'none' (CPU ranks, GPUs hidden), or a list of ids like '0,2'.")
+    launcher = Enum(["mpi", "slurm", "ssh"], "mpi", config=True,
+                    help="How engines start: 'mpi' (mpiexec on this host, or on --hosts), "
+                         "'slurm' (ipyparallel's Slurm launcher), 'ssh' (mpiexec over ssh to "
+                         "--hosts).")
+    hosts = List(Unicode(), config=True,
+                 help="Hosts for a multi-host job (passed to mpiexec); empty means this host "
+                      "only, with every socket on loopback.")
+    heartbeat_period = Integer(500, config=True,
+                               help="Controller heartbeat period in ms; ipyparallel's 3000 "
+                                    "makes engine registration wait seconds.")
+    engine_timeout = Float(60.0, config=True,
+                           help="Seconds to wait for all engines to register before failing.")
+    setup_timeout = Float(60.0, config=True,
+                          help="Seconds to wait for ring.init() on every rank.")
+    watchdog = Bool(True, config=True,
+                    help="Start a watchdog process that kills the cluster if this process dies.")
+    engine_env = List(Unicode(), config=True,
+                      help="Extra NAME=VALUE environment variables for the engines.")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ipp_cluster = None
+        self.client = None
+        self.view = None
+        self.ranks = []          # rows of the start table, index = rank
+        self.engine_ids = []     # ipyparallel engine id of each rank
+        self.size = 0
+        self._watchdog = None
+        self._pid_file = None
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @property
+    def running(self):
+        return self.ipp_cluster is not None
+
+    def start(self):
+        """Start controller and engines, bind devices, ``ring.init()``; return the rank rows."""
+        if self.running:
+            raise ClusterError("a cluster is already running; %ring restart replaces it")
+        import ipyparallel as ipp
+
+        gpus = visible_gpus(self.gpus)
+        detected_gpu = bool(gpus) or self.gpus != "auto"
+        n = self.n if self.n is not None else default_size(gpus)
+        if n < 1:
+            raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
+        one_host = not self.hosts and self.launcher == "mpi"
+        env = mpi_env(one_host=one_host)
+        for item in self.engine_env:
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"engine_env entry {item!r} is not NAME=VALUE")
+            env[name] = value
+
+        kwargs = dict(n=n, delay=0, log_level=logging.WARNING, profile_dir=_profile_dir(),
+                      controller_args=[f"--HeartMonitor.period={self.heartbeat_period}"],
+                      engine_timeout=int(self.engine_timeout))
+        if one_host:
+            kwargs["controller_ip"] = "127.0.0.1"
+        else:
+            kwargs["controller_ip"] = "*"
+        engines = "slurm" if self.launcher == "slurm" else "mpi"
+        # A config of our own: the shell's config must not be changed by starting a cluster.
+        config = Config()
+        config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
+        config.MPIEngineSetLauncher.mpi_args = self._mpi_args()
+        config.EngineLauncher.environment = {k: v for k, v in env.items()
+                                             if os.environ.get(k) != v}
+        if engines == "slurm":
+            config.SlurmEngineSetLauncher.engine_args = ["--mpi"]
+        # shutdown_atexit=False: the magics stop engines before the controller (0.5 s instead of
+        # ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
+        cluster = ipp.Cluster(engines=engines, parent=None, config=config, shutdown_atexit=False,
+                              **kwargs)
+        self.ipp_cluster = cluster
+        try:
+            self._start_watchdog()
+            cluster.start_controller_sync()
+            self._watch(cluster)
+            cluster.start_engines_sync(n)
+            self._watch(cluster)
+            self.client = cluster.connect_client_sync()
+            self.client.wait_for_engines(n, timeout=self.engine_timeout, block=True,
+                                        interactive=False)
+            self._setup_ranks(gpus if detected_gpu else None)
+        except BaseException:
+            self.stop()
+            raise
+        return self.ranks
+
+    def _mpi_args(self):
+        if not self.hosts:
+            return []
+        args = ["-hosts", ",".join(self.hosts)]  # MPICH/Hydra; Open MPI takes --host
+        if _mpi_flavour() == "openmpi":
+            args = ["--host", ",".join(self.hosts)]
+        elif self.launcher == "ssh":
+            args = ["-launcher", "ssh"] + args
+        return args
+
+    def _setup_ranks(self, gpus):
+        client = self.client
+        ids = sorted(client.ids)
+        view = client[ids]
+        view.push({"_jr_gpus": gpus}, block=False)
+        ar = view.execute(_SETUP_CODE, block=False)
+        if not ar.wait(self.setup_timeout):
+            raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
+        ar.get()
+        infos = view.pull("_jr_info", block=True)
+        order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
+        self.engine_ids = [ids[i] for i in order]
+        self.ranks = [infos[i] for i in order]
+        self.size = len(self.ranks)
+        self.view = client[self.engine_ids]
+        self.view.block = False
+        self._watch(self.ipp_cluster)
+
+    def stop(self):
+        """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog."""
+        cluster, self.ipp_cluster = self.ipp_cluster, None
+        client, self.client = self.client, None
+        self.view = None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # a closed or broken client must not stop the shutdown
+                log.debug("closing the client failed", exc_info=True)
+        if cluster is not None:
+            try:
+                cluster.stop_engines_sync()
+            except Exception:
+                log.warning("stopping the engines failed", exc_info=True)
+            try:
+                cluster.stop_controller_sync()
+            except Exception:
+                log.warning("stopping the controller failed", exc_info=True)
+        self._stop_watchdog()
+        self.ranks, self.engine_ids, self.size = [], [], 0
+
+    def kill(self):
+        """SIGKILL every process of the cluster now (used at interpreter exit)."""
+        import psutil
+
+        for proc in self._processes():
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        self._stop_watchdog()
+
+    # ------------------------------------------------------------------------------- status
+    def processes(self):
+        """psutil.Process objects of the controller, mpiexec and every engine (and nanny)."""
+        return self._processes()
+
+    def _root_pids(self, cluster):
+        pids = []
+        if cluster is None:
+            return pids
+        launchers = [cluster.controller] + list(cluster.engines.values())
+        for launcher in launchers:
+            pid = getattr(launcher, "pid", -1) if launcher is not None else -1
+            if pid and pid > 0:
+                pids.append(pid)
+        return pids
+
+    def _processes(self):
+        import psutil
+
+        found = {}
+        for pid in self._root_pids(self.ipp_cluster) + [row["pid"] for row in self.ranks]:
+            try:
+                proc = psutil.Process(pid)
+                found.setdefault(proc.pid, proc)
+                for child in proc.children(recursive=True):
+                    found.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+        return list(found.values())
+
+    def dead_ranks(self):
+        """Ranks whose engine has unregistered from the controller (died or was killed)."""
+        if self.client is None:
+            return []
+        alive = set(self.client.ids)
+        return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
+
+    def check_alive(self, ranks=None):
+        """Raise DeadRankError naming the dead ranks and the fix; else return quietly."""
+        if not self.running:
+            raise ClusterError("no cluster is running; start one with %ring start")
+        dead = self.dead_ranks()
+        if ranks is not None:
+            dead = [r for r in dead if r in ranks] or dead
+        if dead:
+            raise DeadRankError(self.describe_death(dead), dead)
+
+    def describe_death(self, dead):
+        """A message for dead ranks: which rank, how it ended (from mpiexec's report), the fix."""
+        first = None
+        output = ""
+        try:
+            for engine_set in self.ipp_cluster.engines.values():
+                output += _read(getattr(engine_set, "output_file", ""))
+        except Exception:
+            output = ""
+        pid_rank = {row["pid"]: row["rank"] for row in self.ranks}
+        for match in re.finditer(r"PID (\d+) RUNNING AT (\S+)\s+=\s+(?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (\d+))",
+                                 output):
+            pid = int(match.group(1))
+            if pid in pid_rank:
+                how = (f"killed by signal {match.group(3)}" if match.group(3)
+                       else f"exit code {match.group(4)}")
+                first = (pid_rank[pid], match.group(2), how)
+                break
+        ranks = ", ".join(str(r) for r in dead)
+        if first is not None:
+            rank, host, how = first
+            head = f"rank {rank} @ {host} died ({how})"
+            others = [r for r in dead if r != rank]
+            if others:
+                head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
+        else:
+            head = f"rank(s) {ranks} died"
+        return (f"{head}. Their variables are lost; run %ring restart for a fresh cluster "
+                f"with the same arguments.")
+
+    # ----------------------------------------------------------------------------- signals
+    def signal_ranks(self, sig, ranks=None):
+        """Send ``sig`` to ranks: all via mpiexec (ipyparallel's ``signal_engines``), some via
+        their nannies (``Client.send_signal``)."""
+        if not self.running:
+            return
+        if ranks is None or sorted(ranks) == list(range(self.size)):
+            self.ipp_cluster.signal_engines_sync(sig)
+        else:
+            alive = set(self.client.ids)
+            targets = [self.engine_ids[r] for r in ranks if self.engine_ids[r] in alive]
+            if targets:
+                self.client.send_signal(sig, targets=targets, block=False)
+
+    def resync_ranks(self, timeout=2.0):
+        """After a failed or interrupted cell: every rank resyncs at its next collective.
+
+        Best effort: a rank still busy (did not stop on SIGINT) gets it queued after its cell.
+        """
+        from . import _engine
+
+        if not self.running:
+            return
+        alive = set(self.client.ids)
+        targets = [eid for eid in self.engine_ids if eid in alive]
+        if targets:
+            ar = self.client[targets].apply_async(_engine.resync_at_next_collective)
+            ar.wait(timeout)
+
+    # ---------------------------------------------------------------------------- watchdog
+    def _start_watchdog(self):
+        if not self.watchdog:
+            return
+        fd, self._pid_file = tempfile.mkstemp(prefix="jupyter_ring_watch_", suffix=".json",
+                                              dir=os.path.join(_profile_dir(), "security"))
+        with os.fdopen(fd, "w") as f:
+            json.dump([], f)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_ring._watchdog", str(os.getpid()), self._pid_file],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _watch(self, cluster):
+        """Tell the watchdog the current root pids (atomic rename: it never reads half a file)."""
+        if self._pid_file is None:
+            return
+        pids = self._root_pids(cluster) + [row["pid"] for row in self.ranks]
+        tmp = self._pid_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(pids, f)
+        os.replace(tmp, self._pid_file)
+
+    def _stop_watchdog(self):
+        proc, self._watchdog = self._watchdog, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        path, self._pid_file = self._pid_file, None
+        if path:
+            for p in (path, path + ".tmp"):
+                try:
+                    os.remove(p)
+                except FileNotFoundError:
+                    pass
+
+
+def _profile_dir():
+    """The IPython profile dir (under IPYTHONDIR): cluster and connection files go there."""
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None and getattr(ip, "profile_dir", None) is not None:
+            path = ip.profile_dir.location
+        else:
+            raise LookupError
+    except (ImportError, LookupError):
+        from IPython.core.profiledir import ProfileDir
+        from IPython.paths import get_ipython_dir
+
+        path = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default").location
+    os.makedirs(os.path.join(path, "security"), mode=0o700, exist_ok=True)
+    return path
+
+
+def _mpi_flavour():
+    try:
+        out = subprocess.run([find_mpiexec(), "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "mpich"
+
+
+def _read(path):
+    if not path:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _format_table(rows):
+    """The compact rank table printed by ``%ring start`` and ``%ring status``."""
+    header = ("rank", "host", "pid", "device")
+    lines = [header] + [(str(r["rank"]), r["host"], str(r["pid"]), r["device"]) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+                     for line in lines)
+
