@@ -17,7 +17,7 @@ PUBLIC = {
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
     "progress", "log", "track",
 }
 

@@ -50,7 +50,7 @@ from ._api import (
 from ._config import Config
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._report import log, progress, track
-from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
+from ._errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -60,6 +60,6 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
     "progress", "log", "track",
 ]

@@ -1,8 +1,10 @@
 """Horovod's API over numpy arrays, backed by one ``Runtime`` per process."""
 
 import atexit
+import contextlib
 import json
 import os
+import pickle
 
 import numpy as np
 
@@ -209,15 +211,32 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
     """Check the arguments once, on the caller's line; the queue and the ring trust the entry."""
     rt = _rt()
-    name, explicit = _auto_name("allreduce", name)
-    where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
-    arr = _inplace(tensor, where) if in_place else _array(tensor, where)
-    op = _op(op, average, where)
-    prescale = _factor(prescale, "prescale_factor", where)
-    postscale = _factor(postscale, "postscale_factor", where)
-    C._reducer(op, arr.dtype)
-    C._scale_of(rt, arr, op, prescale, postscale, where)
+    with _joining("allreduce", name):
+        name, explicit = _auto_name("allreduce", name)
+        where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
+        arr = _inplace(tensor, where) if in_place else _array(tensor, where)
+        op = _op(op, average, where)
+        prescale = _factor(prescale, "prescale_factor", where)
+        postscale = _factor(postscale, "postscale_factor", where)
+        C._reducer(op, arr.dtype)
+        C._scale_of(rt, arr, op, prescale, postscale, where)
     return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit)
+
+
+@contextlib.contextmanager
+def _joining(kind, name):
+    """Bad arguments on this rank: tell the peers waiting in ``kind`` before raising here.
+
+    Without this the other ranks would wait for the stall timeout not knowing why.
+    """
+    try:
+        yield
+    except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
+        rt = _proc.rt
+        if rt is not None and not isinstance(exc, RingError):
+            _flush()  # queued work first, so the peers meet the poison where this call would be
+            rt.poison(kind, name if isinstance(name, str) else "?", exc)
+        raise
 
 
 def _allreduce_now(entry):
@@ -244,20 +263,21 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 
 def _group(tensors, in_place, average, name, op, prescale, postscale):
     rt = _rt()
-    if not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"grouped_allreduce: expected a list of arrays, got {type(tensors).__name__}")
-    name, explicit = _auto_name("grouped_allreduce", name)
-    where = f"grouped_allreduce '{name}'"
-    arrays = [(_inplace if in_place else _array)(t, f"{where} tensor {i}") for i, t in enumerate(tensors)]
-    dtypes = {a.dtype for a in arrays}
-    if len(dtypes) > 1:
-        raise TypeError(f"{where}: all tensors of a group must share one dtype, got {sorted(map(str, dtypes))}")
-    op = _op(op, average, where)
-    prescale = _factor(prescale, "prescale_factor", where)
-    postscale = _factor(postscale, "postscale_factor", where)
-    if arrays:
-        C._reducer(op, arrays[0].dtype)
-        C._scale_of(rt, arrays[0], op, prescale, postscale, where)
+    with _joining("allreduce", name):
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"grouped_allreduce: expected a list of arrays, got {type(tensors).__name__}")
+        name, explicit = _auto_name("grouped_allreduce", name)
+        where = f"grouped_allreduce '{name}'"
+        arrays = [(_inplace if in_place else _array)(t, f"{where} tensor {i}") for i, t in enumerate(tensors)]
+        dtypes = {a.dtype for a in arrays}
+        if len(dtypes) > 1:
+            raise TypeError(f"{where}: all tensors of a group must share one dtype, got {sorted(map(str, dtypes))}")
+        op = _op(op, average, where)
+        prescale = _factor(prescale, "prescale_factor", where)
+        postscale = _factor(postscale, "postscale_factor", where)
+        if arrays:
+            C._reducer(op, arrays[0].dtype)
+            C._scale_of(rt, arrays[0], op, prescale, postscale, where)
     entry = ("group", arrays, in_place, op, prescale, postscale, name, explicit)
     return _enqueue(entry, sum(a.nbytes for a in arrays))
 
@@ -271,8 +291,9 @@ def allgather(tensor, name=None):
 def allgather_async(tensor, name=None):
     """Queue an allgather; returns a handle."""
     _rt()
-    name, explicit = _auto_name("allgather", name)
-    arr = _array(tensor, f"allgather '{name}'")
+    with _joining("allgather", name):
+        name, explicit = _auto_name("allgather", name)
+        arr = _array(tensor, f"allgather '{name}'")
     return _enqueue(("allgather", arr, name, explicit), 0)
 
 
@@ -284,39 +305,63 @@ def broadcast(tensor, root_rank=0, name=None):
 def broadcast_(tensor, root_rank=0, name=None):
     """In-place broadcast into ``tensor``."""
     _rt()
-    name, explicit = _auto_name("broadcast", name)
-    arr = _inplace(tensor, f"broadcast_ '{name}'")
-    root = _root(root_rank, f"broadcast_ '{name}'")
+    with _joining("broadcast", name):
+        name, explicit = _auto_name("broadcast", name)
+        arr = _inplace(tensor, f"broadcast_ '{name}'")
+        root = _root(root_rank, f"broadcast_ '{name}'")
     return synchronize(_enqueue(("broadcast", arr, arr, root, name, explicit), 0))
 
 
 def broadcast_async(tensor, root_rank=0, name=None):
     """Queue a broadcast; returns a handle."""
     _rt()
-    name, explicit = _auto_name("broadcast", name)
-    arr = np.ascontiguousarray(_array(tensor, f"broadcast '{name}'"))
-    root = _root(root_rank, f"broadcast '{name}'")
+    with _joining("broadcast", name):
+        name, explicit = _auto_name("broadcast", name)
+        arr = np.ascontiguousarray(_array(tensor, f"broadcast '{name}'"))
+        root = _root(root_rank, f"broadcast '{name}'")
     return _enqueue(("broadcast", arr, np.empty_like(arr), root, name, explicit), 0)
 
 
 def reducescatter(tensor, op=Average, name=None):
     """Reduce over ranks and return this rank's block of dim 0 (first ranks get the extra rows)."""
     rt = _rt()
-    name, explicit = _auto_name("reducescatter", name)
-    where = f"reducescatter '{name}'"
-    arr = np.ascontiguousarray(_array(tensor, where))
-    if arr.ndim == 0:
-        raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
-    C._reducer(op, arr.dtype)
+    with _joining("reducescatter", name):
+        name, explicit = _auto_name("reducescatter", name)
+        where = f"reducescatter '{name}'"
+        arr = np.ascontiguousarray(_array(tensor, where))
+        if arr.ndim == 0:
+            raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
+        C._reducer(op, arr.dtype)
     return _now(C.reducescatter, rt, arr, op, name, explicit)
 
 
 def alltoall(tensor, splits=None, name=None):
     """Scatter rows to every rank and gather theirs: returns (output, received_splits)."""
     rt = _rt()
-    name, explicit = _auto_name("alltoall", name)
-    arr = _array(tensor, f"alltoall '{name}'")
+    with _joining("alltoall", name):
+        name, explicit = _auto_name("alltoall", name)
+        where = f"alltoall '{name}'"
+        arr = np.ascontiguousarray(_array(tensor, where))
+        splits = _splits(arr, splits, rt.size, where)
     return _now(C.alltoall, rt, arr, splits, name, explicit)
+
+
+def _splits(arr, splits, n, where):
+    if arr.ndim == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
+    rows = arr.shape[0]
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"{where}: dim 0 ({rows}) is not divisible by the world size ({n}); "
+                             "pass splits=[rows for rank 0, rows for rank 1, ...]")
+        return [rows // n] * n
+    try:
+        splits = [int(s) for s in np.asarray(splits).reshape(-1)]
+    except (TypeError, ValueError):
+        raise TypeError(f"{where}: splits must be a list of {n} integers, got {splits!r}") from None
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"{where}: splits {splits} must be {n} non-negative row counts summing to dim 0 ({rows})")
+    return splits
 
 
 def barrier():
@@ -328,16 +373,29 @@ def barrier():
 def broadcast_object(obj, root_rank=0, name=None):
     """Root's picklable object, returned on every rank."""
     rt = _rt()
-    name, explicit = _auto_name("broadcast_object", name)
-    root = _root(root_rank, f"broadcast_object '{name}'")
-    return _now(C.broadcast_object, rt, obj, root, name, explicit)
+    with _joining("broadcast_object", name):
+        name, explicit = _auto_name("broadcast_object", name)
+        root = _root(root_rank, f"broadcast_object '{name}'")
+        data = _pickle(obj, f"broadcast_object '{name}'") if rt.rank == root else None
+    result = _now(C.broadcast_object, rt, data, root, name, explicit)
+    return obj if rt.rank == root else result
+
+
+def _pickle(obj, where):
+    try:
+        return np.frombuffer(pickle.dumps(obj), np.uint8)
+    except Exception as exc:
+        raise TypeError(f"{where}: the object cannot be pickled ({type(exc).__name__}: {exc}); send "
+                        "plain data (numbers, lists, dicts, arrays, a model's state_dict())") from exc
 
 
 def allgather_object(obj, name=None):
     """Every rank's picklable object, as a list in rank order."""
     rt = _rt()
-    name, explicit = _auto_name("allgather_object", name)
-    return _now(C.allgather_object, rt, obj, name, explicit)
+    with _joining("allgather_object", name):
+        name, explicit = _auto_name("allgather_object", name)
+        data = _pickle(obj, f"allgather_object '{name}'")
+    return _now(C.allgather_object, rt, data, name, explicit)
 
 
 def _now(fn, rt, *args):

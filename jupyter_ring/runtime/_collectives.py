@@ -53,7 +53,7 @@ def allreduce_into(rt, src, dst, fn, op, prescale, postscale, divisor, name, des
     if prescale != 1.0:
         src = src * src.dtype.type(prescale)
     nbytes = src.nbytes
-    eager = HEADER_BYTES + nbytes <= len(rt._sendbuf)
+    eager = rt.fits_eager(nbytes)
     peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc,
                          payload=_bytes(src) if eager else None)
     t_agreed = time.perf_counter()
@@ -213,7 +213,7 @@ def reducescatter(rt, arr, op, name, explicit_name):
     row_elems = int(np.prod(rest, dtype=np.int64))
     flat = arr.reshape(-1)
     bounds = _row_bounds(rows, row_elems, n)
-    eager = flat.nbytes <= rt.config.eager_bytes
+    eager = rt.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
     peers = rt.negotiate("reducescatter", name, flat, op, -1, flat.size, desc,
                          payload=_bytes(flat) if eager else None)
@@ -249,7 +249,7 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
     arr = np.ascontiguousarray(arr)
     rest = arr.shape[1:]
     row_elems = int(np.prod(rest, dtype=np.int64))
-    eager = arr.nbytes <= rt.config.eager_bytes
+    eager = rt.fits_eager(arr.nbytes)
     desc = (("name", explicit_name), ("trailing shape", rest))
     peers = rt.negotiate(kind, name, arr, 0, -1, row_elems, desc, aux=arr.shape[0],
                          payload=_bytes(arr.reshape(-1)) if eager else None)
@@ -282,7 +282,7 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
     start = time.perf_counter()
     flat = arr.reshape(-1)
     is_root = rt.rank == root
-    eager = flat.nbytes <= rt.config.eager_bytes
+    eager = rt.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
     peers = rt.negotiate("broadcast", name, flat, 0, root, flat.size, desc,
                          payload=_bytes(flat) if (is_root and eager) else None)
@@ -305,29 +305,18 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
 
 
 def alltoall(rt, arr, splits, name, explicit_name):
-    """Send rows ``splits[q]`` of ``arr`` to rank q; return (received rows, received splits)."""
+    """Send rows ``splits[q]`` of contiguous ``arr`` to rank q (splits checked by the caller).
+
+    Returns (received rows, received splits).
+    """
     start = time.perf_counter()
     n = rt.size
-    if arr.ndim == 0:
-        raise ValueError(f"alltoall '{name}': needs a tensor with at least one dimension, got a scalar")
-    arr = np.ascontiguousarray(arr)
-    rows = arr.shape[0]
-    if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall '{name}': dim 0 ({rows}) is not divisible by the world size ({n}); "
-                             "pass splits=[rows for rank 0, rows for rank 1, ...]")
-        splits = [rows // n] * n
-    splits = [int(s) for s in np.asarray(splits).reshape(-1)]
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(f"alltoall '{name}': splits {splits} must be {n} non-negative row counts "
-                         f"summing to dim 0 ({rows})")
     rest = arr.shape[1:]
     row_elems = int(np.prod(rest, dtype=np.int64))
     flat = arr.reshape(-1)
     starts = np.cumsum([0] + splits) * row_elems
     blocks = {q: flat[int(starts[q]):int(starts[q + 1])] for q in range(n)}
-    eager = rt.config.eager_bytes
-    per_peer = {q: (splits[q], _bytes(blocks[q]) if blocks[q].nbytes <= eager else None) for q in rt.peers}
+    per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
     desc = (("name", explicit_name), ("trailing shape", rest))
     peers = rt.negotiate("alltoall", name, arr, 0, -1, row_elems, desc, per_peer=per_peer)
     received = [splits[q] if q == rt.rank else peers[q][0] for q in range(n)]
@@ -361,20 +350,20 @@ def barrier(rt, name):
     rt.trace.record("barrier", name, 0, start, time.perf_counter(), {})
 
 
-def broadcast_object(rt, obj, root, name, explicit_name):
-    """Root's picklable ``obj`` on every rank."""
+def broadcast_object(rt, data, root, name, explicit_name):
+    """Root's pickled ``data`` (uint8 array) unpickled on every other rank (root gets None)."""
     start = time.perf_counter()
     is_root = rt.rank == root
-    data = np.frombuffer(pickle.dumps(obj), np.uint8) if is_root else None
-    eager = is_root and data.nbytes <= rt.config.eager_bytes
+    eager = is_root and rt.fits_eager(data.nbytes)
     peers = rt.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
                          aux=data.nbytes if is_root else 0, payload=data if eager else None)
+    result = None
     if is_root:
+        nbytes = data.nbytes
         if not eager:
             reqs = [rt.comm.Isend(data, q, TAG_DATA) for q in rt.peers]
             rt._inflight = reqs
             rt._wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
-        result = obj
     else:
         nbytes, payload = peers[root]
         if payload is not None:
@@ -386,14 +375,12 @@ def broadcast_object(rt, obj, root, name, explicit_name):
             rt._wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
             raw = buf.tobytes()
         result = pickle.loads(raw)
-        nbytes = len(raw)
-    rt.trace.record("broadcast_object", name, data.nbytes if is_root else nbytes, start, time.perf_counter(), {})
+    rt.trace.record("broadcast_object", name, nbytes, start, time.perf_counter(), {})
     return result
 
 
-def allgather_object(rt, obj, name, explicit_name):
-    """Every rank's picklable ``obj``, as a list in rank order."""
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+def allgather_object(rt, data, name, explicit_name):
+    """Every rank's pickled ``data`` (uint8 array), unpickled, as a list in rank order."""
     gathered, sizes = allgather(rt, data, name, explicit_name, kind="allgather_object")
     out, offset = [], 0
     for nbytes in sizes:

@@ -30,7 +30,7 @@ import zlib
 import numpy as np
 
 from ._config import Config
-from ._errors import CollectiveMismatchError, RingError, StallError
+from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._report import reporter
 from ._trace import Trace
 
@@ -43,7 +43,8 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 KINDS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-         "broadcast_object", "allgather_object", "resync", "timeline")
+         "broadcast_object", "allgather_object", "resync", "timeline", "error")
+POISON = 10  # KIND_CODE["error"]: "I failed before I could join; here is why"
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 
 DTYPES = [np.dtype(t) for t in (
@@ -114,6 +115,7 @@ class Runtime:
         self._pending_dup = None  # (newcomm, request) of a resync in progress
         self._notices = {}        # resync target -> set of ranks that announced it
         self._notice_sends = []
+        self._drains = []         # poison sends and the receives that drain peers' headers
         self._scratch = None
         self._eager = None
         self._sendbuf = None
@@ -164,7 +166,7 @@ class Runtime:
     def close(self):
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
         MPI = self.MPI
-        for req in [self._notice_req] + self._notice_sends + self._inflight:
+        for req in [self._notice_req] + self._notice_sends + self._inflight + self._drains:
             self._discard(req)
         for reqs, _ in self._abandoned:
             for req in reqs:
@@ -268,10 +270,11 @@ class Runtime:
                 "on every rank (or restart the cluster with %ring restart).", missing) from None
         self._pending_dup = None
         old = self.comm
-        for reqs, _ in self._abandoned:
+        for reqs, _ in self._abandoned + [(self._drains, None)]:
             for r in reqs:
                 self._discard(r)
         self._abandoned.clear()
+        self._drains = []
         self._keep.clear()
         self.comm = newcomm
         self.gen = target
@@ -298,7 +301,7 @@ class Runtime:
             except _Restart:
                 self._abandon()
                 continue
-            except CollectiveMismatchError:
+            except (CollectiveMismatchError, PeerError):
                 self._inflight = []  # every header and description was consumed: nothing in flight
                 raise
             except BaseException:
@@ -355,13 +358,50 @@ class Runtime:
             flags, _gen, _seq, peer_aux = _TAIL.unpack_from(buf, _AGREE_END)
             result[p] = (peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
         if mismatch:
+            self._raise_poison(kind, name)
             self._explain_mismatch(kind, name, array, op, root, desc)
         return result
+
+    def poison(self, kind, name, exc):
+        """This rank cannot join ``kind`` (bad arguments): tell every peer why, without waiting.
+
+        Peers waiting in the collective raise ``PeerError`` at once instead of stalling. Their
+        headers for it are drained by receives posted now: MPI matches a source's messages to
+        receives in posting order, so the next collective's receives get the next headers and
+        the communicator stays clean without a resync.
+        """
+        if self.size == 1:
+            return
+        self._drains = [req for req in self._drains if not req.Test()]
+        text = f"{type(exc).__name__}: {exc}".encode()[:len(self._sendbuf) - HEADER_BYTES]
+        own = _AGREE.pack(POISON, 255, 0, -1, 0, _fingerprint(kind, name))
+        self.seq += 1
+        buf = bytearray(HEADER_BYTES + len(text))
+        message = self._message(buf, own, len(text), np.frombuffer(text, np.uint8))
+        capacity = len(self._sendbuf)
+        for p in self.peers:
+            self._drains.append(self.comm.Isend(message, p, TAG_HEADER))
+            self._drains.append(self.comm.Irecv(bytearray(capacity), p, TAG_HEADER))
+
+    def _raise_poison(self, kind, name):
+        for p in self.peers:
+            buf = self._eager[p]
+            if buf[0] == POISON:
+                flags, _gen, _seq, nbytes = _TAIL.unpack_from(buf, _AGREE_END)
+                reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")
+                raise PeerError(
+                    f"{kind} '{name}': rank {p} could not join this collective and raised {reason}. "
+                    f"Fix the call on rank {p}; every rank raises here so that none is left waiting.",
+                    p, reason)
+
+    def fits_eager(self, nbytes):
+        """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
+        return HEADER_BYTES + nbytes <= len(self._sendbuf)
 
     def _message(self, buf, own, aux, data):
         """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send."""
         # capacity was fixed at init/resync, the same on every rank
-        flags = FLAG_PAYLOAD if data is not None and HEADER_BYTES + data.nbytes <= len(self._sendbuf) else 0
+        flags = FLAG_PAYLOAD if data is not None and self.fits_eager(data.nbytes) else 0
         buf[:_AGREE_END] = own
         _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, self.seq, aux)
         if not flags:

@@ -1,6 +1,6 @@
 """The runtime's exceptions: one root, a few subclasses."""
 
-__all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError"]
+__all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError"]
 
 
 class RingError(RuntimeError):
@@ -27,3 +27,16 @@ class StallError(RingError):
     def __init__(self, message, missing=()):
         super().__init__(message)
         self.missing = tuple(missing)
+
+
+class PeerError(RingError):
+    """Another rank could not join the collective (its arguments were bad) and said why.
+
+    The rank at fault raises its own error (TypeError, ValueError ...); the others raise this,
+    naming it, instead of waiting for the stall timeout. ``rank`` and ``reason`` say who and why.
+    """
+
+    def __init__(self, message, rank, reason):
+        super().__init__(message)
+        self.rank = rank
+        self.reason = reason

@@ -1,0 +1,786 @@
+"""Horovod's torch API on jupyter_ring's ring runtime: change only the import line.
+
+::
+
+    import jupyter_ring.runtime.torch as hvd
+
+    hvd.init()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+Tensors reach the runtime as numpy arrays: a contiguous CPU tensor is shared without a copy
+(``tensor.numpy()``); bfloat16 travels as float32 (numpy has no bfloat16); non-contiguous tensors
+are copied. CUDA tensors are staged through host memory (one device-to-host and one host-to-device
+copy per collective); for GPU buffers without the staging use :mod:`jupyter_ring.runtime.cupy`,
+which uses NCCL when it is available.
+"""
+
+import contextlib
+import warnings
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the torch adapter needs torch: pip install 'jupyter_ring[torch]'") from exc
+
+import numpy as np
+
+from .. import runtime as _ring
+from ._core import Adasum, Average, Max, Min, Product, Sum
+from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
+
+init = _ring.init
+shutdown = _ring.shutdown
+is_initialized = _ring.is_initialized
+size = _ring.size
+rank = _ring.rank
+local_size = _ring.local_size
+local_rank = _ring.local_rank
+cross_size = _ring.cross_size
+cross_rank = _ring.cross_rank
+barrier = _ring.barrier
+broadcast_object = _ring.broadcast_object
+allgather_object = _ring.allgather_object
+stats = _ring.stats
+timeline = _ring.timeline
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
+    "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "reducescatter", "barrier", "broadcast_object", "allgather_object", "poll",
+    "synchronize", "stats", "timeline", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+]
+
+
+def mpi_built():
+    """True: the ring runs over MPI (mpi4py)."""
+    return True
+
+
+def gloo_built():
+    """False: there is no Gloo controller; the ring runs over MPI."""
+    return False
+
+
+def nccl_built():
+    """False for torch tensors: CUDA tensors are staged through host memory."""
+    return False
+
+
+def cuda_built():
+    """False: torch CUDA tensors are staged through host memory (see the module docstring)."""
+    return False
+
+
+def mpi_threads_supported():
+    """Whether MPI was initialised with MPI_THREAD_MULTIPLE."""
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+# ------------------------------------------------------------------ compression
+class NoneCompressor:
+    """No compression: tensors travel in their own dtype."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor:
+    """Floating-point tensors travel as float16 (half the bytes), and come back in their dtype."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """Gradient compression for allreduce: ``Compression.none`` or ``Compression.fp16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+# ------------------------------------------------------------------ tensor <-> numpy
+_NUMPY_DTYPES = {
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16,
+    torch.float32, torch.float64, torch.complex64, torch.complex128,
+}
+
+
+def _check_tensor(tensor, where):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{where}: sparse tensors are not supported; pass tensor.to_dense()")
+
+
+def _shares_numpy(tensor):
+    """Whether ``tensor.numpy()`` is a C-contiguous view the runtime can write into directly."""
+    return (tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg())
+
+
+def _to_numpy(tensor):
+    """A numpy array with ``tensor``'s values: a view where possible, else a host copy."""
+    t = tensor.detach()
+    if _shares_numpy(t):
+        return t.numpy()
+    if t.dtype == torch.bfloat16:
+        t = t.to(torch.float32)   # numpy has no bfloat16: transport as float32
+    elif t.dtype not in _NUMPY_DTYPES:
+        raise TypeError(f"dtype {t.dtype} is not supported by jupyter_ring; cast it to float32 or int64")
+    # CUDA tensors are staged through host memory here (one device-to-host copy).
+    return t.resolve_conj().resolve_neg().cpu().contiguous().numpy()
+
+
+def _from_numpy(arr, like):
+    """A torch tensor of ``like``'s dtype and device holding ``arr``."""
+    out = torch.from_numpy(np.ascontiguousarray(arr))
+    if out.dtype != like.dtype or out.device != like.device:
+        out = out.to(device=like.device, dtype=like.dtype)
+    return out
+
+
+class Handle:
+    """An async collective in flight: pass it to :func:`synchronize` or :func:`poll`."""
+
+    __slots__ = ("_handles", "_finish", "_done", "_result")
+
+    def __init__(self, handles, finish):
+        self._handles = handles      # runtime handles, synchronized in order
+        self._finish = finish        # results of the runtime handles -> the torch result
+        self._done = False
+        self._result = None
+
+    def __repr__(self):
+        return f"<jupyter_ring.torch.Handle {'done' if self._done else 'pending'}>"
+
+
+def _check_handle(handle):
+    if not isinstance(handle, Handle):
+        raise TypeError(f"expected a handle returned by an *_async call, got {type(handle).__name__}")
+    if handle._done:
+        raise ValueError("this handle was already synchronized; each handle is synchronized once")
+
+
+def poll(handle):
+    """True when ``handle``'s result is ready (runs the queued collectives if needed)."""
+    _check_handle(handle)
+    for h in handle._handles:
+        _ring.poll(h)
+    return True
+
+
+def synchronize(handle):
+    """Wait for an async collective and return its result (raises the collective's error)."""
+    _check_handle(handle)
+    handle._done = True
+    results, error = [], None
+    for h in handle._handles:
+        # synchronize every runtime handle, even after an error, so none is left behind
+        try:
+            results.append(_ring.synchronize(h))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            error = error or exc
+    if error is not None:
+        raise error
+    return handle._finish(results)
+
+
+# ------------------------------------------------------------------ allreduce
+def _scales(op, prescale_factor, postscale_factor):
+    return dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Queue an allreduce of ``tensor``; ``synchronize(handle)`` returns a new tensor."""
+    _check_tensor(tensor, f"allreduce '{name}'")
+    arr = _to_numpy(tensor)
+    h = _ring.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor)
+    return Handle([h], lambda res: _from_numpy(res[0], tensor))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Queue an in-place allreduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
+    _check_tensor(tensor, f"allreduce_ '{name}'")
+    t = tensor.detach()
+    if _shares_numpy(t):
+        # zero-copy: the runtime reduces straight into the tensor's memory
+        h = _ring.allreduce_async_(t.numpy(), average, name, op, prescale_factor, postscale_factor)
+        return Handle([h], lambda res: tensor)
+    staged = _to_numpy(t)   # a host copy (bfloat16 as float32, CUDA staged, strides packed)
+    h = _ring.allreduce_async_(staged, average, name, op, prescale_factor, postscale_factor)
+
+    def finish(res):
+        with torch.no_grad():
+            t.copy_(torch.from_numpy(staged))
+        return tensor
+    return Handle([h], finish)
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce as a differentiable op: the gradient is allreduced with the same op and scales."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor):
+        ctx.args = (average, None if name is None else f"{name}.grad", op, prescale_factor, postscale_factor)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return synchronize(allreduce_async(grad_output.contiguous(), *ctx.args)), None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks (default: Average) into a new tensor; differentiable."""
+    _check_tensor(tensor, f"allreduce '{name}'")
+    compressed, ctx = compression.compress(tensor)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """In-place allreduce: ``tensor`` receives the result and is returned."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+def _group_check(tensors, where):
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        _check_tensor(t, f"{where} tensor {i}")
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0):
+    """Queue an allreduce of a list of tensors (one fused pass); synchronize returns a list."""
+    _group_check(tensors, f"grouped_allreduce '{name}'")
+    arrays = [_to_numpy(t) for t in tensors]
+    h = _ring.grouped_allreduce_async(arrays, average, name, op, prescale_factor, postscale_factor)
+    return Handle([h], lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0):
+    """Queue an in-place grouped allreduce; synchronize returns the list of input tensors."""
+    handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor)
+    inner = handle._finish
+
+    def finish(res):
+        with torch.no_grad():
+            for t, out in zip(tensors, inner(res)):
+                t.copy_(out)
+        return list(tensors)
+    handle._finish = finish
+    return handle
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """Allreduce a list of tensors together; returns a list of new tensors."""
+    _group_check(tensors, f"grouped_allreduce '{name}'")
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_allreduce_async([c for c, _ in pairs], average, name, op,
+                                               prescale_factor, postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """In-place grouped allreduce; returns the list of input tensors."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+
+
+# ------------------------------------------------------------------ allgather, broadcast, ...
+def allgather_async(tensor, name=None):
+    """Queue an allgather (concatenation along dim 0, which may differ between ranks)."""
+    _check_tensor(tensor, f"allgather '{name}'")
+    if tensor.dim() == 0:
+        raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension; "
+                         "pass tensor.reshape(1)")
+    h = _ring.allgather_async(_to_numpy(tensor), name)
+    return Handle([h], lambda res: _from_numpy(res[0], tensor))
+
+
+class _Allgather(torch.autograd.Function):
+    """allgather as a differentiable op: each rank's gradient is its rows of the averaged gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows = tensor.shape[0]
+        ctx.name = name
+        return synchronize(allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average,
+                                           name=None if ctx.name is None else f"{ctx.name}.grad"))
+        rows = _ring.allgather(np.array([ctx.rows], np.int64),
+                               name=None if ctx.name is None else f"{ctx.name}.grad.rows")
+        offset = int(rows[:_ring.rank()].sum())
+        return grad.narrow(0, offset, ctx.rows), None
+
+
+def allgather(tensor, name=None):
+    """Every rank's tensor concatenated along dim 0 (dim 0 may differ); differentiable."""
+    _check_tensor(tensor, f"allgather '{name}'")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Allgather.apply(tensor, name)
+    return synchronize(allgather_async(tensor, name))
+
+
+def broadcast_async(tensor, root_rank=0, name=None):
+    """Queue a broadcast of root's tensor; synchronize returns a new tensor."""
+    _check_tensor(tensor, f"broadcast '{name}'")
+    h = _ring.broadcast_async(_to_numpy(tensor), root_rank, name)
+    # reshape: the runtime returns 0-d arrays as shape (1,) (np.ascontiguousarray promotes them)
+    return Handle([h], lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
+
+
+def broadcast_async_(tensor, root_rank=0, name=None):
+    """Queue an in-place broadcast into ``tensor``; synchronize returns ``tensor``."""
+    handle = broadcast_async(tensor, root_rank, name)
+    inner = handle._finish
+
+    def finish(res):
+        with torch.no_grad():
+            tensor.copy_(inner(res))
+        return tensor
+    handle._finish = finish
+    return handle
+
+
+class _Broadcast(torch.autograd.Function):
+    """broadcast as a differentiable op: root gets the averaged gradient, the others zero."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank, ctx.name = root_rank, name
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average,
+                                           name=None if ctx.name is None else f"{ctx.name}.grad"))
+        if _ring.rank() != ctx.root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None, None
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    """Root's tensor, returned as a new tensor on every rank; differentiable."""
+    _check_tensor(tensor, f"broadcast '{name}'")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Broadcast.apply(tensor, root_rank, name)
+    return synchronize(broadcast_async(tensor, root_rank, name))
+
+
+def broadcast_(tensor, root_rank=0, name=None):
+    """In-place broadcast: ``tensor`` receives root's values and is returned."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Send ``splits[q]`` rows to rank q, receive theirs: returns (output, received_splits)."""
+    _check_tensor(tensor, f"alltoall '{name}'")
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu().numpy()
+    out, received = _ring.alltoall(_to_numpy(tensor), splits, name)
+    return _from_numpy(out, tensor), torch.from_numpy(np.asarray(received, np.int32))
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average):
+    """Reduce over ranks and return this rank's block of dim 0 (the first ranks get the extra rows)."""
+    _check_tensor(tensor, f"reducescatter '{name}'")
+    compressed, ctx = compression.compress(tensor)
+    out = _ring.reducescatter(_to_numpy(compressed), op=op, name=name)
+    return compression.decompress(_from_numpy(out, compressed), ctx)
+
+
+# ------------------------------------------------------------------ model and optimizer state
+def _named_tensors(params, where):
+    if isinstance(params, dict):
+        return sorted(params.items(), key=lambda kv: str(kv[0]))
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(f"{where}: expected a state_dict, named_parameters() or a list of tensors, "
+                        f"got {type(params).__name__}") from None
+    return [p if isinstance(p, tuple) else (f"{i}", p) for i, p in enumerate(items)]
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Overwrite every rank's tensors with root's: ``model.state_dict()`` or ``named_parameters()``."""
+    handles = []
+    for name, p in _named_tensors(params, "broadcast_parameters"):
+        if p is None:
+            continue
+        _check_tensor(p, f"broadcast_parameters '{name}'")
+        handles.append(broadcast_async_(p.data if isinstance(p, torch.nn.Parameter) else p, root_rank,
+                                        name=f"broadcast_parameters.{name}"))
+    for h in handles:
+        synchronize(h)
+
+
+class _TensorSlot:
+    """Placeholder for a tensor in the optimizer-state skeleton sent by broadcast_optimizer_state."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index, shape, dtype):
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _split_tensors(obj, tensors):
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _split_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def _fill_tensors(obj, tensors):
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_tensors(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
+
+    Root's ``state_dict()`` structure travels as one small object; its tensors travel as
+    broadcasts, so large states (Adam moments) do not go through pickle. Ranks whose optimizer has
+    no state yet (no step taken) receive root's.
+    """
+    if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError("broadcast_optimizer_state takes the optimizer, not its LR scheduler; "
+                        "use broadcast_object(scheduler.state_dict()) for the scheduler")
+    if not hasattr(optimizer, "state_dict"):
+        raise TypeError(f"broadcast_optimizer_state: expected a torch optimizer, got {type(optimizer).__name__}")
+    me = _ring.rank()
+    tensors = []
+    skeleton = _split_tensors(optimizer.state_dict(), tensors) if me == root_rank else None
+    skeleton = _ring.broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.structure")
+    if me != root_rank:
+        tensors = []
+        _collect_slots(skeleton, tensors)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(tensors, key=lambda s: s.index)]
+    handles = [broadcast_async_(t.detach(), root_rank, name=f"broadcast_optimizer_state.{i}")
+               for i, t in enumerate(tensors)]
+    for h in handles:
+        synchronize(h)
+    if me != root_rank:
+        optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
+
+
+def _collect_slots(obj, out):
+    if isinstance(obj, _TensorSlot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_slots(v, out)
+
+
+# ------------------------------------------------------------------ DistributedOptimizer
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer: gradients are allreduced (averaged) over the ranks before ``step()``.
+
+    Gradient hooks queue one async allreduce per parameter during ``backward()``; the runtime
+    fuses them and runs them at ``synchronize()`` (called by ``step()``), or earlier whenever the
+    queued bytes pass the runtime's ``fusion_threshold``. Every rank queues the parameters in one
+    canonical order (learned from rank 0's first backward pass), so ranks whose hooks fire in a
+    different order, or that leave some parameters without a gradient (zeros are sent for those,
+    as Horovod does), still agree and never hang.
+
+    The class subclasses ``torch.optim.Optimizer`` statically so LR schedulers accept it; the
+    wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` are shared, not copied.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0):
+        # Optimizer.__init__ is not called: it would build new param_groups; we share the wrapped
+        # optimizer's. These are the attributes the base class methods (hooks) rely on.
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch "
+                            "optimizer once (re-running a cell? wrap the original optimizer again)")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        if op == Adasum:
+            raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
+                             "into a division before and after the sum)")
+        if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
+            raise TypeError("compression must be Compression.none, Compression.fp16 or an object with "
+                            "compress(tensor) and decompress(tensor, ctx)")
+        self._opt = optimizer
+        self._compression = compression
+        self._bpps = backward_passes_per_step
+        self._op = op
+        self._prescale = 1.0 / gradient_predivide_factor
+        self._postscale = gradient_predivide_factor
+        self._should_synchronize = True
+        self._synchronized = False
+        self._params = []          # parameters that need a gradient, in param_groups order
+        self._names = []
+        self._index = {}           # id(param) -> position in self._params
+        self._hooks = []
+        self._given_names = self._check_names(named_parameters)
+        for group in optimizer.param_groups:
+            self._register(group["params"])
+        self._order = list(range(len(self._params)))[::-1]  # backward runs roughly last-to-first
+        self._order_learned = False
+        self._reset_step()
+
+    # -- the wrapped optimizer's state, shared
+    @property
+    def param_groups(self):
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._opt.param_groups = value
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    @state.setter
+    def state(self, value):
+        self._opt.state = value
+
+    @property
+    def defaults(self):
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._opt.defaults = value
+
+    @property
+    def optimizer(self):
+        """The wrapped torch optimizer."""
+        return self._opt
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self._opt!r})"
+
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")
+
+    def state_dict(self):
+        """The wrapped optimizer's state_dict (identical on every rank after step())."""
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Load into the wrapped optimizer."""
+        return self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        """Add a parameter group to the wrapped optimizer; its parameters get gradient hooks too."""
+        self._opt.add_param_group(param_group)
+        self._register(self._opt.param_groups[-1]["params"])
+        new = list(range(len(self._order), len(self._params)))
+        self._order = new[::-1] + self._order
+        self._reset_step()
+
+    # -- set-up
+    def _check_names(self, named_parameters):
+        if named_parameters is None:
+            return None
+        pairs = list(named_parameters)
+        if any(not (isinstance(p, tuple) and len(p) == 2) for p in pairs):
+            raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+        counts = {}
+        for name, _p in pairs:
+            counts[name] = counts.get(name, 0) + 1
+        dups = sorted(n for n, c in counts.items() if c > 1)
+        if dups:
+            raise ValueError(f"named_parameters has duplicate names: {', '.join(repr(d) for d in dups)}; "
+                             "each parameter needs a unique name. With several models, prefix each "
+                             "model's names: [(f'enc.{n}', p) for n, p in enc.named_parameters()]")
+        given = {id(p): name for name, p in pairs}
+        missing = [tuple(p.shape) for group in self._opt.param_groups for p in group["params"]
+                   if id(p) not in given]
+        if missing:
+            raise ValueError(f"named_parameters was given, but {len(missing)} of the optimizer's parameters "
+                             f"are not in it (shapes {missing[:5]}{' ...' if len(missing) > 5 else ''}); pass "
+                             "the named_parameters() of the model whose parameters the optimizer holds")
+        return given
+
+    def _register(self, params):
+        for p in params:
+            if not p.requires_grad or id(p) in self._index:
+                continue
+            old = getattr(p, "_jupyter_ring_hook", None)
+            if old is not None:
+                # a previous DistributedOptimizer over this parameter (a re-run notebook cell):
+                # its hook would queue allreduces nobody synchronizes
+                old.remove()
+            i = len(self._params)
+            self._index[id(p)] = i
+            self._params.append(p)
+            if self._given_names is not None:
+                self._names.append(self._given_names[id(p)])
+            else:
+                self._names.append(f"param.{i}")
+            handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p._jupyter_ring_hook = handle
+            self._hooks.append(handle)
+
+    def _make_hook(self, i):
+        def hook(_param):
+            self._on_grad(i)
+        return hook
+
+    def _reset_step(self):
+        self._counts = [0] * len(self._params)
+        self._ready = set()
+        self._next = 0             # position in self._order of the next parameter to queue
+        self._pending = []         # (index, handle, compression ctx, staged tensor)
+        self._fired = []           # hook order of this step (rank 0's becomes the canonical order)
+
+    # -- hooks
+    def _on_grad(self, i):
+        self._synchronized = False
+        self._counts[i] += 1
+        if self._counts[i] > self._bpps:
+            raise RingError(
+                f"parameter '{self._names[i]}' received {self._counts[i]} gradients before step(), but "
+                f"backward_passes_per_step={self._bpps}; raise backward_passes_per_step, or call "
+                "optimizer.step() (or synchronize()) after every backward_passes_per_step backward passes")
+        if self._counts[i] == self._bpps:
+            self._fired.append(i)
+            self._ready.add(i)
+            # queue in the canonical order only: a parameter waits for those before it, so every
+            # rank's queue is the same sequence and the runtime fuses identically everywhere
+            order = self._order
+            while self._next < len(order) and order[self._next] in self._ready:
+                self._queue(order[self._next])
+                self._next += 1
+
+    def _queue(self, i):
+        p = self._params[i]
+        if p.grad is None:
+            # no gradient on this rank (unused branch): contribute zeros, as Horovod does
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            raise TypeError(f"parameter '{self._names[i]}' has a sparse gradient; jupyter_ring "
+                            "allreduces dense tensors only (use a dense embedding)")
+        compressed, ctx = self._compression.compress(grad)
+        handle = allreduce_async_(compressed, name=self._names[i], op=self._op,
+                                  prescale_factor=self._prescale, postscale_factor=self._postscale)
+        self._pending.append((i, handle, ctx, compressed))
+
+    # -- public
+    def synchronize(self):
+        """Finish the allreduce of every gradient (parameters without one get averaged zeros)."""
+        try:
+            for i in self._order[self._next:]:
+                self._queue(i)
+            self._next = len(self._order)
+            error = None
+            for i, handle, ctx, compressed in self._pending:
+                try:
+                    out = synchronize(handle)
+                except BaseException as exc:  # noqa: BLE001 - first error re-raised below
+                    error = error or exc
+                    continue
+                if compressed is not self._params[i].grad:
+                    with torch.no_grad():
+                        self._params[i].grad.copy_(self._compression.decompress(out, ctx))
+            if error is not None:
+                raise error
+            if not self._order_learned:
+                self._learn_order()
+        finally:
+            self._reset_step()
+        self._synchronized = True
+
+    def _learn_order(self):
+        # Rank 0's hook order of its first step becomes everyone's queue order, so that later
+        # steps queue each gradient as soon as it is ready (overlap with the rest of backward).
+        fired = self._fired if _ring.rank() == 0 else None
+        fired = _ring.broadcast_object(fired, 0, name="DistributedOptimizer.order")
+        seen = set(fired)
+        self._order = list(fired) + [i for i in self._order if i not in seen]
+        self._order_learned = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside, ``step()`` does not synchronize (after an explicit ``synchronize()``)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return self._opt.step(closure) if closure is not None else self._opt.step()
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the gradients; an error between backward() and step(), where it would lose them."""
+        waiting = sum(1 for c in self._counts if c)
+        if waiting:
+            raise RingError(
+                f"optimizer.zero_grad() was called after loss.backward() and before optimizer.step(): "
+                f"{waiting} gradients are still to be allreduced. Call zero_grad() before backward() "
+                "or after step(); to drop this step's gradients call optimizer.synchronize() first")
+        return self._opt.zero_grad(set_to_none=set_to_none)
+
+    def remove_hooks(self):
+        """Detach the gradient hooks (the wrapper stops allreducing); for re-wrapping in a notebook."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self._params:
+            if getattr(p, "_jupyter_ring_hook", None) is not None:
+                p._jupyter_ring_hook = None
