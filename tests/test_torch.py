@@ -1,0 +1,95 @@
+"""The torch adapter under real mpiexec: collectives, DistributedOptimizer equivalence, misuse."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch adapter tests need torch: pip install 'jupyter_ring[torch]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PUBLIC = {
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
+    "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "reducescatter", "barrier", "broadcast_object", "allgather_object", "poll",
+    "synchronize", "stats", "timeline", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+}
+
+
+def test_public_names():
+    import jupyter_ring.runtime.torch as hvd
+
+    assert set(hvd.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(hvd, name).__doc__, f"{name} has no docstring"
+
+
+def test_distributed_optimizer_is_a_plain_subclass():
+    import torch
+
+    import jupyter_ring.runtime.torch as hvd
+
+    # a static subclass (LR schedulers need isinstance(opt, Optimizer)), never one made by type()
+    assert issubclass(hvd.DistributedOptimizer, torch.optim.Optimizer)
+    assert hvd.DistributedOptimizer.__module__ == "jupyter_ring.runtime.torch"
+
+
+def test_missing_torch_names_the_extra():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import jupyter_ring.runtime.torch\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "the torch adapter needs torch: pip install 'jupyter_ring[torch]'" in out.stdout
+
+
+def test_importing_the_runtime_does_not_import_torch():
+    code = "import jupyter_ring.runtime, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _all_ranks(result, marker, n):
+    lines = result.lines(marker)
+    assert sorted(int(line.split()[1]) for line in lines) == list(range(n)), result.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives(mpirun, n):
+    _all_ranks(mpirun("torch_collectives.py", n), "TORCH_COLLECTIVES_OK", n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_training_matches_one_process(mpirun, n):
+    # MLP and CNN (SGD+momentum and Adam), fp16 compression, backward_passes_per_step=2,
+    # unused parameters, per-rank hook order, broadcast_optimizer_state, LR scheduler
+    _all_ranks(mpirun("torch_train.py", n), "TORCH_TRAIN_OK", n)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_misuse_raises_on_every_rank(mpirun, n):
+    _all_ranks(mpirun("torch_errors.py", n, timeout=90), "TORCH_ERRORS_OK", n)
+
+
+def test_horovod_style_script_runs_unchanged(mpirun, tmp_path):
+    script = os.path.join(ROOT, "examples", "horovod_style_torch.py")
+    with open(script) as fh:
+        imports = [line for line in fh if line.startswith(("import ", "from "))]
+    assert "import jupyter_ring.runtime.torch as hvd  # was: import horovod.torch as hvd\n" in imports
+    ckpt = tmp_path / "ckpt"
+    result = mpirun(script, 2, "--epochs", "2", "--checkpoint-dir", ckpt)
+    _all_ranks(result, "HOROVOD_STYLE_DONE", 2)
+    assert (ckpt / "checkpoint.pt").exists()
+    accuracy = float(result.lines("HOROVOD_STYLE_DONE")[0].split()[-1])
+    assert accuracy > 0.8, result.stdout
+    # resuming from rank 0's checkpoint continues at epoch 2 on every rank
+    result = mpirun(script, 2, "--epochs", "1", "--checkpoint-dir", ckpt, "--fp16-allreduce")
+    assert "epoch 2:" in result.stdout
+    _all_ranks(result, "HOROVOD_STYLE_DONE", 2)
