@@ -1,0 +1,362 @@
+"""The Ring panel's view of clusters: ipyparallel's cluster files plus the process table.
+
+Listing is read-only: it parses ``$IPYTHONDIR/profile_*/security/cluster-*.json`` as JSON and asks
+psutil about the pids in them, so a poll every few seconds starts no threads and rewrites no file.
+Actions (interrupt, stop) load the cluster with ipyparallel (``Cluster.from_file``) and use its
+launchers, exactly as the kernel that started the cluster would.
+"""
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import re
+import signal
+import socket
+
+import psutil
+
+from ._sidecar import read_sidecar, remove_sidecar
+
+__all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
+           "interrupt_cluster", "stop_cluster", "kernel_pids"]
+
+log = logging.getLogger(__name__)
+
+# Cluster ids are ipyparallel's "<epoch>-<4 chars>" or a user's name; anything that could walk
+# out of the security folder is refused before it reaches a path.
+CLUSTER_ID_RE = r"[A-Za-z0-9_.\-]+"
+
+# Environment variables that carry the MPI rank, by launcher: MPICH/Hydra, Open MPI, PMIx, Slurm.
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+class ClusterNotFound(LookupError):
+    """No cluster file for this id in any IPython profile."""
+
+
+# ------------------------------------------------------------------------------------- files
+def _ipython_dir():
+    from IPython.paths import get_ipython_dir
+
+    return get_ipython_dir()
+
+
+def _cluster_files(ipython_dir=None):
+    root = ipython_dir or _ipython_dir()
+    return sorted(glob.glob(os.path.join(root, "profile_*", "security", "cluster-*.json")))
+
+
+def find_cluster_file(cluster_id, ipython_dir=None):
+    """Path of ``cluster-<cluster_id>.json`` in any profile; ClusterNotFound if there is none."""
+    if not re.fullmatch(CLUSTER_ID_RE, cluster_id or ""):
+        raise ClusterNotFound(f"{cluster_id!r} is not a cluster id")
+    root = ipython_dir or _ipython_dir()
+    for path in glob.glob(os.path.join(root, "profile_*", "security", f"cluster-{cluster_id}.json")):
+        return path
+    raise ClusterNotFound(f"no cluster {cluster_id!r} in the IPython profiles under {root}")
+
+
+def _profile_name(profile_dir):
+    base = os.path.basename(os.path.normpath(profile_dir))
+    return base[len("profile_"):] if base.startswith("profile_") else profile_dir
+
+
+# ---------------------------------------------------------------------------------- processes
+def _process(pid):
+    """A live psutil.Process for ``pid``, or None (gone, zombie, or not ours to see)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def kernel_pids(kernel_manager):
+    """``{pid: kernel_id}`` for the kernels this Jupyter server runs (local provisioners)."""
+    found = {}
+    if kernel_manager is None:
+        return found
+    for kernel_id in list(kernel_manager.list_kernel_ids()):
+        try:
+            km = kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            continue
+        provisioner = getattr(km, "provisioner", None)
+        pid = getattr(provisioner, "pid", None)
+        if pid is None:
+            pid = getattr(getattr(provisioner, "process", None), "pid", None)
+        if isinstance(pid, int) and pid > 0:
+            found[pid] = kernel_id
+    return found
+
+
+def _owner(controller, sidecar, kernels):
+    """The process that started the cluster: the sidecar's kernel pid, else the controller's parent.
+
+    ipyparallel starts the controller as a child of the launching process (the kernel), so while
+    that process lives it is the controller's parent; when it dies the controller is re-parented
+    (to init or a subreaper) and the cluster is an orphan.
+    """
+    owner = {"pid": None, "alive": False, "kernel_id": None, "name": None}
+    pid = (sidecar or {}).get("kernel_pid")
+    chain = []
+    if isinstance(pid, int) and pid > 0:
+        proc = _process(pid)
+        chain = [proc] if proc is not None else []
+    elif controller is not None:
+        try:
+            parent = controller.parent()
+            # The original parent is gone when the controller was re-parented to init (pid 1) or to
+            # a subreaper that is not an ancestor of this server's kernels.
+            if parent is not None and parent.pid != 1:
+                pid = parent.pid
+                chain = [parent] + parent.parents()
+        except psutil.Error:
+            pass
+    owner["pid"] = pid if isinstance(pid, int) else None
+    if chain:
+        owner["alive"] = True
+        try:
+            owner["name"] = chain[0].name()
+        except psutil.Error:
+            pass
+        # The kernel may be the owner itself or an ancestor (a wrapper script, conda run, ...).
+        for proc in chain:
+            if proc.pid in kernels:
+                owner["kernel_id"] = kernels[proc.pid]
+                break
+    return owner
+
+
+def _engine_processes(set_state):
+    """``[(rank_or_None, Process)]`` of the engines under one engine set's launcher pid(s)."""
+    roots = []
+    if isinstance(set_state.get("pid"), int):
+        roots.append(set_state["pid"])
+    # LocalEngineSetLauncher keeps one launcher per engine under "engines".
+    for sub in (set_state.get("engines") or {}).values():
+        if isinstance(sub, dict) and isinstance(sub.get("pid"), int):
+            roots.append(sub["pid"])
+    found = []
+    for pid in roots:
+        root = _process(pid)
+        if root is None:
+            continue
+        try:
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            procs = [root]
+        for proc in procs:
+            try:
+                cmd = proc.cmdline()
+            except psutil.Error:
+                continue
+            if not _is_engine(cmd):
+                continue
+            rank = None
+            try:
+                env = proc.environ()
+                for var in _RANK_VARS:
+                    if env.get(var, "").isdigit():
+                        rank = int(env[var])
+                        break
+            except psutil.Error:
+                pass
+            found.append((rank, proc))
+    return found
+
+
+# Launchers whose command line names the engine program but which are not engines themselves.
+_LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "srun", "hydra_pmi_proxy")
+
+
+def _is_engine(cmd):
+    """An ipyparallel engine's command line (``-m ipyparallel.engine`` or ``ipengine``), not its
+    nanny and not the ``mpiexec`` that started it."""
+    text = " ".join(cmd)
+    if not cmd or "ipyparallel.engine.nanny" in text:
+        return False
+    if os.path.basename(cmd[0]).startswith(_LAUNCHERS):
+        return False
+    return "ipyparallel.engine" in text or any(os.path.basename(c) == "ipengine" for c in cmd)
+
+
+def _nvidia_present():
+    return os.path.isdir("/proc/driver/nvidia/gpus")
+
+
+# --------------------------------------------------------------------------------- describing
+def describe_cluster(path, kernels=None):
+    """A JSON-able dict for the cluster file at ``path`` (see docs/lab.md for the fields)."""
+    kernels = kernels or {}
+    with open(path) as f:
+        data = json.load(f)
+    info = data.get("cluster", {})
+    cluster_id = info.get("cluster_id", "")
+    profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
+    sidecar = read_sidecar(profile_dir, cluster_id)
+    here = socket.gethostname()
+
+    controller_state = ((data.get("controller") or {}).get("state") or {})
+    controller = _process(controller_state.get("pid"))
+    engine_sets = []
+    engines = []
+    n = 0
+    for set_id, state in ((data.get("engines") or {}).get("sets") or {}).items():
+        set_n = state.get("n") or len(state.get("engines") or {}) or 0
+        n += set_n
+        launcher = _process(state.get("pid"))
+        engine_sets.append({"id": set_id, "n": set_n, "pid": state.get("pid"),
+                            "alive": launcher is not None or any(
+                                _process(s.get("pid")) for s in (state.get("engines") or {}).values()
+                                if isinstance(s, dict))})
+        engines.extend(_engine_processes(state))
+    n = n or info.get("n") or 0
+
+    ranks = _rank_rows(engines, sidecar, here)
+    if n < len(ranks):
+        n = len(ranks)
+    owner = _owner(controller, sidecar, kernels)
+    controller_alive = controller is not None
+    sets_alive = bool(engine_sets) and all(s["alive"] for s in engine_sets)
+    anything_alive = controller_alive or any(s["alive"] for s in engine_sets)
+    dead = [r for r in ranks if r["alive"] is False]
+    if not anything_alive:
+        state = "stopped"
+    elif controller_alive and sets_alive and not dead and len(ranks) >= n:
+        state = "running"
+    elif controller_alive and not engine_sets:
+        state = "starting"
+    else:
+        state = "degraded"   # some part died: the controller, mpiexec or a rank
+    return {
+        "id": cluster_id,
+        "profile": _profile_name(profile_dir),
+        "profile_dir": profile_dir,
+        "cluster_file": path,
+        "state": state,
+        # Nobody owns it any more but processes still run: show it so that it can be stopped.
+        "orphaned": anything_alive and not owner["alive"],
+        "n": n,
+        "owner": owner,
+        "controller": {"pid": controller_state.get("pid"), "alive": controller_alive},
+        "engine_sets": engine_sets,
+        "ranks": ranks,
+        # Filled by the metrics issue: per-cluster summary of ring.progress()/ring.log().
+        "metrics": None,
+    }
+
+
+def _rank_rows(engines, sidecar, here):
+    """One row per rank: from the sidecar when the kernel wrote one, else from the process table."""
+    by_pid = {proc.pid: (rank, proc) for rank, proc in engines}
+    rows = []
+    if sidecar and sidecar.get("ranks"):
+        for row in sidecar["ranks"]:
+            pid = row.get("pid")
+            host = row.get("host")
+            local = host in (here, None, "localhost")
+            alive = (_process(pid) is not None) if local else None  # None: another host, unknown
+            rows.append(_row(row.get("rank"), host, pid, row.get("device"), alive))
+        return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"]))
+    device = None if _nvidia_present() else "cpu"
+    unranked = 0
+    for pid, (rank, proc) in sorted(by_pid.items()):
+        if rank is None:
+            rank = unranked
+            unranked += 1
+        rows.append(_row(rank, here, pid, device, True))
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def _row(rank, host, pid, device, alive):
+    return {"rank": rank, "host": host, "pid": pid, "device": device, "alive": alive,
+            # Filled by the metrics issue: the rank's last ring.progress() step (None until then).
+            "step": None}
+
+
+def list_clusters(kernels=None, ipython_dir=None):
+    """Every cluster file's description, newest first; unreadable files are skipped and logged."""
+    clusters = []
+    for path in _cluster_files(ipython_dir):
+        try:
+            clusters.append(describe_cluster(path, kernels))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("skipping unreadable cluster file %s: %s", path, exc)
+    clusters.sort(key=lambda c: c["id"], reverse=True)
+    return clusters
+
+
+# ------------------------------------------------------------------------------------ actions
+def _load(path):
+    from ipyparallel import Cluster
+
+    return Cluster.from_file(path, log=log)
+
+
+async def interrupt_cluster(path):
+    """SIGINT every rank (ipyparallel's ``signal_engines``: mpiexec forwards it to the ranks)."""
+    cluster = _load(path)
+    if not cluster.engines:
+        raise RuntimeError("the cluster has no running engines to interrupt")
+    await cluster.signal_engines(signal.SIGINT)
+    return {"signal": "SIGINT", "engine_sets": list(cluster.engines)}
+
+
+async def stop_cluster(path, grace=5.0):
+    """Stop engines then controller with ipyparallel; SIGKILL whatever still runs after ``grace`` s.
+
+    The second step matters for orphans whose controller died: ipyparallel then has no launcher
+    for it, but its processes are still listed in the cluster file.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    info = data.get("cluster", {})
+    pids = _all_pids(data)
+    roots = [p for p in (_process(pid) for pid in pids) if p is not None]
+    tree = {}
+    for proc in roots:
+        tree[proc.pid] = proc
+        try:
+            for child in proc.children(recursive=True):
+                tree.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    try:
+        cluster = _load(path)
+        await asyncio.wait_for(cluster.stop_engines(), grace)
+        await asyncio.wait_for(cluster.stop_controller(), grace)
+    except Exception as exc:  # a broken half of the cluster must not keep the rest alive
+        log.warning("ipyparallel could not stop cluster %s cleanly (%s); killing its processes",
+                    info.get("cluster_id"), exc)
+    gone, alive = psutil.wait_procs(list(tree.values()), timeout=0.5)
+    for proc in alive:
+        try:
+            proc.kill()  # psutil checks the create time: a recycled pid is never signalled
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    for p in (path,):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
+    remove_sidecar(profile_dir, info.get("cluster_id", ""))
+    return {"stopped": True, "killed": sorted(p.pid for p in alive)}
+
+
+def _all_pids(data):
+    pids = [((data.get("controller") or {}).get("state") or {}).get("pid")]
+    for state in ((data.get("engines") or {}).get("sets") or {}).values():
+        pids.append(state.get("pid"))
+        for sub in (state.get("engines") or {}).values():
+            if isinstance(sub, dict):
+                pids.append(sub.get("pid"))
+    return [p for p in pids if isinstance(p, int) and p > 0]

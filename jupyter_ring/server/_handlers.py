@@ -1,0 +1,75 @@
+"""Tornado handlers for the Ring panel (every one authenticated; actions are POST + XSRF/token)."""
+
+import json
+
+import tornado.web
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+
+from ._clusters import (CLUSTER_ID_RE, ClusterNotFound, describe_cluster, find_cluster_file,
+                        interrupt_cluster, kernel_pids, list_clusters, stop_cluster)
+
+__all__ = ["setup_handlers"]
+
+NAMESPACE = "jupyter-ring"
+
+
+class _RingHandler(APIHandler):
+    def _kernels(self):
+        return kernel_pids(self.settings.get("kernel_manager"))
+
+    def _path(self, cluster_id):
+        try:
+            return find_cluster_file(cluster_id)
+        except ClusterNotFound as exc:
+            raise tornado.web.HTTPError(404, str(exc)) from exc
+
+
+class ClustersHandler(_RingHandler):
+    """``GET /jupyter-ring/clusters`` -> ``{"clusters": [...]}``."""
+
+    @tornado.web.authenticated
+    def get(self):
+        self.finish(json.dumps({"clusters": list_clusters(self._kernels())}))
+
+
+class ClusterHandler(_RingHandler):
+    """``GET /jupyter-ring/clusters/<id>`` -> one cluster's description."""
+
+    @tornado.web.authenticated
+    def get(self, cluster_id):
+        path = self._path(cluster_id)
+        try:
+            info = describe_cluster(path, self._kernels())
+        except FileNotFoundError as exc:  # stopped between the lookup and the read
+            raise tornado.web.HTTPError(404, f"cluster {cluster_id!r} has stopped") from exc
+        self.finish(json.dumps(info))
+
+
+class ClusterActionHandler(_RingHandler):
+    """``POST /jupyter-ring/clusters/<id>/(interrupt|stop)``."""
+
+    @tornado.web.authenticated
+    async def post(self, cluster_id, action):
+        path = self._path(cluster_id)
+        try:
+            if action == "interrupt":
+                result = await interrupt_cluster(path)
+            else:
+                result = await stop_cluster(path)
+        except FileNotFoundError as exc:
+            raise tornado.web.HTTPError(404, f"cluster {cluster_id!r} has stopped") from exc
+        except RuntimeError as exc:
+            raise tornado.web.HTTPError(409, f"cluster {cluster_id!r}: {exc}") from exc
+        self.log.info("jupyter_ring: %s cluster %s", action, cluster_id)
+        self.finish(json.dumps({"id": cluster_id, "action": action, **result}))
+
+
+def setup_handlers(web_app):
+    """Add the routes under the server's base URL."""
+    base = url_path_join(web_app.settings.get("base_url", "/"), NAMESPACE, "clusters")
+    web_app.add_handlers(".*$", [
+        (base, ClustersHandler),
+        (url_path_join(base, f"({CLUSTER_ID_RE})"), ClusterHandler),
+        (url_path_join(base, f"({CLUSTER_ID_RE})", "(interrupt|stop)"), ClusterActionHandler),
+    ])

@@ -1,0 +1,80 @@
+"""What the kernel knows about its cluster and ipyparallel's cluster file does not: the ranks.
+
+The notebook kernel that starts a cluster may write ``jupyter_ring-<cluster_id>.json`` next to
+ipyparallel's ``cluster-<cluster_id>.json`` (in ``<profile>/security/``). The Ring panel reads it
+for the per-rank device and for the owner kernel; without it, the panel finds the ranks in the
+process table (host and pid, device unknown on GPU hosts) and the owner as the controller's parent.
+
+Format (one JSON object)::
+
+    {"version": 1, "cluster_id": "1795400639-v1wr", "kernel_pid": 4242,
+     "connection_file": "/.../kernel-<id>.json",
+     "ranks": [{"rank": 0, "host": "vm", "pid": 9130, "device": "cpu"}, ...]}
+
+This module imports nothing from Jupyter or ipyparallel, so the kernel can use it cheaply.
+"""
+
+import json
+import os
+
+__all__ = ["sidecar_path", "write_sidecar", "read_sidecar", "remove_sidecar"]
+
+VERSION = 1
+
+
+def sidecar_path(profile_dir, cluster_id):
+    """The sidecar file of cluster ``cluster_id`` in ``profile_dir``."""
+    return os.path.join(profile_dir, "security", f"jupyter_ring-{cluster_id}.json")
+
+
+def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_file=None):
+    """Record ``ranks`` (rows with rank, host, pid, device) and the owner kernel; owner-only file.
+
+    Called in the kernel after the ranks are up, e.g. by ``RingCluster`` with
+    ``write_sidecar(c.profile_dir, c.cluster_id, self.ranks)``.
+    """
+    if kernel_pid is None:
+        kernel_pid = os.getpid()
+    if connection_file is None:
+        connection_file = _connection_file()
+    data = {"version": VERSION, "cluster_id": cluster_id, "kernel_pid": int(kernel_pid),
+            "connection_file": connection_file,
+            "ranks": [{key: row.get(key) for key in ("rank", "host", "pid", "device")}
+                      for row in ranks]}
+    path = sidecar_path(profile_dir, cluster_id)
+    tmp = path + ".tmp"
+    # 0o600: the connection-file path and pids are nobody else's business on a shared host.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+def read_sidecar(profile_dir, cluster_id):
+    """The sidecar's dict, or None when there is none or it is unreadable."""
+    try:
+        with open(sidecar_path(profile_dir, cluster_id)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("cluster_id") != cluster_id:
+        return None
+    return data
+
+
+def remove_sidecar(profile_dir, cluster_id):
+    """Delete the sidecar (missing is fine)."""
+    try:
+        os.remove(sidecar_path(profile_dir, cluster_id))
+    except FileNotFoundError:
+        pass
+
+
+def _connection_file():
+    try:
+        from ipykernel.connect import get_connection_file
+
+        return get_connection_file()
+    except Exception:  # not in a kernel: no connection file to record
+        return None

@@ -1,0 +1,204 @@
+"""REST routes of the Ring panel (jupyter_ring.server) against a real jupyter_server and real
+MPI clusters of ipyparallel engines."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("jupyter_server")
+pytest.importorskip("pytest_jupyter", reason="needs pytest-jupyter[server] (in jupyter_ring[test])")
+
+from tornado.httpclient import HTTPClientError  # noqa: E402
+
+from jupyter_ring._launch import find_mpiexec, mpi_env  # noqa: E402
+from jupyter_ring.server._clusters import describe_cluster, find_cluster_file  # noqa: E402
+from jupyter_ring.server._sidecar import read_sidecar, write_sidecar  # noqa: E402
+
+pytest_plugins = ["pytest_jupyter.jupyter_server"]
+
+ROUTES = [("GET", ("jupyter-ring", "clusters")),
+          ("GET", ("jupyter-ring", "clusters", "1-abcd")),
+          ("POST", ("jupyter-ring", "clusters", "1-abcd", "interrupt")),
+          ("POST", ("jupyter-ring", "clusters", "1-abcd", "stop"))]
+
+
+@pytest.fixture
+def jp_server_config():
+    return {"ServerApp": {"jpserver_extensions": {"jupyter_ring.server": True}}}
+
+
+def _start_code(n):
+    """Python that starts an MPI cluster of ``n`` engines on loopback (used here and in a child)."""
+    return textwrap.dedent(f"""
+        import logging
+        import ipyparallel as ipp
+        from traitlets.config import Config
+        config = Config()
+        config.MPIEngineSetLauncher.mpi_cmd = [{find_mpiexec()!r}]
+        cluster = ipp.Cluster(engines="mpi", n={n}, controller_ip="127.0.0.1", delay=0,
+                              config=config, shutdown_atexit=False, log_level=logging.WARNING,
+                              controller_args=["--HeartMonitor.period=500"])
+        client = cluster.start_and_connect_sync()
+        client.wait_for_engines({n}, timeout=60, block=True)
+    """)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A 2-rank MPI cluster owned by this test process (stopped at the end of the module)."""
+    os.environ.update({k: v for k, v in mpi_env().items() if k not in os.environ})
+    namespace = {}
+    exec(_start_code(2), namespace)  # noqa: S102 - our own fixed code, not user text
+    c, client = namespace["cluster"], namespace["client"]
+    procs = _cluster_processes(c.cluster_file)
+    yield c, client
+    client.close()
+    c.stop_cluster_sync()
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    for p in alive:
+        p.kill()
+    assert not alive, f"cluster processes survived stop_cluster: {[p.pid for p in alive]}"
+
+
+def _fetch_error(exc_info):
+    return exc_info.value.code, json.loads(exc_info.value.response.body or b"{}")
+
+
+async def test_every_route_refuses_unauthenticated_requests(jp_fetch):
+    for method, parts in ROUTES:
+        kwargs = {"body": b""} if method == "POST" else {}
+        with pytest.raises(HTTPClientError) as exc_info:
+            await jp_fetch(*parts, method=method, headers={"Authorization": ""}, **kwargs)
+        assert exc_info.value.code in (401, 403), (method, parts, exc_info.value.code)
+
+
+async def test_unknown_and_malformed_ids_are_404(jp_fetch):
+    for cluster_id in ("1-nope", "..", "a b"):
+        with pytest.raises(HTTPClientError) as exc_info:
+            await jp_fetch("jupyter-ring", "clusters", cluster_id)
+        assert exc_info.value.code == 404
+    with pytest.raises(HTTPClientError) as exc_info:
+        await jp_fetch("jupyter-ring", "clusters", "1-nope", "stop", method="POST", body=b"")
+    assert exc_info.value.code == 404
+
+
+async def test_list_shows_the_cluster_its_ranks_and_owner(jp_fetch, cluster):
+    c, client = cluster
+    response = await jp_fetch("jupyter-ring", "clusters")
+    clusters = json.loads(response.body)["clusters"]
+    (info,) = [x for x in clusters if x["id"] == c.cluster_id]
+    assert info["state"] == "running"
+    assert info["n"] == 2
+    assert info["orphaned"] is False
+    assert info["owner"]["pid"] == os.getpid() and info["owner"]["alive"]
+    assert info["owner"]["kernel_id"] is None  # started by this test, not by a kernel of the server
+    assert info["metrics"] is None
+    engine_pids = sorted(client[:].apply_sync(os.getpid))
+    assert [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert sorted(r["pid"] for r in info["ranks"]) == engine_pids
+    for row in info["ranks"]:
+        assert row["alive"] is True and row["step"] is None and row["host"]
+    response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+    assert json.loads(response.body)["ranks"] == info["ranks"]
+
+
+def test_owner_kernel_and_sidecar_devices(cluster):
+    c, client = cluster
+    path = find_cluster_file(c.cluster_id)
+    info = describe_cluster(path, kernels={os.getpid(): "kernel-abc"})
+    assert info["owner"]["kernel_id"] == "kernel-abc"
+    rows = [{"rank": i, "host": row["host"], "pid": row["pid"], "device": f"cuda:0 (GPU {i})"}
+            for i, row in enumerate(info["ranks"])]
+    sidecar = write_sidecar(c.profile_dir, c.cluster_id, rows, kernel_pid=os.getpid())
+    try:
+        assert oct(os.stat(sidecar).st_mode & 0o777) == "0o600"
+        assert read_sidecar(c.profile_dir, c.cluster_id)["ranks"][1]["device"] == "cuda:0 (GPU 1)"
+        info = describe_cluster(path, kernels={os.getpid(): "kernel-abc"})
+        assert [r["device"] for r in info["ranks"]] == ["cuda:0 (GPU 0)", "cuda:0 (GPU 1)"]
+        assert all(r["alive"] for r in info["ranks"])
+        assert info["owner"]["kernel_id"] == "kernel-abc"
+    finally:
+        os.remove(sidecar)
+
+
+async def test_interrupt_stops_a_running_cell_on_every_rank(jp_fetch, cluster):
+    c, client = cluster
+    ar = client[:].execute("import time; time.sleep(60)", block=False)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id, "interrupt",
+                              method="POST", body=b"")
+    assert json.loads(response.body)["signal"] == "SIGINT"
+    assert ar.wait(10), "the cell was still running 10 s after the interrupt"
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(Exception) as exc_info:
+        ar.get()
+    assert "KeyboardInterrupt" in str(exc_info.value)
+    # The ranks survive an interrupt and keep working.
+    client[:].execute("x = 1 + 1", block=True)
+    assert client[:].pull("x", block=True) == [2, 2]
+
+
+def _cluster_processes(path):
+    with open(path) as f:
+        data = json.load(f)
+    pids = [data["controller"]["state"]["pid"]] + [s["pid"] for s in data["engines"]["sets"].values()]
+    procs = []
+    for pid in pids:
+        p = psutil.Process(pid)
+        procs += [p] + p.children(recursive=True)
+    return procs
+
+
+async def test_stop_ends_every_process_and_removes_the_cluster(jp_fetch):
+    namespace = {}
+    exec(_start_code(1), namespace)  # noqa: S102
+    c, client = namespace["cluster"], namespace["client"]
+    client.close()
+    try:
+        path = find_cluster_file(c.cluster_id)
+        procs = _cluster_processes(path)
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id, "stop",
+                                  method="POST", body=b"")
+        assert json.loads(response.body)["stopped"] is True
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        assert not alive, [p.pid for p in alive]
+        assert not os.path.exists(path)
+        response = await jp_fetch("jupyter-ring", "clusters")
+        assert c.cluster_id not in [x["id"] for x in json.loads(response.body)["clusters"]]
+    finally:
+        if c._is_running():
+            c.stop_cluster_sync()
+
+
+async def test_orphaned_cluster_is_shown_and_can_be_stopped(jp_fetch):
+    # A process starts a cluster and dies without stopping it (as a SIGKILLed kernel would).
+    code = _start_code(1) + "print(cluster.cluster_id, flush=True)\nimport os\nos._exit(0)\n"
+    env = mpi_env()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90,
+                         env=env, check=True).stdout
+    cluster_id = out.split()[-1]
+    path = find_cluster_file(cluster_id)
+    procs = _cluster_processes(path)
+    try:
+        response = await jp_fetch("jupyter-ring", "clusters", cluster_id)
+        info = json.loads(response.body)
+        assert info["orphaned"] is True
+        assert info["owner"]["alive"] is False
+        assert info["state"] == "running"  # still running: that is what makes it an orphan
+        response = await jp_fetch("jupyter-ring", "clusters", cluster_id, "stop",
+                                  method="POST", body=b"")
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
