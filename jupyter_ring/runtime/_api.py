@@ -218,9 +218,9 @@ def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
         op = _op(op, average, where)
         prescale = _factor(prescale, "prescale_factor", where)
         postscale = _factor(postscale, "postscale_factor", where)
-        C._reducer(op, arr.dtype)
-        C._scale_of(rt, arr, op, prescale, postscale, where)
-    return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit)
+        fn = C._reducer(op, arr.dtype)
+        scaled = C._scale_of(rt, arr, op, prescale, postscale, where)
+    return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit, fn, scaled)
 
 
 @contextlib.contextmanager
@@ -460,7 +460,7 @@ def _flush():
     limit = rt.config.fusion_threshold
     for handle, entry in queue:
         if entry[0] == "allreduce":
-            _kind, arr, _in_place, op, pre, post, _name, _explicit = entry
+            arr, op, pre, post = entry[1], entry[3], entry[4], entry[5]
             key = (arr.dtype, op, pre, post)
             batch = open_batch.get(key)
             if batch is None or batch[1] + arr.nbytes > limit:
@@ -510,10 +510,9 @@ def _run_single(rt, entry):
 
 def _run_fused(rt, entries):
     """One allreduce pass over a batch of queued allreduces sharing dtype, op and scales."""
-    _kind, arr, in_place, op, pre, post, name, explicit = entries[0]
+    _kind, arr, in_place, op, pre, post, name, explicit, fn, scaled = entries[0]
     if len(entries) == 1:
-        fn = C._reducer(op, arr.dtype)
-        scale_pre, scale_post, divisor = C._scale_of(rt, arr, op, pre, post, name)
+        scale_pre, scale_post, divisor = scaled
         src = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
         dst = src if in_place else np.empty_like(src)
         desc = C.allreduce_desc(explicit, arr.shape, pre, post)

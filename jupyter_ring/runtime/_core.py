@@ -119,6 +119,7 @@ class Runtime:
         self._scratch = None
         self._eager = None
         self._sendbuf = None
+        self._header_recvs = []
         self._agree_cache = {}
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
@@ -162,6 +163,20 @@ class Runtime:
         capacity = HEADER_BYTES + self.config.eager_bytes
         self._eager = {p: bytearray(capacity) for p in self.peers}
         self._sendbuf = bytearray(capacity)
+        # Persistent receives for the headers: started by every collective, rebuilt at resync.
+        self._free_persistent()
+        self._header_recvs = [self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers]
+
+    def _free_persistent(self):
+        for req in getattr(self, "_header_recvs", ()):
+            try:
+                if not req.Test():
+                    req.Cancel()
+                    req.Wait()
+                req.Free()
+            except self.MPI.Exception:  # pragma: no cover - already freed with its communicator
+                pass
+        self._header_recvs = []
 
     def close(self):
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
@@ -172,6 +187,7 @@ class Runtime:
             for req in reqs:
                 self._discard(req)
         self._abandoned.clear()
+        self._free_persistent()
         for comm in (self.comm, self.ctl):
             if comm != MPI.COMM_NULL:
                 try:
@@ -332,7 +348,8 @@ class Runtime:
                                                        _fingerprint(*desc))
         self.seq += 1
         peers = self.peers
-        recvs = [comm.Irecv(self._eager[p], p, TAG_HEADER) for p in peers]
+        recvs = self._header_recvs
+        self.MPI.Prequest.Startall(recvs)
         if per_peer is None:
             message = self._message(self._sendbuf, own, aux, payload)
             sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
@@ -344,7 +361,7 @@ class Runtime:
                 self._keep.append(buf)
                 sends.append(comm.Isend(self._message(buf, own, peer_aux, data), p, TAG_HEADER))
         reqs = recvs + sends
-        self._inflight = reqs
+        self._inflight = sends  # the persistent receives are cancelled by resync, not _abandon
         self._wait(reqs, f"{kind} '{name}'", peers + peers)
         self._keep.clear()
 
