@@ -9,6 +9,24 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
+# ---- JupyterLab extension (labextension/, owner: lab extension) -----------------------------
+# The browser test drives Debian's chromium (Playwright's own download is not reachable in CI).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing chromium (apt) for the lab extension's browser test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+      || echo "[setup] apt-get install chromium failed: the lab extension's browser test will be skipped"
+  else
+    echo "[setup] no chromium and not root: the lab extension's browser test will be skipped"
+  fi
+fi
+# pip install builds the extension (hatch-jupyter-builder: jlpm install + build); when the venv is
+# already there but the build or labextension/node_modules (jest) is missing, build it here.
+if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || [ ! -d labextension/node_modules ]; }; then
+  echo "[setup] building the lab extension"
+  (cd labextension && PATH="$PWD/../.venv/bin:$PATH" jlpm install >/dev/null && PATH="$PWD/../.venv/bin:$PATH" jlpm build:prod >/dev/null)
+fi
+# ---- end JupyterLab extension ----------------------------------------------------------------
 stamp=.venv/.jupyter_ring-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -1,0 +1,33 @@
+/** Calls to the server routes of jupyter_ring.server (authenticated by JupyterLab's settings). */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+
+import { IClusterInfo } from './model';
+
+async function request<T>(path: string, init: RequestInit = {}): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'jupyter-ring', path);
+  const response = await ServerConnection.makeRequest(url, init, settings);
+  const text = await response.text();
+  let data: any = text;
+  try {
+    data = text ? JSON.parse(text) : {};
+  } catch {
+    // tornado's HTML error page: keep the text for the message
+  }
+  if (!response.ok) {
+    throw new ServerConnection.ResponseError(response, data?.message || String(data));
+  }
+  return data as T;
+}
+
+/** Every cluster in the IPython profiles. */
+export async function listClusters(): Promise<IClusterInfo[]> {
+  const data = await request<{ clusters: IClusterInfo[] }>('clusters');
+  return data.clusters;
+}
+
+/** POST an action (interrupt | stop) for one cluster. */
+export async function clusterAction(id: string, action: 'interrupt' | 'stop'): Promise<unknown> {
+  return request(`clusters/${encodeURIComponent(id)}/${action}`, { method: 'POST' });
+}

@@ -1,0 +1,96 @@
+/**
+ * What the server reports about a cluster (GET /jupyter-ring/clusters), and pure helpers the
+ * panel and the status bar share. Nothing here touches JupyterLab, so it is unit-tested alone.
+ */
+
+export interface IRankInfo {
+  rank: number;
+  host: string | null;
+  pid: number | null;
+  device: string | null;
+  /** true/false from the process table; null when the rank runs on another host. */
+  alive: boolean | null;
+  /** The rank's last ring.progress() step: null until the metrics issue fills it. */
+  step: number | null;
+}
+
+export interface IOwnerInfo {
+  pid: number | null;
+  alive: boolean;
+  /** The Jupyter kernel that started the cluster, when it is one of this server's kernels. */
+  kernel_id: string | null;
+  name: string | null;
+}
+
+export type ClusterState = 'running' | 'starting' | 'degraded' | 'stopped';
+
+export interface IClusterInfo {
+  id: string;
+  profile: string;
+  profile_dir: string;
+  cluster_file: string;
+  state: ClusterState;
+  orphaned: boolean;
+  n: number;
+  owner: IOwnerInfo;
+  controller: { pid: number | null; alive: boolean };
+  engine_sets: { id: string; n: number; pid: number | null; alive: boolean }[];
+  ranks: IRankInfo[];
+  /** Reserved for the metrics issue (per-cluster summary); null until then. */
+  metrics: unknown | null;
+}
+
+/** The cluster started by kernel ``kernelId`` (the newest if there are several). */
+export function clusterForKernel(
+  clusters: IClusterInfo[],
+  kernelId: string | null | undefined
+): IClusterInfo | undefined {
+  if (!kernelId) {
+    return undefined;
+  }
+  return clusters
+    .filter(c => c.owner.kernel_id === kernelId && c.state !== 'stopped')
+    .sort((a, b) => (a.id < b.id ? 1 : a.id > b.id ? -1 : 0))[0];
+}
+
+/** Number of ranks whose process is known to be alive. */
+export function aliveRanks(cluster: IClusterInfo): number {
+  return cluster.ranks.filter(r => r.alive !== false).length;
+}
+
+/** The status bar's text for the current notebook's cluster. */
+export function statusText(cluster: IClusterInfo | undefined): string {
+  if (!cluster) {
+    return 'Ring: no cluster';
+  }
+  const plural = cluster.n === 1 ? 'rank' : 'ranks';
+  if (cluster.state === 'degraded') {
+    return `Ring: degraded · ${aliveRanks(cluster)}/${cluster.n} ${plural}`;
+  }
+  return `Ring: ${cluster.state} · ${cluster.n} ${plural}`;
+}
+
+/** A short label for a cluster's state, with the orphan flag first when it applies. */
+export function stateLabel(cluster: IClusterInfo): string {
+  return cluster.orphaned ? `orphaned (${cluster.state})` : cluster.state;
+}
+
+/** A rank's liveness as a word. */
+export function livenessLabel(rank: IRankInfo): string {
+  if (rank.alive === null) {
+    return 'unknown';
+  }
+  return rank.alive ? 'alive' : 'dead';
+}
+
+/** Who started the cluster, in words. */
+export function ownerLabel(cluster: IClusterInfo): string {
+  const o = cluster.owner;
+  if (!o.alive) {
+    return o.pid ? `owner pid ${o.pid} is gone` : 'owner is gone';
+  }
+  if (o.kernel_id) {
+    return `kernel ${o.kernel_id.slice(0, 8)} (pid ${o.pid})`;
+  }
+  return `${o.name || 'process'} pid ${o.pid}`;
+}

@@ -1,0 +1,125 @@
+/**
+ * DOM for the Ring panel: one card per cluster with its ranks and action buttons.
+ * Plain DOM (no JupyterLab imports) so that it is unit-tested in jsdom.
+ */
+import { IClusterInfo, livenessLabel, ownerLabel, stateLabel } from './model';
+
+export type ClusterAction = 'interrupt' | 'restart' | 'stop';
+
+export interface IRenderOptions {
+  onAction: (cluster: IClusterInfo, action: ClusterAction) => void;
+  /** Ids of clusters whose action is in flight: their buttons are disabled. */
+  busy?: Set<string>;
+  error?: string | null;
+}
+
+function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  className: string,
+  text?: string
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  if (className) {
+    node.className = className;
+  }
+  if (text !== undefined) {
+    node.textContent = text;
+  }
+  return node;
+}
+
+function button(
+  cluster: IClusterInfo,
+  action: ClusterAction,
+  label: string,
+  title: string,
+  options: IRenderOptions,
+  enabled: boolean
+): HTMLButtonElement {
+  const b = el('button', `jp-RingPanel-button jp-mod-${action}`, label);
+  b.title = title;
+  b.dataset.action = action;
+  b.disabled = !enabled || (options.busy?.has(cluster.id) ?? false);
+  b.addEventListener('click', () => options.onAction(cluster, action));
+  return b;
+}
+
+/** One cluster: header (id, state, owner), buttons, and a table with a row per rank. */
+export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): HTMLElement {
+  const card = el('div', 'jp-RingPanel-cluster');
+  card.dataset.clusterId = cluster.id;
+  card.dataset.state = cluster.state;
+  if (cluster.orphaned) {
+    card.classList.add('jp-mod-orphaned');
+  }
+  const header = el('div', 'jp-RingPanel-header');
+  header.appendChild(el('span', 'jp-RingPanel-id', cluster.id));
+  header.appendChild(el('span', `jp-RingPanel-state jp-mod-${cluster.state}`, stateLabel(cluster)));
+  card.appendChild(header);
+  card.appendChild(
+    el('div', 'jp-RingPanel-owner', `${cluster.n} ranks · profile ${cluster.profile} · ${ownerLabel(cluster)}`)
+  );
+
+  const live = cluster.state !== 'stopped';
+  const actions = el('div', 'jp-RingPanel-actions');
+  actions.appendChild(
+    button(cluster, 'interrupt', 'Interrupt', 'Interrupt the running cell on all ranks (SIGINT)', options,
+      live && !cluster.orphaned)
+  );
+  actions.appendChild(
+    button(cluster, 'restart', 'Restart', cluster.owner.kernel_id
+      ? 'Run %ring restart in the kernel that owns this cluster'
+      : 'Only a cluster started by a kernel of this JupyterLab can be restarted', options,
+      live && !cluster.orphaned && !!cluster.owner.kernel_id)
+  );
+  actions.appendChild(
+    button(cluster, 'stop', 'Stop', 'Stop every rank and the controller', options, live)
+  );
+  card.appendChild(actions);
+
+  const table = el('table', 'jp-RingPanel-ranks');
+  const head = el('tr', '');
+  for (const name of ['rank', 'host', 'pid', 'device', 'state', 'step']) {
+    head.appendChild(el('th', '', name));
+  }
+  table.appendChild(head);
+  for (const rank of cluster.ranks) {
+    const row = el('tr', `jp-RingPanel-rank jp-mod-${livenessLabel(rank)}`);
+    row.dataset.rank = String(rank.rank);
+    const cells = [
+      String(rank.rank),
+      rank.host ?? '?',
+      rank.pid === null ? '?' : String(rank.pid),
+      rank.device ?? '?',
+      livenessLabel(rank),
+      rank.step === null ? '–' : String(rank.step)
+    ];
+    for (const text of cells) {
+      row.appendChild(el('td', '', text));
+    }
+    table.appendChild(row);
+  }
+  card.appendChild(table);
+  return card;
+}
+
+/** Replace ``node``'s content with every cluster (or a hint when there is none). */
+export function renderClusters(
+  node: HTMLElement,
+  clusters: IClusterInfo[],
+  options: IRenderOptions
+): void {
+  node.textContent = '';
+  if (options.error) {
+    node.appendChild(el('div', 'jp-RingPanel-error', options.error));
+  }
+  if (!clusters.length) {
+    node.appendChild(
+      el('div', 'jp-RingPanel-empty', 'No jupyter_ring clusters. In a notebook: %load_ext jupyter_ring, then %ring start -n 2')
+    );
+    return;
+  }
+  for (const cluster of clusters) {
+    node.appendChild(renderCluster(cluster, options));
+  }
+}

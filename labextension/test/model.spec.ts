@@ -1,0 +1,56 @@
+import {
+  aliveRanks,
+  clusterForKernel,
+  livenessLabel,
+  ownerLabel,
+  stateLabel,
+  statusText
+} from '../src/model';
+import { makeCluster } from './fixtures';
+
+describe('clusterForKernel', () => {
+  it('finds the cluster started by the kernel', () => {
+    const mine = makeCluster();
+    const other = makeCluster({ id: '1795400640-aaaa', owner: { ...mine.owner, kernel_id: 'k-2' } });
+    expect(clusterForKernel([other, mine], 'k-1')).toBe(mine);
+    expect(clusterForKernel([other, mine], 'k-3')).toBeUndefined();
+    expect(clusterForKernel([other, mine], null)).toBeUndefined();
+  });
+
+  it('prefers the newest live cluster and ignores stopped ones', () => {
+    const old = makeCluster({ id: '1000-aaaa' });
+    const newer = makeCluster({ id: '2000-bbbb' });
+    const stopped = makeCluster({ id: '3000-cccc', state: 'stopped' });
+    expect(clusterForKernel([old, stopped, newer], 'k-1')).toBe(newer);
+  });
+});
+
+describe('statusText', () => {
+  it('shows state and rank count', () => {
+    expect(statusText(makeCluster())).toBe('Ring: running · 2 ranks');
+    expect(statusText(makeCluster({ n: 1 }))).toBe('Ring: running · 1 rank');
+    expect(statusText(undefined)).toBe('Ring: no cluster');
+  });
+
+  it('counts live ranks of a degraded cluster', () => {
+    const c = makeCluster({ state: 'degraded' });
+    c.ranks[1].alive = false;
+    expect(aliveRanks(c)).toBe(1);
+    expect(statusText(c)).toBe('Ring: degraded · 1/2 ranks');
+  });
+});
+
+describe('labels', () => {
+  it('marks orphans and owners that are gone', () => {
+    const c = makeCluster({ orphaned: true, owner: { pid: 4242, alive: false, kernel_id: null, name: null } });
+    expect(stateLabel(c)).toBe('orphaned (running)');
+    expect(ownerLabel(c)).toBe('owner pid 4242 is gone');
+    expect(ownerLabel(makeCluster())).toBe('kernel k-1 (pid 4242)');
+  });
+
+  it('says unknown for ranks on other hosts', () => {
+    const rank = { rank: 0, host: 'node2', pid: 1, device: null, alive: null, step: null };
+    expect(livenessLabel(rank)).toBe('unknown');
+    expect(livenessLabel({ ...rank, alive: false })).toBe('dead');
+  });
+});

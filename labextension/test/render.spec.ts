@@ -1,0 +1,52 @@
+import { renderClusters } from '../src/render';
+import { makeCluster } from './fixtures';
+
+function buttons(node: HTMLElement): Record<string, HTMLButtonElement> {
+  const found: Record<string, HTMLButtonElement> = {};
+  node.querySelectorAll('button').forEach(b => (found[b.dataset.action!] = b as HTMLButtonElement));
+  return found;
+}
+
+describe('renderClusters', () => {
+  it('lists each rank with host, pid, device, liveness and step', () => {
+    const node = document.createElement('div');
+    renderClusters(node, [makeCluster()], { onAction: () => undefined });
+    const rows = node.querySelectorAll('tr.jp-RingPanel-rank');
+    expect(rows).toHaveLength(2);
+    const cells = Array.from(rows[1].querySelectorAll('td')).map(td => td.textContent);
+    expect(cells).toEqual(['1', 'vm', '201', 'cpu', 'alive', '–']);
+    expect(node.querySelector('.jp-RingPanel-state')!.textContent).toBe('running');
+  });
+
+  it('calls onAction with the cluster and the action', () => {
+    const node = document.createElement('div');
+    const calls: string[] = [];
+    const cluster = makeCluster();
+    renderClusters(node, [cluster], { onAction: (c, a) => calls.push(`${c.id}:${a}`) });
+    const b = buttons(node);
+    b.interrupt.click();
+    b.stop.click();
+    b.restart.click();
+    expect(calls).toEqual([`${cluster.id}:interrupt`, `${cluster.id}:stop`, `${cluster.id}:restart`]);
+  });
+
+  it('offers only stop for an orphan, and disables buttons while busy', () => {
+    const node = document.createElement('div');
+    const orphan = makeCluster({ orphaned: true, owner: { pid: 9, alive: false, kernel_id: null, name: null } });
+    renderClusters(node, [orphan], { onAction: () => undefined });
+    let b = buttons(node);
+    expect(node.querySelector('.jp-RingPanel-cluster')!.classList.contains('jp-mod-orphaned')).toBe(true);
+    expect(node.textContent).toContain('orphaned (running)');
+    expect([b.interrupt.disabled, b.restart.disabled, b.stop.disabled]).toEqual([true, true, false]);
+    renderClusters(node, [orphan], { onAction: () => undefined, busy: new Set([orphan.id]) });
+    b = buttons(node);
+    expect(b.stop.disabled).toBe(true);
+  });
+
+  it('shows a hint when there is no cluster, and errors', () => {
+    const node = document.createElement('div');
+    renderClusters(node, [], { onAction: () => undefined, error: 'Could not list clusters: 500' });
+    expect(node.querySelector('.jp-RingPanel-empty')!.textContent).toContain('%ring start');
+    expect(node.querySelector('.jp-RingPanel-error')!.textContent).toContain('500');
+  });
+});
