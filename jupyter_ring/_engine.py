@@ -7,7 +7,7 @@ Runs inside each ipyparallel engine, before the user's first cell. It imports no
 import os
 import socket
 
-__all__ = ["local_rank", "bind_device", "describe", "resync_at_next_collective"]
+__all__ = ["local_rank", "bind_device", "describe"]
 
 # Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
@@ -51,19 +51,3 @@ def describe(ring, device):
     return {"rank": ring.rank(), "size": ring.size(), "local_rank": ring.local_rank(),
             "host": socket.gethostname(), "pid": os.getpid(), "device": device}
 
-
-def resync_at_next_collective():
-    """Make this rank resynchronise (fresh data communicator) at its next collective.
-
-    Run on every rank after a cell failed or was interrupted. A rank that abandoned a collective
-    may have already delivered its header to a peer that was not waiting yet; if only the
-    abandoning rank resyncs, that peer can later complete the collective with the stale header
-    while the abandoning rank waits in its resync for it. When every rank resyncs, the stale
-    message stays on the old communicator and can never match.
-    """
-    from jupyter_ring.runtime import _api
-
-    rt = getattr(getattr(_api, "_proc", None), "rt", None)
-    if rt is not None and hasattr(rt, "dirty"):
-        rt.dirty = True
-    return rt is not None

@@ -59,6 +59,9 @@ class DeadRankError(ClusterError):
         super().__init__(message)
         self.ranks = ranks
 
+    def _render_traceback_(self):
+        return [f"DeadRankError: {self}"]
+
 
 # ---------------------------------------------------------------------------- sizing and devices
 def _nvidia_gpu_count():
@@ -341,6 +344,8 @@ class RingCluster(LoggingConfigurable):
         """Ranks whose engine has unregistered from the controller (died or was killed)."""
         if self.client is None:
             return []
+        if any(es.state == "after" for es in self.ipp_cluster.engines.values()):
+            return list(range(self.size))  # mpiexec has exited: every rank is gone
         alive = set(self.client.ids)
         return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
 
@@ -355,7 +360,7 @@ class RingCluster(LoggingConfigurable):
             raise DeadRankError(self.describe_death(dead), dead)
 
     def describe_death(self, dead):
-        """A message for dead ranks: which rank, how it ended (from mpiexec's report), the fix."""
+        """A message for dead ranks: which died first and how (nanny log, mpiexec report), the fix."""
         first = None
         output = ""
         try:
@@ -363,15 +368,16 @@ class RingCluster(LoggingConfigurable):
                 output += _read(getattr(engine_set, "output_file", ""))
         except Exception:
             output = ""
-        pid_rank = {row["pid"]: row["rank"] for row in self.ranks}
-        for match in re.finditer(r"PID (\d+) RUNNING AT (\S+)\s+=\s+(?:KILLED BY SIGNAL: (\d+)|EXIT CODE: (\d+))",
-                                 output):
-            pid = int(match.group(1))
-            if pid in pid_rank:
-                how = (f"killed by signal {match.group(3)}" if match.group(3)
-                       else f"exit code {match.group(4)}")
-                first = (pid_rank[pid], match.group(2), how)
-                break
+        # The nanny of the engine that died first logs it first; mpiexec's own report names
+        # whichever rank it cleaned up, so it is used only for how the job ended.
+        eid_rank = {eid: rank for rank, eid in enumerate(self.engine_ids)}
+        hosts = {row["rank"]: row["host"] for row in self.ranks}
+        nanny = re.search(r"\[KernelNanny\.(\d+)\] Pipe closed, parent (\d+)", output)
+        exit_string = re.search(r"EXIT STRING: (.+)", output)
+        if nanny and int(nanny.group(1)) in eid_rank:
+            rank = eid_rank[int(nanny.group(1))]
+            how = exit_string.group(1).strip() if exit_string else "engine process exited"
+            first = (rank, hosts.get(rank, "?"), how)
         ranks = ", ".join(str(r) for r in dead)
         if first is not None:
             rank, host, how = first
@@ -386,32 +392,18 @@ class RingCluster(LoggingConfigurable):
 
     # ----------------------------------------------------------------------------- signals
     def signal_ranks(self, sig, ranks=None):
-        """Send ``sig`` to ranks: all via mpiexec (ipyparallel's ``signal_engines``), some via
-        their nannies (``Client.send_signal``)."""
-        if not self.running:
-            return
-        if ranks is None or sorted(ranks) == list(range(self.size)):
-            self.ipp_cluster.signal_engines_sync(sig)
-        else:
-            alive = set(self.client.ids)
-            targets = [self.engine_ids[r] for r in ranks if self.engine_ids[r] in alive]
-            if targets:
-                self.client.send_signal(sig, targets=targets, block=False)
+        """Send ``sig`` to the ranks' engines (all by default) through their ipyparallel nannies.
 
-    def resync_ranks(self, timeout=2.0):
-        """After a failed or interrupted cell: every rank resyncs at its next collective.
-
-        Best effort: a rank still busy (did not stop on SIGINT) gets it queued after its cell.
+        Not through mpiexec (``Cluster.signal_engines``): MPICH's mpiexec forwards the first
+        SIGINT but aborts the whole job on the second, which would kill every rank's state.
         """
-        from . import _engine
-
         if not self.running:
             return
         alive = set(self.client.ids)
-        targets = [eid for eid in self.engine_ids if eid in alive]
+        ranks = range(self.size) if ranks is None else ranks
+        targets = [self.engine_ids[r] for r in ranks if self.engine_ids[r] in alive]
         if targets:
-            ar = self.client[targets].apply_async(_engine.resync_at_next_collective)
-            ar.wait(timeout)
+            self.client.send_signal(sig, targets=targets, block=False)
 
     # ---------------------------------------------------------------------------- watchdog
     def _start_watchdog(self):

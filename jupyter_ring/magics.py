@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Float
 
-from .cluster import ClusterError, RingCluster, _format_table, parse_ranks
+from .cluster import DeadRankError, RingCluster, _format_table, parse_ranks
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -34,7 +34,8 @@ class DistributedError(Exception):
     error; ``rank`` is the headline rank.
     """
 
-    def __init__(self, rank, host, error, others, note=""):
+    def __init__(self, rank, host, error, others, note="", reasons=None):
+        self.reasons = dict(reasons or {})  # rank -> why the front end interrupted it
         self.rank = rank
         self.host = host
         self.error = error
@@ -60,8 +61,13 @@ class DistributedError(Exception):
             lines.append("")
             lines.append(f"other ranks ({len(self.others)}), probably as a consequence:")
             for rank, host, error in self.others:
-                lines.append(f"  [rank {rank} @ {host}] {_ename(error)}: "
-                             f"{_first_line(getattr(error, 'evalue', str(error)))}")
+                line = f"  [rank {rank} @ {host}] {_ename(error)}"
+                evalue = _first_line(getattr(error, "evalue", str(error)))
+                if evalue:
+                    line += f": {evalue}"
+                if rank in self.reasons:
+                    line += f" (interrupted: {self.reasons[rank]})"
+                lines.append(line)
         if self.note:
             lines.append(self.note)
         return lines
@@ -316,10 +322,7 @@ class RingMagics(Magics):
         cluster = self.cluster
         if cluster is None or not cluster.running:
             raise UsageError("no cluster is running; start one with %ring start -n N")
-        try:
-            cluster.check_alive()
-        except ClusterError as exc:
-            raise UsageError(str(exc)) from None
+        cluster.check_alive()  # DeadRankError names the dead ranks and says: %ring restart
         return cluster
 
     def _atexit(self):
@@ -358,10 +361,14 @@ class _CellRun:
         children = ar._children
         t0 = time.monotonic()
         first_failure = None
+        next_health_check = t0 + 0.5
         try:
             while not ar.wait(self.magics.poll_interval):
                 self._stream(final=False)
                 now = time.monotonic()
+                if now >= next_health_check:
+                    next_health_check = now + 0.5
+                    self._check_dead()
                 if first_failure is None:
                     for child in children:
                         if _child_error(child) is not None:
@@ -375,14 +382,20 @@ class _CellRun:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
         except KeyboardInterrupt:
             self._interrupt_all()
-            self.cluster.resync_ranks()
             raise
         ar.wait_for_output(2.0)
         self._stream(final=True)
         self._show_results()
-        if any(_child_error(child) is not None for child in children):
-            self.cluster.resync_ranks()
         self._raise_errors()
+
+    def _check_dead(self):
+        """A rank that died mid-cell never replies: report it now instead of waiting forever."""
+        dead = self.cluster.dead_ranks()
+        if not dead:
+            return
+        self.ar.wait(1.0)  # let ipyparallel deliver what it has
+        self._stream(final=True)
+        raise DeadRankError(self.cluster.describe_death(dead), dead)
 
     def _interrupt(self, ranks, why):
         todo = [r for r in ranks if r not in self.interrupted]
@@ -494,7 +507,8 @@ class _CellRun:
             notes += [f"interrupted rank(s) {', '.join(rs)}: {why}" for why, rs in by_why.items()]
         if dead:
             notes.append(self.cluster.describe_death(dead))
-        raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes))
+        raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
+                               reasons=self.interrupted)
 
 
 def _render_pull_error(exc, name, ranks, cluster):

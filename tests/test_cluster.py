@@ -1,0 +1,163 @@
+"""RingCluster: sizing, device selection, rank parsing, and a real MPI cluster's lifecycle."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
+
+GiB = 1 << 30
+
+
+def _cluster_procs(pids):
+    """The processes among ``pids`` (and their descendants) that are still alive."""
+    alive = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def _wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = _cluster_procs(pids)
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return _cluster_procs(pids)
+
+
+# --------------------------------------------------------------------------- pure functions
+@pytest.mark.parametrize("env,spec,want", [
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, "auto", ["2", "3"]),
+    ({"CUDA_VISIBLE_DEVICES": ""}, "auto", []),
+    ({"CUDA_VISIBLE_DEVICES": "1,-1,2"}, "auto", ["1"]),  # CUDA stops at the first invalid id
+    ({"CUDA_VISIBLE_DEVICES": "GPU-ab12,GPU-cd34"}, "auto", ["GPU-ab12", "GPU-cd34"]),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, "none", []),
+    ({}, "0, 2", ["0", "2"]),
+])
+def test_visible_gpus(env, spec, want):
+    assert visible_gpus(spec, environ=env) == want
+
+
+def test_visible_gpus_rejects_empty_list():
+    with pytest.raises(ValueError, match="auto, none or a list"):
+        visible_gpus(",", environ={})
+
+
+def test_default_size_prefers_gpus_then_limits():
+    cores = len(os.sched_getaffinity(0))
+    assert default_size(["0", "1", "2"], environ={}) == 3
+    assert default_size([], environ={}) == cores
+    assert default_size([], environ={"CPU_LIMIT": "1.5"}) == 1
+    assert default_size([], environ={"MEM_LIMIT": str(3 * GiB)}) == 1
+    assert default_size([], environ={"MEM_LIMIT": str(1 * GiB)}) == 1  # never 0
+    assert default_size([], environ={"CPU_LIMIT": "64", "MEM_LIMIT": str(1000 * GiB)}) == cores
+
+
+@pytest.mark.parametrize("text,want", [
+    ("0", [0]), ("0,2-3", [0, 2, 3]), ("3, 1", [1, 3]), ("1-1", [1]), ("0-3,2", [0, 1, 2, 3]),
+])
+def test_parse_ranks(text, want):
+    assert parse_ranks(text, 4) == want
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("4", "rank 4 does not exist; the cluster has ranks 0..3"),
+    ("3-1", "runs backwards; write 1-3"),
+    ("a", "'a' is not a rank or a range"),
+    ("1,,2", "'' is not a rank"),
+    ("-1", "'-1' is not a rank"),
+    ("0;1", "'0;1' is not a rank"),
+    ("__import__('os')", "is not a rank"),
+])
+def test_parse_ranks_errors(text, needle):
+    with pytest.raises(ValueError) as info:
+        parse_ranks(text, 4)
+    assert needle in str(info.value)
+
+
+# --------------------------------------------------------------------------- a real cluster
+@pytest.fixture
+def ring_cluster():
+    """Factory for RingClusters; the finalizer stops every one it made, even on failure."""
+    made = []
+
+    def make(**kwargs):
+        cluster = RingCluster(**kwargs)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()
+
+
+@pytest.mark.timeout(90)
+def test_start_binds_ranks_and_stop_leaves_nothing(ring_cluster):
+    cluster = ring_cluster(n=2, gpus="none")
+    rows = cluster.start()
+    assert [row["rank"] for row in rows] == [0, 1]
+    assert all(row["size"] == 2 and row["device"] == "cpu" for row in rows)
+    assert all(psutil.pid_exists(row["pid"]) for row in rows)
+    # every rank has `ring` initialised and its GPU hidden (gpus="none")
+    cluster.view.execute("import os; r = (ring.rank(), os.environ.get('CUDA_VISIBLE_DEVICES'))",
+                         block=True)
+    assert cluster.view.pull("r", block=True) == [(0, ""), (1, "")]
+    # the cluster's files live in the profile under IPYTHONDIR (the tests' temp dir)
+    assert cluster.ipp_cluster.profile_dir.startswith(os.environ["IPYTHONDIR"])
+    procs = cluster.processes()
+    names = " ".join(" ".join(p.cmdline()) for p in procs)
+    assert "ipyparallel.controller" in names and "mpiexec" in names
+    assert "ipyparallel.engine --mpi" in names and "ipyparallel.engine.nanny" in names
+    pids = [p.pid for p in procs]
+    cluster.stop()
+    assert not cluster.running
+    assert _wait_gone(pids, 5) == []
+
+
+_STARTER = textwrap.dedent("""
+    import json, sys, time
+    from jupyter_ring.cluster import RingCluster
+    cluster = RingCluster(n=2)
+    cluster.start()
+    print(json.dumps([p.pid for p in cluster.processes()]), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_watchdog_kills_cluster_when_starter_is_sigkilled():
+    proc = subprocess.Popen([sys.executable, "-c", _STARTER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, f"starter failed: {proc.stderr.read()}"
+        pids = json.loads(line)
+        assert len(pids) >= 5  # controller, mpiexec, hydra proxy, 2 engines (+ nannies)
+        assert _cluster_procs(pids), "cluster not running before the kill"
+        killed_at = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        survivors = _wait_gone(pids, 5)
+        gone_after = time.monotonic() - killed_at
+        assert survivors == [], f"survived the starter: {[p.cmdline() for p in survivors]}"
+        assert gone_after < 2.5, f"cluster took {gone_after:.1f} s to go"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        # if the watchdog failed, do not leave the cluster behind for the other tests
+        for p in _cluster_procs(locals().get("pids", [])):
+            p.kill()
