@@ -206,7 +206,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Ramp the learning rate from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``.
 
     Horovod's gradual warm-up (Goyal et al., 2017): ``lr = initial_lr / size * (1 + t * (size - 1) /
-    warmup_epochs)`` for the fractional epoch ``t``, adjusted every batch.
+    warmup_epochs)`` for the fractional epoch ``t``, adjusted every batch. ``momentum_correction``
+    is accepted for Horovod compatibility but has no effect: Keras 3 compiles the momentum into
+    the train step as a constant.
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
@@ -219,7 +221,6 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
         self.current_epoch = 0
-        self._restore_momentum = None
 
     def _lr(self, epoch_fraction):
         n = size()
@@ -236,21 +237,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.current_epoch >= self.warmup_epochs:
             return
-        opt = self.model.optimizer
-        old = float(keras.ops.convert_to_numpy(opt.learning_rate))
-        new = self._lr(self.current_epoch + batch / self.steps_per_epoch)
-        opt.learning_rate = new
-        inner = getattr(opt, "inner_optimizer", opt)
-        if self.momentum_correction and old > 0 and getattr(inner, "momentum", None):
-            # keep the effective step size (lr x momentum) continuous while the lr changes
-            self._restore_momentum = inner.momentum
-            inner.momentum = inner.momentum * new / old
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._restore_momentum is not None:
-            inner = getattr(self.model.optimizer, "inner_optimizer", self.model.optimizer)
-            inner.momentum = self._restore_momentum
-            self._restore_momentum = None
+        self.model.optimizer.learning_rate = self._lr(self.current_epoch + batch / self.steps_per_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.warmup_epochs - 1:

@@ -100,7 +100,8 @@ def _host(t):
     arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
     if arr.dtype.name == "bfloat16":
         arr = arr.astype(np.float32)
-    return np.ascontiguousarray(arr)
+    # (np.ascontiguousarray would turn a 0-d array into shape (1,))
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
 def _call(fn, tensors, out_dtypes, out_shapes):

@@ -1,0 +1,68 @@
+"""The TensorFlow and Keras adapters under real mpiexec (one launch per rank count: TF is slow to import)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow", reason="the tensorflow adapter tests need tensorflow: "
+                    "pip install 'jupyter_ring[tensorflow]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TF_PUBLIC = {
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "barrier", "broadcast_object", "allgather_object", "broadcast_variables", "stats", "timeline",
+    "DistributedGradientTape",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+}
+KERAS_PUBLIC = {
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
+    "allreduce", "allgather", "broadcast", "barrier", "broadcast_object", "allgather_object",
+    "broadcast_variables", "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback", "LearningRateWarmupCallback",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+}
+
+
+def _python(code, **env):
+    full = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=full)
+
+
+def test_public_names_and_missing_framework():
+    # one interpreter for all of it: importing tensorflow costs seconds
+    code = """
+import sys
+import jupyter_ring.runtime.tensorflow as t, jupyter_ring.runtime.keras as k
+print(sorted(t.__all__)); print(sorted(k.__all__))
+print(all(getattr(t, n).__doc__ for n in t.__all__), all(getattr(k, n).__doc__ for n in k.__all__ if n != 'callbacks'))
+print('torch' in sys.modules, 'cupy' in sys.modules)
+"""
+    out = _python(code, KERAS_BACKEND="tensorflow")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == str(sorted(TF_PUBLIC))
+    assert lines[1] == str(sorted(KERAS_PUBLIC))
+    assert lines[2] == "True True"
+    assert lines[3] == "False False", "the tensorflow adapter must import only tensorflow"
+
+
+@pytest.mark.parametrize("module,extra", [("tensorflow", "the tensorflow adapter needs tensorflow"),
+                                          ("keras", "the keras adapter needs tensorflow")])
+def test_missing_tensorflow_names_the_extra(module, extra):
+    blocked = "tensorflow" if module == "tensorflow" else "keras"
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"
+            f"try:\n    import jupyter_ring.runtime.{module}\nexcept ImportError as e:\n    print(e)\n")
+    out = _python(code)
+    assert extra in out.stdout and "pip install 'jupyter_ring[tensorflow]'" in out.stdout, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tensorflow_and_keras(mpirun, n):
+    result = mpirun("tf_all.py", n, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    ranks = sorted(int(line.split()[1]) for line in result.lines("TF_ALL_OK"))
+    assert ranks == list(range(n)), result.stdout
