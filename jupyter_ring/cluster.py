@@ -213,7 +213,11 @@ class RingCluster(LoggingConfigurable):
                 raise ValueError(f"engine_env entry {item!r} is not NAME=VALUE")
             env[name] = value
 
-        kwargs = dict(n=n, delay=0, log_level=logging.WARNING, profile_dir=_profile_dir(),
+        # ipyparallel logs to the kernel app's log (shown in the notebook); keep only its errors.
+        ipp_log = logging.getLogger(__name__ + ".ipyparallel")
+        if ipp_log.level == logging.NOTSET:
+            ipp_log.setLevel(logging.ERROR)
+        kwargs = dict(n=n, delay=0, log=ipp_log, profile_dir=_profile_dir(),
                       controller_args=[f"--HeartMonitor.period={self.heartbeat_period}"],
                       engine_timeout=int(self.engine_timeout))
         if one_host:
@@ -283,6 +287,12 @@ class RingCluster(LoggingConfigurable):
         client, self.client = self.client, None
         self.view = None
         if client is not None:
+            try:
+                # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
+                client.shutdown(targets="all", hub=False, block=False)
+                _wait_exit(self._root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
+            except Exception:
+                log.debug("asking the engines to shut down failed", exc_info=True)
             try:
                 client.close()
             except Exception:  # a closed or broken client must not stop the shutdown
@@ -461,6 +471,19 @@ def _profile_dir():
         path = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default").location
     os.makedirs(os.path.join(path, "security"), mode=0o700, exist_ok=True)
     return path
+
+
+def _wait_exit(pids, timeout):
+    """Wait up to ``timeout`` seconds in all for these processes to exit."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
 
 
 def _mpi_flavour():

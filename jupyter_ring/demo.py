@@ -1,0 +1,81 @@
+"""Run the quickstart notebook headless and print its outputs: ``python -m jupyter_ring.demo``.
+
+Executes ``notebooks/01-quickstart.ipynb`` with nbclient on a kernel of the current Python
+environment. IPython, Jupyter and ipyparallel files go to a temporary directory unless
+IPYTHONDIR / JUPYTER_* are already set, so the demo leaves nothing in the home folder.
+"""
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+__all__ = ["main", "run_notebook", "NOTEBOOK"]
+
+NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "notebooks", "01-quickstart.ipynb")
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _isolate(tmp):
+    for var, sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter_config"),
+                     ("JUPYTER_DATA_DIR", "jupyter_data"), ("JUPYTER_RUNTIME_DIR", "jupyter_runtime")):
+        if not os.environ.get(var):
+            os.environ[var] = os.path.join(tmp, sub)
+            os.makedirs(os.environ[var], exist_ok=True)
+
+
+def run_notebook(path=NOTEBOOK, timeout=120):
+    """Execute the notebook in place of a copy; return the executed nbformat notebook."""
+    import nbformat
+    from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    # the native kernel runs sys.executable: this environment, wherever the notebook came from
+    client = NotebookClient(nb, timeout=timeout, kernel_name=NATIVE_KERNEL_NAME,
+                            resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
+    client.execute()
+    return nb
+
+
+def format_outputs(nb):
+    """The notebook's code cells and their text outputs, as a transcript."""
+    lines = []
+    count = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        count += 1
+        first, *rest = cell.source.splitlines() or [""]
+        lines.append(f"In [{count}]: {first}")
+        lines.extend(f"   ...: {line}" for line in rest)
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream":
+                lines.extend(out.text.rstrip("\n").splitlines())
+            elif out.output_type in ("execute_result", "display_data"):
+                text = out.get("data", {}).get("text/plain", "")
+                prefix = f"Out[{count}]: " if out.output_type == "execute_result" else ""
+                lines.append(prefix + text)
+            elif out.output_type == "error":
+                lines.extend(_ANSI.sub("", line) for line in out.traceback)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m jupyter_ring.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("notebook", nargs="?", default=NOTEBOOK, help="notebook to run (default: the quickstart)")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds per cell (default 120)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="jupyter_ring_demo_") as tmp:
+        _isolate(tmp)
+        nb = run_notebook(args.notebook, timeout=args.timeout)
+    print(format_outputs(nb))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
