@@ -1,0 +1,71 @@
+"""The cupy adapter: NCCL and staged paths on GPUs; a clear error where there is no GPU."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="the cupy adapter tests need cupy: pip install 'jupyter_ring[cupy]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _has_gpu():
+    try:
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver counts as no GPU
+        return False
+
+
+HAS_GPU = _has_gpu()
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU here (cupy.cuda.is_available() is False)")
+
+
+def test_public_names():
+    import jupyter_ring.runtime.cupy as ring
+
+    assert set(ring.__all__) == {
+        "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+        "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "gpu_available", "nccl_available",
+        "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "reducescatter", "alltoall",
+        "barrier", "broadcast_object", "allgather_object",
+        "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError"}
+
+
+def test_missing_cupy_names_the_extra():
+    code = ("import sys; sys.modules['cupy'] = None\n"
+            "try:\n    import jupyter_ring.runtime.cupy\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "the cupy adapter needs cupy: pip install 'jupyter_ring[cupy]'" in out.stdout
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the error shown on machines without a GPU")
+def test_without_gpu_collectives_explain_what_is_missing():
+    code = """
+import cupy, numpy as np
+import jupyter_ring.runtime.cupy as ring
+ring.init()
+assert not ring.gpu_available() and not ring.nccl_available()
+try:
+    ring.allreduce(np.ones(3))
+except TypeError as e:
+    print("TYPE", e)
+try:
+    ring._require_gpu("allreduce 'x'")
+except ring.RingError as e:
+    print("RING", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "TYPE" in out.stdout and "cupy.ndarray" in out.stdout
+    assert "needs a CUDA GPU" in out.stdout and "cupy.cuda.is_available() is False" in out.stdout
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("nccl", ["1", "0"], ids=["nccl", "staged"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_collectives_on_gpu(mpirun, n, nccl):
+    result = mpirun("cupy_collectives.py", n, env={"JUPYTER_RING_CUPY_NCCL": nccl})
+    assert sorted(int(line.split()[1]) for line in result.lines("CUPY_OK")) == list(range(n)), result.stdout
