@@ -69,6 +69,16 @@ def raises_in_cell(ip, code, line=""):
     return result.error_in_exec
 
 
+def test_front_end_imports_no_framework():
+    import subprocess
+
+    code = ("import sys, jupyter_ring\nassert 'jupyter_ring.magics' not in sys.modules\n"
+            "import jupyter_ring.magics, jupyter_ring.cluster\n"
+            "print(sorted(m for m in ('torch', 'tensorflow', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_help_has_usage_and_example():
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "jupyter_ring")
