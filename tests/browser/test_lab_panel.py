@@ -1,0 +1,215 @@
+"""The Ring panel in a real JupyterLab driven by a real browser (Playwright + Debian's chromium).
+
+One notebook: ``%ring start -n 2``; the panel lists the cluster with both ranks and the status bar
+shows it; a long ``%%distributed`` cell is interrupted from the panel (through the server, while
+the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
+``python -m jupyterlab.browser_check`` (server side) against the installed extension.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCREENSHOT = os.path.join(ROOT, "docs", "img", "lab-panel.png")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+playwright_api = pytest.importorskip(
+    "playwright.sync_api", reason="the browser test needs playwright: pip install playwright")
+if not os.path.exists(CHROMIUM):
+    pytest.skip("the browser test needs chromium: apt-get install -y chromium (scripts/setup.sh "
+                "does this when run as root)", allow_module_level=True)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, token, method="GET", body=None):
+    req = urllib.request.Request(url, method=method, data=body,
+                                 headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        data = resp.read()
+    return json.loads(data) if data else None
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab on 127.0.0.1 (free port, token auth, temp root dir); killed at the end."""
+    root = tmp_path / "root"
+    root.mkdir()
+    port, token = _free_port(), uuid.uuid4().hex
+    env = dict(os.environ)  # tests/conftest.py has put IPYTHONDIR and JUPYTER_* in temp dirs
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    log = open(tmp_path / "lab.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
+         "--ServerApp.port_retries=0",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _get(f"{base}/api/status", token)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log.close()
+                pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-4000:]}")
+            time.sleep(0.3)
+    nb = {"cells": [], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                   "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    _get(f"{base}/api/contents/ring.ipynb", token, "PUT",
+         json.dumps({"type": "notebook", "content": nb}).encode())
+    # Start the notebook's kernel up front, so that the page attaches to it (no kernel dialog).
+    _get(f"{base}/api/sessions", token, "POST",
+         json.dumps({"path": "ring.ipynb", "type": "notebook", "name": "ring.ipynb",
+                     "kernel": {"name": "python3"}}).encode())
+    yield {"base": base, "token": token, "proc": proc, "log": tmp_path / "lab.log"}
+    # Shut the kernels down first (their watchdogs then end any cluster), then the server.
+    try:
+        for kernel in _get(f"{base}/api/kernels", token) or []:
+            _get(f"{base}/api/kernels/{kernel['id']}", token, "DELETE")
+    except OSError:
+        pass
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    log.close()
+
+
+def _run_cell(page, index, code):
+    """Type ``code`` into cell ``index`` (creating it) and run it with Shift+Enter."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    if cells.count() <= index:
+        page.locator(".jp-Notebook").click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(index)
+    editor = cell.locator(".cm-content")
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Shift+Enter")
+    return cell
+
+
+def _prompt(cell):
+    return cell.locator(".jp-InputPrompt").inner_text()
+
+
+def test_ring_panel_interrupts_and_stops_a_cluster(lab):
+    from playwright.sync_api import expect
+
+    url = f"{lab['base']}/lab/tree/ring.ipynb?token={lab['token']}"
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        errors = []
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 850})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            page.wait_for_selector(".jp-RingStatus", timeout=30_000)  # our plugin activated
+            news = page.locator(".jp-Notification-Toast-Close, .jp-toast-button:has-text('No')")
+            if news.count():
+                news.first.click()
+            # Wait for the kernel before typing, so that the first run is not lost.
+            page.wait_for_function(
+                "() => { const s = document.querySelector('.jp-Notebook'); return s && "
+                "!document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]'); }",
+                timeout=60_000)
+
+            start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
+            expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",
+                                                                           timeout=90_000)
+
+            page.locator('.jp-SideBar [data-id="jupyter-ring-panel"]').click()
+            card = page.locator(".jp-RingPanel-cluster")
+            expect(card).to_have_count(1, timeout=15_000)
+            expect(card.locator("tr.jp-RingPanel-rank")).to_have_count(2, timeout=15_000)
+            expect(card.locator(".jp-RingPanel-state")).to_have_text("running")
+            expect(card.locator("tr.jp-RingPanel-rank").first).to_contain_text("alive")
+            expect(page.locator(".jp-RingStatus")).to_have_text("Ring: running · 2 ranks",
+                                                                 timeout=15_000)
+
+            long = _run_cell(page, 1, "%%distributed\nimport time\nprint('sleeping', flush=True)\n"
+                                      "time.sleep(60)")
+            expect(long.locator(".jp-InputPrompt")).to_contain_text("*", timeout=10_000)
+            expect(long.locator(".jp-OutputArea-output").first).to_contain_text("sleeping",
+                                                                                 timeout=30_000)
+            page.screenshot(path=SCREENSHOT)
+            t0 = time.monotonic()
+            card.locator("button[data-action=interrupt]").click()
+            expect(long.locator(".jp-InputPrompt")).not_to_contain_text("*", timeout=10_000)
+            took = time.monotonic() - t0
+            assert took < 10, f"the cell ran on for {took:.1f} s after Interrupt"
+            expect(long.locator(".jp-OutputArea")).to_contain_text("KeyboardInterrupt")
+
+            # Restart runs %ring restart in the owning kernel: a new cluster with 2 live ranks.
+            old_id = card.get_attribute("data-cluster-id")
+            card.locator("button[data-action=restart]").click()
+            expect(card).not_to_have_attribute("data-cluster-id", old_id, timeout=60_000)
+            expect(card.locator(".jp-RingPanel-state")).to_have_text("running", timeout=15_000)
+            expect(card.locator("tr.jp-RingPanel-rank.jp-mod-alive")).to_have_count(2)
+
+            cluster_id = card.get_attribute("data-cluster-id")
+            info = _get(f"{lab['base']}/jupyter-ring/clusters/{cluster_id}", lab["token"])
+            pids = [r["pid"] for r in info["ranks"]] + [info["controller"]["pid"]]
+            card.locator("button[data-action=stop]").click()
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            expect(page.locator(".jp-RingPanel-empty")).to_be_visible(timeout=20_000)
+            expect(page.locator(".jp-RingStatus")).to_have_text("Ring: no cluster",
+                                                                 timeout=10_000)
+            deadline = time.monotonic() + 5
+            while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not [pid for pid in pids if _alive(pid)], "cluster processes survived Stop"
+        finally:
+            browser.close()
+    ours = [e for e in errors if "ring" in e.lower()]
+    assert not ours, f"JavaScript errors from the extension: {ours}"
+
+
+def _alive(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_jupyterlab_browser_check_passes():
+    """``python -m jupyterlab.browser_check`` (server side: Playwright's own browser download is
+    not reachable here, so ``--no-browser-test``; the test above covers the page in chromium)."""
+    with tempfile.TemporaryDirectory() as runtime:
+        env = dict(os.environ, JUPYTER_RUNTIME_DIR=runtime,
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        proc = subprocess.run([sys.executable, "-m", "jupyterlab.browser_check",
+                               "--no-browser-test", "--allow-root"],
+                              capture_output=True, text=True, timeout=120, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "jupyter_ring.server | extension was successfully loaded" in out, out[-6000:]
