@@ -196,10 +196,11 @@ class Runtime:
                     pass
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, reqs, what, peers_of, check_notices=True):
+    def _wait(self, reqs, what, peers_of, check_notices=True, missing=None):
         """Wait for every request, polling from Python so that signals are handled.
 
-        ``peers_of[i]`` is the rank request ``i`` waits on, used to name missing ranks.
+        ``peers_of[i]`` is the rank request ``i`` waits on, used to name missing ranks, unless
+        ``missing`` (a function returning the ranks) says better.
         """
         Testall = self.MPI.Request.Testall
         if Testall(reqs):
@@ -209,6 +210,8 @@ class Runtime:
         while time.perf_counter() < spin_until:
             if Testall(reqs):
                 return
+        if missing is None:
+            missing = lambda: self._missing(reqs, peers_of)  # noqa: E731
         config = self.config
         warned = False
         delay = 1e-5
@@ -222,19 +225,19 @@ class Runtime:
             waited = time.perf_counter() - start
             if waited > config.stall_warning and not warned:
                 warned = True
-                missing = self._missing(reqs, peers_of)
+                absent = missing()
                 log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s",
-                            self.rank, waited, what, missing)
-                reporter.stalled(what, missing, waited)
+                            self.rank, waited, what, absent)
+                reporter.stalled(what, absent, waited)
             if waited > config.stall_timeout:
-                missing = self._missing(reqs, peers_of)
+                absent = missing()
                 reporter.stalled(None, (), 0.0)
                 raise StallError(
-                    f"{what}: rank {self.rank} waited {waited:.1f} s for rank(s) {missing}, which never "
+                    f"{what}: rank {self.rank} waited {waited:.1f} s for rank(s) {absent}, which never "
                     f"arrived (stall timeout {config.stall_timeout:g} s). Every rank must call the same "
                     "collectives in the same order; a rank that raised, skipped a call or died leaves "
                     "the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just slow.",
-                    missing)
+                    absent)
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -274,8 +277,13 @@ class Runtime:
             self._pending_dup = self.ctl.Idup()
         newcomm, req = self._pending_dup
         peers = self.peers
+        def not_announced():
+            self._poll_notices()
+            return [p for p in peers if p not in self._notices.get(target, set())]
+
         try:
-            self._wait([req], "resync after an abandoned collective", [0], check_notices=False)
+            self._wait([req], "resync after an abandoned collective", [], check_notices=False,
+                       missing=not_announced)
         except StallError:
             self._poll_notices()
             arrived = self._notices.get(target, set())
