@@ -32,8 +32,13 @@ async function restartInKernel(app: JupyterFrontEnd, cluster: IClusterInfo): Pro
   if (!model) {
     throw new Error('its kernel is not running in this JupyterLab');
   }
-  // A busy kernel would queue the restart behind the running cell: end that cell first.
-  await clusterAction(cluster.id, 'interrupt');
+  // A busy kernel would queue the restart behind the running cell: end that cell first. A cluster
+  // with no engines left refuses the interrupt (409); %ring restart replaces it all the same.
+  try {
+    await clusterAction(cluster.id, 'interrupt');
+  } catch (err) {
+    console.warn(`jupyter-ring: interrupt before restart of ${cluster.id} failed`, err);
+  }
   const kernel = kernels.connectTo({ model });
   try {
     const future = kernel.requestExecute({ code: '%ring restart', silent: false, store_history: false });
