@@ -1,0 +1,161 @@
+"""HTML and SVG for the dashboard, from a DashboardState: no widgets, no JavaScript.
+
+The same functions draw the live widget's chart and tables and the static fallback saved in the
+notebook, so a notebook reopened without a kernel shows what the widget last showed.
+"""
+
+import html
+
+from ._state import format_bytes, format_seconds, format_value
+
+__all__ = ["render_html", "render_chart", "render_comm", "render_banner", "rank_cells",
+           "COLORS", "STYLE"]
+
+# Tableau 10: distinguishable, and readable on light and dark themes.
+COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
+          "#ff9da7", "#9c755f", "#bab0ac"]
+
+STYLE = """<style>
+.jr-dash{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;color:var(--jp-ui-font-color1,#222)}
+.jr-dash table{border-collapse:collapse;margin:2px 0}
+.jr-dash th,.jr-dash td{padding:2px 8px;text-align:right;white-space:nowrap}
+.jr-dash th{font-weight:600;border-bottom:1px solid var(--jp-border-color1,#ccc)}
+.jr-dash td.jr-l,.jr-dash th.jr-l{text-align:left}
+.jr-bar{display:inline-block;width:160px;height:10px;background:var(--jp-layout-color3,#e5e5e5);border-radius:2px;vertical-align:middle}
+.jr-bar>div{height:100%;background:#4e79a7;border-radius:2px}
+.jr-straggler td{background:rgba(242,142,43,.18)}
+.jr-straggler .jr-bar>div{background:#f28e2b}
+.jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
+.jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
+</style>"""
+
+
+def _e(text):
+    return html.escape(str(text), quote=True)
+
+
+def color(rank):
+    """The chart and legend colour of ``rank``."""
+    return COLORS[rank % len(COLORS)]
+
+
+def rank_cells(state, rank):
+    """The text of one rank's row: step, percent, rate, ETA, metrics, comm share."""
+    s = state.ranks[rank]
+    if not s.seen:
+        return {"step": "waiting for the first report", "pct": "", "rate": "", "eta": "",
+                "metrics": "", "comm": ""}
+    total = f" / {s.total:g}" if isinstance(s.total, (int, float)) else ""
+    step = f"{s.step:g}" if isinstance(s.step, (int, float)) else str(s.step)
+    pct = f"{100 * s.fraction:.0f} %" if s.fraction is not None else ""
+    if s.done:
+        eta = "done" if s.fraction in (None, 1.0) else "stopped"
+    else:
+        eta = f"ETA {format_seconds(s.eta)}" if s.eta is not None else ""
+    metrics = "  ".join(f"{k} {format_value(v)}" for k, v in sorted(s.metrics.items()))
+    desc = f"{s.desc}: " if s.desc else ""
+    return {"step": f"{desc}{step}{total}", "pct": pct, "rate": f"{s.rate:.1f} it/s", "eta": eta,
+            "metrics": metrics, "comm": f"{100 * s.comm_share:.0f} %"}
+
+
+def render_banner(state):
+    """The stall banner (a red box naming who waits on what and who is missing), or ''."""
+    text = state.banner()
+    if not text:
+        return ""
+    return f'<div class="jr-banner"><b>Stalled:</b> {_e(text)}</div>'
+
+
+def render_chart(state, width=640, height=200, max_points=500):
+    """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data."""
+    metric = state.chart_metric()
+    series = state.series(metric, max_points=max_points)
+    if not series:
+        return ""
+    xs = [x for pts in series.values() for x, _ in pts if isinstance(x, (int, float))]
+    ys = [y for pts in series.values() for _, y in pts]
+    if not xs:
+        return ""
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    left, right, top, bottom = 48, 90, 18, 22
+    pw, ph = width - left - right, height - top - bottom
+
+    def sx(x):
+        return left + (x - x0) / (x1 - x0) * pw
+
+    def sy(y):
+        return top + (1 - (y - y0) / (y1 - y0)) * ph
+
+    parts = [f'<svg class="jr-chart" data-metric="{_e(metric)}" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',
+             f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
+             'stroke="#bbb" stroke-width="0.5"/>',
+             f'<text x="{left}" y="12">{_e(metric)} per step, all ranks</text>',
+             f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{format_value(y1)}</text>',
+             f'<text x="{left - 4}" y="{top + ph}" text-anchor="end">{format_value(y0)}</text>',
+             f'<text x="{left}" y="{height - 6}">{format_value(x0)}</text>',
+             f'<text x="{left + pw}" y="{height - 6}" text-anchor="end">step {format_value(x1)}</text>']
+    for i, (rank, pts) in enumerate(sorted(series.items())):
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts if isinstance(x, (int, float)))
+        parts.append(f'<polyline class="jr-series" data-rank="{rank}" data-points="{len(pts)}" '
+                     f'fill="none" stroke="{color(rank)}" stroke-width="1.5" points="{coords}"/>')
+        if len(pts) == 1:  # a lone point draws no line: mark it
+            x, y = pts[0]
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color(rank)}"/>')
+        ly = top + 12 + 14 * i
+        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 26}" y2="{ly - 4}" '
+                     f'stroke="{color(rank)}" stroke-width="2"/>'
+                     f'<text x="{left + pw + 30}" y="{ly}">rank {rank}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_comm(state):
+    """A table per rank of allreduce count, bytes, time, busbw and the comm share of step time."""
+    rows = []
+    kinds = sorted({k for s in state.ranks.values() for k in s.comm} - {"allreduce"})
+    for rank, s in state.ranks.items():
+        if not s.seen:
+            continue
+        ar = state.comm_totals(rank)
+        other = ", ".join(f"{k} {state.comm_totals(rank, k)['count']}x" for k in kinds
+                          if state.comm_totals(rank, k)["count"])
+        rows.append(f'<tr class="jr-comm-row" data-rank="{rank}"><td class="jr-l">rank {rank}</td>'
+                    f'<td>{ar["count"]}</td><td>{format_bytes(ar["bytes"])}</td>'
+                    f'<td>{ar["time_s"]:.3f} s</td><td>{format_bytes(ar["busbw"])}/s</td>'
+                    f'<td>{100 * s.comm_share:.0f} %</td><td class="jr-l">{_e(other)}</td></tr>')
+    if not rows:
+        return ""
+    return ('<table class="jr-comm"><tr><th class="jr-l">communication</th><th>allreduces</th>'
+            '<th>bytes</th><th>time</th><th>busbw</th><th>share of step time</th>'
+            '<th class="jr-l">other collectives</th></tr>' + "".join(rows) + "</table>")
+
+
+def render_rows(state):
+    """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics."""
+    stragglers = set(state.stragglers())
+    rows = []
+    for rank, s in state.ranks.items():
+        cells = rank_cells(state, rank)
+        frac = s.fraction if s.fraction is not None else (1.0 if s.done else 0.0)
+        cls = "jr-rank-row jr-straggler" if rank in stragglers else "jr-rank-row"
+        note = " (straggler)" if rank in stragglers else ""
+        rows.append(f'<tr class="{cls}" data-rank="{rank}"><td class="jr-l">'
+                    f'<span style="color:{color(rank)}">&#9632;</span> rank {rank}{note}</td>'
+                    f'<td class="jr-l"><span class="jr-bar"><div style="width:{100 * frac:.1f}%">'
+                    f'</div></span></td><td>{_e(cells["pct"])}</td><td>{_e(cells["step"])}</td>'
+                    f'<td>{_e(cells["rate"])}</td><td>{_e(cells["eta"])}</td>'
+                    f'<td class="jr-l">{_e(cells["metrics"])}</td></tr>')
+    return '<table class="jr-ranks">' + "".join(rows) + "</table>"
+
+
+def render_html(state, title="jupyter_ring training"):
+    """The whole dashboard as one self-contained HTML fragment (the static fallback)."""
+    return (f'{STYLE}<div class="jr-dash jr-static"><div><b>{_e(title)}</b></div>'
+            f"{render_banner(state)}{render_rows(state)}{render_chart(state)}{render_comm(state)}"
+            "</div>")

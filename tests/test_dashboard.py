@@ -1,0 +1,238 @@
+"""The dashboard's state, rendering and datapub transport, from synthetic snapshot streams.
+
+Snapshots are made by the real ``Reporter`` of the runtime where the shape matters (deltas,
+throttling), and by hand where a test needs an exact situation (a stall, a slow rank).
+"""
+
+import random
+import re
+
+import pytest
+
+from jupyter_ring.runtime._report import Reporter
+from jupyter_ring.widgets._render import render_chart, render_html
+from jupyter_ring.widgets._state import DashboardState, downsample, format_seconds
+
+
+def snap(rank, step=0, total=None, rate=0.0, history=(), t=0.0, final=False, stall=None,
+         metrics=None, comm=None, comm_share=0.0):
+    return {"rank": rank, "step": step, "total": total, "desc": None, "rate": rate,
+            "metrics": metrics or {}, "history": list(history), "comm": comm or {},
+            "comm_share": comm_share, "stall": stall, "elapsed": t, "time": t, "final": final}
+
+
+class Clock:
+    """Stands in for time.time/perf_counter so the reporter's throttle is deterministic."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    import jupyter_ring.runtime._report as report
+
+    monkeypatch.setattr(report.time, "time", c)
+    monkeypatch.setattr(report.time, "perf_counter", c)
+    return c
+
+
+# ------------------------------------------------------------------------------------ history
+def test_history_points_are_kept_in_time_order_whatever_the_arrival_order():
+    state = DashboardState(1)
+    points = [(i, 100.0 + i * 0.1, {"loss": 1.0 / (i + 1)}) for i in range(50)]
+    chunks = [points[i:i + 7] for i in range(0, 50, 7)]
+    random.Random(0).shuffle(chunks)
+    for n, chunk in enumerate(chunks):
+        state.ingest(0, snap(0, history=chunk, t=200 + n))
+    steps = [s for s, _ in state.series("loss")[0]]
+    assert steps == list(range(50))
+
+
+def test_a_snapshot_ingested_twice_adds_no_points():
+    state = DashboardState(1)
+    s = snap(0, step=3, history=[(1, 10.0, {"loss": 0.5}), (2, 10.1, {"loss": 0.4})], t=11)
+    assert state.ingest(0, s) == 2
+    assert state.ingest(0, s) == 0
+    assert len(state.series()[0]) == 2
+
+
+def test_an_older_snapshot_does_not_overwrite_the_latest_values_but_adds_its_points():
+    state = DashboardState(1)
+    state.ingest(0, snap(0, step=20, t=20, history=[(20, 20.0, {"loss": 0.2})]), seq=2)
+    state.ingest(0, snap(0, step=10, t=10, history=[(10, 10.0, {"loss": 0.3})]), seq=1)
+    assert state.ranks[0].step == 20
+    assert [s for s, _ in state.series()[0]] == [10, 20]
+
+
+def test_throttled_deltas_from_the_real_reporter_lose_no_point(clock):
+    """A rank logs 1000 steps at 1 ms each; the reporter publishes ~10/s; all 1000 arrive."""
+    published = []
+    reporter = Reporter(max_rate=10)
+    reporter.publisher = published.append
+    reporter.rank = 1
+    reporter.reset()
+    for step in range(1000):
+        clock.now += 0.001
+        reporter.progress(step + 1, total=1000)
+        reporter.log(loss=1000.0 - step)
+    reporter.flush()
+    assert 5 <= len(published) <= 15  # throttled: about one snapshot per 0.1 s of the 1 s run
+    state = DashboardState([0, 1])
+    random.Random(1).shuffle(published)  # whatever order they arrive in
+    for seq, s in enumerate(published):
+        state.ingest(s["rank"], s)
+    series = state.series("loss", max_points=5000)[1]
+    assert [step for step, _ in series] == list(range(1, 1001))
+    assert [v for _, v in series] == [1000.0 - s for s in range(1000)]
+    assert state.ranks[1].step == 1000 and state.ranks[1].fraction == 1.0
+    assert not state.ranks[0].seen
+
+
+def test_non_finite_metrics_are_shown_but_not_charted():
+    state = DashboardState(1)
+    state.ingest(0, snap(0, history=[(1, 1.0, {"loss": "nan"}), (2, 2.0, {"loss": 0.5})],
+                         metrics={"loss": "nan"}, t=3))
+    assert state.series()[0] == [(2, 0.5)]
+    assert "loss nan" in state.summary()
+
+
+def test_downsample_keeps_ends_spikes_and_the_bound():
+    pts = [(i, 1.0) for i in range(10000)]
+    pts[4321] = (4321, 50.0)
+    out = downsample(pts, 500)
+    assert len(out) <= 500
+    assert out[0] == pts[0] and out[-1] == pts[-1]
+    assert (4321, 50.0) in out
+    assert [x for x, _ in out] == sorted(x for x, _ in out)
+    assert downsample(pts[:3], 500) == pts[:3]
+
+
+def test_chart_has_one_polyline_per_rank_with_at_most_500_points():
+    state = DashboardState(2)
+    for rank in (0, 1):
+        hist = [(i, i * 0.01, {"loss": 2.0 - i / 3000 + rank}) for i in range(3000)]
+        state.ingest(rank, snap(rank, step=3000, history=hist, t=40))
+    svg = render_chart(state)
+    lines = re.findall(r'<polyline class="jr-series" data-rank="(\d)" data-points="(\d+)"[^>]*'
+                       r'points="([^"]*)"', svg)
+    assert [r for r, _, _ in lines] == ["0", "1"]
+    for _rank, n, coords in lines:
+        assert int(n) <= 500 and len(coords.split()) == int(n)
+    assert 'data-metric="loss"' in svg
+
+
+# ---------------------------------------------------------------------------------- stragglers
+def test_straggler_is_a_running_rank_below_0_7_of_the_median_rate():
+    state = DashboardState(4)
+    for rank, rate in enumerate([10.0, 9.5, 10.2, 5.0]):
+        state.ingest(rank, snap(rank, step=50, total=100, rate=rate, t=1))
+    assert state.stragglers() == [3]
+    html_text = render_html(state)
+    assert re.search(r'class="jr-rank-row jr-straggler" data-rank="3"', html_text)
+    assert "straggler" in state.summary().splitlines()[3]
+    # a rank that finished is no straggler, and does not count towards the median
+    state.ingest(3, snap(3, step=100, total=100, rate=5.0, t=2, final=True))
+    assert state.stragglers() == []
+
+
+def test_no_straggler_at_the_start_or_with_one_rank():
+    state = DashboardState(2)
+    state.ingest(0, snap(0, step=1, total=100, rate=0.0, t=1))
+    state.ingest(1, snap(1, step=1, total=100, rate=0.0, t=1))
+    assert state.stragglers() == []
+    one = DashboardState(1)
+    one.ingest(0, snap(0, step=1, total=100, rate=0.1, t=1))
+    assert one.stragglers() == []
+
+
+def test_mild_differences_are_not_stragglers():
+    state = DashboardState(3)
+    for rank, rate in enumerate([10.0, 8.0, 7.5]):
+        state.ingest(rank, snap(rank, step=5, total=100, rate=rate, t=1))
+    assert state.stragglers() == []
+
+
+# --------------------------------------------------------------------------------- stall, ETA
+def test_stall_banner_names_the_waiting_rank_the_tensor_and_the_missing_ranks():
+    state = DashboardState(3)
+    state.ingest(0, snap(0, t=5, stall={"what": "allreduce 'fc1.weight.grad'", "missing": [2],
+                                        "waited": 12.3, "rank": 0}))
+    state.ingest(1, snap(1, t=5, stall={"what": "allreduce 'fc1.weight.grad'", "missing": [2],
+                                        "waited": 12.1, "rank": 1}))
+    state.ingest(2, snap(2, t=5))
+    banner = state.banner()
+    assert banner.splitlines() == [
+        "rank 0 has waited 12 s in allreduce 'fc1.weight.grad' for rank(s) 2",
+        "rank 1 has waited 12 s in allreduce 'fc1.weight.grad' for rank(s) 2"]
+    page = render_html(state)
+    assert 'class="jr-banner"' in page and "for rank(s) 2" in page
+    assert "&#x27;fc1.weight.grad&#x27;" in page  # escaped
+    # the stall ends: the next snapshot has stall None, and the banner goes
+    state.ingest(0, snap(0, t=6))
+    state.ingest(1, snap(1, t=6))
+    assert state.banner() == "" and 'class="jr-banner"' not in render_html(state)
+
+
+def test_eta_from_rate_and_total():
+    state = DashboardState(1)
+    state.ingest(0, snap(0, step=40, total=100, rate=20.0, t=1))
+    assert state.ranks[0].eta == pytest.approx(3.0)
+    assert "ETA 3 s" in state.summary()
+    state.ingest(0, snap(0, step=40, total=None, rate=20.0, t=2))  # the reporter dropped the total
+    assert state.ranks[0].eta is None and state.ranks[0].fraction is None
+    unknown = DashboardState(1)
+    unknown.ingest(0, snap(0, step=40, total=100, rate=0.0, t=1))
+    assert unknown.ranks[0].eta is None
+    assert format_seconds(3725) == "1:02:05" and format_seconds(125) == "2:05"
+
+
+# ------------------------------------------------------------------------------- freeze, HTML
+def _trained_state():
+    state = DashboardState(2)
+    comm = {"allreduce": {"count": 120, "bytes": 3 * 2**20, "time_s": 0.25, "busbw": 12.5 * 2**20},
+            "broadcast": {"count": 4, "bytes": 1024, "time_s": 0.01, "busbw": 1e5}}
+    for rank in (0, 1):
+        hist = [(i, 100 + i * 0.1, {"loss": 1.0 / (i + 1) + 0.01 * rank}) for i in range(1, 61)]
+        state.ingest(rank, snap(rank, step=60, total=60, rate=30.0, history=hist, t=107,
+                                final=True, metrics={"loss": hist[-1][2]["loss"]},
+                                comm=comm, comm_share=0.12))
+    return state
+
+
+def test_freeze_gives_final_static_html_with_each_rank_row_and_the_chart():
+    state = _trained_state()
+    state.freeze()
+    assert state.ingest(0, snap(0, step=1, t=999)) == 0 and state.ranks[0].step == 60
+    page = render_html(state)
+    assert len(re.findall(r'<tr class="jr-rank-row[^"]*" data-rank="\d"', page)) == 2
+    assert page.count('class="jr-series"') == 2
+    assert page.count("100 %") == 2 and page.count(">done<") == 2
+    assert "<script" not in page  # static: shows without a kernel or JavaScript
+    comm_rows = re.findall(r'<tr class="jr-comm-row" data-rank="(\d)">(.*?)</tr>', page)
+    assert [r for r, _ in comm_rows] == ["0", "1"]
+    assert "<td>120</td><td>3.0 MiB</td><td>0.250 s</td><td>12.5 MiB/s</td><td>12 %</td>" in page
+    summary = state.summary()
+    assert summary.splitlines()[0].startswith("rank 0: step 60/60 (100%), 30.0 it/s")
+    assert "allreduce 120x 3.0 MiB 0.25 s 12.5 MiB/s" in summary
+
+
+def test_freeze_clears_a_stall_that_was_still_shown():
+    state = DashboardState(2)
+    state.ingest(0, snap(0, t=1, stall={"what": "barrier", "missing": [1], "waited": 6, "rank": 0}))
+    state.freeze()
+    assert state.banner() == ""
+
+
+def test_unknown_ranks_get_a_row_and_bad_ranks_are_refused():
+    state = DashboardState([0])
+    state.ingest(None, snap(3, step=1, t=1))
+    assert list(state.ranks) == [0, 3]
+    with pytest.raises(ValueError, match="a rank is an int >= 0"):
+        state.ingest(-1, snap(0))
+    with pytest.raises(ValueError, match="straggler_ratio"):
+        DashboardState(2, straggler_ratio=1.5)
