@@ -236,3 +236,52 @@ def test_unknown_ranks_get_a_row_and_bad_ranks_are_refused():
         state.ingest(-1, snap(0))
     with pytest.raises(ValueError, match="straggler_ratio"):
         DashboardState(2, straggler_ratio=1.5)
+
+
+# ------------------------------------------------------------------------------------- widget
+def test_widget_has_a_row_per_rank_and_marks_the_straggler():
+    from jupyter_ring.widgets import Dashboard
+
+    dash = Dashboard(ranks=3)
+    assert len(dash._rows.children) == 3
+    assert "waiting for the first report" in dash._rows.children[0].text.value
+    for rank, rate in enumerate([10.0, 10.0, 3.0]):
+        dash.state.ingest(rank, snap(rank, step=30, total=60, rate=rate, t=1,
+                                     history=[(30, 1.0, {"loss": 0.5})]))
+    dash.refresh()
+    rows = dash._rows.children
+    assert [r.bar.value for r in rows] == [0.5, 0.5, 0.5]
+    assert [("jr-straggler" in r._dom_classes) for r in rows] == [False, False, True]
+    assert rows[2].bar.bar_style == "warning" and "straggler" in rows[2].label.value
+    assert "jr-series" in dash._chart.value
+    version = dash._drawn
+    dash.refresh()  # unchanged state: nothing redrawn
+    assert dash._drawn == version
+
+
+def test_widget_mimebundle_carries_a_static_fallback():
+    from jupyter_ring.widgets import Dashboard
+
+    dash = Dashboard(state=_trained_state())
+    bundle = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/html"].count('class="jr-rank-row') == 2
+    assert bundle["text/plain"].startswith("rank 0: step 60/60 (100%)")
+
+
+def test_freeze_replaces_the_displayed_widget_by_its_final_html():
+    from jupyter_ring.widgets import Dashboard
+
+    class Handle:
+        updates = []
+
+        def update(self, obj, raw=False):
+            self.updates.append((obj, raw))
+
+    dash = Dashboard(state=_trained_state())
+    dash._handle = Handle()
+    dash.freeze()
+    (bundle, raw), = Handle.updates
+    assert raw and set(bundle) == {"text/html", "text/plain"}
+    assert bundle["text/html"].count('class="jr-series"') == 2
+    assert dash.state.frozen and dash.comm is None  # the widget was closed

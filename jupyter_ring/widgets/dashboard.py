@@ -1,0 +1,138 @@
+"""The live training dashboard: a row per rank, a loss chart of all ranks, communication timing.
+
+Plain ipywidgets (progress bars, HTML) and an SVG chart inside an HTML widget: no JavaScript of
+its own, so it shows in JupyterLab 4, Notebook 7 and VS Code without a build step::
+
+    from jupyter_ring.widgets import Dashboard
+
+    dash = Dashboard(ranks=2)
+    dash.display()                      # live
+    dash.state.ingest(0, snapshot)      # snapshots from the ranks (see LiveDashboard)
+    dash.refresh()
+    dash.freeze()                       # final: the output becomes static HTML
+
+The widget's mime bundle also carries ``text/html`` and ``text/plain`` renderings, and
+``freeze()`` replaces the displayed widget by its final HTML, so a saved notebook reopened
+without a kernel still shows the dashboard.
+"""
+
+import ipywidgets as widgets
+
+from ._render import STYLE, color, rank_cells, render_banner, render_chart, render_comm, render_html
+from ._state import DashboardState
+
+__all__ = ["Dashboard", "DashboardState"]
+
+
+class _RankRow(widgets.HBox):
+    """One rank: label, progress bar, step/percent/rate/ETA and latest metrics."""
+
+    def __init__(self, rank):
+        self.rank = rank
+        self.label = widgets.HTML(
+            f'<span style="color:{color(rank)}">&#9632;</span> rank {rank}',
+            layout=widgets.Layout(width="130px"))
+        self.bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0,
+                                         layout=widgets.Layout(width="200px"))
+        self.text = widgets.HTML("waiting for the first report")
+        super().__init__([self.label, self.bar, self.text])
+        self.add_class("jr-rank-row")
+        self.straggler = False
+
+    def update(self, state, straggler):
+        s = state.ranks[self.rank]
+        cells = rank_cells(state, self.rank)
+        frac = s.fraction if s.fraction is not None else (1.0 if s.done else 0.0)
+        if s.fraction is None and not s.done:
+            self.bar.bar_style = "info"
+        else:
+            self.bar.bar_style = "success" if s.done else ("warning" if straggler else "")
+        self.bar.value = frac
+        note = ' <b style="color:#f28e2b">straggler</b>' if straggler else ""
+        self.label.value = (f'<span style="color:{color(self.rank)}">&#9632;</span> '
+                            f'rank {self.rank}{note}')
+        parts = [cells[k] for k in ("pct", "step", "rate", "eta") if cells[k]]
+        if cells["metrics"]:
+            parts.append(cells["metrics"])
+        self.text.value = '<span class="jr-rank-text">' + " &nbsp;·&nbsp; ".join(parts) + "</span>"
+        if straggler != self.straggler:
+            (self.add_class if straggler else self.remove_class)("jr-straggler")
+            self.straggler = straggler
+
+
+class Dashboard(widgets.VBox):
+    """Live per-rank progress, metrics, a loss chart and comm timing, drawn from a DashboardState.
+
+    ``ranks`` (a count or a list) sizes a new state; pass ``state`` to draw an existing one.
+    Call :meth:`refresh` after ingesting snapshots and :meth:`freeze` when the run is over.
+    """
+
+    def __init__(self, ranks=(), state=None, title="jupyter_ring training", **kwargs):
+        self.state = state if state is not None else DashboardState(ranks)
+        self.title = title
+        self._header = widgets.HTML(f"{STYLE}<b>{title}</b>")
+        self._banner = widgets.HTML("")
+        self._rows = widgets.VBox([])
+        self._chart = widgets.HTML("")
+        self._comm = widgets.HTML("")
+        self._row_of = {}
+        self._drawn = None
+        self._handle = None
+        super().__init__([self._header, self._banner, self._rows, self._chart, self._comm],
+                         **kwargs)
+        self.add_class("jr-dash")
+        self.add_class("jr-dashboard")
+        self.refresh()
+
+    def refresh(self):
+        """Redraw from the state (does nothing when the state has not changed)."""
+        state = self.state
+        if self._drawn == state.version:
+            return
+        self._drawn = state.version
+        if list(self._row_of) != list(state.ranks):
+            for rank in state.ranks:
+                if rank not in self._row_of:
+                    self._row_of[rank] = _RankRow(rank)
+            self._rows.children = [self._row_of[r] for r in state.ranks]
+        stragglers = set(state.stragglers())
+        for rank, row in self._row_of.items():
+            row.update(state, rank in stragglers)
+        self._banner.value = render_banner(state)
+        self._chart.value = render_chart(state)
+        self._comm.value = render_comm(state)
+
+    def to_html(self):
+        """The dashboard as static HTML (what a notebook reopened without a kernel shows)."""
+        return render_html(self.state, self.title)
+
+    def display(self):
+        """Show the dashboard in the notebook; ``freeze()`` later replaces it by static HTML."""
+        from IPython.display import display
+
+        self._handle = display(self, display_id=True)
+        return self._handle
+
+    def freeze(self):
+        """Final state: no more snapshots; a displayed dashboard becomes its static HTML."""
+        self.state.freeze()
+        self.refresh()
+        if self._handle is not None:
+            self._handle.update(self._static_bundle(), raw=True)
+            self._handle = None
+            _close_tree(self)  # the widget models are no longer shown anywhere
+
+    def _static_bundle(self):
+        return {"text/html": self.to_html(), "text/plain": self.state.summary()}
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs) or {}
+        # Frontends without the widget model (saved notebook, nbconvert) fall back to these.
+        bundle.update(self._static_bundle())
+        return bundle
+
+
+def _close_tree(widget):
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    widget.close()
