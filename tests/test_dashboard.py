@@ -285,3 +285,83 @@ def test_freeze_replaces_the_displayed_widget_by_its_final_html():
     assert raw and set(bundle) == {"text/html", "text/plain"}
     assert bundle["text/html"].count('class="jr-series"') == 2
     assert dash.state.frozen and dash.comm is None  # the widget was closed
+
+
+# ------------------------------------------------------------------- datapub transport (unit)
+def test_unique_keys_survive_ipyparallels_dict_update_and_are_consumed_once(clock):
+    """Snapshots merged into one dict (as ipyparallel's client does) between two polls: none
+    overwrites another, each is read exactly once, in publication order."""
+    from jupyter_ring.widgets._publish import Publisher
+    from jupyter_ring.widgets.live import LiveDashboard, take_snapshots
+
+    engine_data = {}                 # what the client's AsyncResult.data holds for one engine
+    reporter = Reporter(max_rate=10)
+    publisher = Publisher(engine_data.update, reporter)
+    reporter.publisher = publisher
+    reporter.rank = 0
+    reporter.reset()
+    live = LiveDashboard(1, display=False)
+    for step in range(300):
+        clock.now += 0.01
+        reporter.log(step=step, loss=float(step))
+        if step % 70 == 69:          # the notebook polls rarely: several snapshots pile up
+            assert len([k for k in engine_data if k.startswith("jupyter_ring/")]) > 1
+            live.poll([engine_data])
+            assert not engine_data   # consumed keys are deleted
+    publisher.post_execute()         # the cell ends: the rest, marked final
+    engine_data["other"] = 1         # keys of others are left alone
+    live.poll([engine_data])
+    assert engine_data == {"other": 1}
+    assert take_snapshots(engine_data) == []
+    series = live.state.series("loss", max_points=1000)[0]
+    assert [s for s, _ in series] == list(range(300))
+    assert live.state.ranks[0].final and live.state.ranks[0].seq == publisher.seq
+
+
+def test_take_snapshots_orders_by_sequence_number():
+    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.widgets.live import take_snapshots
+
+    data = {snapshot_key(n): {"rank": 0, "n": n} for n in (12, 3, 100, 7)}
+    assert [seq for seq, _ in take_snapshots(data)] == [3, 7, 12, 100]
+    assert data == {}
+
+
+def test_post_execute_publishes_final_only_for_cells_that_reported(clock):
+    from jupyter_ring.widgets._publish import Publisher
+
+    sent = []
+    reporter = Reporter()
+    publisher = Publisher(sent.append, reporter)
+    reporter.publisher = publisher
+    reporter.reset()
+    publisher.pre_execute()
+    publisher.post_execute()          # a cell that reported nothing: nothing sent
+    assert sent == []
+    publisher.pre_execute()
+    reporter.progress(5, total=10)    # published at once (first in the throttle window)
+    publisher.post_execute()
+    assert [next(iter(s.values()))["final"] for s in sent] == [False, True]
+    publisher.enabled = False
+    publisher.pre_execute()
+    clock.now += 1
+    reporter.progress(6)
+    publisher.post_execute()
+    assert len(sent) == 2 and not reporter.pending
+
+
+def test_live_dashboard_polls_a_subset_of_ranks_and_draws_at_most_every_min_interval(clock):
+    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.widgets.live import LiveDashboard
+
+    live = LiveDashboard([0, 1, 2, 3], display=False, min_interval=3600)
+    engine2 = {snapshot_key(1): snap(2, step=1, total=4, t=1, history=[(1, 1.0, {"loss": 2.0})])}
+    assert live.poll([engine2]) == 1
+    drawn = live.dashboard._drawn
+    engine2[snapshot_key(2)] = snap(2, step=2, total=4, t=2, history=[(2, 2.0, {"loss": 1.0})])
+    assert live.poll([engine2]) == 1
+    assert live.dashboard._drawn == drawn  # throttled: not redrawn yet
+    state = live.finish([engine2])
+    assert live.dashboard._drawn == state.version and state.frozen
+    assert state.ranks[2].step == 2 and not state.ranks[0].seen
+    assert "rank 0: no report yet" in state.summary()

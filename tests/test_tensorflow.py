@@ -23,7 +23,7 @@ KERAS_PUBLIC = {
     "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "allgather", "broadcast", "barrier", "broadcast_object", "allgather_object",
     "broadcast_variables", "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateWarmupCallback",
+    "MetricAverageCallback", "LearningRateWarmupCallback", "ProgressCallback",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
 }
 

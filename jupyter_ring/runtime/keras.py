@@ -23,6 +23,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the keras adapter needs tensorflow (with Keras 3): "
                       "pip install 'jupyter_ring[tensorflow]'") from exc
 
+from . import _report
 from . import tensorflow as _tf_adapter
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
@@ -51,7 +52,7 @@ __all__ = [
     "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "allreduce", "allgather", "broadcast", "barrier", "broadcast_object", "allgather_object",
     "broadcast_variables", "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateWarmupCallback",
+    "MetricAverageCallback", "LearningRateWarmupCallback", "ProgressCallback",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
 ]
 
@@ -246,9 +247,52 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
 
 
+# ------------------------------------------------------------------ dashboard (owner: widgets)
+class ProgressCallback(keras.callbacks.Callback):
+    """Report ``fit``'s steps and batch metrics (loss, ...) to the notebook's dashboard.
+
+    ``ring.progress(step, total=epochs * steps)`` after every batch, and ``ring.log`` of the
+    batch logs (Keras' running means over the epoch). ``metrics``: names to log (default: every
+    scalar in the logs). Costs one host sync of the logs per batch.
+    """
+
+    def __init__(self, metrics=None):
+        super().__init__()
+        self.metrics = None if metrics is None else list(metrics)
+        self.step = 0
+        self.epoch = 0
+        self.epochs = None
+
+    def on_train_begin(self, logs=None):
+        params = self.params or {}
+        steps, self.epochs = params.get("steps"), params.get("epochs")
+        total = steps * self.epochs if steps and self.epochs else None
+        self.step = 0
+        _report.progress(0, total=total, desc="fit")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step += 1
+        desc = f"epoch {self.epoch + 1}/{self.epochs}" if self.epochs else "fit"
+        _report.progress(self.step, desc=desc)
+        values = {}
+        for key, value in (logs or {}).items():
+            if self.metrics is not None and key not in self.metrics:
+                continue
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                continue  # not a scalar
+        if values:
+            _report.log(**values)
+
+
 callbacks = types.SimpleNamespace(
     BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
     MetricAverageCallback=MetricAverageCallback,
     LearningRateWarmupCallback=LearningRateWarmupCallback,
+    ProgressCallback=ProgressCallback,
 )
-"""Horovod's ``hvd.callbacks`` namespace: the three callbacks above."""
+"""Horovod's ``hvd.callbacks`` namespace: the callbacks above (and ``ProgressCallback``)."""

@@ -29,6 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .. import runtime as _ring
+from . import _report  # the dashboard's step count (_report_step, at the end)
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
 
@@ -764,7 +765,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
         self._synchronized = False
-        return self._opt.step(closure) if closure is not None else self._opt.step()
+        result = self._opt.step(closure) if closure is not None else self._opt.step()
+        _report_step(self)
+        return result
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradients; an error between backward() and step(), where it would lose them."""
@@ -784,3 +787,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if getattr(p, "_jupyter_ring_hook", None) is not None:
                 p._jupyter_ring_hook = None
+
+
+# ------------------------------------------------------------------ dashboard (owner: widgets)
+def _report_step(optimizer):
+    """Count optimizer steps for the notebook's dashboard, unless the user reports progress.
+
+    The optimizer advances ``ring.progress`` by one per ``step()`` as long as the reporter's step
+    is the one it set last (or 0: a count restarted with ``ring.progress(0, total=N)``). A user
+    who reports other steps (epochs, a global step of their own) takes over for this optimizer.
+    """
+    last = getattr(optimizer, "_ring_reported_step", None)
+    if last is False:
+        return
+    step = _report.reporter.step
+    if last is None or step == last or step == 0:
+        _report.reporter.progress(step + 1)
+        optimizer._ring_reported_step = step + 1
+    else:
+        optimizer._ring_reported_step = False

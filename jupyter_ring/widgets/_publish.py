@@ -1,0 +1,101 @@
+"""Engine side of the dashboard's transport: rank snapshots over ipyparallel's datapub channel.
+
+Runs inside each ipyparallel engine (the front end executes :data:`jupyter_ring.widgets.live.
+ENGINE_SETUP` once, after ``ring.init()``). ipyparallel merges each engine's published dicts into
+the client's ``AsyncResult.data`` with ``dict.update``; snapshots carry *deltas* of the metric
+history, so each one goes under a key of its own (``jupyter_ring/<seq>``) and the notebook pops
+the keys it has read: none overwrites another between two polls.
+
+Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's reporter.
+"""
+
+__all__ = ["KEY_PREFIX", "Publisher", "install", "uninstall", "enable"]
+
+KEY_PREFIX = "jupyter_ring/"
+
+
+def snapshot_key(seq):
+    """The datapub key of snapshot number ``seq`` (zero-padded: keys sort in publication order)."""
+    return f"{KEY_PREFIX}{seq:010d}"
+
+
+class Publisher:
+    """The reporter's publisher on one engine: numbers snapshots and sends each under its own key.
+
+    Registered for IPython's ``pre_execute``/``post_execute`` events too: when a cell that
+    reported anything ends, the latest state is published at once, marked ``final``.
+    """
+
+    def __init__(self, send, reporter):
+        self.send = send            # ipyparallel.datapub.publish_data, or a stand-in in tests
+        self.reporter = reporter
+        self.seq = 0
+        self.enabled = True
+        self.sent_in_cell = False
+
+    def __call__(self, snapshot):
+        if not self.enabled:
+            return
+        self.seq += 1
+        self.sent_in_cell = True
+        self.send({snapshot_key(self.seq): snapshot})
+
+    def pre_execute(self):
+        self.sent_in_cell = False
+
+    def post_execute(self):
+        reporter = self.reporter
+        if reporter.publisher is not self or not self.enabled:
+            return
+        if self.sent_in_cell or reporter.dirty or reporter.pending:
+            # the parent header is still the cell's: this reaches the cell's AsyncResult.data
+            reporter.publish(final=True)
+
+
+def install(max_rate=10.0, shell=None):
+    """Install a :class:`Publisher` on this engine (replacing an earlier one); returns it."""
+    from ipyparallel.datapub import publish_data
+
+    from ..runtime import _report
+
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    uninstall(shell)
+    publisher = Publisher(publish_data, _report.reporter)
+    _report.set_publisher(publisher, max_rate)
+    if shell is not None:
+        shell.events.register("pre_execute", publisher.pre_execute)
+        shell.events.register("post_execute", publisher.post_execute)
+    return publisher
+
+
+def uninstall(shell=None):
+    """Remove this module's publisher (and its cell events) from this engine, if installed."""
+    from ..runtime import _report
+
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    old = _report.reporter.publisher
+    if not isinstance(old, Publisher):
+        return
+    _report.set_publisher(None)
+    if shell is not None:
+        for event, callback in (("pre_execute", old.pre_execute), ("post_execute", old.post_execute)):
+            try:
+                shell.events.unregister(event, callback)
+            except ValueError:
+                pass
+
+
+def enable(on=True):
+    """Pause (False) or resume publishing on this engine; the reporter keeps counting."""
+    from ..runtime import _report
+
+    publisher = _report.reporter.publisher
+    if isinstance(publisher, Publisher):
+        publisher.enabled = bool(on)
+    return isinstance(publisher, Publisher)

@@ -1,0 +1,134 @@
+"""The notebook side of the live dashboard: read rank snapshots from an AsyncResult, draw them.
+
+Wiring into a front end (what ``%ring start`` and ``%%distributed`` do)::
+
+    from jupyter_ring.widgets.live import ENGINE_SETUP, LiveDashboard
+
+    view.execute(ENGINE_SETUP, block=True)           # once per cluster, after ring.init()
+
+    ar = view.execute(cell, block=False)
+    live = LiveDashboard(ranks)                      # shows itself on the first snapshot
+    while not ar.wait(0.02):
+        live.poll(ar)                                # cheap; redraws at most 5 times a second
+    ar.wait_for_output(2.0)
+    live.finish(ar)                                  # last snapshots, then static final HTML
+
+A cell that reports nothing (no ``ring.progress``/``log``/``track``, no optimizer steps) shows
+no dashboard. ``ar`` may cover any subset of the ranks: snapshots name their rank.
+"""
+
+import time
+
+from ._publish import KEY_PREFIX
+from .dashboard import Dashboard
+
+__all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "set_publishing"]
+
+ENGINE_SETUP = """\
+import jupyter_ring.widgets._publish as _jr_publish
+_jr_publish.install()
+del _jr_publish
+"""
+"""Run once on every engine after ``ring.init()``: installs the datapub publisher of snapshots."""
+
+
+def take_snapshots(data):
+    """Pop every snapshot from one engine's datapub dict; return ``[(seq, snapshot)]`` in order.
+
+    ipyparallel's IO thread may add keys meanwhile: ``list(data)`` copies the keys in one step
+    (under the GIL), and a key added after the copy stays for the next call.
+    """
+    out = []
+    for key in list(data):
+        if isinstance(key, str) and key.startswith(KEY_PREFIX):
+            snapshot = data.pop(key, None)
+            if isinstance(snapshot, dict):
+                try:
+                    seq = int(key[len(KEY_PREFIX):])
+                except ValueError:
+                    continue
+                out.append((seq, snapshot))
+    out.sort(key=lambda item: item[0])
+    return out
+
+
+def _data_dicts(ar):
+    """Each engine's live datapub dict of an ipyparallel AsyncResult (or a list of dicts)."""
+    if isinstance(ar, dict):
+        return [ar]
+    if isinstance(ar, (list, tuple)):
+        return [d for d in ar if isinstance(d, dict)]
+    metadata = getattr(ar, "_metadata", None)
+    if metadata is not None:
+        return [md["data"] for md in metadata if md.get("data") is not None]
+    data = ar.data
+    return [data] if isinstance(data, dict) else list(data)
+
+
+class LiveDashboard:
+    """A :class:`Dashboard` fed from the ranks' snapshots in an AsyncResult's ``data``.
+
+    ``ranks``: the number of ranks or the list of ranks the cell runs on. ``display``: show the
+    dashboard in the notebook when the first snapshot arrives (False: only keep the state, e.g.
+    for a benchmark). ``min_interval``: least seconds between two redraws.
+    """
+
+    def __init__(self, ranks, display=True, min_interval=0.2, title="jupyter_ring training"):
+        self.dashboard = Dashboard(ranks=ranks, title=title)
+        self.state = self.dashboard.state
+        self.display = display
+        self.min_interval = min_interval
+        self.shown = False
+        self.received = 0          # snapshots ingested
+        self._last_draw = -float("inf")
+        self._stale = False        # ingested since the last redraw
+
+    def poll(self, ar, force=False):
+        """Ingest new snapshots from ``ar``; redraw if due. Returns how many were ingested."""
+        n = 0
+        for data in _data_dicts(ar):
+            for seq, snapshot in take_snapshots(data):
+                rank = snapshot.get("rank")
+                if isinstance(rank, int):
+                    self.state.ingest(rank, snapshot, seq=seq)
+                    n += 1
+        self.received += n
+        self._stale = self._stale or n > 0
+        now = time.monotonic()
+        if self._stale and (force or now - self._last_draw >= self.min_interval):
+            self._draw(now)
+        return n
+
+    def _draw(self, now):
+        self._stale = False
+        self._last_draw = now
+        self.dashboard.refresh()
+        if self.display and not self.shown:
+            self.shown = True
+            self.dashboard.display()
+
+    def finish(self, ar=None):
+        """Read the last snapshots, then freeze: the output becomes the final static HTML."""
+        if ar is not None:
+            done = getattr(ar, "done", None)
+            if done is not None and done() and hasattr(ar, "wait_for_output"):
+                try:
+                    ar.wait_for_output(1.0)
+                except Exception:  # output already complete, or the client is closing
+                    pass
+            self.poll(ar, force=True)
+        if self._stale:
+            self._draw(time.monotonic())
+        self.dashboard.freeze()
+        return self.state
+
+    def to_html(self):
+        """The dashboard's current static HTML."""
+        return self.dashboard.to_html()
+
+
+def set_publishing(view, enabled):
+    """Pause or resume the ranks' snapshots (``--no-dashboard``): a quick apply on ``view``."""
+    from ._publish import enable
+
+    return view.apply_sync(enable, bool(enabled))
