@@ -317,7 +317,7 @@ def broadcast_async(tensor, root_rank=0, name=None):
     _rt()
     with _joining("broadcast", name):
         name, explicit = _auto_name("broadcast", name)
-        arr = np.ascontiguousarray(_array(tensor, f"broadcast '{name}'"))
+        arr = np.require(_array(tensor, f"broadcast '{name}'"), requirements="C")  # keeps 0-d
         root = _root(root_rank, f"broadcast '{name}'")
     return _enqueue(("broadcast", arr, np.empty_like(arr), root, name, explicit), 0)
 

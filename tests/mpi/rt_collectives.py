@@ -142,6 +142,8 @@ for root in range(n):
         seed += 1
         xs = inputs(seed, length, np.dtype(np.float32))
         check(f"broadcast root={root} len={length}", ring.broadcast(xs[r], root_rank=root, name=f"bc.{root}.{length}"), xs[root], np.dtype(np.float32))
+zero_d = ring.broadcast(np.float64(r + 0.5), root_rank=n - 1, name="bc0d")
+check("broadcast 0-d keeps its shape", zero_d, np.asarray(np.float64(n - 0.5)), np.dtype(np.float64))
 buf = inputs(seed, 11, np.dtype(np.int64))[r].copy()
 ring.broadcast_(buf, root_rank=n - 1, name="bc_")
 check("broadcast_", buf, inputs(seed, 11, np.dtype(np.int64))[n - 1], np.dtype(np.int64))
