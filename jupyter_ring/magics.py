@@ -7,17 +7,21 @@ in IPython config as ``c.RingMagics.interrupt_grace = 10``.
 """
 
 import argparse
+import ast
 import atexit
+import inspect
 import shlex
 import signal
 import sys
+import threading
 import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float
+from traitlets import Bool, Enum, Float
 
+from ._tabs import RankTabs, TextSink, _ranges
 from .cluster import DeadRankError, RingCluster, _format_table, parse_ranks
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
@@ -106,7 +110,8 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
-    sub = parser.add_subparsers(dest="command", metavar="{start,status,stop,restart,push,pull}")
+    sub = parser.add_subparsers(dest="command",
+                                metavar="{start,status,stop,restart,push,pull,auto}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -126,10 +131,17 @@ def _ring_parser():
     which = pull.add_mutually_exclusive_group()
     which.add_argument("--rank", type=int, default=0, help="rank to pull from (default 0)")
     which.add_argument("--all", action="store_true", help="a list with every rank's value")
+    auto = sub.add_parser("auto", add_help=False,
+                          help="run every following cell on the ranks (on), or not (off)")
+    auto.add_argument("state", nargs="?", choices=["on", "off"],
+                      help="on or off (without it: show whether auto mode is on)")
     return parser
 
 
 _RING_PARSER = _ring_parser()
+
+# Line magics that keep an auto-mode cell in the notebook kernel when they open it.
+_LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
 
 
 @magics_class
@@ -148,10 +160,30 @@ class RingMagics(Magics):
                                  help="Seconds the other ranks get to finish on their own after "
                                       "the first rank failed, before they are interrupted.")
 
+    output = Enum(["auto", "tabs", "text"], "auto", config=True,
+                  help="How %%distributed shows output: 'tabs' (a tab per rank, live, then "
+                       "static HTML with the rank-tagged text as text/plain), 'text' (each "
+                       "line tagged [rank r] on stdout/stderr), or 'auto' (tabs in a Jupyter "
+                       "kernel with ipywidgets installed, else text).")
+    auto = Bool(False, config=True,
+                help="Auto mode: run every cell on the ranks without %%distributed "
+                     "(%ring auto on|off).")
+    auto_banner = Bool(True, config=True,
+                       help="In auto mode, print one line naming the ranks at the top of each "
+                            "cell's output, so that the mode is visible.")
+    remote_timeout = Float(3.0, config=True,
+                           help="Seconds to wait for rank 0 to answer a completion or "
+                                "inspection request before answering from this kernel.")
+    health_interval = Float(0.25, config=True,
+                            help="Seconds between checks for dead ranks while a cell runs.")
+
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self.cluster = None
         self._start_argv = None
+        self._widgets_ok = None
+        self._local_depth = 0
+        self._shim = None
         atexit.register(self._atexit)
 
     # ------------------------------------------------------------------------------- %ring
@@ -167,6 +199,7 @@ class RingMagics(Magics):
             %ring restart            # stop, then start with the same arguments
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
+            %ring auto on|off        # every following cell runs on the ranks (%%local: here)
 
         Example::
 
@@ -190,8 +223,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, stop, restart, push or pull "
-                             "(see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, stop, restart, push, pull "
+                             "or auto (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
@@ -206,6 +239,11 @@ class RingMagics(Magics):
         hosts = [h for item in args.hosts for h in item.split(",") if h]
         cluster = RingCluster(parent=self, n=args.n, gpus=args.gpus, launcher=args.launcher,
                               hosts=hosts)
+        if (self._widgets_ok is None and self.output != "text"
+                and getattr(self.shell, "kernel", None) is not None):
+            # ipywidgets takes ~0.5 s to import: overlap it with the ranks starting up
+            threading.Thread(target=self._import_widgets, name="jupyter_ring-import-widgets",
+                             daemon=True).start()
         t0 = time.perf_counter()
         try:
             rows = cluster.start()
@@ -230,6 +268,7 @@ class RingMagics(Magics):
             print(cluster.describe_death(dead))
         else:
             print(f"{cluster.size} ranks alive (started with %ring {' '.join(self._start_argv)})")
+        print(self._auto_status())
 
     def _ring_stop(self, args, argv):
         if self.cluster is None or not self.cluster.running:
@@ -246,6 +285,29 @@ class RingMagics(Magics):
         if self.cluster is not None:
             self.cluster.stop()
         return self.ring(shlex.join(self._start_argv))
+
+    def _ring_auto(self, args, argv):
+        if args.state is not None:
+            self.auto = args.state == "on"
+        print(self._auto_status())
+
+    def _auto_status(self):
+        if self.auto:
+            return ("auto mode on: every cell runs on the ranks; a %%local cell runs in this "
+                    "kernel; %ring auto off ends it")
+        return "auto mode off: cells run in this kernel; %%distributed cells run on the ranks"
+
+    def _auto_transform(self, lines):
+        """Input transformer (first of ``input_transformers_cleanup``) for auto mode.
+
+        Rewrites a cell to ``%%distributed --auto`` + the cell, unless the cell opens with a cell
+        magic (``%%local``, ``%%distributed``, ``%%time`` ...) or with ``%ring`` (also
+        ``%load_ext``/``%unload_ext``), which run here. Sees the raw cell, so it works the
+        same in JupyterLab, Notebook, VS Code and nbclient.
+        """
+        if not self.auto or self._local_depth or not _routes_to_ranks(lines):
+            return lines
+        return ["%%distributed --auto\n"] + lines
 
     def _ring_push(self, args, argv):
         cluster = self._alive_cluster()
@@ -281,6 +343,10 @@ class RingMagics(Magics):
               help="interrupt the ranks after this many seconds and fail the cell")
     @argument("--rank0-output", action="store_true",
               help="show only rank 0's printed output (errors still come from every rank)")
+    @argument("--auto", action="store_true", help=argparse.SUPPRESS)
+    @argument("--output", choices=["tabs", "text"], default=None,
+              help="tabs: a tab per rank; text: lines tagged [rank r] (default: "
+                   "RingMagics.output)")
     @cell_magic
     def distributed(self, line, cell):
         """Run the cell on every rank (or --ranks); namespaces persist between cells.
@@ -315,7 +381,64 @@ class RingMagics(Magics):
                 raise UsageError(str(exc)) from None
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds")
-        return _CellRun(self, cluster, ranks, cell, args).run()
+        if args.auto and self.auto_banner:
+            print(f"[ring auto] ranks {_ranges(ranks)} of {cluster.size} "
+                  "(%%local runs a cell here; %ring auto off)")
+        return _CellRun(self, cluster, ranks, cell, args, self._sink(ranks, args)).run()
+
+    @cell_magic
+    def local(self, line, cell):
+        """Run the cell in this notebook kernel, not on the ranks (for auto mode).
+
+        Example::
+
+            In [4]: %ring auto on
+            In [5]: w = ring.rank()          # runs on every rank
+            In [6]: %%local
+               ...: import os; os.getpid()   # runs here; the last value is the cell's result
+        """
+        self._local_depth += 1  # the auto-mode transformer leaves the body alone
+        try:
+            code = self.shell.transform_cell(cell)
+        finally:
+            self._local_depth -= 1
+        tree = self.shell.transform_ast(self.shell.compile.ast_parse(code))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        name = self.shell.compile.cache(code, self.shell.execution_count, raw_code=cell)
+        ns = self.shell.user_ns
+        exec(self.shell.compile(tree, name, "exec"), ns)  # the user's own code, in their kernel
+        if last is not None:
+            return eval(self.shell.compile(last, name, "eval"), ns)
+        return None
+
+    def _sink(self, ranks, args):
+        """Tabs or tagged text for one cell (see jupyter_ring._tabs)."""
+        mode = args.output or self.output
+        if args.rank0_output:
+            return TextSink(tag=False)
+        if mode == "auto":
+            mode = "tabs" if self._widgets_available() else "text"
+        if mode == "tabs":
+            return RankTabs(ranks)
+        return TextSink()
+
+    def _widgets_available(self):
+        """A Jupyter kernel (not a terminal) with ipywidgets importable."""
+        if getattr(self.shell, "kernel", None) is None:
+            return False
+        if self._widgets_ok is None:
+            self._import_widgets()
+        return self._widgets_ok
+
+    def _import_widgets(self):
+        try:
+            import ipywidgets  # noqa: F401  (imported ahead of the first cell with output)
+
+            self._widgets_ok = True
+        except ImportError:
+            self._widgets_ok = False
 
     # --------------------------------------------------------------------------- internals
     def _alive_cluster(self):
@@ -342,38 +465,46 @@ class RingMagics(Magics):
 class _CellRun:
     """One ``%%distributed`` execution: submit, stream, watch for failures, interrupt, report."""
 
-    def __init__(self, magics, cluster, ranks, cell, args):
+    def __init__(self, magics, cluster, ranks, cell, args, sink):
         self.magics = magics
         self.cluster = cluster
         self.ranks = ranks
         self.cell = cell
         self.timeout = args.timeout
         self.only_rank = ranks[0] if args.rank0_output else None
+        self.sink = sink
         self.offsets = {}     # (rank, stream name) -> characters already shown
         self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
         self.n_outputs = {}   # rank -> display_data outputs already shown
         self.interrupted = {}  # rank -> why it was interrupted
 
     def run(self):
+        try:
+            self._run()
+        finally:
+            self.sink.finish()  # also on error and interrupt: the tabs become static
+
+    def _run(self):
         view = self.cluster.client[[self.cluster.engine_ids[r] for r in self.ranks]]
         ar = view.execute(self.cell, silent=False, block=False)
         self.ar = ar
         children = ar._children
         t0 = time.monotonic()
         first_failure = None
-        next_health_check = t0 + 0.5
+        next_health_check = t0 + self.magics.health_interval
         try:
             while not ar.wait(self.magics.poll_interval):
                 self._stream(final=False)
                 now = time.monotonic()
                 if now >= next_health_check:
-                    next_health_check = now + 0.5
+                    next_health_check = now + self.magics.health_interval
                     self._check_dead()
-                if first_failure is None:
-                    for child in children:
-                        if _child_error(child) is not None:
+                for rank, child in zip(self.ranks, children):
+                    if _child_error(child) is not None:
+                        if first_failure is None:
                             first_failure = now
-                            break
+                        self.sink.fail(rank)  # live: the tab is marked and selected at once
+                self.sink.flush()
                 pending = [r for r, child in zip(self.ranks, children) if not child.done()]
                 if (first_failure is not None and self.magics.interrupt_peers and pending
                         and now - first_failure >= self.magics.peer_interrupt_delay):
@@ -393,9 +524,14 @@ class _CellRun:
         dead = self.cluster.dead_ranks()
         if not dead:
             return
-        self.ar.wait(1.0)  # let ipyparallel deliver what it has
+        self.ar.wait(0.2)  # let ipyparallel deliver what it has
         self._stream(final=True)
-        raise DeadRankError(self.cluster.describe_death(dead), dead)
+        message = self.cluster.describe_death(dead)
+        for rank in dead:
+            if rank in self.ranks:
+                self.sink.error(rank, DeadRankError(message, dead))
+                self.sink.fail(rank, "✗ dead")
+        raise DeadRankError(message, dead)
 
     def _interrupt(self, ranks, why):
         todo = [r for r in ranks if r not in self.interrupted]
@@ -447,35 +583,20 @@ class _CellRun:
             lines.append(rest)
             rest = ""
         self.partial[key] = rest
-        if not lines:
-            return
-        tag = "" if self.only_rank is not None else f"[rank {rank}] "
-        stream = sys.stdout if name == "stdout" else sys.stderr
-        stream.write("".join(f"{tag}{line}\n" for line in lines))
-        stream.flush()
+        if lines:
+            self.sink.text(rank, name, lines)
 
     def _display(self, rank, content):
-        from IPython.display import display
-
         data = content.get("data") or {}
         metadata = dict(content.get("metadata") or {})
         metadata["jupyter_ring_rank"] = rank
-        print(f"[rank {rank}]")
-        display(data, raw=True, metadata=metadata)
+        self.sink.display(rank, data, metadata)
 
     def _show_results(self):
-        from IPython.display import display
-
         for i, rank in enumerate(self.ranks):
             result = self.ar._metadata[i]["execute_result"]
-            if not result:
-                continue
-            data = result.get("data") or {}
-            if set(data) <= {"text/plain"}:
-                print(f"[rank {rank}] Out: {data.get('text/plain', '')}")
-            else:
-                print(f"[rank {rank}] Out:")
-                display(data, raw=True, metadata=result.get("metadata") or {})
+            if result:
+                self.sink.result(rank, result.get("data") or {}, result.get("metadata") or {})
 
     # ----------------------------------------------------------------------------- errors
     def _raise_errors(self):
@@ -489,6 +610,21 @@ class _CellRun:
         if not failures:
             return
         dead = self.cluster.dead_ranks()
+        if not dead and any(_ename(e) == "EngineError" for _, _, e in failures):
+            # the controller failed the tasks of a dead engine; the client hears of the
+            # unregistration a moment later
+            deadline = time.monotonic() + 1.0
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self.cluster.dead_ranks()
+        if dead and all(r in dead or _ename(e) in _SECONDARY for r, _, e in failures):
+            # a dead engine is the story, not the errors it caused: report it by rank
+            message = self.cluster.describe_death(dead)
+            for r in dead:
+                if r in self.ranks:
+                    self.sink.error(r, DeadRankError(message, dead))
+                    self.sink.fail(r, "✗ dead")
+            raise DeadRankError(message, dead)
 
         def order(item):
             rank, completed, exc = item
@@ -497,7 +633,12 @@ class _CellRun:
 
         failures.sort(key=order)
         host = {row["rank"]: row["host"] for row in self.cluster.ranks}
+        for r, _, e in sorted(failures, key=lambda item: item[0]):
+            why = self.interrupted.get(r)
+            self.sink.error(r, e, f"interrupted: {why}" if why else "")
+            self.sink.fail(r)
         rank, _, exc = failures[0]
+        self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
         others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
         notes = []
         if self.interrupted:
@@ -509,6 +650,111 @@ class _CellRun:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
                                reasons=self.interrupted)
+
+
+class _KernelShim:
+    """Answers the kernel's complete and inspect requests from rank 0 for cells that run there.
+
+    Wraps ``kernel.do_complete`` and ``kernel.do_inspect`` of this kernel instance (the
+    documented override points of ipykernel): for a ``%%distributed`` cell, or any cell that
+    auto mode sends to the ranks, the request goes to rank 0's kernel with ``view.apply``
+    (``jupyter_ring._engine.complete`` / ``inspect``), so names that exist only on the ranks
+    complete and ``?``/Shift-Tab describe the rank's object; nothing is copied into this
+    kernel. Other cells, a cursor on the ``%%distributed`` line itself, no cluster, or no answer
+    within ``RingMagics.remote_timeout`` seconds: this kernel answers as usual.
+    """
+
+    def __init__(self, magics, kernel):
+        self.magics = magics
+        self.kernel = kernel
+        self._complete = kernel.do_complete
+        self._inspect = kernel.do_inspect
+        kernel.do_complete = self.do_complete
+        kernel.do_inspect = self.do_inspect
+
+    def remove(self):
+        if self.kernel.do_complete == self.do_complete:
+            self.kernel.do_complete = self._complete
+        if self.kernel.do_inspect == self.do_inspect:
+            self.kernel.do_inspect = self._inspect
+
+    async def do_complete(self, code, cursor_pos):
+        if cursor_pos is None:
+            cursor_pos = len(code)
+        reply = self._remote("complete", code, cursor_pos)
+        if reply is None:
+            reply = self._complete(code, cursor_pos)
+            if inspect.isawaitable(reply):
+                reply = await reply
+        return reply
+
+    async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+        if cursor_pos is None:
+            cursor_pos = len(code)
+        reply = self._remote("inspect", code, cursor_pos, detail_level, list(omit_sections))
+        if reply is None or not reply.get("found"):
+            local = self._inspect(code, cursor_pos, detail_level, omit_sections)
+            if inspect.isawaitable(local):
+                local = await local
+            if reply is None or local.get("found"):
+                reply = local
+        return reply
+
+    def _remote(self, what, code, cursor_pos, *args):
+        """Rank 0's reply with positions shifted back into the cell, or None (answer here)."""
+        from . import _engine
+
+        body_start = _remote_body_start(code, self.magics.auto)
+        if body_start is None or cursor_pos < body_start:
+            return None
+        cluster = self.magics.cluster
+        if cluster is None or not cluster.running or not cluster.engine_ids:
+            return None
+        try:
+            view = cluster.client[cluster.engine_ids[0]]
+            func = _engine.complete if what == "complete" else _engine.inspect
+            reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
+                                     *args).get(timeout=self.magics.remote_timeout)
+        except Exception:  # busy, dead or slow rank: this kernel's own answer is better than none
+            return None
+        if what == "complete":
+            reply = dict(reply)
+            reply["cursor_start"] = reply.get("cursor_start", 0) + body_start
+            reply["cursor_end"] = reply.get("cursor_end", 0) + body_start
+            meta = dict(reply.get("metadata") or {})
+            for key, items in meta.items():
+                if key.endswith("_jupyter_types_experimental") and isinstance(items, list):
+                    meta[key] = [dict(item, start=item.get("start", 0) + body_start,
+                                      end=item.get("end", 0) + body_start) for item in items]
+            reply["metadata"] = meta
+        return reply
+
+
+def _remote_body_start(code, auto):
+    """Where the part of ``code`` that runs on the ranks starts, or None if it runs here."""
+    stripped = code.lstrip()
+    if stripped.startswith("%%distributed"):
+        newline = code.find("\n", len(code) - len(stripped))
+        return len(code) + 1 if newline == -1 else newline + 1
+    if auto and _routes_to_ranks(code.splitlines(keepends=True)):
+        return 0
+    return None
+
+
+def _routes_to_ranks(lines):
+    """Whether an auto-mode cell goes to the ranks: not blank, not opened by a cell magic or by
+    one of the local line magics (``%ring``, ``%load_ext`` ...)."""
+    for line in lines:
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("%%"):
+            return False
+        if stripped.startswith("%"):
+            name = stripped[1:].split(None, 1)[0] if len(stripped) > 1 else ""
+            return name not in _LOCAL_LINE_MAGICS
+        return True
+    return False
 
 
 def _render_pull_error(exc, name, ranks, cluster):
@@ -523,19 +769,32 @@ def _render_pull_error(exc, name, ranks, cluster):
 
 
 def load_ipython_extension(ipython):
-    """Register ``%ring`` and ``%%distributed`` (``%load_ext jupyter_ring``)."""
+    """Register ``%ring``, ``%%distributed`` and ``%%local`` (``%load_ext jupyter_ring``), the
+    auto-mode input transformer, and (in a Jupyter kernel) completion/inspection from rank 0."""
     if "RingMagics" in ipython.magics_manager.registry:
         return
-    ipython.register_magics(RingMagics(shell=ipython))
+    magics = RingMagics(shell=ipython)
+    ipython.register_magics(magics)
+    ipython.input_transformers_cleanup.insert(0, magics._auto_transform)
+    kernel = getattr(ipython, "kernel", None)
+    if kernel is not None and hasattr(kernel, "do_complete"):
+        magics._shim = _KernelShim(magics, kernel)
 
 
 def unload_ipython_extension(ipython):
-    """Stop the cluster started from this shell and remove the magics."""
+    """Stop the cluster started from this shell and remove the magics and hooks."""
     magics = ipython.magics_manager.registry.pop("RingMagics", None)
     if magics is None:
         return
     magics.close()
-    for kind, names in (("line", ["ring"]), ("cell", ["distributed"])):
+    try:
+        ipython.input_transformers_cleanup.remove(magics._auto_transform)
+    except ValueError:
+        pass
+    if magics._shim is not None:
+        magics._shim.remove()
+        magics._shim = None
+    for kind, names in (("line", ["ring"]), ("cell", ["distributed", "local"])):
         table = ipython.magics_manager.magics[kind]
         for name in names:
             table.pop(name, None)

@@ -1,0 +1,389 @@
+"""Where a ``%%distributed`` cell's output goes: rank-tagged text, or a tab per rank.
+
+Two sinks with the same methods, chosen by the magics:
+
+- :class:`TextSink` writes each line to the kernel's stdout/stderr tagged ``[rank r]`` (the
+  plain form: terminals, plain IPython, ``--output text``).
+- :class:`RankTabs` shows, while the cell runs, an ipywidgets ``Tab`` with an "all ranks" tab
+  (the rank-tagged lines) and an ``Output`` per rank (that rank's stdout, stderr, rich output and
+  error). When the cell ends, the same display is replaced (``update_display``) by a static
+  bundle: ``text/html`` tabs that switch with CSS alone, and ``text/plain`` holding exactly the
+  rank-tagged lines of the plain form. The widgets are then closed.
+
+Why replace the widget at the end: a saved notebook reopened without a kernel cannot render a
+widget whose state was not saved (JupyterLab shows "Error displaying widget"), while HTML and
+plain text render everywhere (JupyterLab, Notebook 7, VS Code, nbconvert, GitHub) and nbclient,
+nbconvert ``--to script``/``markdown`` and terminals read the ``text/plain``. One output holds
+both forms, so nothing is shown twice. Nothing at all is displayed for a cell that prints
+nothing and succeeds, so a trivial cell creates no widget.
+"""
+
+import html
+import re
+import sys
+import time
+import uuid
+
+__all__ = ["TextSink", "RankTabs", "strip_ansi"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+# The live widget shows at most this many characters per tab (the tail); the final static view
+# and the text/plain keep everything up to FINAL_MAX characters per tab.
+LIVE_MAX = 256 * 1024
+FINAL_MAX = 8 * 1024 * 1024
+# Seconds between widget updates while output flows (the first update is immediate).
+LIVE_PERIOD = 0.1
+
+
+def strip_ansi(text):
+    """``text`` without terminal colour codes."""
+    return _ANSI.sub("", text)
+
+
+class TextSink:
+    """The plain form: each line to stdout/stderr, tagged ``[rank r] `` unless ``tag`` is False."""
+
+    def __init__(self, tag=True):
+        self.tag = tag
+
+    def text(self, rank, name, lines):
+        tag = f"[rank {rank}] " if self.tag else ""
+        stream = sys.stdout if name == "stdout" else sys.stderr
+        stream.write("".join(f"{tag}{line}\n" for line in lines))
+        stream.flush()
+
+    def display(self, rank, data, metadata):
+        from IPython.display import display
+
+        print(f"[rank {rank}]")
+        display(data, raw=True, metadata=metadata)
+
+    def result(self, rank, data, metadata):
+        from IPython.display import display
+
+        if set(data) <= {"text/plain"}:
+            print(f"[rank {rank}] Out: {data.get('text/plain', '')}")
+        else:
+            print(f"[rank {rank}] Out:")
+            display(data, raw=True, metadata=metadata)
+
+    def error(self, rank, error, label=""):
+        pass  # the DistributedError below the output names every failed rank
+
+    def fail(self, rank, label="✗"):
+        pass
+
+    def select(self, rank):
+        pass
+
+    def flush(self):
+        pass
+
+    def finish(self):
+        pass
+
+
+class _Panel:
+    """One tab's outputs, as nbformat-like dicts (consecutive stream text merged)."""
+
+    def __init__(self, title):
+        self.title = title
+        self.items = []
+        self.chars = 0
+
+    def add_stream(self, name, text):
+        self.chars += len(text)
+        last = self.items[-1] if self.items else None
+        if last is not None and last["output_type"] == "stream" and last["name"] == name:
+            last["text"] += text
+        else:
+            self.items.append({"output_type": "stream", "name": name, "text": text})
+
+    def add(self, item):
+        self.items.append(item)
+
+    def tail(self, limit):
+        """The items, with stream text cut to the last ``limit`` characters in all."""
+        if self.chars <= limit:
+            return [dict(item) for item in self.items]
+        out, budget = [], limit
+        for item in reversed(self.items):
+            if item["output_type"] != "stream":
+                out.append(item)
+                continue
+            if budget <= 0:
+                continue
+            text = item["text"]
+            if len(text) > budget:
+                text = text[len(text) - budget:]
+                text = text[text.find("\n") + 1:] if "\n" in text else text
+            budget -= len(text)
+            out.append(dict(item, text=text))
+        out.append({"output_type": "stream", "name": "stdout",
+                    "text": f"… earlier output not shown here ({self.chars - limit:,} "
+                            "characters or more)\n"})
+        return out[::-1]
+
+
+class RankTabs:
+    """A tab per rank plus "all ranks": live ipywidgets while the cell runs, static at the end."""
+
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+        self.all = _Panel("all ranks")
+        self.panels = {r: _Panel(f"rank {r}") for r in self.ranks}
+        self.plain = []          # the rank-tagged lines, as the text form prints them
+        self.failed = {}         # rank -> title mark, in order of failure
+        self.selected = None     # rank whose tab is selected (None: "all ranks")
+        self.display_id = None
+        self.tab = None
+        self.outputs = None
+        self._dirty = False
+        self._last_push = 0.0
+        self._finished = False
+
+    # ------------------------------------------------------------------------------ content
+    def text(self, rank, name, lines):
+        text = "".join(f"{line}\n" for line in lines)
+        self.panels[rank].add_stream(name, text)
+        tagged = "".join(f"[rank {rank}] {line}\n" for line in lines)
+        self.all.add_stream(name, tagged)
+        self.plain.append(tagged)
+        self._changed()
+
+    def display(self, rank, data, metadata):
+        self.panels[rank].add({"output_type": "display_data", "data": data,
+                               "metadata": metadata})
+        label = _short_repr(data)
+        self.all.add_stream("stdout", f"[rank {rank}] {label}\n")
+        self.plain.append(f"[rank {rank}]\n{data.get('text/plain', label)}\n")
+        self._changed()
+
+    def result(self, rank, data, metadata):
+        text = data.get("text/plain", "")
+        if set(data) <= {"text/plain"}:
+            self.panels[rank].add_stream("stdout", f"Out: {text}\n")
+            line = f"[rank {rank}] Out: {text}\n"
+            self.all.add_stream("stdout", line)
+            self.plain.append(line)
+        else:
+            self.panels[rank].add_stream("stdout", "Out:\n")
+            self.panels[rank].add({"output_type": "display_data", "data": data,
+                                   "metadata": metadata})
+            self.all.add_stream("stdout", f"[rank {rank}] Out: {_short_repr(data)}\n")
+            self.plain.append(f"[rank {rank}] Out:\n{text}\n")
+        self._changed()
+
+    def error(self, rank, error, label=""):
+        """Put a rank's remote error (ipyparallel RemoteError or any exception) in its tab."""
+        ename = getattr(error, "ename", None) or type(error).__name__
+        evalue = str(getattr(error, "evalue", error))
+        tb = getattr(error, "traceback", None)
+        lines = str(tb).splitlines() if tb else [f"{ename}: {evalue}"]
+        if label:
+            lines.append(label)
+        self.panels[rank].add({"output_type": "error", "ename": ename, "evalue": evalue,
+                               "traceback": lines})
+        self.all.add_stream("stderr", f"[rank {rank}] {ename}: {_first_line(evalue)}"
+                                      f"{' (' + label + ')' if label else ''}\n")
+        self._changed()
+
+    def fail(self, rank, label="✗"):
+        """Mark a rank's tab (title ``rank r ✗``); the first marked rank's tab is selected."""
+        if rank in self.failed or rank not in self.panels:
+            return
+        self.failed[rank] = label
+        if self.selected is None:
+            self.selected = rank
+        self._changed(force=True)
+
+    def select(self, rank):
+        """Select this rank's tab (the headline failure) instead of the first marked one."""
+        if rank in self.panels:
+            self.selected = rank
+            self._changed(force=True)
+
+    # --------------------------------------------------------------------------- live view
+    def _changed(self, force=False):
+        self._dirty = True
+        if force:
+            self._last_push = 0.0
+
+    def _titles(self):
+        titles = ["all ranks"]
+        for r in self.ranks:
+            titles.append(f"rank {r} {self.failed[r]}" if r in self.failed else f"rank {r}")
+        return titles
+
+    def _index(self):
+        return 0 if self.selected is None else 1 + self.ranks.index(self.selected)
+
+    def flush(self):
+        """Push new output to the live widget (at most every LIVE_PERIOD seconds)."""
+        if not self._dirty or self._finished:
+            return
+        now = time.monotonic()
+        if self.tab is not None and now - self._last_push < LIVE_PERIOD:
+            return
+        self._last_push = now
+        self._dirty = False
+        if self.tab is None:
+            self._create()
+        panels = [self.all] + [self.panels[r] for r in self.ranks]
+        with self.tab.hold_sync():
+            for out, panel in zip(self.outputs, panels):
+                items = tuple(panel.tail(LIVE_MAX))
+                if items != out.outputs:
+                    out.outputs = items
+            self.tab.titles = tuple(self._titles())
+            self.tab.selected_index = self._index()
+
+    def _create(self):
+        from IPython.display import display
+        from ipywidgets import Layout, Output, Tab
+
+        self.outputs = [Output(layout=Layout(max_height="32em", overflow="auto"))
+                        for _ in range(len(self.ranks) + 1)]
+        self.tab = Tab(children=self.outputs, titles=self._titles(),
+                       selected_index=self._index())
+        self.tab.add_class("jr-rank-tabs")
+        self.display_id = uuid.uuid4().hex
+        bundle = {"text/plain": f"(output of ranks {_ranges(self.ranks)}: shown when the cell "
+                                "ends)",
+                  "application/vnd.jupyter.widget-view+json": {
+                      "version_major": 2, "version_minor": 0, "model_id": self.tab.model_id}}
+        display(bundle, raw=True, display_id=self.display_id)
+
+    # ------------------------------------------------------------------------------- finish
+    def finish(self):
+        """Replace the live widget with the static HTML + plain-text bundle; close the widgets."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.tab is None and not self._has_content():
+            return  # nothing printed, nothing failed: no output at all
+        from IPython.display import display, update_display
+
+        bundle = {"text/plain": self.plain_text(), "text/html": self.html()}
+        metadata = {"jupyter_ring": {"ranks": self.ranks, "failed": sorted(self.failed),
+                                     "selected": self.selected}}
+        if self.tab is None:
+            display(bundle, raw=True, metadata=metadata)
+            return
+        update_display(bundle, raw=True, metadata=metadata, display_id=self.display_id)
+        try:
+            with self.tab.hold_sync():  # nbclient keeps closed widgets' state: keep it small
+                for out in self.outputs:
+                    out.outputs = ()
+            for out in self.outputs:
+                out.close()
+            self.tab.close()
+        except Exception:  # a closed comm must not turn a finished cell into an error
+            pass
+
+    def _has_content(self):
+        return bool(self.plain or self.failed
+                    or any(p.items for p in self.panels.values()))
+
+    def plain_text(self):
+        """The rank-tagged lines (what TextSink would have printed), for text/plain."""
+        text = "".join(self.plain)
+        if len(text) > FINAL_MAX:
+            text = (f"… {len(text) - FINAL_MAX:,} earlier characters not kept\n"
+                    + text[-FINAL_MAX:])
+        return strip_ansi(text).rstrip("\n") or f"(no output from ranks {_ranges(self.ranks)})"
+
+    def html(self):
+        """Tabs in HTML and CSS (radio buttons), no JavaScript; without CSS, headed sections."""
+        uid = "jr" + uuid.uuid4().hex[:12]
+        panels = [self.all] + [self.panels[r] for r in self.ranks]
+        titles = self._titles()
+        selected = self._index()
+        css = (f"#{uid}>input{{display:none}}"
+               f"#{uid}>label{{display:inline-block;padding:2px 12px;margin-right:2px;"
+               "cursor:pointer;border:1px solid var(--jp-border-color1,#ccc);border-bottom:none;"
+               "border-radius:3px 3px 0 0;background:var(--jp-layout-color2,#eee);"
+               "font-family:var(--jp-ui-font-family,sans-serif);font-size:12px}"
+               f"#{uid}>input:checked+label{{background:var(--jp-layout-color0,#fff);"
+               "font-weight:600}"
+               f"#{uid}>label.jr-failed{{color:#c62828;border-color:#c62828}}"
+               f"#{uid}>.jr-panel{{display:none;border:1px solid var(--jp-border-color1,#ccc);"
+               "padding:4px 6px;max-height:32em;overflow:auto}"
+               f"#{uid} .jr-ptitle{{display:none}}"
+               f"#{uid} pre{{margin:0;white-space:pre-wrap}}"
+               f"#{uid} .jr-stderr{{background:var(--jp-rendermime-error-background,#fdd)}}"
+               f"#{uid} .jr-error{{color:#c62828}}")
+        css += "".join(f"#{uid}>input:nth-of-type({i + 1}):checked~div.jr-panel:nth-of-type"
+                       f"({i + 1}){{display:block}}" for i in range(len(panels)))
+        parts = [f'<div class="jr-rank-tabs" id="{uid}"><style>{css}</style>']
+        for i, title in enumerate(titles):
+            checked = " checked" if i == selected else ""
+            failed = ' class="jr-failed"' if i and self.ranks[i - 1] in self.failed else ""
+            parts.append(f'<input type="radio" name="{uid}" id="{uid}-{i}"{checked}>'
+                         f'<label for="{uid}-{i}"{failed}>{html.escape(title)}</label>')
+        for title, panel in zip(titles, panels):
+            parts.append(f'<div class="jr-panel"><div class="jr-ptitle"><b>{html.escape(title)}'
+                         f'</b></div>{_items_html(panel.tail(FINAL_MAX))}</div>')
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def _items_html(items):
+    parts = []
+    for item in items:
+        kind = item["output_type"]
+        if kind == "stream":
+            cls = ' class="jr-stderr"' if item["name"] == "stderr" else ""
+            parts.append(f"<pre{cls}>{html.escape(strip_ansi(item['text']))}</pre>")
+        elif kind == "error":
+            tb = strip_ansi("\n".join(item["traceback"]))
+            parts.append(f'<pre class="jr-error">{html.escape(tb)}</pre>')
+        else:
+            parts.append(_data_html(item.get("data") or {}))
+    return "".join(parts) or "<pre>(no output)</pre>"
+
+
+def _data_html(data):
+    """One display bundle as HTML: the richest format a static page can show."""
+    if "text/html" in data:
+        return f"<div>{_join(data['text/html'])}</div>"
+    if "image/svg+xml" in data:
+        return f"<div>{_join(data['image/svg+xml'])}</div>"
+    for mime in ("image/png", "image/jpeg", "image/gif"):
+        if mime in data:
+            return f'<img src="data:{mime};base64,{_join(data[mime]).strip()}">'
+    if "text/markdown" in data:
+        return f"<pre>{html.escape(_join(data['text/markdown']))}</pre>"
+    return f"<pre>{html.escape(strip_ansi(_join(data.get('text/plain', ''))))}</pre>"
+
+
+def _join(value):
+    return "".join(value) if isinstance(value, list) else str(value)
+
+
+def _short_repr(data):
+    """``<image/png>``-style label of a rich output for the "all ranks" tab."""
+    text = _first_line(_join(data.get("text/plain", "")))
+    rich = [m for m in data if m != "text/plain"]
+    if rich:
+        return f"{text} <{rich[0]}>".strip() if text else f"<{rich[0]}>"
+    return text
+
+
+def _first_line(text):
+    text = str(text).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _ranges(ranks):
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
