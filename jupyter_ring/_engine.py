@@ -1,4 +1,5 @@
-"""Engine-side setup run first on every rank by ``%ring start``: GPU binding, then the runtime.
+"""Engine-side code: the setup ``%ring start`` runs first on every rank (GPU binding, then the
+runtime), and the completion/inspection helpers the notebook kernel calls on rank 0.
 
 Runs inside each ipyparallel engine, before the user's first cell. It imports no framework:
 ``CUDA_VISIBLE_DEVICES`` must be set before torch/tensorflow/cupy first touch CUDA.
@@ -7,7 +8,7 @@ Runs inside each ipyparallel engine, before the user's first cell. It imports no
 import os
 import socket
 
-__all__ = ["local_rank", "bind_device", "describe"]
+__all__ = ["local_rank", "bind_device", "describe", "complete", "inspect"]
 
 # Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
@@ -51,3 +52,34 @@ def describe(ring, device):
     return {"rank": ring.rank(), "size": ring.size(), "local_rank": ring.local_rank(),
             "host": socket.gethostname(), "pid": os.getpid(), "device": device}
 
+
+
+# ------------------------------------------------------------- completion and inspection (rank 0)
+# Called on rank 0 with view.apply by the notebook kernel's complete/inspect handlers, so that
+# names that exist only on the ranks complete, and ``?`` / Shift-Tab describe the rank's object.
+def complete(code, cursor_pos):
+    """This engine's kernel's ``complete_reply`` content for ``code`` (the cell body)."""
+    from IPython import get_ipython
+
+    ip = get_ipython()
+    kernel = getattr(ip, "kernel", None)
+    if kernel is not None:
+        reply = kernel.do_complete(code, cursor_pos)
+        if not hasattr(reply, "close"):  # a dict; an async handler would return a coroutine
+            return reply
+        reply.close()
+    text, matches = ip.complete("", code[:cursor_pos].rsplit("\n", 1)[-1])
+    return {"status": "ok", "matches": matches, "cursor_start": cursor_pos - len(text),
+            "cursor_end": cursor_pos, "metadata": {}}
+
+
+def inspect(code, cursor_pos, detail_level=0, omit_sections=()):
+    """This engine's kernel's ``inspect_reply`` content (``?``, Shift-Tab) for ``code``."""
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    reply = kernel.do_inspect(code, cursor_pos, detail_level, omit_sections)
+    if hasattr(reply, "close"):
+        reply.close()
+        return {"status": "ok", "found": False, "data": {}, "metadata": {}}
+    return reply
