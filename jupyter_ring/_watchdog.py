@@ -19,7 +19,7 @@ import psutil
 
 __all__ = ["main"]
 
-POLL_S = 0.1          # how often the parent is checked: the kill happens within ~POLL_S
+POLL_S = 0.05         # how often the parent is checked: the kill happens within ~POLL_S
 REFRESH_S = 1.0       # how often the process trees are re-read
 
 
@@ -83,6 +83,10 @@ def main(argv=None):
         if os.getppid() != parent or not psutil.pid_exists(parent):
             # Parent gone: take the trees as they are now (the roots outlive the kernel), plus what
             # we saw before, and kill them all at once so no survivor restarts anything.
+            _kill(_trees(roots, known).values())
+            # a second look for anything forked while the first kill went out (an mpiexec proxy
+            # starting an engine): their parents are dead by now, so nothing forks after this
+            time.sleep(POLL_S)
             _kill(_trees(roots, known).values())
             return 0
         time.sleep(POLL_S)
