@@ -211,7 +211,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
     """Check the arguments once, on the caller's line; the queue and the ring trust the entry."""
     rt = _rt()
-    with _joining("allreduce", name):
+    given = name
+    try:  # the hot path of every gradient: a plain try, not a context manager
         name, explicit = _auto_name("allreduce", name)
         where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
         arr = _inplace(tensor, where) if in_place else _array(tensor, where)
@@ -220,6 +221,9 @@ def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
         postscale = _factor(postscale, "postscale_factor", where)
         fn = C._reducer(op, arr.dtype)
         scaled = C._scale_of(rt, arr, op, prescale, postscale, where)
+    except (TypeError, ValueError) as exc:
+        _poison("allreduce", given, exc)
+        raise
     return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit, fn, scaled)
 
 
@@ -232,11 +236,15 @@ def _joining(kind, name):
     try:
         yield
     except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
-        rt = _proc.rt
-        if rt is not None and not isinstance(exc, RingError):
-            _flush()  # queued work first, so the peers meet the poison where this call would be
-            rt.poison(kind, name if isinstance(name, str) else "?", exc)
+        _poison(kind, name, exc)
         raise
+
+
+def _poison(kind, name, exc):
+    rt = _proc.rt
+    if rt is not None and not isinstance(exc, RingError):
+        _flush()  # queued work first, so the peers meet the poison where this call would be
+        rt.poison(kind, name if isinstance(name, str) else "?", exc)
 
 
 def _allreduce_now(entry):
@@ -535,10 +543,8 @@ def _fused_pass(rt, arrays, op, pre, post, name, members, in_place):
     if _proc.fusion is None or _proc.fusion.nbytes < need:
         _proc.fusion = np.empty(max(need, 1), np.uint8)
     buf = _proc.fusion[:need].view(dtype)
-    offset = 0
-    for a in arrays:
-        buf[offset:offset + a.size] = a.reshape(-1)
-        offset += a.size
+    if arrays:
+        np.concatenate([a.reshape(-1) for a in arrays], out=buf)  # one C loop, no temporary
     desc = C.allreduce_desc(None, (total,), pre, post, members)
     fn = C._reducer(op, dtype)
     scale_pre, scale_post, divisor = C._scale_of(rt, buf, op, pre, post, name)
