@@ -24,6 +24,17 @@ for var, sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter_conf
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")
 
 
+def screenshot_path(name):
+    """Where a browser test saves ``name``: a temp dir, or the folder in JUPYTER_RING_SCREENSHOTS.
+
+    The committed pictures in docs/img are refreshed on purpose with
+    ``JUPYTER_RING_SCREENSHOTS=docs/img scripts/test.sh tests/browser``, never by a plain run.
+    """
+    folder = os.environ.get("JUPYTER_RING_SCREENSHOTS") or os.path.join(_ISOLATED, "screenshots")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
+
+
 class MPIResult:
     def __init__(self, proc, n):
         self.returncode = proc.returncode

@@ -20,8 +20,10 @@ import uuid
 
 import pytest
 
+from conftest import screenshot_path
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCREENSHOT = os.path.join(ROOT, "docs", "img", "lab-panel.png")
+SCREENSHOT = screenshot_path("lab-panel.png")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
