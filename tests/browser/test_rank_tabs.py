@@ -1,0 +1,107 @@
+"""A tab per rank in a real JupyterLab (Playwright + Debian's chromium), and a killed kernel.
+
+One notebook: ``%ring start -n 2``; a ``%%distributed`` cell prints on both ranks, sleeps, then
+fails on rank 1. While it runs, the output is an ipywidgets Tab ("all ranks", "rank 0",
+"rank 1") streaming live; when it ends, the same output is static HTML tabs with "rank 1 ✗"
+selected and each rank's text in its own tab. Then the kernel is SIGKILLed and every cluster
+process is counted with psutil until gone. Reuses the JupyterLab fixture of test_lab_panel.
+"""
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, ROOT, _run_cell, lab, playwright_api  # noqa: F401
+
+SCREENSHOT = os.path.join(ROOT, "docs", "img", "rank-tabs.png")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _alive(pids):
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
+    from playwright.sync_api import expect
+
+    url = f"{lab['base']}/lab/tree/ring.ipynb?token={lab['token']}"
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 800})
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+            news = page.locator(".jp-Notification-Toast-Close, .jp-toast-button:has-text('No')")
+            if news.count():
+                news.first.click()
+            page.wait_for_function(
+                "() => document.querySelector('.jp-Notebook') && "
+                "!document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]')",
+                timeout=60_000)
+            start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
+            expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",
+                                                                           timeout=90_000)
+
+            cell = _run_cell(page, 1, "%%distributed\nimport time\n"
+                                      "print(f'hello from rank {ring.rank()}', flush=True)\n"
+                                      "time.sleep(3)\n"
+                                      "if ring.rank() == 1:\n"
+                                      "    raise ValueError('rank one failed')\n"
+                                      "print(f'done on rank {ring.rank()}')")
+            # live: an ipywidgets Tab with a tab per rank, streaming before the cell ends
+            live = cell.locator(".widget-tab")
+            expect(live).to_be_visible(timeout=20_000)
+            labels = live.locator(".lm-TabBar-tab .lm-TabBar-tabLabel")
+            expect(labels).to_have_text(["all ranks", "rank 0", "rank 1"])
+            expect(live).to_contain_text("hello from rank", timeout=10_000)
+            expect(cell.locator(".jp-InputPrompt")).to_contain_text("*")
+            live.locator(".lm-TabBar-tab", has_text="rank 1").click()
+            expect(live).to_contain_text("hello from rank 1")
+
+            # the end: static tabs, the failing rank's tab marked and selected
+            tabs = cell.locator(".jr-rank-tabs")
+            expect(tabs).to_be_visible(timeout=30_000)
+            expect(cell.locator(".widget-tab")).to_have_count(0)
+            expect(tabs.locator("label")).to_have_text(["all ranks", "rank 0", "rank 1 ✗"])
+            selected = tabs.locator("div.jr-panel:visible")
+            expect(selected).to_have_count(1)
+            expect(selected).to_contain_text("hello from rank 1")
+            expect(selected).to_contain_text("rank one failed")
+            expect(selected).not_to_contain_text("rank 0")
+            expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("[rank 1 @")
+            page.screenshot(path=SCREENSHOT, clip={"x": 0, "y": 0, "width": 1200, "height": 800})
+            tabs.locator("label", has_text="rank 0").click()
+            expect(tabs.locator("div.jr-panel:visible")).to_contain_text("done on rank 0")
+            tabs.locator("label", has_text="all ranks").click()
+            panel = tabs.locator("div.jr-panel:visible")
+            expect(panel).to_contain_text("[rank 0] hello from rank 0")
+            expect(panel).to_contain_text("[rank 1] hello from rank 1")
+
+            # a killed kernel: every controller, mpiexec, engine and nanny gone within 2 s
+            info = _run_cell(page, 2, "import os, json\nprint(json.dumps([os.getpid()] + "
+                                      "[p.pid for p in get_ipython().magics_manager.registry"
+                                      "['RingMagics'].cluster.processes()]))")
+            expect(info.locator(".jp-OutputArea-output")).to_contain_text("[", timeout=30_000)
+            kernel_pid, *pids = json.loads(info.locator(".jp-OutputArea-output").inner_text())
+            assert len(pids) >= 5 and len(_alive(pids)) == len(pids)
+            t0 = time.monotonic()
+            os.kill(kernel_pid, signal.SIGKILL)
+            while _alive(pids) and time.monotonic() - t0 < 10:
+                time.sleep(0.02)
+            took = time.monotonic() - t0
+            assert not _alive(pids), f"survived the kernel: {_alive(pids)}"
+            assert took < 2.0, f"the cluster outlived the kernel by {took:.2f} s"
+        finally:
+            browser.close()
