@@ -174,6 +174,11 @@ class RingMagics(Magics):
     remote_timeout = Float(3.0, config=True,
                            help="Seconds to wait for rank 0 to answer a completion or "
                                 "inspection request before answering from this kernel.")
+    dashboard = Bool(True, config=True,
+                     help="Show the live training dashboard (a row per rank, loss chart) in a "
+                          "%%distributed cell's output once a rank reports progress or metrics "
+                          "(ring.progress/log/track, optimizer steps). %%distributed "
+                          "--no-dashboard turns it off for one cell.")
     health_interval = Float(0.25, config=True,
                             help="Seconds between checks for dead ranks while a cell runs.")
 
@@ -182,6 +187,7 @@ class RingMagics(Magics):
         self.cluster = None
         self._start_argv = None
         self._widgets_ok = None
+        self._dashboard_ready = False
         self._local_depth = 0
         self._shim = None
         atexit.register(self._atexit)
@@ -251,9 +257,25 @@ class RingMagics(Magics):
             raise UsageError(f"%ring start: {exc}") from None
         self.cluster = cluster
         self._start_argv = argv
+        self._dashboard_ready = self._setup_dashboard(cluster)
         print(_format_table(rows))
         print(f"{len(rows)} ranks ready in {time.perf_counter() - t0:.1f} s; `ring` is "
               f"initialised on every rank. Run cells there with %%distributed.")
+
+    def _setup_dashboard(self, cluster):
+        """Install the dashboard's snapshot publisher on every rank (widgets.live.ENGINE_SETUP);
+        only where widgets can show (a Jupyter kernel): a terminal gets no dashboard."""
+        if not self.dashboard or not self._widgets_available():
+            return False
+        try:
+            from .widgets.live import ENGINE_SETUP
+
+            cluster.view.execute(ENGINE_SETUP, block=True)
+        except Exception as exc:  # the ranks still work; only the dashboard is missing
+            print(f"(no live dashboard: installing its publisher on the ranks failed: {exc})",
+                  file=sys.stderr)
+            return False
+        return True
 
     def _ring_status(self, args, argv):
         cluster = self.cluster
@@ -343,6 +365,8 @@ class RingMagics(Magics):
               help="interrupt the ranks after this many seconds and fail the cell")
     @argument("--rank0-output", action="store_true",
               help="show only rank 0's printed output (errors still come from every rank)")
+    @argument("--no-dashboard", action="store_true",
+              help="do not show the live dashboard for this cell")
     @argument("--auto", action="store_true", help=argparse.SUPPRESS)
     @argument("--output", choices=["tabs", "text"], default=None,
               help="tabs: a tab per rank; text: lines tagged [rank r] (default: "
@@ -473,6 +497,9 @@ class _CellRun:
         self.timeout = args.timeout
         self.only_rank = ranks[0] if args.rank0_output else None
         self.sink = sink
+        # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
+        self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
+        self.dashboard = None
         self.offsets = {}     # (rank, stream name) -> characters already shown
         self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
         self.n_outputs = {}   # rank -> display_data outputs already shown
@@ -482,7 +509,27 @@ class _CellRun:
         try:
             self._run()
         finally:
-            self.sink.finish()  # also on error and interrupt: the tabs become static
+            # also on error and interrupt: the dashboard and the tabs become static
+            if self.dashboard is not None:
+                try:
+                    self.dashboard.finish(getattr(self, "ar", None))
+                except Exception as exc:  # never hide the cell's own outcome
+                    print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
+            self.sink.finish()
+
+    def _poll_dashboard(self):
+        if self.dashboard is None:
+            if not self.want_dashboard:
+                return
+            from .widgets._publish import KEY_PREFIX
+
+            if not any(isinstance(key, str) and key.startswith(KEY_PREFIX)
+                       for md in self.ar._metadata for key in (md["data"] or {})):
+                return
+            from .widgets.live import LiveDashboard
+
+            self.dashboard = LiveDashboard(self.ranks)
+        self.dashboard.poll(self.ar)
 
     def _run(self):
         view = self.cluster.client[[self.cluster.engine_ids[r] for r in self.ranks]]
@@ -505,6 +552,7 @@ class _CellRun:
                             first_failure = now
                         self.sink.fail(rank)  # live: the tab is marked and selected at once
                 self.sink.flush()
+                self._poll_dashboard()
                 pending = [r for r, child in zip(self.ranks, children) if not child.done()]
                 if (first_failure is not None and self.magics.interrupt_peers and pending
                         and now - first_failure >= self.magics.peer_interrupt_delay):
@@ -516,6 +564,7 @@ class _CellRun:
             raise
         ar.wait_for_output(2.0)
         self._stream(final=True)
+        self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
         self._show_results()
         self._raise_errors()
 

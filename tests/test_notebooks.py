@@ -248,6 +248,20 @@ def test_trivial_cell_displays_nothing(kernel):
     assert not [m for m in msgs if m["msg_type"].startswith(("comm", "display", "update"))]
 
 
+def test_dashboard_shows_when_a_rank_reports_and_not_otherwise(kernel):
+    code = ("%%distributed{flag}\nimport time\nfor i in range(6):\n"
+            "    ring.log(i, loss=1.0 / (i + 1 + ring.rank()))\n    ring.progress(i + 1, 6)\n"
+            "    time.sleep(0.1)")
+    msgs = []
+    kernel.ok(code.format(flag=""), messages=msgs)
+    finals = [m["content"]["data"].get("text/html", "") for m in msgs
+              if m["msg_type"] in ("display_data", "update_display_data")]
+    assert any("jr-dash" in page for page in finals), [m["msg_type"] for m in msgs]
+    msgs = []
+    kernel.ok(code.format(flag=" --no-dashboard"), messages=msgs)
+    assert not [m for m in msgs if m["msg_type"].startswith(("comm", "display", "update"))]
+
+
 def test_completion_and_inspection_come_from_rank_0(kernel):
     kernel.ok("%%distributed\nonly_on_ranks_value = 7\n"
               "def only_on_ranks_fn(a, b=2):\n    'Scale a by b on this rank.'\n    return a * b")
