@@ -1,0 +1,59 @@
+"""The teaching notebooks (notebooks/02-*.ipynb and later) run top to bottom in a real kernel.
+
+Each one is executed with nbclient on a kernel of this environment and starts its own 2-rank
+cluster (``%ring start -n 2``) and stops it at the end. Besides "no error", a few outputs that
+the text of each notebook relies on are checked.
+"""
+
+import glob
+import os
+import re
+
+import pytest
+
+from jupyter_ring import demo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(p for p in glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb"))
+                   if not os.path.basename(p).startswith("01-"))
+
+# notebook -> patterns its transcript must contain (what the prose says happens)
+EXPECTED = {
+    "02-ring-allreduce-explained.ipynb": [r"\[rank 0\] .*sum everywhere: \[3\.\]",
+                                          r"\[rank 1\] .*sum everywhere: \[3\.\]",
+                                          r"5 allreduces, busbw \d", r"stopped 2 ranks"],
+    "03-pytorch-data-parallel.ipynb": [r"\[rank 1\] checksum before \S+, after broadcast",
+                                       r"\[rank 0\] epoch 7: loss", r"all data 0\.9\d\d|all data 1\.000",
+                                       r"class 1 predicted for", r"stopped 2 ranks"],
+    "04-keras-data-parallel.ipynb": [r"\[rank 0\] Epoch 6/6", r"test MSE in the notebook: 0\.0",
+                                     r"stopped 2 ranks"],
+}
+
+
+def test_every_teaching_notebook_is_listed():
+    assert [os.path.basename(p) for p in NOTEBOOKS] == sorted(EXPECTED)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_teaching_notebook_runs_top_to_bottom(path):
+    nb = demo.run_notebook(path, timeout=180)
+    text = demo.format_outputs(nb)
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "error"]
+    assert not errors, text
+    for pattern in EXPECTED[os.path.basename(path)]:
+        assert re.search(pattern, text), f"{pattern!r} not in the outputs:\n{text[-6000:]}"
+    if "checksum" in text:  # every rank ends with the same model
+        sums = re.findall(r"\[rank \d\] (?:weights )?checksum ([+-][\d.]+)(?:;|$)", text, re.M)
+        assert len(sums) >= 2 and len(set(sums)) == 1, sums
+
+
+def test_committed_notebooks_carry_no_outputs():
+    import nbformat
+
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, path
