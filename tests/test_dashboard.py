@@ -53,11 +53,12 @@ def test_history_points_are_kept_in_time_order_whatever_the_arrival_order():
     assert steps == list(range(50))
 
 
-def test_a_snapshot_ingested_twice_adds_no_points():
+@pytest.mark.parametrize("seq", [None, 7])
+def test_a_snapshot_ingested_twice_adds_no_points(seq):
     state = DashboardState(1)
     s = snap(0, step=3, history=[(1, 10.0, {"loss": 0.5}), (2, 10.1, {"loss": 0.4})], t=11)
-    assert state.ingest(0, s) == 2
-    assert state.ingest(0, s) == 0
+    assert state.ingest(0, s, seq=seq) == 2
+    assert state.ingest(0, s, seq=seq) == 0
     assert len(state.series()[0]) == 2
 
 
@@ -365,3 +366,22 @@ def test_live_dashboard_polls_a_subset_of_ranks_and_draws_at_most_every_min_inte
     assert live.dashboard._drawn == state.version and state.frozen
     assert state.ranks[2].step == 2 and not state.ranks[0].seen
     assert "rank 0: no report yet" in state.summary()
+
+
+def test_long_runs_are_charted_from_an_incremental_decimation():
+    """100,000 points per rank: the chart keeps ≤ 500 of them, in order, spikes included,
+    without re-reading the whole history on every redraw."""
+    state = DashboardState(1)
+    rng = random.Random(2)
+    for chunk in range(100):
+        hist = [(i, 1.0 + i * 1e-3, {"loss": rng.random()}) for i in range(chunk * 1000, (chunk + 1) * 1000)]
+        if chunk == 77:
+            hist[500] = (77500, 1.0 + 77500 * 1e-3, {"loss": 9.0})
+        state.ingest(0, snap(0, step=(chunk + 1) * 1000, history=hist, t=chunk), seq=chunk)
+    assert len(state.ranks[0].history["loss"]) <= 20000  # the history is thinned...
+    series = state.series("loss")[0]
+    assert series[0][0] < 1000 and series[-1][0] > 99000  # ...the chart's decimation saw it all
+    assert len(series) <= 500 and (77500, 9.0) in series
+    assert [x for x, _ in series] == sorted(x for x, _ in series)
+    state.ingest(0, snap(0, step=100001, history=[(100001, 1e6, {"loss": -1.0})], t=101), seq=101)
+    assert state.series("loss")[0][-1] == (100001, -1.0)  # appended to the decimation

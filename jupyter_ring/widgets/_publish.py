@@ -9,7 +9,7 @@ the keys it has read: none overwrites another between two polls.
 Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's reporter.
 """
 
-__all__ = ["KEY_PREFIX", "Publisher", "install", "uninstall", "enable"]
+__all__ = ["KEY_PREFIX", "MAX_RATE", "Publisher", "install", "uninstall", "enable"]
 
 KEY_PREFIX = "jupyter_ring/"
 
@@ -52,7 +52,14 @@ class Publisher:
             reporter.publish(final=True)
 
 
-def install(max_rate=10.0, shell=None):
+# Snapshots per second per rank. Each one costs Python time in three processes besides the
+# rank's: ipyparallel's controller relays it, the notebook kernel's client thread unpacks it and
+# the dashboard ingests it. 5/s keeps that near 1 % of one core for 2 ranks (docs/benchmarks.md)
+# while the notebook still sees a ring.log within ~0.2 s (p95).
+MAX_RATE = 5.0
+
+
+def install(max_rate=MAX_RATE, shell=None):
     """Install a :class:`Publisher` on this engine (replacing an earlier one); returns it."""
     from ipyparallel.datapub import publish_data
 
@@ -63,6 +70,8 @@ def install(max_rate=10.0, shell=None):
 
         shell = get_ipython()
     uninstall(shell)
+    # points logged while nobody listened belong to no cell's dashboard: do not send them now
+    _report.reporter.pending.clear()
     publisher = Publisher(publish_data, _report.reporter)
     _report.set_publisher(publisher, max_rate)
     if shell is not None:

@@ -25,6 +25,7 @@ class RankState:
         self.rank = rank
         self.seen = False          # any snapshot ingested
         self.seq = None            # highest snapshot sequence number ingested (None: unknown)
+        self.seqs = set()          # every sequence number ingested
         self.snap_time = -math.inf  # the newest snapshot's rank-side wall time
         self.step = 0
         self.total = None
@@ -40,6 +41,7 @@ class RankState:
         # metric -> sorted list of (wall time, step, value); _keys mirrors it for de-duplication
         self.history = {}
         self._keys = {}
+        self._charts = {}          # metric -> _ChartBuffer (None: rebuild from history)
 
     @property
     def fraction(self):
@@ -65,21 +67,31 @@ class RankState:
         """Finished: the cell ended on this rank, or the step reached the total."""
         return self.final or (self.total is not None and self.total > 0 and self.step >= self.total)
 
-    def add_point(self, metric, wall, step, value):
-        """Insert one history point in time order; False when it was already there."""
+    def add_point(self, metric, wall, step, value, check=True):
+        """Insert one history point in time order; False when it was already there.
+
+        ``check=False``: the caller knows the point is new (its snapshot's number is new).
+        """
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             return False  # the reporter sends non-finite numbers as strings ('nan', 'inf')
-        key = (wall, step, value)
         keys = self._keys.setdefault(metric, set())
-        if key in keys:
-            return False
-        keys.add(key)
+        if check:
+            key = (wall, step, value)
+            if key in keys:
+                return False
+            keys.add(key)
         series = self.history.setdefault(metric, [])
         point = (wall, step, float(value))
+        if metric not in self._charts:
+            self._charts[metric] = _ChartBuffer()  # sees every point, before any thinning
+        chart = self._charts[metric]
         if not series or series[-1] <= point:
             series.append(point)
+            if chart is not None:
+                chart.add(step, point[2])
         else:
             bisect.insort(series, point)
+            self._charts[metric] = None  # out of order (rare): rebuilt when next drawn
         if len(series) > _MAX_POINTS:
             half = len(series) // 2
             dropped = series[:half:2]
@@ -87,6 +99,69 @@ class RankState:
             for w, s, v in dropped:
                 keys.discard((w, s, v))
         return True
+
+    def chart_points(self, metric):
+        """The metric's (step, value) points decimated for drawing (at most ~1000, in order)."""
+        chart = self._charts.get(metric)
+        if chart is None:
+            chart = self._charts[metric] = _ChartBuffer()
+            for _wall, step, value in self.history.get(metric, ()):
+                chart.add(step, value)
+        return chart.points()
+
+
+class _ChartBuffer:
+    """Min/max decimation of a series as its points arrive: O(1) per point, ≤ 2·limit kept.
+
+    Points go into buckets of ``width`` consecutive points, each kept as its minimum and maximum
+    (in their order). Past ``limit`` buckets, neighbouring buckets merge and the width doubles.
+    """
+
+    def __init__(self, limit=250):
+        self.limit = limit
+        self.width = 1
+        self.buckets = []          # closed buckets: lists of <= 2 points
+        self.count = 0             # points in the open bucket
+        self.lo = self.hi = None   # its lowest and highest point: (index, x, y)
+
+    def add(self, x, y):
+        n = self.count
+        if n == 0:
+            self.lo = self.hi = (0, x, y)
+        elif y < self.lo[2]:
+            self.lo = (n, x, y)
+        elif y > self.hi[2]:
+            self.hi = (n, x, y)
+        self.count = n + 1
+        if self.count >= self.width:
+            self.buckets.append(self._open())
+            self.count = 0
+            if len(self.buckets) > self.limit:
+                pairs = self.buckets
+                self.buckets = [_minmax(pairs[i] + pairs[i + 1]) if i + 1 < len(pairs) else pairs[i]
+                                for i in range(0, len(pairs), 2)]
+                self.width *= 2
+
+    def _open(self):
+        if self.count == 0:
+            return []
+        lo, hi = self.lo, self.hi
+        if lo is hi:
+            return [(lo[1], lo[2])]
+        first, second = (lo, hi) if lo[0] < hi[0] else (hi, lo)
+        return [(first[1], first[2]), (second[1], second[2])]
+
+    def points(self):
+        return [p for bucket in self.buckets for p in bucket] + self._open()
+
+
+def _minmax(points):
+    """The points with the lowest and highest y, in their original order (all if <= 2)."""
+    if len(points) <= 2:
+        return list(points)
+    lo = min(range(len(points)), key=lambda i: points[i][1])
+    hi = max(range(len(points)), key=lambda i: points[i][1])
+    return [points[i] for i in sorted({lo, hi})]
 
 
 class DashboardState:
@@ -125,9 +200,10 @@ class DashboardState:
     def ingest(self, rank, snapshot, seq=None, received=None):
         """Merge one snapshot of ``rank``; returns the number of new history points.
 
-        ``seq`` (the transport's sequence number, if it has one) orders snapshots; without it the
-        snapshot's ``time`` does. A snapshot older than one already ingested only adds its
-        history points.
+        ``seq`` (the transport's sequence number, if it has one) orders snapshots and recognises
+        one ingested twice; without it the snapshot's ``time`` orders them and duplicate points
+        are recognised one by one. A transport numbers all its snapshots or none. A snapshot
+        older than one already ingested only adds its history points.
         """
         if self.frozen:
             return 0
@@ -135,10 +211,14 @@ class DashboardState:
             rank = snapshot.get("rank")
         state = self.rank(int(rank))
         added = 0
-        for point in snapshot.get("history") or ():
-            step, wall, values = point
-            for metric, value in (values or {}).items():
-                added += state.add_point(metric, float(wall), step, value)
+        # numbered snapshots are recognised by their number; others point by point
+        fresh = seq is not None and seq not in state.seqs
+        if seq is None or fresh:
+            if fresh:
+                state.seqs.add(seq)
+            for step, wall, values in snapshot.get("history") or ():
+                for metric, value in (values or {}).items():
+                    added += state.add_point(metric, float(wall), step, value, check=not fresh)
         snap_time = float(snapshot.get("time") or 0.0)
         if seq is not None and state.seq is not None:
             newer = seq > state.seq
@@ -223,8 +303,12 @@ class DashboardState:
             return out
         for rank, state in self.ranks.items():
             points = state.history.get(metric)
-            if points:
-                out[rank] = downsample([(step, value) for _wall, step, value in points], max_points)
+            if not points:
+                continue
+            if len(points) <= max_points:
+                out[rank] = [(step, value) for _wall, step, value in points]
+            else:  # long runs: from the incrementally decimated copy, not the whole history
+                out[rank] = downsample(state.chart_points(metric), max_points)
         return out
 
     def comm_totals(self, rank, kind="allreduce"):

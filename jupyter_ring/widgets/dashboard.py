@@ -77,6 +77,7 @@ class Dashboard(widgets.VBox):
         self._comm = widgets.HTML("")
         self._row_of = {}
         self._drawn = None
+        self._chart_drawn = None
         self._handle = None
         super().__init__([self._header, self._banner, self._rows, self._chart, self._comm],
                          **kwargs)
@@ -84,10 +85,11 @@ class Dashboard(widgets.VBox):
         self.add_class("jr-dashboard")
         self.refresh()
 
-    def refresh(self):
-        """Redraw from the state (does nothing when the state has not changed)."""
+    def refresh(self, chart=True):
+        """Redraw from the state (nothing when it has not changed); ``chart=False`` keeps the
+        chart as drawn (it is the costly part: the live dashboard redraws it less often)."""
         state = self.state
-        if self._drawn == state.version:
+        if self._drawn == state.version and (not chart or self._chart_drawn == state.version):
             return
         self._drawn = state.version
         if list(self._row_of) != list(state.ranks):
@@ -99,7 +101,9 @@ class Dashboard(widgets.VBox):
         for rank, row in self._row_of.items():
             row.update(state, rank in stragglers)
         self._banner.value = render_banner(state)
-        self._chart.value = render_chart(state)
+        if chart and self._chart_drawn != state.version:
+            self._chart_drawn = state.version
+            self._chart.value = render_chart(state)
         self._comm.value = render_comm(state)
 
     def to_html(self):
