@@ -19,6 +19,7 @@ STYLE = """<style>
 .jr-dash{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;color:var(--jp-ui-font-color1,#222)}
 .jr-dash table{border-collapse:collapse;margin:2px 0}
 .jr-dash th,.jr-dash td{padding:2px 8px;text-align:right;white-space:nowrap}
+.jr-dash td.jr-wrap{white-space:normal;max-width:360px}
 .jr-dash th{font-weight:600;border-bottom:1px solid var(--jp-border-color1,#ccc)}
 .jr-dash td.jr-l,.jr-dash th.jr-l{text-align:left}
 .jr-bar{display:inline-block;width:160px;height:10px;background:var(--jp-layout-color3,#e5e5e5);border-radius:2px;vertical-align:middle}
@@ -128,7 +129,7 @@ def render_comm(state):
         rows.append(f'<tr class="jr-comm-row" data-rank="{rank}"><td class="jr-l">rank {rank}</td>'
                     f'<td>{ar["count"]}</td><td>{format_bytes(ar["bytes"])}</td>'
                     f'<td>{ar["time_s"]:.3f} s</td><td>{format_bytes(ar["busbw"])}/s</td>'
-                    f'<td>{100 * s.comm_share:.0f} %</td><td class="jr-l">{_e(other)}</td></tr>')
+                    f'<td>{100 * s.comm_share:.0f} %</td><td class="jr-l jr-wrap">{_e(other)}</td></tr>')
     if not rows:
         return ""
     return ('<table class="jr-comm"><tr><th class="jr-l">communication</th><th>allreduces</th>'
