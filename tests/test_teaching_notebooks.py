@@ -30,6 +30,11 @@ EXPECTED = {
 }
 
 
+# notebooks whose training cell reports to the dashboard (torch: ring.log + optimizer steps;
+# keras: ProgressCallback)
+DASHBOARD = {"03-pytorch-data-parallel.ipynb", "04-keras-data-parallel.ipynb"}
+
+
 def test_every_teaching_notebook_is_listed():
     assert [os.path.basename(p) for p in NOTEBOOKS] == sorted(EXPECTED)
 
@@ -37,13 +42,22 @@ def test_every_teaching_notebook_is_listed():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_teaching_notebook_runs_top_to_bottom(path):
+    name = os.path.basename(path)
     nb = demo.run_notebook(path, timeout=180)
     text = demo.format_outputs(nb)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.output_type == "error"]
     assert not errors, text
-    for pattern in EXPECTED[os.path.basename(path)]:
+    for pattern in EXPECTED[name]:
         assert re.search(pattern, text), f"{pattern!r} not in the outputs:\n{text[-6000:]}"
+    if name in DASHBOARD:  # the training cell's dashboard, frozen into static HTML
+        pages = [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code"
+                 for o in c.get("outputs", []) if "jr-static" in o.get("data", {}).get("text/html", "")]
+        assert pages, "no dashboard in the outputs"
+        page = pages[-1]
+        assert len(re.findall(r'<tr class="jr-rank-row[^"]*" data-rank="\d"', page)) == 2
+        assert page.count("100 %") >= 2 and page.count('class="jr-series"') == 2, page[-3000:]
+        assert 'data-metric="loss"' in page
     if "checksum" in text:  # every rank ends with the same model
         sums = re.findall(r"\[rank \d\] (?:weights )?checksum ([+-][\d.]+)(?:;|$)", text, re.M)
         assert len(sums) >= 2 and len(set(sums)) == 1, sums
