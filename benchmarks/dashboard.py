@@ -10,13 +10,15 @@ same run, between
 
 - **live**: the datapub publisher installed on every rank (``ENGINE_SETUP``) and a
   ``LiveDashboard`` here ingesting every snapshot and redrawing its widgets (≤ 5/s), and
-- **off**: no publisher on the ranks (what ``--no-dashboard`` amounts to), the same polling loop.
+- **off**: no publisher on the ranks (``c.RingMagics.dashboard = False``), the same polling
+  loop.
 
 Step time is each block's wall time over its steps on the ranks (a mean: it includes the rare
 steps that publish), median over the blocks of each kind; with other load on the machine, the
-median of the ratios of adjacent live/off blocks and the ratio of the fastest blocks are steadier. Latency is, for every metric point
-logged by ``ring.log`` on a rank, the wall time from the log call until the poll here that put
-it into the dashboard's state (same machine, same clock).
+median of the ratios of adjacent live/off blocks and the ratio of the fastest blocks are
+steadier. CPU: this process's and ipyparallel's controller's, as a share of one core. Latency
+is, for every metric point logged by ``ring.log`` on a rank, the wall time from the log call
+until the poll here that put it into the dashboard's state (same machine, same clock).
 """
 
 import argparse
@@ -111,13 +113,12 @@ def _poll(live, ar, seen, latencies):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--pairs", type=int, default=20, help="live/off block pairs (default 8)")
-    parser.add_argument("--steps", type=int, default=600, help="training steps per block")
+    parser.add_argument("--pairs", type=int, default=20, help="live/off block pairs (default 20)")
+    parser.add_argument("--steps", type=int, default=600, help="training steps per block (default 600)")
     parser.add_argument("--rate", type=float, default=None,
                         help="snapshots per second per rank (default: the publisher's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="jupyter_ring_bench_"))
-
     from jupyter_ring.cluster import RingCluster
     from jupyter_ring.widgets import _publish
     from jupyter_ring.widgets.live import ENGINE_SETUP, LiveDashboard

@@ -385,3 +385,34 @@ def test_long_runs_are_charted_from_an_incremental_decimation():
     assert [x for x, _ in series] == sorted(x for x, _ in series)
     state.ingest(0, snap(0, step=100001, history=[(100001, 1e6, {"loss": -1.0})], t=101), seq=101)
     assert state.series("loss")[0][-1] == (100001, -1.0)  # appended to the decimation
+
+
+def test_has_and_discard_snapshots_for_cells_without_a_dashboard():
+    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.widgets.live import discard_snapshots, has_snapshots
+
+    engines = [{"other": 1}, {}]
+    assert not has_snapshots(engines)
+    engines[1][snapshot_key(1)] = snap(1)
+    engines[1][snapshot_key(2)] = snap(1)
+    assert has_snapshots(engines)
+    assert discard_snapshots(engines) == 2
+    assert engines == [{"other": 1}, {}] and not has_snapshots(engines)
+
+
+def test_public_names():
+    import subprocess
+    import sys
+
+    import jupyter_ring.widgets as widgets
+    import jupyter_ring.widgets.live as live
+
+    assert set(widgets.__all__) == {"Dashboard", "DashboardState"}
+    assert set(live.__all__) == {"ENGINE_SETUP", "LiveDashboard", "take_snapshots", "has_snapshots",
+                                 "discard_snapshots", "set_publishing"}
+    assert all(getattr(m, n).__doc__ for m in (widgets, live) for n in m.__all__)
+    # the widgets import neither a framework nor, until a cell is polled, ipyparallel
+    code = ("import sys, jupyter_ring.widgets.live; print(sorted(m for m in ('torch', 'tensorflow', "
+            "'ipyparallel') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out

@@ -22,7 +22,8 @@ import time
 from ._publish import KEY_PREFIX
 from .dashboard import Dashboard
 
-__all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "set_publishing"]
+__all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "has_snapshots", "discard_snapshots",
+           "set_publishing"]
 
 ENGINE_SETUP = """\
 import jupyter_ring.widgets._publish as _jr_publish
@@ -50,6 +51,19 @@ def take_snapshots(data):
                 out.append((seq, snapshot))
     out.sort(key=lambda item: item[0])
     return out
+
+
+def has_snapshots(ar):
+    """Whether any rank has published a snapshot into ``ar`` not yet taken (safe while ipyparallel's
+    IO thread adds keys: each dict's keys are copied in one step)."""
+    return any(isinstance(key, str) and key.startswith(KEY_PREFIX)
+               for data in _data_dicts(ar) for key in list(data))
+
+
+def discard_snapshots(ar):
+    """Drop the snapshots in ``ar`` (a ``--no-dashboard`` cell: they would pile up in the
+    client's metadata for the rest of the session). Returns how many."""
+    return sum(len(take_snapshots(data)) for data in _data_dicts(ar))
 
 
 def _data_dicts(ar):
