@@ -3,7 +3,8 @@
 A notebook starts 2 ranks and trains a small PyTorch MLP on them. While it trains, the dashboard
 shows one row per rank (ipywidgets progress bars); when the cell ends it becomes its static final
 HTML: both rows at 100 %, a loss chart with one polyline of points per rank, and the allreduce
-figures. The screenshot goes to docs/img/dashboard.png.
+figures. The screenshot (docs/img/dashboard.png) is refreshed with
+``JUPYTER_RING_SCREENSHOTS=docs/img``.
 
 ``test_dashboard_renders_in_jupyterlab`` feeds the dashboard from the notebook itself, the way the
 front end does (``LiveDashboard.poll`` while the cell runs); ``test_distributed_shows_the_dashboard``
@@ -17,9 +18,10 @@ import time
 
 import pytest
 
+from conftest import screenshot_path
 from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, ROOT, _run_cell, lab, playwright_api  # noqa: F401
 
-SCREENSHOT = os.path.join(ROOT, "docs", "img", "dashboard.png")
+SCREENSHOT = screenshot_path("dashboard.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
 
 pytestmark = pytest.mark.timeout(240)
 
