@@ -20,6 +20,7 @@ which uses NCCL when it is available.
 
 import contextlib
 import warnings
+import weakref
 
 try:
     import torch
@@ -656,7 +657,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if not p.requires_grad or id(p) in self._index:
                 continue
-            old = getattr(p, "_jupyter_ring_hook", None)
+            old = _hook_of(p)
             if old is not None:
                 # a previous DistributedOptimizer over this parameter (a re-run notebook cell):
                 # its hook would queue allreduces nobody synchronizes
@@ -668,14 +669,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._names.append(self._given_names[id(p)])
             else:
                 self._names.append(f"param.{i}")
-            handle = p.register_post_accumulate_grad_hook(self._make_hook(i))
-            p._jupyter_ring_hook = handle
+            handle = p.register_post_accumulate_grad_hook(_GradHook(self, i))
+            _HOOKS[id(p)] = (weakref.ref(p), handle)
             self._hooks.append(handle)
-
-    def _make_hook(self, i):
-        def hook(_param):
-            self._on_grad(i)
-        return hook
 
     def _reset_step(self):
         self._counts = [0] * len(self._params)
@@ -785,8 +781,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
         for p in self._params:
-            if getattr(p, "_jupyter_ring_hook", None) is not None:
-                p._jupyter_ring_hook = None
+            if _hook_of(p) is not None:
+                del _HOOKS[id(p)]
+
+
+# Each parameter's current gradient hook, so that re-wrapping (a re-run cell) replaces it. Kept
+# here, not on the parameter, so that pickling a model (%ring pull model) stays possible.
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves.
+_HOOKS = {}
+
+
+def _hook_of(param):
+    entry = _HOOKS.get(id(param))
+    if entry is None or entry[0]() is not param:  # gone, or an id reused by another tensor
+        _HOOKS.pop(id(param), None)
+        return None
+    return entry[1]
+
+
+class _GradHook:
+    """Queues parameter ``i``'s gradient allreduce; pickles to a no-op (a pulled model is local)."""
+
+    __slots__ = ("optimizer", "index")
+
+    def __init__(self, optimizer, index):
+        self.optimizer = optimizer
+        self.index = index
+
+    def __call__(self, _param):
+        self.optimizer._on_grad(self.index)
+
+    def __reduce__(self):
+        return (_detached_hook, ())
+
+
+def _no_allreduce(_param):
+    """The hook of a model unpickled away from its DistributedOptimizer: nothing to do."""
+
+
+def _detached_hook():
+    return _no_allreduce
 
 
 # ------------------------------------------------------------------ dashboard (owner: widgets)

@@ -174,6 +174,20 @@ if abs(sgd.param_groups[0]["lr"] - 0.05) > 1e-12:
     failures.append(f"LR scheduler: lr {sgd.param_groups[0]['lr']} != 0.05")
 opt.remove_hooks()
 
+# A wrapped model pickles (what %ring pull does) and the copy trains locally, allreducing nothing.
+import pickle  # noqa: E402
+model, sgd = make("mlp", torch.optim.SGD, 0.1)
+opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+try:
+    copy = pickle.loads(pickle.dumps(model))
+except Exception as exc:  # noqa: BLE001 - recorded as a failure on this rank
+    failures.append(f"pickling a wrapped model: {type(exc).__name__}: {exc}")
+else:
+    torch.nn.functional.cross_entropy(copy(x), y).backward()
+    if any(q.grad is None for q in copy.parameters()):
+        failures.append("the unpickled model did not get gradients")
+opt.remove_hooks()
+
 if failures:
     print(f"rank {r}: {len(failures)} failures:\n  " + "\n  ".join(failures[:20]), flush=True)
     sys.exit(1)
