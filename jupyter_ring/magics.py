@@ -519,16 +519,18 @@ class _CellRun:
 
     def _poll_dashboard(self):
         if self.dashboard is None:
+            if not self.magics._dashboard_ready:  # no publisher on the ranks (e.g. a terminal)
+                return
+            from .widgets import live
+
             if not self.want_dashboard:
+                # --no-dashboard: drop the ranks' snapshots, which would otherwise pile up in
+                # the client's metadata for the rest of the session
+                live.discard_snapshots(self.ar)
                 return
-            from .widgets._publish import KEY_PREFIX
-
-            if not any(isinstance(key, str) and key.startswith(KEY_PREFIX)
-                       for md in self.ar._metadata for key in (md["data"] or {})):
+            if not live.has_snapshots(self.ar):  # copies keys: safe against the IO thread
                 return
-            from .widgets.live import LiveDashboard
-
-            self.dashboard = LiveDashboard(self.ranks)
+            self.dashboard = live.LiveDashboard(self.ranks)
         self.dashboard.poll(self.ar)
 
     def _run(self):
