@@ -30,8 +30,8 @@ def sidecar_path(profile_dir, cluster_id):
 def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_file=None):
     """Record ``ranks`` (rows with rank, host, pid, device) and the owner kernel; owner-only file.
 
-    Called in the kernel after the ranks are up, e.g. by ``RingCluster`` with
-    ``write_sidecar(c.profile_dir, c.cluster_id, self.ranks)``.
+    Called in the kernel after the ranks are up (``RingCluster`` does, at the end of its start,
+    and removes it on stop).
     """
     if kernel_pid is None:
         kernel_pid = os.getpid()

@@ -28,6 +28,7 @@ from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import Config, LoggingConfigurable
 
 from ._launch import find_mpiexec, mpi_env
+from ._sidecar import remove_sidecar, write_sidecar
 
 __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
            "parse_ranks"]
@@ -292,6 +293,10 @@ class RingCluster(LoggingConfigurable):
         self.view = client[self.engine_ids]
         self.view.block = False
         self._watch(self.ipp_cluster)
+        try:  # the Ring panel reads the ranks' devices and the owner kernel from it
+            write_sidecar(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id, self.ranks)
+        except OSError as exc:
+            log.warning("could not write the Ring panel's sidecar file: %s", exc)
 
     def stop(self):
         """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog."""
@@ -318,6 +323,8 @@ class RingCluster(LoggingConfigurable):
                 cluster.stop_controller_sync()
             except Exception:
                 log.warning("stopping the controller failed", exc_info=True)
+        if cluster is not None:
+            remove_sidecar(cluster.profile_dir, cluster.cluster_id)
         self._stop_watchdog()
         self.ranks, self.engine_ids, self.size = [], [], 0
 

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from jupyter_ring._sidecar import read_sidecar, sidecar_path
 from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
 
 GiB = 1 << 30
@@ -118,6 +119,13 @@ def test_start_binds_ranks_and_stop_leaves_nothing(ring_cluster):
     assert cluster.view.pull("r", block=True) == [(0, ""), (1, "")]
     # the cluster's files live in the profile under IPYTHONDIR (the tests' temp dir)
     assert cluster.ipp_cluster.profile_dir.startswith(os.environ["IPYTHONDIR"])
+    # the Ring panel's sidecar: the ranks' rows and this process as the owner, owner-only
+    ipp = cluster.ipp_cluster
+    side = read_sidecar(ipp.profile_dir, ipp.cluster_id)
+    assert side["kernel_pid"] == os.getpid()
+    assert [(r["rank"], r["pid"], r["device"]) for r in side["ranks"]] == \
+        [(row["rank"], row["pid"], "cpu") for row in rows]
+    assert os.stat(sidecar_path(ipp.profile_dir, ipp.cluster_id)).st_mode & 0o077 == 0
     procs = cluster.processes()
     names = " ".join(" ".join(p.cmdline()) for p in procs)
     assert "ipyparallel.controller" in names and "mpiexec" in names
@@ -125,6 +133,7 @@ def test_start_binds_ranks_and_stop_leaves_nothing(ring_cluster):
     pids = [p.pid for p in procs]
     cluster.stop()
     assert not cluster.running
+    assert read_sidecar(ipp.profile_dir, ipp.cluster_id) is None
     assert _wait_gone(pids, 5) == []
 
 

@@ -17,7 +17,7 @@ import socket
 
 import psutil
 
-from ._sidecar import read_sidecar, remove_sidecar
+from .._sidecar import read_sidecar, remove_sidecar
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
            "interrupt_cluster", "stop_cluster", "kernel_pids"]
