@@ -29,8 +29,9 @@ def test_public_names():
         "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
         "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "gpu_available", "nccl_available",
         "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "reducescatter", "alltoall",
-        "barrier", "broadcast_object", "allgather_object",
+        "barrier", "broadcast_object", "allgather_object", "stats", "timeline",
         "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError"}
+    assert all(hasattr(ring, name) for name in ring.__all__)
 
 
 def test_missing_cupy_names_the_extra():

@@ -24,31 +24,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .. import runtime as _ring
-from ._core import Adasum, Average, Max, Min, Product, Sum
-from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
-
-init = _ring.init
-shutdown = _ring.shutdown
-is_initialized = _ring.is_initialized
-size = _ring.size
-rank = _ring.rank
-local_size = _ring.local_size
-local_rank = _ring.local_rank
-cross_size = _ring.cross_size
-cross_rank = _ring.cross_rank
-barrier = _ring.barrier
-broadcast_object = _ring.broadcast_object
-allgather_object = _ring.allgather_object
-stats = _ring.stats
-timeline = _ring.timeline
+from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from ._common import __all__ as _COMMON
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "barrier", "broadcast_object", "allgather_object", "broadcast_variables", "stats", "timeline",
-    "DistributedGradientTape",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    *_COMMON, "Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast",
+    "alltoall", "reducescatter", "broadcast_variables", "DistributedGradientTape",
 ]
 
 

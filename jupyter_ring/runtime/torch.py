@@ -31,35 +31,16 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _report  # the dashboard's step count (_report_step, at the end)
-from ._core import Adasum, Average, Max, Min, Product, Sum
-from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
-
-init = _ring.init
-shutdown = _ring.shutdown
-is_initialized = _ring.is_initialized
-size = _ring.size
-rank = _ring.rank
-local_size = _ring.local_size
-local_rank = _ring.local_rank
-cross_size = _ring.cross_size
-cross_rank = _ring.cross_rank
-barrier = _ring.barrier
-broadcast_object = _ring.broadcast_object
-allgather_object = _ring.allgather_object
-stats = _ring.stats
-timeline = _ring.timeline
+from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from ._common import __all__ as _COMMON
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
-    "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "reducescatter", "barrier", "broadcast_object", "allgather_object", "poll",
-    "synchronize", "stats", "timeline", "broadcast_parameters", "broadcast_optimizer_state",
-    "DistributedOptimizer",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    *_COMMON, "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
+    "Compression", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "alltoall", "reducescatter", "poll", "synchronize",
+    "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
 ]
 
 

@@ -1,0 +1,32 @@
+"""The names every framework adapter shares with the numpy runtime, unchanged.
+
+Horovod's framework modules (``horovod.torch``, ``horovod.tensorflow``) each offer the topology
+calls, the reduce ops, ``barrier``, the object collectives and the errors; ours re-export them
+from here with ``from ._common import *`` and add their own tensor collectives.
+"""
+
+from .. import runtime as _ring
+from ._core import Adasum, Average, Max, Min, Product, Sum
+from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
+
+init = _ring.init
+shutdown = _ring.shutdown
+is_initialized = _ring.is_initialized
+size = _ring.size
+rank = _ring.rank
+local_size = _ring.local_size
+local_rank = _ring.local_rank
+cross_size = _ring.cross_size
+cross_rank = _ring.cross_rank
+barrier = _ring.barrier
+broadcast_object = _ring.broadcast_object
+allgather_object = _ring.allgather_object
+stats = _ring.stats
+timeline = _ring.timeline
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
+    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "barrier",
+    "broadcast_object", "allgather_object", "stats", "timeline",
+    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+]
