@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build the shared teaching-lab environment: one venv that JupyterHub and every student run.
+#   sudo scripts/lab-env.sh [PREFIX]      PREFIX defaults to $JUPYTER_RING_LAB or /opt/jupyter_ring-lab
+#
+# Why not the project's .venv: its Python may live under /root (mode 700), which no other Unix
+# user can execute, nor a venv made from it. The lab venv is based on the system Python
+# (/usr/bin/python3, or $LAB_PYTHON) and is world-readable, owned by root (students cannot change
+# it). It holds jupyter_ring (a wheel built from this checkout, not an editable install: students
+# cannot read a developer's tree), jupyterhub, jupyterlab, the MPICH wheel and torch (CPU, pinned:
+# an unpinned torch pulls the CUDA build, GBs), and configurable-http-proxy from npm in
+# PREFIX/node. Re-running is quick: the build is keyed by a hash of the sources and this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PREFIX=${1:-${JUPYTER_RING_LAB:-/opt/jupyter_ring-lab}}
+PY=${LAB_PYTHON:-/usr/bin/python3}
+TORCH=${LAB_TORCH:-torch==2.13.0}
+CHP=${LAB_CHP:-configurable-http-proxy@4.6.3}
+HUB=${LAB_HUB:-jupyterhub>=5,<7}
+
+key=$( { cat scripts/lab-env.sh pyproject.toml; echo "$PY $TORCH $CHP $HUB";
+         find jupyter_ring jupyter-config labextension/prebuilt labextension/install.json -type f \
+           ! -name '*.pyc' -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0 cat; } | sha256sum | cut -c1-16)
+stamp="$PREFIX/.lab-env-key"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ -x "$PREFIX/bin/jupyterhub" ] \
+   && [ -x "$PREFIX/node/bin/configurable-http-proxy" ]; then
+  echo "[lab-env] $PREFIX is up to date ($key)"
+  exit 0
+fi
+if [ ! -f labextension/prebuilt/static/style.js ]; then
+  echo "[lab-env] labextension/prebuilt is missing: run scripts/setup.sh first (it builds the lab extension)" >&2
+  exit 1
+fi
+echo "[lab-env] building $PREFIX with $($PY --version) ($key)"
+umask 022                               # everything readable and runnable by every student
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+[ -x "$PREFIX/bin/python" ] || "$PY" -m venv "$PREFIX"
+"$PREFIX/bin/python" -m pip install -q --upgrade pip
+"$PREFIX/bin/python" -m pip install -q "$TORCH"
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+"$PREFIX/bin/python" -m pip wheel -q --no-deps -w "$wheels" .
+"$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
+"$PREFIX/bin/python" -m pip install -q "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab]" "$HUB"
+if [ ! -x "$PREFIX/node/bin/configurable-http-proxy" ]; then
+  echo "[lab-env] installing $CHP (npm) into $PREFIX/node"
+  npm install -g --silent --prefix "$PREFIX/node" "$CHP" >/dev/null
+fi
+chmod -R a+rX "$PREFIX"
+echo "$key" > "$stamp"
+echo "[lab-env] done: $("$PREFIX/bin/python" -c 'import jupyter_ring, jupyterhub, torch, ipyparallel; print("jupyterhub", jupyterhub.__version__, "torch", torch.__version__, "ipyparallel", ipyparallel.__version__)')"
