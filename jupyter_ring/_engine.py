@@ -62,6 +62,9 @@ def complete(code, cursor_pos):
     from IPython import get_ipython
 
     ip = get_ipython()
+    # Jedi's first completion in a process takes 1-3 s (its warm-up), longer than the notebook
+    # waits for a rank (remote_timeout); IPython's own completer answers from the namespace in ms.
+    ip.Completer.use_jedi = False
     kernel = getattr(ip, "kernel", None)
     if kernel is not None:
         reply = kernel.do_complete(code, cursor_pos)
