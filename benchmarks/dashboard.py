@@ -117,13 +117,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=600, help="training steps per block (default 600)")
     parser.add_argument("--rate", type=float, default=None,
                         help="snapshots per second per rank (default: the publisher's)")
+    parser.add_argument("--controller-db", default=None,
+                        help="the controller's record store, e.g. DictDB (ipyparallel's default) "
+                             "to compare with ours (default: RingCluster's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="jupyter_ring_bench_"))
     from jupyter_ring.cluster import RingCluster
     from jupyter_ring.widgets import _publish
     from jupyter_ring.widgets.live import ENGINE_SETUP, LiveDashboard
 
-    cluster = RingCluster(n=args.n)
+    cluster = RingCluster(n=args.n, **({"controller_db": args.controller_db}
+                                       if args.controller_db else {}))
     cluster.start()
     try:
         cluster.view.execute(TRAIN_SETUP, block=True).get()

@@ -175,6 +175,12 @@ class RingCluster(LoggingConfigurable):
                                 help="Seconds of missed heartbeats before the controller "
                                      "declares an engine dead (a busy machine can delay a "
                                      "beat; a dead process is noticed at once by its nanny).")
+    controller_db = Unicode("NoDB", config=True,
+                            help="The controller's record store (IPController.db_class). "
+                                 "ipyparallel's DictDB keeps every task's record and output, "
+                                 "deep-copying it on each output message (CPU and memory in "
+                                 "the controller for every line printed or snapshot sent); the "
+                                 "magics never read it back, so NoDB by default.")
     engine_timeout = Float(60.0, config=True,
                            help="Seconds to wait for all engines to register before failing.")
     setup_timeout = Float(60.0, config=True,
@@ -227,7 +233,8 @@ class RingCluster(LoggingConfigurable):
                       controller_args=[
                           f"--HeartMonitor.period={self.heartbeat_period}",
                           "--HeartMonitor.max_heartmonitor_misses="
-                          f"{max(3, round(self.heartbeat_tolerance * 1000 / self.heartbeat_period))}"],
+                          f"{max(3, round(self.heartbeat_tolerance * 1000 / self.heartbeat_period))}",
+                          f"--IPController.db_class={self.controller_db}"],
                       engine_timeout=int(self.engine_timeout))
         if one_host:
             kwargs["controller_ip"] = "127.0.0.1"
