@@ -31,7 +31,7 @@ from ._launch import find_mpiexec, mpi_env
 from ._sidecar import remove_sidecar, write_sidecar
 
 __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
-           "parse_ranks"]
+           "threads_per_rank", "share_note", "parse_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,52 @@ def default_size(gpus, environ=None):
     return max(1, min(limits))
 
 
+# the thread pools of numpy's BLAS, torch and TensorFlow read these when they start
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "TF_NUM_INTRAOP_THREADS")
+
+
+def _cpu_share(environ):
+    """Cores this process may use: the affinity mask, lowered by JupyterHub's CPU_LIMIT."""
+    cores = _cpu_count()
+    try:
+        limit = float(environ.get("CPU_LIMIT", "").strip() or cores)
+    except ValueError:
+        limit = cores
+    return max(1.0, min(float(cores), limit))
+
+
+def threads_per_rank(n, environ=None):
+    """Threads each of ``n`` ranks on this host may use: its CPU share (cores, CPU_LIMIT) / n, >= 1.
+
+    Without this every rank's OpenMP/MKL/torch pool takes every core: n ranks on c cores run
+    n * c threads, and on a shared hub one student's ranks slow everyone's.
+    """
+    environ = os.environ if environ is None else environ
+    return max(1, int(_cpu_share(environ) // n))
+
+
+def share_note(n, gpus, environ=None):
+    """What to tell a user who asks (``-n``) for more ranks than their share; "" when within it."""
+    environ = os.environ if environ is None else environ
+    fair = default_size(gpus, environ)
+    if n <= fair:
+        return ""
+    if gpus:
+        return (f"-n {n} is more than the {len(gpus)} visible GPU(s) ({','.join(gpus)}): ranks will "
+                f"share GPUs. %ring start without -n starts one rank per GPU.")
+    limits = [f"{_cpu_count()} cores"]
+    for var in ("CPU_LIMIT", "MEM_LIMIT"):
+        if environ.get(var, "").strip():
+            limits.append(f"{var}={environ[var].strip()}")
+    return (f"-n {n} is more than this server's share ({', '.join(limits)}: {fair} rank(s)); "
+            f"starting {n} anyway, as -n asks, with {threads_per_rank(n, environ)} thread(s) per "
+            f"rank: they share that CPU time and memory, so each runs slower. %ring start without "
+            f"-n starts the fair size; set OMP_NUM_THREADS in the kernel before %ring start to "
+            f"choose threads per rank; a larger share comes from the hub's admin "
+            f"(c.Spawner.cpu_limit / mem_limit).")
+
+
 def parse_ranks(text, size):
     """``"0,2-3"`` -> ``[0, 2, 3]``; ValueError naming the bad part and the valid range."""
     ranks = []
@@ -200,6 +246,7 @@ class RingCluster(LoggingConfigurable):
         self.size = 0
         self._watchdog = None
         self._pid_file = None
+        self.note = ""           # share_note() of the last start: more ranks than the share
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -219,6 +266,11 @@ class RingCluster(LoggingConfigurable):
             raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
         one_host = not self.hosts and self.launcher == "mpi"
         env = mpi_env(one_host=one_host)
+        self.note = share_note(n, gpus) if self.n is not None and one_host else ""
+        if one_host:  # the kernel's own OMP_NUM_THREADS etc. win (mpi_env copies os.environ)
+            threads = str(threads_per_rank(n))
+            for var in THREAD_VARS:
+                env.setdefault(var, threads)
         for item in self.engine_env:
             name, sep, value = item.partition("=")
             if not sep:

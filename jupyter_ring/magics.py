@@ -224,7 +224,9 @@ class RingMagics(Magics):
             In [8]: %ring stop
 
         ``-n`` defaults to one rank per visible GPU (``CUDA_VISIBLE_DEVICES`` respected), else to
-        min(cores, CPU_LIMIT, MEM_LIMIT / 2 GiB). Each rank sees only its own GPU. ``ring`` (the
+        min(cores, CPU_LIMIT, MEM_LIMIT / 2 GiB), and each rank's OpenMP/MKL/torch threads to
+        its share of the cores (CPU_LIMIT / ranks); an -n beyond the share starts anyway and says
+        so. Each rank sees only its own GPU. ``ring`` (the
         runtime, ``jupyter_ring.runtime``) is initialised in every rank's namespace.
         """
         argv = shlex.split(line)
@@ -259,6 +261,8 @@ class RingMagics(Magics):
         self._start_argv = argv
         self._dashboard_ready = self._setup_dashboard(cluster)
         print(_format_table(rows))
+        if cluster.note:
+            print(cluster.note)
         print(f"{len(rows)} ranks ready in {time.perf_counter() - t0:.1f} s; `ring` is "
               f"initialised on every rank. Run cells there with %%distributed.")
 
