@@ -9,7 +9,11 @@ Format (one JSON object)::
 
     {"version": 1, "cluster_id": "1795400639-v1wr", "kernel_pid": 4242,
      "connection_file": "/.../kernel-<id>.json",
-     "ranks": [{"rank": 0, "host": "vm", "pid": 9130, "device": "cpu"}, ...]}
+     "ranks": [{"rank": 0, "host": "vm", "pid": 9130, "device": "cpu",
+                "step": 120, "total": 500}, ...]}
+
+``step``/``total``: the rank's last ``ring.progress()`` as the kernel's dashboard saw it (rewritten
+at most once a second while a cell reports, and when it ends); null before any report.
 
 This module imports nothing from Jupyter or ipyparallel, so the kernel can use it cheaply.
 """
@@ -39,7 +43,8 @@ def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_fi
         connection_file = _connection_file()
     data = {"version": VERSION, "cluster_id": cluster_id, "kernel_pid": int(kernel_pid),
             "connection_file": connection_file,
-            "ranks": [{key: row.get(key) for key in ("rank", "host", "pid", "device")}
+            "ranks": [{key: row.get(key) for key in ("rank", "host", "pid", "device", "step",
+                                                     "total")}
                       for row in ranks]}
     path = sidecar_path(profile_dir, cluster_id)
     tmp = path + ".tmp"

@@ -243,6 +243,7 @@ class RingCluster(LoggingConfigurable):
         self.view = None
         self.ranks = []          # rows of the start table, index = rank
         self.engine_ids = []     # ipyparallel engine id of each rank
+        self.steps = {}          # rank -> {"step", "total"}: the last progress the dashboard saw
         self.size = 0
         self._watchdog = None
         self._pid_file = None
@@ -352,10 +353,21 @@ class RingCluster(LoggingConfigurable):
         self.view = client[self.engine_ids]
         self.view.block = False
         self._watch(self.ipp_cluster)
-        try:  # the Ring panel reads the ranks' devices and the owner kernel from it
-            write_sidecar(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id, self.ranks)
+        self._write_sidecar()
+
+    def _write_sidecar(self):
+        """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
+        try:
+            write_sidecar(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id,
+                          [dict(row, **self.steps.get(row["rank"], {})) for row in self.ranks])
         except OSError as exc:
             log.warning("could not write the Ring panel's sidecar file: %s", exc)
+
+    def record_steps(self, steps):
+        """Note each rank's ``{"step": s, "total": t}`` (from the dashboard) for the Ring panel."""
+        if self.running and steps and steps != self.steps:
+            self.steps = dict(steps)
+            self._write_sidecar()
 
     def stop(self):
         """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog."""
@@ -385,7 +397,7 @@ class RingCluster(LoggingConfigurable):
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
         self._stop_watchdog()
-        self.ranks, self.engine_ids, self.size = [], [], 0
+        self.ranks, self.engine_ids, self.size, self.steps = [], [], 0, {}
 
     def kill(self):
         """SIGKILL every process of the cluster now (used at interpreter exit)."""

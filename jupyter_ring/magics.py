@@ -504,6 +504,7 @@ class _CellRun:
         # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
         self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
         self.dashboard = None
+        self._steps_noted = -float("inf")
         self.offsets = {}     # (rank, stream name) -> characters already shown
         self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
         self.n_outputs = {}   # rank -> display_data outputs already shown
@@ -517,6 +518,7 @@ class _CellRun:
             if self.dashboard is not None:
                 try:
                     self.dashboard.finish(getattr(self, "ar", None))
+                    self._note_steps()
                 except Exception as exc:  # never hide the cell's own outcome
                     print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
             self.sink.finish()
@@ -536,6 +538,15 @@ class _CellRun:
                 return
             self.dashboard = live.LiveDashboard(self.ranks)
         self.dashboard.poll(self.ar)
+        now = time.monotonic()
+        if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
+            self._steps_noted = now
+            self._note_steps()
+
+    def _note_steps(self):
+        state = self.dashboard.state
+        self.cluster.record_steps({r: {"step": s.step, "total": s.total}
+                                   for r, s in state.ranks.items() if s.seen})
 
     def _run(self):
         view = self.cluster.client[[self.cluster.engine_ids[r] for r in self.ranks]]

@@ -113,7 +113,8 @@ def test_owner_kernel_and_sidecar_devices(cluster):
     path = find_cluster_file(c.cluster_id)
     info = describe_cluster(path, kernels={os.getpid(): "kernel-abc"})
     assert info["owner"]["kernel_id"] == "kernel-abc"
-    rows = [{"rank": i, "host": row["host"], "pid": row["pid"], "device": f"cuda:0 (GPU {i})"}
+    rows = [{"rank": i, "host": row["host"], "pid": row["pid"], "device": f"cuda:0 (GPU {i})",
+             "step": 10 + i, "total": 50}
             for i, row in enumerate(info["ranks"])]
     sidecar = write_sidecar(c.profile_dir, c.cluster_id, rows, kernel_pid=os.getpid())
     try:
@@ -121,6 +122,7 @@ def test_owner_kernel_and_sidecar_devices(cluster):
         assert read_sidecar(c.profile_dir, c.cluster_id)["ranks"][1]["device"] == "cuda:0 (GPU 1)"
         info = describe_cluster(path, kernels={os.getpid(): "kernel-abc"})
         assert [r["device"] for r in info["ranks"]] == ["cuda:0 (GPU 0)", "cuda:0 (GPU 1)"]
+        assert [(r["step"], r["total"]) for r in info["ranks"]] == [(10, 50), (11, 50)]
         assert all(r["alive"] for r in info["ranks"])
         assert info["owner"]["kernel_id"] == "kernel-abc"
     finally:

@@ -257,6 +257,13 @@ def test_dashboard_shows_when_a_rank_reports_and_not_otherwise(kernel):
     finals = [m["content"]["data"].get("text/html", "") for m in msgs
               if m["msg_type"] in ("display_data", "update_display_data")]
     assert any("jr-dash" in page for page in finals), [m["msg_type"] for m in msgs]
+    # the Ring panel's step column: the kernel noted each rank's last progress in the sidecar
+    steps = kernel.ok(
+        "import json\nfrom jupyter_ring._sidecar import read_sidecar\n"
+        "_c = get_ipython().magics_manager.registry['RingMagics'].cluster.ipp_cluster\n"
+        "print(json.dumps([(r['rank'], r['step'], r['total'])"
+        " for r in read_sidecar(_c.profile_dir, _c.cluster_id)['ranks']]))")
+    assert json.loads(steps) == [[0, 6, 6], [1, 6, 6]]
     msgs = []
     kernel.ok(code.format(flag=" --no-dashboard"), messages=msgs)
     assert not [m for m in msgs if m["msg_type"].startswith(("comm", "display", "update"))]

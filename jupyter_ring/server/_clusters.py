@@ -263,7 +263,8 @@ def _rank_rows(engines, sidecar, here):
             host = row.get("host")
             local = host in (here, None, "localhost")
             alive = (_process(pid) is not None) if local else None  # None: another host, unknown
-            rows.append(_row(row.get("rank"), host, pid, row.get("device"), alive))
+            rows.append(_row(row.get("rank"), host, pid, row.get("device"), alive,
+                             row.get("step"), row.get("total")))
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"]))
     device = None if _nvidia_present() else "cpu"
     unranked = 0
@@ -275,10 +276,11 @@ def _rank_rows(engines, sidecar, here):
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def _row(rank, host, pid, device, alive):
+def _row(rank, host, pid, device, alive, step=None, total=None):
+    # step/total: the rank's last ring.progress() as the owner kernel's dashboard saw it (None:
+    # no report yet, or a cluster without a sidecar)
     return {"rank": rank, "host": host, "pid": pid, "device": device, "alive": alive,
-            # Filled by the metrics issue: the rank's last ring.progress() step (None until then).
-            "step": None}
+            "step": step, "total": total}
 
 
 def list_clusters(kernels=None, ipython_dir=None):

@@ -10,8 +10,10 @@ export interface IRankInfo {
   device: string | null;
   /** true/false from the process table; null when the rank runs on another host. */
   alive: boolean | null;
-  /** The rank's last ring.progress() step: null until the metrics issue fills it. */
+  /** The rank's last ring.progress() step as the owner kernel's dashboard saw it; null: none yet. */
   step: number | null;
+  /** That progress's total, when the rank gave one. */
+  total?: number | null;
 }
 
 export interface IOwnerInfo {

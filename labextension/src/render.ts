@@ -2,7 +2,7 @@
  * DOM for the Ring panel: one card per cluster with its ranks and action buttons.
  * Plain DOM (no JupyterLab imports) so that it is unit-tested in jsdom.
  */
-import { IClusterInfo, livenessLabel, ownerLabel, stateLabel } from './model';
+import { IClusterInfo, IRankInfo, livenessLabel, ownerLabel, stateLabel } from './model';
 
 export type ClusterAction = 'interrupt' | 'restart' | 'stop';
 
@@ -92,7 +92,7 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
       rank.pid === null ? '?' : String(rank.pid),
       rank.device ?? '?',
       livenessLabel(rank),
-      rank.step === null ? '–' : String(rank.step)
+      stepLabel(rank)
     ];
     for (const text of cells) {
       row.appendChild(el('td', '', text));
@@ -122,4 +122,12 @@ export function renderClusters(
   for (const cluster of clusters) {
     node.appendChild(renderCluster(cluster, options));
   }
+}
+
+/** "120/500", "120" or "–" (no report yet). */
+export function stepLabel(rank: IRankInfo): string {
+  if (rank.step === null || rank.step === undefined) {
+    return '–';
+  }
+  return rank.total ? `${rank.step}/${rank.total}` : String(rank.step);
 }

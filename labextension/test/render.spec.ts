@@ -18,6 +18,19 @@ describe('renderClusters', () => {
     expect(node.querySelector('.jp-RingPanel-state')!.textContent).toBe('running');
   });
 
+  it('shows a rank\'s step, with its total when known', () => {
+    const node = document.createElement('div');
+    const cluster = makeCluster();
+    cluster.ranks[0].step = 120;
+    cluster.ranks[0].total = 500;
+    cluster.ranks[1].step = 7;
+    renderClusters(node, [cluster], { onAction: () => undefined });
+    const steps = Array.from(node.querySelectorAll('tr.jp-RingPanel-rank')).map(
+      row => row.querySelectorAll('td')[5].textContent
+    );
+    expect(steps).toEqual(['120/500', '7']);
+  });
+
   it('calls onAction with the cluster and the action', () => {
     const node = document.createElement('div');
     const calls: string[] = [];
