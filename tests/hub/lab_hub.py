@@ -377,6 +377,11 @@ class HubKernel:
         except Exception:
             pass
 
+    def shutdown(self):
+        """Shut the kernel down through its server (what closing a notebook's kernel does)."""
+        self.close()
+        self.hub.api("DELETE", f"/user/{self.user}/api/kernels/{self.id}", token=self.token)
+
 
 def _user_exists(name):
     try:

@@ -9,8 +9,10 @@ run notebooks 01 and 03 at once; last, B's server is stopped and A's is killed, 
 of either student may remain. Needs root (it creates the users); skipped with the reason otherwise.
 """
 
+import json
 import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -18,6 +20,7 @@ import time
 import psutil
 import pytest
 
+from jupyter_ring import demo
 from lab_hub import LabHub, build_lab_env, skip_reason, user_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,7 +35,8 @@ if skip_reason():
 pytestmark = pytest.mark.timeout(420)
 
 STUDENTS = [f"jrlab{tag}{os.getpid() % 10000}" for tag in "ab"]
-RESULTS = {}   # figures and refusals, printed by the last test (pytest -s)
+RESULTS = {}   # figures (seconds), printed by the last test (pytest -s)
+REFUSED = []   # what student B tried against student A's cluster, and the answer
 
 
 def _both(fn):
@@ -101,14 +105,152 @@ def test_two_students_start_clusters_at_once(hub):
         t0 = time.perf_counter()
         text = _ok(kernel.execute("%load_ext jupyter_ring\n%ring start", timeout=120))
         return time.perf_counter() - t0, text, _ok(kernel.execute(
-            "%%distributed\nimport os\nprint('uid', os.getuid(), 'size', ring.size())", timeout=60))
+            "%%distributed\nimport os, torch\nprint('uid', os.getuid(), 'size', ring.size(), 'threads', "
+            "os.environ['OMP_NUM_THREADS'], torch.get_num_threads())", timeout=60))
 
     started = _both(start)
     for name, (took, text, ranks) in started.items():
-        RESULTS[f"cluster start, two at once ({name[:6]})"] = took
+        RESULTS[f"cluster start, two at once ({name[-5:]})"] = took
         assert re.search(r"^1 ranks ready", text, re.M), text
-        # the rank runs as the student, not as root
-        assert f"uid {hub.uid(name)} size 1" in ranks, ranks
+        # the rank runs as the student, not as root, with 1 thread for its 1 CPU
+        assert f"uid {hub.uid(name)} size 1 threads 1 1" in ranks, ranks
+
+
+def test_another_student_cannot_reach_a_cluster(hub):
+    """Student B tries every way in to student A's running cluster; each one is refused, and A's
+    cluster works afterwards. Also: every listening socket of both students is on loopback."""
+    a, b = STUDENTS
+    ka, kb = hub.kernels[a], hub.kernels[b]
+    ua = hub.uid(a)
+    refused = REFUSED
+
+    # 1. A's files: everything under ~/.ipython and Jupyter's runtime dir is owner-only
+    files = _files(os.path.join(hub.home(a), ".ipython")) + _files(
+        os.path.join(hub.home(a), ".local", "share", "jupyter", "runtime"))
+    security = os.path.join(hub.home(a), ".ipython", "profile_default", "security")
+    client_files = [f for f in files if re.search(r"ipcontroller-.*-client\.json$", f)]
+    assert client_files, files
+    loose = [f"{oct(os.stat(f).st_mode & 0o777)} {f}" for f in files
+             if os.stat(f).st_mode & 0o077 and not f.endswith("startup/README")]
+    assert not loose, "readable by others:\n" + "\n".join(loose)
+
+    # 2. ... and B can neither list nor read them
+    probe = _ok(kb.execute(
+        "import json, os\nrefused = {}\n"
+        f"for path in {[security] + files!r}:\n"
+        "    try:\n"
+        "        os.listdir(path) if os.path.isdir(path) else open(path).read()\n"
+        "        refused[path] = 'READ'\n"
+        "    except OSError as exc:\n"
+        "        refused[path] = type(exc).__name__\n"
+        "print(json.dumps(refused))"))
+    outcome = json.loads(probe.strip().splitlines()[-1])
+    assert set(outcome.values()) == {"PermissionError"}, outcome
+    refused.append(f"read A's {len(files)} files and list A's security dir: PermissionError each")
+
+    # 3. B drives A's controller with a forged key and with B's own (copied) key on A's ports
+    with open(client_files[0]) as f:
+        a_info = json.load(f)
+    b_files = [f for f in _files(os.path.join(hub.home(b), ".ipython"))
+               if re.search(r"ipcontroller-.*-client\.json$", f)]
+    with open(b_files[0]) as f:
+        b_key = json.load(f)["key"]
+    attempts = {"forged key": dict(a_info, key=secrets.token_hex(16)),
+                "B's own key on A's ports": dict(a_info, key=b_key),
+                "no key": dict(a_info, key="")}
+    drive = _ok(kb.execute(
+        "import json, os, tempfile, ipyparallel as ipp\nresults = {}\n"
+        f"for label, info in {attempts!r}.items():\n"
+        "    fd, path = tempfile.mkstemp(suffix='.json')\n"
+        "    with os.fdopen(fd, 'w') as f:\n"
+        "        json.dump(info, f)\n"
+        "    try:\n"
+        "        c = ipp.Client(path, timeout=4)\n"
+        "        results[label] = 'CONNECTED ' + repr(c[:].apply_sync(os.getuid))\n"
+        "        c.close()\n"
+        "    except Exception as exc:\n"
+        "        results[label] = f'{type(exc).__name__}: {exc}'[:120]\n"
+        "    os.remove(path)\n"
+        "print(json.dumps(results))", timeout=120))
+    outcome = json.loads(drive.strip().splitlines()[-1])
+    for label, result in outcome.items():
+        assert not result.startswith("CONNECTED"), (label, result)
+        refused.append(f"ipyparallel Client on A's controller with {label}: {result}")
+
+    # 4. B signals A's controller, mpiexec and engines
+    a_pids = [p.pid for p in user_processes(ua)
+              if re.search(r"ipcontroller|ipengine|ipyparallel|mpiexec|hydra", " ".join(p.cmdline()))]
+    assert len(a_pids) >= 3, a_pids
+    kill = _ok(kb.execute(
+        "import json, os, signal\nresults = {}\n"
+        f"for pid in {a_pids!r}:\n"
+        "    try:\n"
+        "        os.kill(pid, signal.SIGTERM)\n"
+        "        results[pid] = 'SENT'\n"
+        "    except OSError as exc:\n"
+        "        results[pid] = type(exc).__name__\n"
+        "print(json.dumps(results))"))
+    outcome = json.loads(kill.strip().splitlines()[-1])
+    assert set(outcome.values()) == {"PermissionError"}, outcome
+    refused.append(f"SIGTERM to A's {len(a_pids)} controller/mpiexec/engine processes: "
+                   "PermissionError each")
+
+    # 5. B's own hub token on A's server and on the hub's API for A
+    token_b = hub.user_token(b)
+    for method, path in (("GET", f"/user/{a}/api/kernels"),
+                         ("GET", f"/user/{a}/jupyter-ring/clusters"),
+                         ("POST", f"/user/{a}/api/kernels/{ka.id}/interrupt"),
+                         ("DELETE", f"/hub/api/users/{a}/server")):
+        status, _ = hub.api(method, path, token=token_b, expect=None)
+        assert status in (403, 404), (method, path, status)
+        path = path.replace(a, "A").replace(ka.id, "<id>")
+        refused.append(f"{method} {path} with B's token: HTTP {status}")
+
+    # 6. listening sockets of both students (servers, kernels, controllers, MPI): loopback only
+    listening = _listening({hub.uid(name): name for name in STUDENTS})
+    assert listening, "no listening socket found (psutil could not see them?)"
+    open_ = [row for row in listening if row[1] not in ("127.0.0.1", "::1")]
+    # (MPICH's default mpiexec, hydra: its PMI proxy's 0.0.0.0 listener is inherited by every
+    # rank; mpiexec.gforker, for one host, listens nowhere)
+    assert not open_, f"listening beyond loopback: {open_}"
+    refused.append(f"{len(listening)} listening sockets of both students: all on loopback")
+
+    # A's cluster is untouched and works
+    after = _ok(ka.execute("%%distributed\nprint('still', ring.size())", timeout=60))
+    assert "still 1" in after, after
+
+
+def test_two_students_run_notebooks_01_and_03_at_once(hub):
+    """Both students run the quickstart, then the PyTorch notebook (-n 2 each: over their share of
+    CPU_LIMIT=1, which %ring start says), at the same time, each in fresh kernels."""
+    def run(name):
+        transcripts, times = {}, {}
+        for notebook in ("01-quickstart.ipynb", "03-pytorch-data-parallel.ipynb"):
+            kernel = hub.kernel(name)
+            try:
+                t0 = time.perf_counter()
+                nb = kernel.run_notebook(os.path.join(NOTEBOOKS, notebook), timeout=240)
+                times[notebook] = time.perf_counter() - t0
+            finally:
+                kernel.shutdown()
+            transcripts[notebook] = (nb, demo.format_outputs(nb))
+        return transcripts, times
+
+    ran = _both(run)
+    for name, (transcripts, times) in ran.items():
+        for notebook, (nb, text) in transcripts.items():
+            errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                      if o.output_type == "error"]
+            assert not errors, f"{name} {notebook}:\n{text[-5000:]}"
+            assert re.search(r"-n 2 is more than this server's share \(\d+ cores, CPU_LIMIT=1", text), text
+            assert "stopped 2 ranks" in text, text
+        quick = transcripts["01-quickstart.ipynb"][1]
+        assert re.search(r"rank 1 of 2: x\[0\] = \S+, sum matches: True", quick), quick
+        torch_text = transcripts["03-pytorch-data-parallel.ipynb"][1]
+        for pattern in EXPECTED["03-pytorch-data-parallel.ipynb"]:
+            assert re.search(pattern, torch_text), f"{name}: {pattern!r} not in\n{torch_text[-5000:]}"
+        RESULTS[f"notebook 03, two at once ({name[-5:]})"] = times["03-pytorch-data-parallel.ipynb"]
+        RESULTS[f"notebook 01, two at once ({name[-5:]})"] = times["01-quickstart.ipynb"]
 
 
 def test_nothing_outlives_a_students_server(hub):
@@ -135,7 +277,31 @@ def test_nothing_outlives_a_students_server(hub):
     left = _wait_gone(hub.uid(a), 30)
     assert not left, f"after {a}'s server was SIGKILLed, still running:\n{left}"
     RESULTS["server SIGKILLed -> no process left (s)"] = time.perf_counter() - t0
-    print("\n" + "\n".join(f"{k:45s} {v:6.1f} s" for k, v in RESULTS.items()))
+    print("\n" + "\n".join([f"{k:45s} {v:6.1f} s" for k, v in RESULTS.items()] + REFUSED))
+
+
+def _files(top):
+    found = []
+    for folder, dirs, names in os.walk(top):
+        found.extend(os.path.join(folder, n) for n in names)
+    return found
+
+
+def _listening(uids):
+    """(user, ip, port, process) of every listening TCP or bound UDP socket of these uids."""
+    rows = []
+    for conn in psutil.net_connections("inet"):
+        if conn.status not in (psutil.CONN_LISTEN, psutil.CONN_NONE) or not conn.pid:
+            continue
+        try:
+            proc = psutil.Process(conn.pid)
+            uid = proc.uids().real
+            if uid in uids:
+                rows.append((uids[uid], conn.laddr.ip, conn.laddr.port,
+                             " ".join(proc.cmdline())[:100]))
+        except psutil.Error:
+            pass
+    return rows
 
 
 def _wait_gone(uid, timeout):
