@@ -166,13 +166,19 @@ def share_note(n, gpus, environ=None):
                 f"share GPUs. %ring start without -n starts one rank per GPU.")
     limits = [f"{_cpu_count()} cores"]
     for var in ("CPU_LIMIT", "MEM_LIMIT"):
-        if environ.get(var, "").strip():
-            limits.append(f"{var}={environ[var].strip()}")
-    return (f"-n {n} is more than this server's share ({', '.join(limits)}: {fair} rank(s)); "
-            f"starting {n} anyway, as -n asks, with {threads_per_rank(n, environ)} thread(s) per "
-            f"rank: they share that CPU time and memory, so each runs slower. %ring start without "
-            f"-n starts the fair size; set OMP_NUM_THREADS in the kernel before %ring start to "
-            f"choose threads per rank; a larger share comes from the hub's admin "
+        raw = environ.get(var, "").strip()
+        if raw:
+            try:
+                limits.append(f"{var}={float(raw) / GiB:.1f} GiB" if var == "MEM_LIMIT" else
+                              f"{var}={float(raw):g}")
+            except ValueError:
+                limits.append(f"{var}={raw}")
+    threads = threads_per_rank(n, environ)
+    return (f"-n {n} is more than this server's share ({', '.join(limits)}: {fair} "
+            f"rank{'s' if fair > 1 else ''}); starting {n} anyway with {threads} "
+            f"thread{'s' if threads > 1 else ''} each, so they share that CPU and memory. "
+            f"%ring start without -n starts the fair size; OMP_NUM_THREADS set in the kernel "
+            f"overrides the threads; a larger share comes from the hub's admin "
             f"(c.Spawner.cpu_limit / mem_limit).")
 
 

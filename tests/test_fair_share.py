@@ -30,12 +30,13 @@ def test_threads_per_rank_divides_the_cpu_share():
 def test_share_note_names_the_limit_and_the_overrides():
     assert share_note(1, [], environ={"CPU_LIMIT": "1"}) == ""
     note = share_note(2, [], environ={"CPU_LIMIT": "1", "MEM_LIMIT": str(4 * GiB)})
-    for part in ("-n 2 is more than this server's share", "CPU_LIMIT=1", f"MEM_LIMIT={4 * GiB}",
-                 "1 rank(s)", "starting 2 anyway", "1 thread(s) per rank",
-                 "%ring start without -n", "OMP_NUM_THREADS", "c.Spawner.cpu_limit"):
+    for part in ("-n 2 is more than this server's share", "CPU_LIMIT=1,", "MEM_LIMIT=4.0 GiB: 1 rank)",
+                 "starting 2 anyway with 1 thread each", "%ring start without -n",
+                 "OMP_NUM_THREADS", "c.Spawner.cpu_limit"):
         assert part in note, (part, note)
     # memory binds too: 3 GiB is one rank's worth (2 GiB each)
-    assert "1 rank(s)" in share_note(2, [], environ={"MEM_LIMIT": str(3 * GiB)})
+    assert "MEM_LIMIT=3.0 GiB: 1 rank)" in share_note(2, [], environ={"MEM_LIMIT": str(3 * GiB)})
+    assert "CPU_LIMIT=half" in share_note(9, [], environ={"CPU_LIMIT": "half"})  # shown as given
     assert "share GPUs" in share_note(3, ["0", "1"], environ={})
     assert share_note(2, ["0", "1"], environ={"CPU_LIMIT": "1"}) == ""   # GPU ranks: one per GPU
 

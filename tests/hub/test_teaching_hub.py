@@ -135,16 +135,8 @@ def test_another_student_cannot_reach_a_cluster(hub):
     assert not loose, "readable by others:\n" + "\n".join(loose)
 
     # 2. ... and B can neither list nor read them
-    probe = _ok(kb.execute(
-        "import json, os\nrefused = {}\n"
-        f"for path in {[security] + files!r}:\n"
-        "    try:\n"
-        "        os.listdir(path) if os.path.isdir(path) else open(path).read()\n"
-        "        refused[path] = 'READ'\n"
-        "    except OSError as exc:\n"
-        "        refused[path] = type(exc).__name__\n"
-        "print(json.dumps(refused))"))
-    outcome = json.loads(probe.strip().splitlines()[-1])
+    outcome = _try_each(kb, [security] + files,
+                        "os.listdir(item) if os.path.isdir(item) else open(item).read()")
     assert set(outcome.values()) == {"PermissionError"}, outcome
     refused.append(f"read A's {len(files)} files and list A's security dir: PermissionError each")
 
@@ -181,16 +173,7 @@ def test_another_student_cannot_reach_a_cluster(hub):
     a_pids = [p.pid for p in user_processes(ua)
               if re.search(r"ipcontroller|ipengine|ipyparallel|mpiexec|hydra", " ".join(p.cmdline()))]
     assert len(a_pids) >= 3, a_pids
-    kill = _ok(kb.execute(
-        "import json, os, signal\nresults = {}\n"
-        f"for pid in {a_pids!r}:\n"
-        "    try:\n"
-        "        os.kill(pid, signal.SIGTERM)\n"
-        "        results[pid] = 'SENT'\n"
-        "    except OSError as exc:\n"
-        "        results[pid] = type(exc).__name__\n"
-        "print(json.dumps(results))"))
-    outcome = json.loads(kill.strip().splitlines()[-1])
+    outcome = _try_each(kb, a_pids, "os.kill(item, signal.SIGTERM)")
     assert set(outcome.values()) == {"PermissionError"}, outcome
     refused.append(f"SIGTERM to A's {len(a_pids)} controller/mpiexec/engine processes: "
                    "PermissionError each")
@@ -278,6 +261,21 @@ def test_nothing_outlives_a_students_server(hub):
     assert not left, f"after {a}'s server was SIGKILLed, still running:\n{left}"
     RESULTS["server SIGKILLed -> no process left (s)"] = time.perf_counter() - t0
     print("\n" + "\n".join([f"{k:45s} {v:6.1f} s" for k, v in RESULTS.items()] + REFUSED))
+
+
+def _try_each(kernel, items, action):
+    """Run ``action`` (code using ``item``) in the kernel for each item:
+    {str(item): "DONE" or the OSError's type name}."""
+    text = _ok(kernel.execute(
+        "import json, os, signal\nresults = {}\n"
+        f"for item in {items!r}:\n"
+        "    try:\n"
+        f"        {action}\n"
+        "        results[str(item)] = 'DONE'\n"
+        "    except OSError as exc:\n"
+        "        results[str(item)] = type(exc).__name__\n"
+        "print(json.dumps(results))"))
+    return json.loads(text.strip().splitlines()[-1])
 
 
 def _files(top):
