@@ -274,7 +274,9 @@ class RingMagics(Magics):
         try:
             from .widgets.live import ENGINE_SETUP
 
-            cluster.view.execute(ENGINE_SETUP, block=True)
+            # not block=True: that also waits, without a timeout, for the ranks' "idle" on
+            # IOPub, which can fail to arrive (a teaching-lab run hung here for minutes)
+            cluster.view.execute(ENGINE_SETUP, block=False).get(timeout=cluster.setup_timeout)
         except Exception as exc:  # the ranks still work; only the dashboard is missing
             print(f"(no live dashboard: installing its publisher on the ranks failed: {exc})",
                   file=sys.stderr)

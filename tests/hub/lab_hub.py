@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAB = os.environ.get("JUPYTER_RING_LAB", "/opt/jupyter_ring-lab")
 EXAMPLE_CONFIG = os.path.join(ROOT, "examples", "jupyterhub_config.py")
 
-__all__ = ["LabHub", "HubKernel", "HubError", "skip_reason", "build_lab_env", "user_processes"]
+__all__ = ["LabHub", "HubKernel", "HubError", "skip_reason", "build_lab_env", "user_processes",
+           "at_once"]
 
 
 class HubError(RuntimeError):
@@ -55,6 +57,32 @@ def build_lab_env(timeout=1200):
         raise HubError(f"scripts/lab-env.sh failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                        f"{proc.stderr[-3000:]}")
     return proc.stdout
+
+
+def at_once(fn, names, timeout=900):
+    """Run fn(name) for every name at the same time (a thread each); {name: result}. Raises the
+    first failure, naming whose it was."""
+    results, errors = {}, {}
+
+    def run(name):
+        try:
+            results[name] = fn(name)
+        except BaseException as exc:  # re-raised below in the caller's thread
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in names]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        name, exc = next(iter(errors.items()))
+        raise HubError(f"{name}: {type(exc).__name__}: {exc}") from exc
+    late = [name for name in names if name not in results]
+    if late:
+        raise HubError(f"{', '.join(late)} did not finish in {timeout} s")
+    return results
 
 
 def _free_port():
@@ -314,14 +342,16 @@ class HubKernel:
     def _recv(self, deadline, what):
         import websocket
 
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise HubError(f"{what}: no answer in time")
-        self.ws.settimeout(left)
-        try:
-            return json.loads(self.ws.recv())
-        except websocket.WebSocketTimeoutException as exc:
-            raise HubError(f"{what}: no answer in time") from exc
+        # short reads: the server's pings (every 30 s) would restart one long socket timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HubError(f"{what}: no answer in time")
+            self.ws.settimeout(min(left, 2.0))
+            try:
+                return json.loads(self.ws.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
 
     def execute(self, code, timeout=120):
         """Run ``code``; return its nbformat outputs (display updates and clear_output applied)."""
