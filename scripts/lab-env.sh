@@ -17,6 +17,9 @@ TORCH=${LAB_TORCH:-torch==2.13.0}
 CHP=${LAB_CHP:-configurable-http-proxy@4.6.3}
 HUB=${LAB_HUB:-jupyterhub>=5,<7}
 
+mkdir -p "$(dirname "$PREFIX")"
+exec 9>"$PREFIX.lock"                   # one build at a time (tests may run in parallel)
+flock 9
 key=$( { cat scripts/lab-env.sh pyproject.toml; echo "$PY $TORCH $CHP $HUB";
          find jupyter_ring jupyter-config labextension/prebuilt labextension/install.json -type f \
            ! -name '*.pyc' -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0 cat; } | sha256sum | cut -c1-16)
@@ -33,14 +36,17 @@ fi
 echo "[lab-env] building $PREFIX with $($PY --version) ($key)"
 umask 022                               # everything readable and runnable by every student
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip_() {  # pip, quiet, without the notes about absent local index folders some hosts configure
+  "$PREFIX/bin/python" -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 [ -x "$PREFIX/bin/python" ] || "$PY" -m venv "$PREFIX"
-"$PREFIX/bin/python" -m pip install -q --upgrade pip
-"$PREFIX/bin/python" -m pip install -q "$TORCH"
+pip_ install --upgrade pip
+pip_ install "$TORCH"
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
-"$PREFIX/bin/python" -m pip wheel -q --no-deps -w "$wheels" .
-"$PREFIX/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
-"$PREFIX/bin/python" -m pip install -q "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab]" "$HUB"
+pip_ wheel --no-deps -w "$wheels" .
+pip_ install --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
+pip_ install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab]" "$HUB"
 if [ ! -x "$PREFIX/node/bin/configurable-http-proxy" ]; then
   echo "[lab-env] installing $CHP (npm) into $PREFIX/node"
   npm install -g --silent --prefix "$PREFIX/node" "$CHP" >/dev/null

@@ -14,14 +14,13 @@ import os
 import re
 import secrets
 import sys
-import threading
 import time
 
 import psutil
 import pytest
 
 from jupyter_ring import demo
-from lab_hub import LabHub, build_lab_env, skip_reason, user_processes
+from lab_hub import LabHub, at_once, build_lab_env, skip_reason, user_processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -40,25 +39,8 @@ REFUSED = []   # what student B tried against student A's cluster, and the answe
 
 
 def _both(fn):
-    """Run fn(student) for both students at the same time; return {student: result}, raising
-    the first failure."""
-    results, errors = {}, {}
-
-    def run(name):
-        try:
-            results[name] = fn(name)
-        except BaseException as exc:  # re-raised below in the test's thread
-            errors[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in STUDENTS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if errors:
-        name, exc = next(iter(errors.items()))
-        raise AssertionError(f"{name}: {exc}") from exc
-    return results
+    """fn(student) for both students at the same time: {student: result}."""
+    return at_once(fn, STUDENTS, timeout=600)
 
 
 def _text(outputs):
