@@ -5,22 +5,21 @@
 # Why not the project's .venv: its Python may live under /root (mode 700), which no other Unix
 # user can execute, nor a venv made from it. The lab venv is based on the system Python
 # (/usr/bin/python3, or $LAB_PYTHON) and is world-readable, owned by root (students cannot change
-# it). It holds jupyter_ring (a wheel built from this checkout, not an editable install: students
-# cannot read a developer's tree), jupyterhub, jupyterlab, the MPICH wheel and torch (CPU, pinned:
-# an unpinned torch pulls the CUDA build, GBs), and configurable-http-proxy from npm in
-# PREFIX/node. Re-running is quick: the build is keyed by a hash of the sources and this script.
+# it). It holds jupyter_ring[mpich,lab,hub] (a wheel built from this checkout, not an editable
+# install: students cannot read a developer's tree) with jupyterhub, jupyterlab and the MPICH
+# wheel; torch (CPU, pinned: an unpinned torch pulls the CUDA build, GBs); configurable-http-proxy
+# from npm in PREFIX/node. Re-running is quick: the build is keyed by a hash of the sources and this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PREFIX=${1:-${JUPYTER_RING_LAB:-/opt/jupyter_ring-lab}}
 PY=${LAB_PYTHON:-/usr/bin/python3}
 TORCH=${LAB_TORCH:-torch==2.13.0}
 CHP=${LAB_CHP:-configurable-http-proxy@4.6.3}
-HUB=${LAB_HUB:-jupyterhub>=5,<7}
 
 mkdir -p "$(dirname "$PREFIX")"
 exec 9>"$PREFIX.lock"                   # one build at a time (tests may run in parallel)
 flock 9
-key=$( { cat scripts/lab-env.sh pyproject.toml; echo "$PY $TORCH $CHP $HUB";
+key=$( { cat scripts/lab-env.sh pyproject.toml; echo "$PY $TORCH $CHP";
          find jupyter_ring jupyter-config labextension/prebuilt labextension/install.json -type f \
            ! -name '*.pyc' -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0 cat; } | sha256sum | cut -c1-16)
 stamp="$PREFIX/.lab-env-key"
@@ -46,7 +45,7 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 pip_ wheel --no-deps -w "$wheels" .
 pip_ install --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
-pip_ install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab]" "$HUB"
+pip_ install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab,hub]"
 if [ ! -x "$PREFIX/node/bin/configurable-http-proxy" ]; then
   echo "[lab-env] installing $CHP (npm) into $PREFIX/node"
   npm install -g --silent --prefix "$PREFIX/node" "$CHP" >/dev/null
