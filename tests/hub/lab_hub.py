@@ -349,9 +349,12 @@ class HubKernel:
                 raise HubError(f"{what}: no answer in time")
             self.ws.settimeout(min(left, 2.0))
             try:
-                return json.loads(self.ws.recv())
+                data = self.ws.recv()
             except websocket.WebSocketTimeoutException:
                 continue
+            if not data:
+                raise HubError(f"{what}: the kernel's websocket closed")
+            return json.loads(data)
 
     def execute(self, code, timeout=120):
         """Run ``code``; return its nbformat outputs (display updates and clear_output applied)."""

@@ -151,6 +151,45 @@ def test_another_student_cannot_reach_a_cluster(hub):
         assert not result.startswith("CONNECTED"), (label, result)
         refused.append(f"ipyparallel Client on A's controller with {label}: {result}")
 
+    # 3b. raw messages signed with B's key to every port A's kernel, controller and engine
+    # nannies listen on: run code (it would write a marker file as A), signal, shut down
+    marker = os.path.join(hub.home(a), "driven-by-b")
+    targets = [row for row in _listening({ua: a})
+               if re.search(r"ipykernel|ipyparallel\.controller|nanny", row[3])]
+    assert len(targets) >= 5, targets
+    execute = {"code": f"open({marker!r}, 'w')", "silent": False, "store_history": False,
+               "user_expressions": {}, "allow_stdin": False}
+    sent = _ok(kb.execute(
+        "import time, zmq\nfrom jupyter_client.session import Session\n"
+        f"session = Session(key={b_key.encode()!r}, username='b')\n"
+        f"execute = {execute!r}\n"
+        "ctx, socks = zmq.Context(), []\n"
+        f"for port in {sorted({row[2] for row in targets})!r}:\n"
+        "    sock = ctx.socket(zmq.DEALER)\n"
+        "    sock.linger, sock.sndtimeo = 0, 500   # a PUB port never takes a DEALER peer\n"
+        "    sock.connect(f'tcp://127.0.0.1:{port}')\n"
+        "    socks.append(sock)\n"
+        "time.sleep(0.5)\n"
+        "delivered = 0\n"
+        "for sock in socks:\n"
+        "    try:\n"
+        "        session.send(sock, 'execute_request', execute)\n"
+        "        session.send(sock, 'signal_request', {'sig': 15})\n"
+        "        session.send(sock, 'shutdown_request', {'restart': False})\n"
+        "        delivered += 1\n"
+        "    except zmq.Again:\n"
+        "        pass\n"
+        "time.sleep(1)\n"
+        "print('delivered to', delivered, 'of', len(socks), 'ports')", timeout=60))
+    delivered = int(re.search(r"delivered to (\d+) of", sent).group(1))
+    assert delivered >= 3, sent   # at least the kernel's shell/control and the controller's
+    time.sleep(2)
+    assert not os.path.exists(marker), "B's forged execute_request ran in A's kernel or engine"
+    assert all(psutil.pid_exists(p) for p in [t[4] for t in targets]), "a forged request stopped A"
+    refused.append(f"execute/signal/shutdown requests signed with B's key, delivered to "
+                   f"{delivered} of A's kernel, controller and nanny ports: no effect (no code "
+                   "ran, every process alive)")
+
     # 4. B signals A's controller, mpiexec and engines
     a_pids = [p.pid for p in user_processes(ua)
               if re.search(r"ipcontroller|ipengine|ipyparallel|mpiexec|hydra", " ".join(p.cmdline()))]
@@ -268,7 +307,8 @@ def _files(top):
 
 
 def _listening(uids):
-    """(user, ip, port, process) of every listening TCP or bound UDP socket of these uids."""
+    """(user, ip, port, command line, pid) of every listening TCP or bound UDP socket of these
+    uids."""
     rows = []
     for conn in psutil.net_connections("inet"):
         if conn.status not in (psutil.CONN_LISTEN, psutil.CONN_NONE) or not conn.pid:
@@ -278,7 +318,7 @@ def _listening(uids):
             uid = proc.uids().real
             if uid in uids:
                 rows.append((uids[uid], conn.laddr.ip, conn.laddr.port,
-                             " ".join(proc.cmdline())[:100]))
+                             " ".join(proc.cmdline())[:100], proc.pid))
         except psutil.Error:
             pass
     return rows
