@@ -125,6 +125,7 @@ class LabHub:
         self.token = secrets.token_hex(24)   # the test's service token
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.proxy_api_port = _free_port()
         self.state = None
         self.proc = None
         self.log_path = None
@@ -152,7 +153,7 @@ class LabHub:
         env = dict(os.environ, JUPYTER_RING_LAB=LAB, LAB_USERS=",".join(self.users),
                    LAB_CPU_LIMIT=str(self.cpu_limit), LAB_MEM_LIMIT=str(self.mem_limit),
                    LAB_PORT=str(self.port), LAB_HUB_PORT=str(_free_port()),
-                   LAB_PROXY_API_PORT=str(_free_port()), LAB_STATE_DIR=self.state,
+                   LAB_PROXY_API_PORT=str(self.proxy_api_port), LAB_STATE_DIR=self.state,
                    PATH=f"{LAB}/bin:/usr/local/bin:/usr/bin:/bin")
         for var in ("IPYTHONDIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR",
                     "VIRTUAL_ENV", "PYTHONPATH"):
@@ -198,6 +199,15 @@ class LabHub:
             except (OSError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        proxies = [p for p in psutil.process_iter(["cmdline"]) if "configurable-http-proxy" in
+                   " ".join(p.info["cmdline"] or []) and str(self.proxy_api_port) in
+                   " ".join(p.info["cmdline"] or [])]
+        psutil.wait_procs(proxies, timeout=10)
+        left = [p for p in proxies if p.is_running()]
+        if left:
+            survivors.append(f"the hub's proxy:\n{_describe(left)}")
+            for proc in left:
+                proc.kill()
         for name in self.created:
             uid = pwd.getpwnam(name).pw_uid
             left = user_processes(uid)
