@@ -65,11 +65,17 @@ c.Spawner.http_timeout = 60
 
 # ---- nothing outlives a student's session: stopping (or culling) the server shuts its kernels
 # down, and each kernel's jupyter_ring watchdog kills its cluster even if the kernel is killed.
-# An idle culler (pip install jupyterhub-idle-culler into the lab environment) stops idle servers:
-# c.JupyterHub.services = [{"name": "idle-culler",
-#                           "command": [os.path.join(lab, "bin", "python"), "-m",
-#                                       "jupyterhub_idle_culler", "--timeout=3600"]}]
-# c.JupyterHub.load_roles = [{"name": "idle-culler", "services": ["idle-culler"],
-#                             "scopes": ["list:users", "read:users:activity",
-#                                        "read:servers", "delete:servers"]}]
+# The idle culler (jupyterhub-idle-culler, in jupyter_ring[hub]) stops servers idle for
+# LAB_CULL_TIMEOUT seconds (default one hour; 0: no culler), which frees their share.
+cull_timeout = int(os.environ.get("LAB_CULL_TIMEOUT", "3600"))
+if cull_timeout > 0:
+    c.JupyterHub.services = [{
+        "name": "idle-culler",
+        "command": [os.path.join(lab, "bin", "python"), "-m", "jupyterhub_idle_culler",
+                    f"--timeout={cull_timeout}", f"--cull-every={max(1, min(300, cull_timeout // 4))}"],
+    }]
+    c.JupyterHub.load_roles = [{
+        "name": "idle-culler", "services": ["idle-culler"],
+        "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
+    }]
 c.JupyterHub.cleanup_servers = True

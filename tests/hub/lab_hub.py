@@ -117,8 +117,9 @@ def _describe(procs):
 class LabHub:
     """JupyterHub on 127.0.0.1 with ``users`` as real Unix accounts (created here, removed on close)."""
 
-    def __init__(self, users, cpu_limit=1, mem_limit="4G", password=None):
+    def __init__(self, users, cpu_limit=1, mem_limit="4G", password=None, cull_timeout=0):
         self.users = list(users)
+        self.cull_timeout = cull_timeout   # seconds; 0: no idle culler
         self.cpu_limit = cpu_limit
         self.mem_limit = mem_limit
         self.password = password or secrets.token_urlsafe(12)
@@ -146,14 +147,15 @@ class LabHub:
         with open(config, "w") as f:
             f.write(f"c = get_config()\n"
                     f"load_subconfig({EXAMPLE_CONFIG!r})\n"
-                    f"c.JupyterHub.services = [{{'name': 'lab-tests', 'api_token': {self.token!r}}}]\n"
-                    f"c.JupyterHub.load_roles = [{{'name': 'lab-tests', 'services': ['lab-tests'],\n"
-                    f"    'scopes': ['admin:users', 'admin:servers', 'tokens', 'access:servers']}}]\n"
+                    f"c.JupyterHub.services.append({{'name': 'lab-tests', 'api_token': {self.token!r}}})\n"
+                    f"c.JupyterHub.load_roles.append({{'name': 'lab-tests', 'services': ['lab-tests'],\n"
+                    f"    'scopes': ['admin:users', 'admin:servers', 'tokens', 'access:servers']}})\n"
                     f"c.JupyterHub.log_level = 'INFO'\n")
         env = dict(os.environ, JUPYTER_RING_LAB=LAB, LAB_USERS=",".join(self.users),
                    LAB_CPU_LIMIT=str(self.cpu_limit), LAB_MEM_LIMIT=str(self.mem_limit),
                    LAB_PORT=str(self.port), LAB_HUB_PORT=str(_free_port()),
                    LAB_PROXY_API_PORT=str(self.proxy_api_port), LAB_STATE_DIR=self.state,
+                   LAB_CULL_TIMEOUT=str(self.cull_timeout),
                    PATH=f"{LAB}/bin:/usr/local/bin:/usr/bin:/bin")
         for var in ("IPYTHONDIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR",
                     "VIRTUAL_ENV", "PYTHONPATH"):
@@ -192,20 +194,21 @@ class LabHub:
                 self.stop_server(name, timeout=30)
             except Exception:
                 pass
+        helpers = []   # the hub's proxy and services must go with it
         if self.proc is not None and self.proc.poll() is None:
+            try:
+                helpers = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                pass
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(20)
             except (OSError, subprocess.TimeoutExpired):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        proxies = [p for p in psutil.process_iter(["cmdline"]) if "configurable-http-proxy" in
-                   " ".join(p.info["cmdline"] or []) and str(self.proxy_api_port) in
-                   " ".join(p.info["cmdline"] or [])]
-        psutil.wait_procs(proxies, timeout=10)
-        left = [p for p in proxies if p.is_running()]
+        _, left = psutil.wait_procs(helpers, timeout=10)
         if left:
-            survivors.append(f"the hub's proxy:\n{_describe(left)}")
+            survivors.append(f"the hub's proxy or services:\n{_describe(left)}")
             for proc in left:
                 proc.kill()
         for name in self.created:

@@ -5,8 +5,9 @@ The module's hub (``lab_hub.LabHub``: ``examples/jupyterhub_config.py`` with PAM
 with ``CPU_LIMIT=1``. Everything goes through the hub like a browser's requests: REST to start
 servers and kernels, the kernel websocket to run cells. The tests run in file order: both students
 start clusters at once; student B then tries to reach student A's cluster every way we know; both
-run notebooks 01 and 03 at once; last, B's server is stopped and A's is killed, and not one process
-of either student may remain. Needs root (it creates the users); skipped with the reason otherwise.
+run notebooks 01 and 03 at once; a third student on a hub with the idle culler goes idle and is
+culled; last, B's server is stopped and A's is killed. After each, not one process of that student
+may remain. Needs root (it creates the users); skipped with the reason otherwise.
 """
 
 import json
@@ -257,6 +258,33 @@ def test_two_students_run_notebooks_01_and_03_at_once(hub):
         RESULTS[f"notebook 01, two at once ({name[-5:]})"] = times["01-quickstart.ipynb"]
 
 
+def test_culled_server_leaves_nothing():
+    """A hub with the example's idle culler (here after 20 s idle): a student starts a cluster and
+    goes idle; the culler stops the server and no process of the student remains."""
+    student = f"jrlabd{os.getpid() % 10000}"
+    lab = LabHub([student], cull_timeout=20)
+    try:
+        lab.start()
+        lab.spawn(student)
+        kernel = lab.kernel(student)
+        assert "1 ranks ready" in _ok(kernel.execute("%load_ext jupyter_ring\n%ring start",
+                                                     timeout=120))
+        kernel.close()
+        assert len(user_processes(lab.uid(student))) >= 4
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + 90
+        while lab.server_pid(student) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not lab.server_pid(student), f"the idle culler did not stop the server:\n{lab.log()}"
+        left = _wait_gone(lab.uid(student), 20)
+        assert not left, f"after the culler stopped the server, still running:\n{left}"
+        RESULTS["culled (20 s idle) -> no process left (s)"] = time.perf_counter() - t0
+        assert "idle-culler" in lab.log(tail=200_000)
+    finally:
+        survivors = lab.close()
+    assert not survivors, survivors
+
+
 def test_nothing_outlives_a_students_server(hub):
     """B's server stopped through the hub (Stop button, idle culler), A's server SIGKILLed: within
     seconds no process of either student remains (controller, mpiexec, engines, kernel)."""
@@ -332,4 +360,5 @@ def _wait_gone(uid, timeout):
             return "\n".join(f"{p.pid} {' '.join(p.cmdline())[:150]}" for p in left
                              if p.is_running())
         time.sleep(0.2)
+
 
