@@ -103,7 +103,7 @@ def test_another_student_cannot_reach_a_cluster(hub):
     """Student B tries every way in to student A's running cluster; each one is refused, and A's
     cluster works afterwards. Also: every listening socket of both students is on loopback."""
     a, b = STUDENTS
-    ka, kb = hub.kernels[a], hub.kernels[b]
+    ka, kb = _running_cluster(hub, a), _running_cluster(hub, b)
     ua = hub.uid(a)
     refused = REFUSED
 
@@ -211,18 +211,23 @@ def test_another_student_cannot_reach_a_cluster(hub):
         path = path.replace(a, "A").replace(ka.id, "<id>")
         refused.append(f"{method} {path} with B's token: HTTP {status}")
 
-    # 6. listening sockets of both students (servers, kernels, controllers, MPI): loopback only
+    # A's cluster is untouched and works
+    after = _ok(ka.execute("%%distributed\nprint('still', ring.size())", timeout=60))
+    assert "still 1" in after, after
+
+
+def test_every_listening_socket_is_on_loopback(hub):
+    """With both students' clusters running: every listening socket of theirs (servers, kernels,
+    controllers, schedulers, nannies, mpiexec, ranks) is on loopback."""
+    for name in STUDENTS:
+        _running_cluster(hub, name)
     listening = _listening({hub.uid(name): name for name in STUDENTS})
-    assert listening, "no listening socket found (psutil could not see them?)"
+    assert len(listening) >= 10, f"too few listening sockets found: {listening}"
     open_ = [row for row in listening if row[1] not in ("127.0.0.1", "::1")]
     # (MPICH's default mpiexec, hydra: its PMI proxy's 0.0.0.0 listener is inherited by every
     # rank; mpiexec.gforker, for one host, listens nowhere)
     assert not open_, f"listening beyond loopback: {open_}"
-    refused.append(f"{len(listening)} listening sockets of both students: all on loopback")
-
-    # A's cluster is untouched and works
-    after = _ok(ka.execute("%%distributed\nprint('still', ring.size())", timeout=60))
-    assert "still 1" in after, after
+    REFUSED.append(f"{len(listening)} listening sockets of both students: all on loopback")
 
 
 def test_two_students_run_notebooks_01_and_03_at_once(hub):
@@ -289,11 +294,8 @@ def test_nothing_outlives_a_students_server(hub):
     """B's server stopped through the hub (Stop button, idle culler), A's server SIGKILLed: within
     seconds no process of either student remains (controller, mpiexec, engines, kernel)."""
     a, b = STUDENTS
-    for name in STUDENTS:   # a running cluster in each, started if an earlier test did not
-        kernel = hub.kernels.get(name) or hub.kernels.setdefault(name, hub.kernel(name))
-        status = _ok(kernel.execute("%load_ext jupyter_ring\n%ring status"))
-        if "no cluster is running" in status:
-            _ok(kernel.execute("%ring start", timeout=120))
+    for name in STUDENTS:
+        _running_cluster(hub, name)
         assert len(user_processes(hub.uid(name))) >= 4, "server, kernel, controller, mpiexec, engine"
 
     t0 = time.perf_counter()
@@ -310,6 +312,15 @@ def test_nothing_outlives_a_students_server(hub):
     assert not left, f"after {a}'s server was SIGKILLed, still running:\n{left}"
     RESULTS["server SIGKILLed -> no process left (s)"] = time.perf_counter() - t0
     print("\n" + "\n".join([f"{k:45s} {v:6.1f} s" for k, v in RESULTS.items()] + REFUSED))
+
+
+def _running_cluster(hub, name):
+    """The student's kernel with a running cluster: the first test's, or started now (when run
+    alone with -k)."""
+    kernel = hub.kernels.get(name) or hub.kernels.setdefault(name, hub.kernel(name))
+    if "no cluster is running" in _ok(kernel.execute("%load_ext jupyter_ring\n%ring status")):
+        _ok(kernel.execute("%ring start", timeout=120))
+    return kernel
 
 
 def _try_each(kernel, items, action):
