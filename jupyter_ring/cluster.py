@@ -27,7 +27,7 @@ import tempfile
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import Config, LoggingConfigurable
 
-from ._launch import find_mpiexec, mpi_env
+from ._launch import find_mpiexec, local_mpiexec, mpi_env
 from ._sidecar import remove_sidecar, write_sidecar
 
 __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
@@ -40,12 +40,14 @@ GiB = 1 << 30
 # Run first on every engine, in the user namespace: bind the GPU before any framework import,
 # then start the runtime so that ``ring`` is there in every cell.
 _SETUP_CODE = """\
+import os as _jr_os
+_jr_os.umask(_jr_umask)
 import jupyter_ring._engine as _jr_engine
 _jr_device = _jr_engine.bind_device(_jr_gpus)
 import jupyter_ring.runtime as ring
 ring.init()
 _jr_info = _jr_engine.describe(ring, _jr_device)
-del _jr_engine, _jr_device, _jr_gpus
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask
 """
 
 
@@ -233,6 +235,13 @@ class RingCluster(LoggingConfigurable):
                                  "deep-copying it on each output message (CPU and memory in "
                                  "the controller for every line printed or snapshot sent); the "
                                  "magics never read it back, so NoDB by default.")
+    encrypt = Bool(True, config=True,
+                   help="Encrypt and authenticate every message between this kernel, the "
+                        "controller and the engines with CurveZMQ (ipyparallel's "
+                        "enable_curve): without it, anyone on the host who can reach the "
+                        "controller's loopback ports can read the ranks' output, and messages "
+                        "are only signed (HMAC key in the connection file). Costs: see "
+                        "docs/benchmarks.md.")
     engine_timeout = Float(60.0, config=True,
                            help="Seconds to wait for all engines to register before failing.")
     setup_timeout = Float(60.0, config=True,
@@ -253,6 +262,7 @@ class RingCluster(LoggingConfigurable):
         self.size = 0
         self._watchdog = None
         self._pid_file = None
+        self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
         self.note = ""           # share_note() of the last start: more ranks than the share
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -262,6 +272,19 @@ class RingCluster(LoggingConfigurable):
 
     def start(self):
         """Start controller and engines, bind devices, ``ring.init()``; return the rank rows."""
+        # Owner-only from creation: every file and folder written while the cluster starts
+        # (connection and cluster files, logs, pid files) is created 0600/0700 by this process
+        # or by the controller, mpiexec and engines, which inherit this umask (ipyparallel's own
+        # chmod after writing would leave a window). The ranks get the user's umask back in
+        # _SETUP_CODE, so files that cells write keep their usual modes. umask is per process:
+        # another thread of this kernel creating a file meanwhile gets 0600 too (never looser).
+        self._user_umask = os.umask(0o077)
+        try:
+            return self._start()
+        finally:
+            os.umask(self._user_umask)
+
+    def _start(self):
         if self.running:
             raise ClusterError("a cluster is already running; %ring restart replaces it")
         import ipyparallel as ipp
@@ -293,7 +316,8 @@ class RingCluster(LoggingConfigurable):
                           f"--HeartMonitor.period={self.heartbeat_period}",
                           "--HeartMonitor.max_heartmonitor_misses="
                           f"{max(3, round(self.heartbeat_tolerance * 1000 / self.heartbeat_period))}",
-                          f"--IPController.db_class={self.controller_db}"],
+                          f"--IPController.db_class={self.controller_db}",
+                          f"--IPController.enable_curve={self.encrypt}"],
                       engine_timeout=int(self.engine_timeout))
         if one_host:
             kwargs["controller_ip"] = "127.0.0.1"
@@ -306,7 +330,9 @@ class RingCluster(LoggingConfigurable):
         engines = "slurm" if self.launcher == "slurm" else "mpi"
         # A config of our own: the shell's config must not be changed by starting a cluster.
         config = Config()
-        config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
+        # one host: MPICH's gforker, whose ranks listen on loopback only (Hydra's PMI port is on
+        # 0.0.0.0 and inherited by every rank); --hosts needs Hydra's remote launch.
+        config.MPIEngineSetLauncher.mpi_cmd = [local_mpiexec() if one_host else find_mpiexec()]
         config.MPIEngineSetLauncher.mpi_args = self._mpi_args()
         config.EngineLauncher.environment = {k: v for k, v in env.items()
                                              if os.environ.get(k) != v}
@@ -346,7 +372,7 @@ class RingCluster(LoggingConfigurable):
         client = self.client
         ids = sorted(client.ids)
         view = client[ids]
-        view.push({"_jr_gpus": gpus}, block=False)
+        view.push({"_jr_gpus": gpus, "_jr_umask": self._user_umask}, block=False)
         ar = view.execute(_SETUP_CODE, block=False)
         if not ar.wait(self.setup_timeout):
             raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
@@ -565,7 +591,13 @@ def _profile_dir():
         from IPython.paths import get_ipython_dir
 
         path = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default").location
-    os.makedirs(os.path.join(path, "security"), mode=0o700, exist_ok=True)
+    # ipyparallel writes connection and cluster files to security/, logs to log/, pid files to
+    # pid/: owner-only folders (IPython makes log/ and pid/ 0755), so nobody else can list them.
+    for sub in ("security", "log", "pid"):
+        sub_path = os.path.join(path, sub)
+        os.makedirs(sub_path, mode=0o700, exist_ok=True)
+        if os.stat(sub_path).st_mode & 0o077:
+            os.chmod(sub_path, 0o700)
     return path
 
 

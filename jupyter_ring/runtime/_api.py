@@ -582,7 +582,8 @@ def timeline(path):
     if rt.rank == 0:
         merged = [e for rank_events in events for e in rank_events]
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
+        # owner-only from creation: tensor names and timings are the user's business alone
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
             json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, fh)
         os.replace(tmp, path)
     return path
