@@ -31,7 +31,7 @@ from ._launch import find_mpiexec, local_mpiexec, mpi_env
 from ._sidecar import remove_sidecar, write_sidecar
 
 __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
-           "threads_per_rank", "share_note", "parse_ranks"]
+           "threads_per_rank", "share_note", "parse_ranks", "host_slots", "routable_address"]
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,14 @@ class RingCluster(LoggingConfigurable):
                          "--hosts).")
     hosts = List(Unicode(), config=True,
                  help="Hosts for a multi-host job (passed to mpiexec); empty means this host "
-                      "only, with every socket on loopback.")
+                      "only, with every socket on loopback. 'host:K' puts K ranks on host.")
+    hostfile = Unicode("", config=True,
+                       help="A Hydra hostfile (one 'host[:K]' a line) for a multi-host job "
+                            "(mpiexec -f FILE); HYDRA_LAUNCHER_EXEC picks the ssh command.")
+    controller_ip = Unicode("", config=True,
+                            help="Address the controller listens on in a multi-host job; empty: "
+                                 "this host's address on the route to the other hosts (the one "
+                                 "they can reach). One-host clusters always use 127.0.0.1.")
     heartbeat_period = Integer(100, config=True,
                                help="Controller heartbeat period in ms: an engine registers "
                                     "on a heartbeat, so ipyparallel's 3000 makes the start "
@@ -264,6 +271,7 @@ class RingCluster(LoggingConfigurable):
         self._pid_file = None
         self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
         self.note = ""           # share_note() of the last start: more ranks than the share
+        self.address = ""        # the address the controller listens on (multi-host: routable)
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
@@ -291,10 +299,18 @@ class RingCluster(LoggingConfigurable):
 
         gpus = visible_gpus(self.gpus)
         detected_gpu = bool(gpus) or self.gpus != "auto"
-        n = self.n if self.n is not None else default_size(gpus)
+        one_host = not self.hosts and not self.hostfile and self.launcher == "mpi"
+        slots = None if one_host else host_slots(self.hosts, self.hostfile)
+        if self.n is not None:
+            n = self.n
+        elif slots and all(k for _, k in slots):
+            n = sum(k for _, k in slots)  # --hosts a:2,b:2 -> 4 ranks
+        elif slots:
+            n = len(slots)  # one rank per host named without a count
+        else:
+            n = default_size(gpus)
         if n < 1:
             raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
-        one_host = not self.hosts and self.launcher == "mpi"
         env = mpi_env(one_host=one_host)
         self.note = share_note(n, gpus) if self.n is not None and one_host else ""
         if one_host:  # the kernel's own OMP_NUM_THREADS etc. win (mpi_env copies os.environ)
@@ -326,7 +342,11 @@ class RingCluster(LoggingConfigurable):
             # handed its contents in their environment once it is up.
             kwargs["send_engines_connection_env"] = False
         else:
-            kwargs["controller_ip"] = "*"
+            # the engines on the other hosts connect here: 127.0.0.1 (ipyparallel's default)
+            # makes them time out after 5 s
+            kwargs["controller_ip"] = self.controller_ip or routable_address(
+                [h for h, _ in slots or []])
+        self.address = kwargs["controller_ip"]
         engines = "slurm" if self.launcher == "slurm" else "mpi"
         # A config of our own: the shell's config must not be changed by starting a cluster.
         config = Config()
@@ -359,6 +379,8 @@ class RingCluster(LoggingConfigurable):
         return self.ranks
 
     def _mpi_args(self):
+        if self.hostfile:
+            return ["--hostfile" if _mpi_flavour() == "openmpi" else "-f", self.hostfile]
         if not self.hosts:
             return []
         args = ["-hosts", ",".join(self.hosts)]  # MPICH/Hydra; Open MPI takes --host
@@ -599,6 +621,64 @@ def _profile_dir():
         if os.stat(sub_path).st_mode & 0o077:
             os.chmod(sub_path, 0o700)
     return path
+
+
+def host_slots(hosts, hostfile=""):
+    """``[(host, K or None), ...]`` from ``--hosts a:2,b`` or a Hydra hostfile (``host[:K]`` lines).
+
+    ValueError names the bad entry and the form expected.
+    """
+    entries, where = list(hosts), "--hosts"
+    if hostfile:
+        try:
+            with open(hostfile) as f:
+                entries = [line.split("#")[0].strip() for line in f]
+        except OSError as exc:
+            raise ValueError(f"--hostfile {hostfile!r}: {exc.strerror}; give a file with one "
+                             f"host[:ranks] a line") from None
+        entries, where = [e for e in entries if e], f"--hostfile {hostfile!r}"
+        if not entries:
+            raise ValueError(f"{where} names no host; write one host[:ranks] a line")
+    slots = []
+    for entry in entries:
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?::(\d+))?", entry.strip())
+        if not match or (match.group(2) is not None and int(match.group(2)) < 1):
+            raise ValueError(f"{where}: {entry!r} is not host or host:ranks (ranks >= 1); "
+                             f"use e.g. --hosts nodeA:2,nodeB:2")
+        slots.append((match.group(1), int(match.group(2)) if match.group(2) else None))
+    return slots
+
+
+def routable_address(hosts):
+    """This host's address on the route to the first of ``hosts`` that is not this host.
+
+    A UDP "connect" sends nothing; it asks the kernel which local address it would use.
+    Falls back to the address of this host's name, and raises ClusterError when that is
+    loopback too (the other hosts could not connect; set RingCluster.controller_ip / --ip).
+    """
+    import socket
+
+    for host in hosts:
+        try:
+            remote = socket.gethostbyname(host)
+        except OSError:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((remote, 9))
+            except OSError:
+                continue
+            local = probe.getsockname()[0]
+        if not local.startswith("127."):
+            return local
+    try:
+        local = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        local = "127.0.0.1"
+    if local.startswith("127."):
+        raise ClusterError(f"no address of this host reaches {', '.join(hosts) or 'the hosts'} "
+                           f"(only loopback found); give the controller's address with --ip ADDR")
+    return local
 
 
 def _wait_exit(pids, timeout):

@@ -120,7 +120,13 @@ def _ring_parser():
     start.add_argument("--launcher", choices=["mpi", "slurm", "ssh"], default="mpi",
                        help="how the engines start (default mpi: mpiexec here)")
     start.add_argument("--hosts", nargs="+", default=[],
-                       help="hosts for a multi-host job (mpiexec -hosts); commas or spaces")
+                       help="hosts for a multi-host job (mpiexec -hosts), host or host:ranks; "
+                            "commas or spaces")
+    start.add_argument("--hostfile", default="",
+                       help="a Hydra hostfile (host[:ranks] a line) for a multi-host job")
+    start.add_argument("--ip", default="",
+                       help="address the controller listens on for the other hosts "
+                            "(default: this host's address on the route to them)")
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
     sub.add_parser("stop", add_help=False, help="stop every rank and the controller")
     sub.add_parser("restart", add_help=False, help="stop, then start with the same arguments")
@@ -199,7 +205,8 @@ class RingMagics(Magics):
 
         Usage::
 
-            %ring start [-n N] [--gpus auto|none|LIST] [--launcher mpi|slurm|ssh] [--hosts H ...]
+            %ring start [-n N] [--gpus auto|none|LIST] [--launcher mpi|slurm|ssh] [--hosts H[:K],...]
+                       [--hostfile FILE] [--ip ADDR]
             %ring status
             %ring stop
             %ring restart            # stop, then start with the same arguments
@@ -246,7 +253,7 @@ class RingMagics(Magics):
             raise UsageError(f"%ring start -n {args.n}: the cluster needs at least 1 rank")
         hosts = [h for item in args.hosts for h in item.split(",") if h]
         cluster = RingCluster(parent=self, n=args.n, gpus=args.gpus, launcher=args.launcher,
-                              hosts=hosts)
+                              hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip)
         if (self._widgets_ok is None and self.output != "text"
                 and getattr(self.shell, "kernel", None) is not None):
             # ipywidgets takes ~0.5 s to import: overlap it with the ranks starting up
@@ -263,6 +270,9 @@ class RingMagics(Magics):
         print(_format_table(rows))
         if cluster.note:
             print(cluster.note)
+        if cluster.address != "127.0.0.1":
+            print(f"controller listening on {cluster.address} for the ranks on "
+                  f"{len({row['host'] for row in rows})} hosts (--ip ADDR to choose another)")
         print(f"{len(rows)} ranks ready in {time.perf_counter() - t0:.1f} s; `ring` is "
               f"initialised on every rank. Run cells there with %%distributed.")
 

@@ -20,6 +20,16 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "[setup] no chromium and not root: the lab extension's browser test will be skipped"
   fi
 fi
+# The multi-host tests (tests/multihost) run Debian's sshd in two network namespaces, as root.
+if [ ! -x /usr/sbin/sshd ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing openssh-server (apt) for the multi-host tests"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server openssh-client iproute2 >/dev/null; } \
+      || echo "[setup] apt-get install openssh-server failed: the multi-host tests will be skipped"
+  else
+    echo "[setup] no sshd and not root: the multi-host tests will be skipped"
+  fi
+fi
 # pip install builds the extension (hatch-jupyter-builder: jlpm install + build); when the venv is
 # already there but the build or labextension/node_modules (jest) is missing, build it here.
 if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || [ ! -d labextension/node_modules ]; }; then

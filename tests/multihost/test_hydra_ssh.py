@@ -1,0 +1,160 @@
+"""A cluster across two hosts, started from a real kernel with MPICH's Hydra over ssh.
+
+The hosts are network namespaces with their own hostname and sshd (tests/multihost/twohosts.py);
+the kernel runs on the first one, as a notebook on a login node would. Ranks talk over TCP
+(``UCX_TLS=tcp,self``: otherwise UCX quietly uses shared memory between the namespaces).
+"""
+
+import json
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+from jupyter_client import KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from real_kernel import Kernel  # noqa: E402  (tests/ is on sys.path)
+from twohosts import TwoHosts, missing  # noqa: E402
+
+CLUSTER_PROCS = re.compile(rb"ipyparallel|ipengine|ipcontroller|mpiexec|hydra_pmi_proxy")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Two hosts for the module; torn down in a finally, and nothing of them may be left."""
+    why = missing()
+    if why:
+        pytest.skip(f"two simulated hosts: {why}")
+    two = TwoHosts().open()
+    try:
+        yield two
+    finally:
+        two.close()
+        assert not two.leftovers(), f"two-host fixture left behind: {two.leftovers()}"
+
+
+class HostKernel(Kernel):
+    """A real IPython kernel running on host ``i`` (its namespace and hostname).
+
+    The kernel talks to this test over Unix sockets (transport ipc): its loopback is the host's
+    own, which this test process cannot reach.
+    """
+
+    def __init__(self, hosts, i, env):
+        self.dir = tempfile.mkdtemp(prefix="jr_kernel_", dir=hosts.dir)
+        spec_dir = os.path.join(self.dir, "kernels", "onhost")
+        os.makedirs(spec_dir)
+        argv = hosts.cmd(i, [sys.executable, "-m", "ipykernel_launcher", "-f",
+                             "{connection_file}"])
+        with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
+            json.dump({"argv": argv, "display_name": "on host", "language": "python"}, f)
+        ksm = KernelSpecManager(kernel_dirs=[os.path.join(self.dir, "kernels")])
+        self.km = KernelManager(kernel_name="onhost", kernel_spec_manager=ksm, transport="ipc",
+                                connection_file=os.path.join(self.dir, "kernel.json"))
+        self.km.ip = os.path.join(self.dir, "k")
+        self.km.start_kernel(env=env)
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        try:
+            self.kc.wait_for_ready(timeout=60)
+        except BaseException:
+            self.close()
+            raise
+
+
+def host_env(hosts):
+    env = dict(os.environ, **hosts.env())
+    env.update(UCX_TLS="tcp,self", PYTHONUNBUFFERED="1")
+    return env
+
+
+def cluster_procs(hosts, i):
+    """Processes of a cluster (controller, mpiexec, Hydra proxies, engines) on host i."""
+    found = []
+    for pid in hosts.pids(i):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if CLUSTER_PROCS.search(cmdline):
+            found.append((pid, cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]))
+    return found
+
+
+def wait_no_cluster(hosts, timeout):
+    """Wait until neither host runs a cluster process; return what is left per host."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h["name"]: cluster_procs(hosts, i) for i, h in enumerate(hosts.hosts)}
+        if not any(left.values()) or time.monotonic() > deadline:
+            return {k: v for k, v in left.items() if v}
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def kernel(hosts):
+    """A kernel on host a with jupyter_ring loaded; killed, and both hosts checked, after."""
+    k = HostKernel(hosts, 0, host_env(hosts))
+    try:
+        k.ok("%load_ext jupyter_ring")
+        yield k
+    finally:
+        k.close()
+        left = wait_no_cluster(hosts, 10)
+        for procs in left.values():
+            for pid, _ in procs:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        assert not left, f"cluster processes left after the kernel shut down: {left}"
+
+
+ALLREDUCE_CHECK = """\
+import numpy as np
+_r, _n = ring.rank(), ring.size()
+for _len in (0, 1, _n - 1, _n + 1, 13, 1 << 16):
+    _x = np.arange(_len, dtype=np.float64) + _r
+    _y = ring.allreduce(_x, op=ring.Sum, name=f"len{_len}")
+    _want = _n * np.arange(_len, dtype=np.float64) + _n * (_n - 1) / 2
+    assert np.array_equal(_y, _want), (_len, _y[:4], _want[:4])
+print("ok", _r, ring.local_rank(), ring.local_size(), ring.cross_rank(), ring.cross_size())
+"""
+
+
+def topology(out):
+    rows = {}
+    for line in out.splitlines():
+        m = re.search(r"ok (\d+) (\d+) (\d+) (\d+) (\d+)", line)
+        if m:
+            r, *rest = map(int, m.groups())
+            rows[r] = tuple(rest)
+    return rows
+
+
+def test_hostfile_cluster_across_two_hosts(hosts, kernel):
+    """--hostfile: 2 ranks per host, the controller on the routable address, hostnames and
+    topology right on every rank, allreduce exact over TCP, and %ring stop leaves no process
+    on either host."""
+    a, b = hosts.hosts
+    out = kernel.ok(f"%ring start --hostfile {hosts.hostfile} --gpus none", timeout=120)
+    assert f"controller listening on {a['ip']}" in out, out
+    table = re.findall(r"^(\d+)\s+(\S+)\s+\d+\s+cpu$", out, re.M)
+    assert [h for _, h in table] == [a["name"]] * 2 + [b["name"]] * 2, out
+    for i in range(2):
+        assert cluster_procs(hosts, i), f"no engine on {hosts.hosts[i]['name']}"
+    out = kernel.ok("%%distributed\n" + ALLREDUCE_CHECK, timeout=120)
+    # rank -> (local_rank, local_size, cross_rank, cross_size)
+    assert topology(out) == {0: (0, 2, 0, 2), 1: (1, 2, 0, 2), 2: (0, 2, 1, 2),
+                             3: (1, 2, 1, 2)}, out
+    kernel.ok("%ring stop", timeout=60)
+    left = wait_no_cluster(hosts, 10)
+    assert not left, f"%ring stop left processes: {left}"
