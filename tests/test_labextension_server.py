@@ -3,6 +3,7 @@ MPI clusters of ipyparallel engines."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -75,6 +76,34 @@ async def test_every_route_refuses_unauthenticated_requests(jp_fetch):
         kwargs = {"body": b""} if method == "POST" else {}
         with pytest.raises(HTTPClientError) as exc_info:
             await jp_fetch(*parts, method=method, headers={"Authorization": ""}, **kwargs)
+        assert exc_info.value.code in (401, 403), (method, parts, exc_info.value.code)
+
+
+def _ring_patterns(router):
+    """URL regexes of every jupyter-ring route the server registered (walks tornado's routers)."""
+    found = []
+    for rule in router.rules:
+        if hasattr(rule.target, "rules"):
+            found += _ring_patterns(rule.target)
+        elif "jupyter-ring" in getattr(getattr(rule.matcher, "regex", None), "pattern", ""):
+            found.append(rule.matcher.regex.pattern)
+    return found
+
+
+async def test_routes_checked_are_every_route_and_a_wrong_token_is_refused(jp_fetch,
+                                                                           jp_serverapp):
+    # a route added to setup_handlers but not to ROUTES would escape the check above
+    patterns = _ring_patterns(jp_serverapp.web_app.default_router)
+    assert len(patterns) >= 3, patterns
+    base = jp_serverapp.base_url
+    for pattern in patterns:
+        assert any(re.fullmatch(pattern, base + "/".join(parts)) for _, parts in ROUTES), \
+            f"route {pattern} is not in ROUTES: add it so its authentication is tested"
+    for method, parts in ROUTES:
+        kwargs = {"body": b""} if method == "POST" else {}
+        with pytest.raises(HTTPClientError) as exc_info:
+            await jp_fetch(*parts, method=method, headers={"Authorization": "token wrong"},
+                           **kwargs)
         assert exc_info.value.code in (401, 403), (method, parts, exc_info.value.code)
 
 

@@ -79,12 +79,30 @@ def ring(request):
         assert not alive, f"cluster processes survived stop: {[p.pid for p in alive]}"
 
 
+def _role(proc, cluster):
+    """What a process of the cluster is, for the printed table."""
+    ranks = {row["pid"]: row["rank"] for row in cluster.ranks}
+    cmd = " ".join(proc.cmdline())
+    if proc.pid in ranks:
+        return f"engine (rank {ranks[proc.pid]})"
+    if proc.cmdline() and os.path.basename(proc.cmdline()[0]).startswith("mpiexec"):
+        return os.path.basename(proc.cmdline()[0])
+    if "ipyparallel.controller" in cmd:
+        parent = proc.parent()
+        if parent is not None and "ipyparallel.controller" in " ".join(parent.cmdline()):
+            return "scheduler (controller's child)"
+        return "controller"
+    if "ipyparallel.engine" in cmd:
+        return "nanny (engine's child)"
+    return os.path.basename(proc.cmdline()[0]) if proc.cmdline() else proc.name()
+
+
 def _listeners(cluster):
-    """(pid, process, address, port) of every listening TCP or bound UDP socket of the tree."""
+    """(pid, role, address, port) of every listening TCP or bound UDP socket of the tree."""
     rows = []
     for proc in cluster.processes():
         try:
-            name = " ".join(proc.cmdline()[:1] + [a for a in proc.cmdline()[1:3] if a.startswith("-")])
+            name = _role(proc, cluster)
             for conn in proc.net_connections(kind="inet"):
                 listening = conn.status == psutil.CONN_LISTEN or (
                     conn.type == psutil.socket.SOCK_DGRAM and conn.laddr and not conn.raddr)
@@ -101,18 +119,24 @@ def _cluster_files(cluster):
     files = glob.glob(os.path.join(security, f"*{cid}*"))
     files += [es.output_file for es in cluster.ipp_cluster.engines.values()]
     files.append(cluster.ipp_cluster.controller.output_file)
+    files.append(cluster._pid_file)  # the watchdog's list of pids
     return sorted(set(f for f in files if f and os.path.exists(f)))
 
 
 def test_every_socket_of_the_cluster_is_on_loopback(ring):
     cluster, _ = ring
     rows = _listeners(cluster)
-    print(f"\nlisteners (encrypt={cluster.encrypt}):")
-    for pid, name, ip, port in sorted(rows):
-        print(f"  {pid:>7}  {name:<40} {ip}:{port}")
+    print(f"\nlisteners (encrypt={cluster.encrypt}): {len(rows)} sockets, "
+          f"{len({r[3] for r in rows})} ports")
+    by_proc = {}
+    for pid, name, ip, port in rows:
+        by_proc.setdefault((name, pid), set()).add(ip)
+    for proc in sorted(cluster.processes(), key=lambda p: p.pid):
+        name = _role(proc, cluster)
+        ips = by_proc.get((name, proc.pid), set())
+        count = sum(1 for r in rows if r[0] == proc.pid)
+        print(f"  {proc.pid:>7}  {name:<32} {count} listening on {sorted(ips) or '-'}")
     assert rows, "found no listening socket at all: the psutil scan is broken"
-    names = {p.name() for p in cluster.processes() if p.is_running()}
-    print("  processes:", sorted(names))
     outside = [row for row in rows if row[2] not in LOOPBACK]
     assert not outside, f"sockets reachable from other hosts: {outside}"
 
