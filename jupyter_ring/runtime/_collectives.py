@@ -105,24 +105,31 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     left, reducing it with its own input; the segment reduced at step s is the one it sends at
     step s+1, piece by piece, so a piece travels on while the next one is reduced. After n-1
     steps rank r owns the finished segment r, which the allgather passes around the ring.
+
+    Here r is the rank's place in ``rt.ring_order`` (host-contiguous) and segment j there is
+    rank ``ring_order[j]``'s block of ``bounds``, so every rank still finishes its own block.
+    Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
-    comm, n, r = rt.comm, rt.size, rt.rank
-    left, right = (r - 1) % n, (r + 1) % n
+    comm, n, r, order = rt.comm, rt.size, rt.ring_pos, rt.ring_order
+    left, right = order[(r - 1) % n], order[(r + 1) % n]
+    seg = [(bounds[q], bounds[q + 1]) for q in order]
+    hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
+                            if rt.hosts[left] != rt.hosts[rt.rank] else "")
     step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
     what = f"allreduce '{name}' (ring, waiting on rank {left})"
     inflight = rt._inflight = []
 
     def pieces(j):
-        lo, hi = bounds[j], bounds[j + 1]
+        lo, hi = seg[j]
         return [(a, min(a + step_elems, hi)) for a in range(lo, hi, step_elems)]
 
-    maxseg = max(bounds[j + 1] - bounds[j] for j in range(n))
+    maxseg = max(hi - lo for lo, hi in seg)
     scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
     halves = (scratch[:maxseg], scratch[maxseg:])
 
     def post_rs(step):
         j = (r - step - 2) % n
-        buf, base = halves[step % 2], bounds[j]
+        buf, base = halves[step % 2], seg[j][0]
         reqs = []
         for a, b in pieces(j):
             req = comm.Irecv(_bytes(buf[a - base:b - base]), left, TAG_DATA)
@@ -154,7 +161,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
         j, reqs = pending
         if s + 1 < n - 1:
             pending = post_rs(s + 1)
-        buf, base = halves[s % 2], bounds[j]
+        buf, base = halves[s % 2], seg[j][0]
         last = s == n - 2
         for req, a, b in reqs:
             rt._wait([req], what, [left])
@@ -167,7 +174,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
             else:
                 send(dst, a, b, TAG_DATA, j)
         step_end = time.perf_counter()
-        phases[f"reduce_scatter[{s}] seg {j} from {left}"] = (step_start, step_end)
+        phases[f"reduce_scatter[{s}] seg {j} {hop}"] = (step_start, step_end)
         step_start = step_end
     t1 = time.perf_counter()
     phases["reduce_scatter"] = (t0, t1)
@@ -187,7 +194,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
                 if s < n - 2:
                     send(dst, a, b, TAG_AG, j)
             step_end = time.perf_counter()
-            phases[f"allgather[{s}] seg {j} from {left}"] = (step_start, step_end)
+            phases[f"allgather[{s}] seg {j} {hop}"] = (step_start, step_end)
             step_start = step_end
         phases["allgather"] = (t1, time.perf_counter())
     rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))

@@ -155,6 +155,14 @@ class Runtime:
         same_local = [r for r in range(self.size) if local_ranks[r] == self.local_rank]
         self.cross_rank = same_local.index(self.rank)
         self.cross_size = len(same_local)
+        # The ring visits each host's ranks together (hosts in order of their first rank, ranks
+        # in order within a host), so it crosses the network once per host whatever the
+        # launcher's placement (Hydra's -hosts a,b deals ranks round-robin: 0,2 on a, 1,3 on b).
+        first = {}
+        for r, host in enumerate(hosts):
+            first.setdefault(host, r)
+        self.ring_order = sorted(range(self.size), key=lambda r: (first[hosts[r]], r))
+        self.ring_pos = self.ring_order.index(self.rank)
 
     def _eager_buffers(self):
         # Receive buffers (one per peer) and the send buffer of the agreement message. Reused by

@@ -158,3 +158,47 @@ def test_hostfile_cluster_across_two_hosts(hosts, kernel):
     kernel.ok("%ring stop", timeout=60)
     left = wait_no_cluster(hosts, 10)
     assert not left, f"%ring stop left processes: {left}"
+
+
+RING_HOPS = """\
+import numpy as np
+from jupyter_ring.runtime import _api
+_rt = _api._rt()
+_n = ring.size()
+# big enough for the pipelined ring (past the eager path), odd rows for reducescatter
+_x = np.arange(3 * (1 << 15) + 1, dtype=np.float64) * (ring.rank() + 1)
+_y = ring.allreduce(_x, op=ring.Sum, name="hops")
+assert np.array_equal(_y, np.arange(_x.size, dtype=np.float64) * _n * (_n + 1) / 2)
+_rows = np.full((2 * _n + 1, 1 << 12), ring.rank() + 1.0)
+_z = ring.reducescatter(_rows, op=ring.Sum, name="rs")
+_mine = 2 + (1 if ring.rank() < 1 else 0)
+assert _z.shape == (_mine, 1 << 12) and np.all(_z == _n * (_n + 1) / 2), _z.shape
+_phases = [p for rec in _rt.trace.records if rec[1] == "hops" for p in rec[5]]
+_net = sorted({p.split(" from ")[1] for p in _phases if "(network)" in p})
+print("order", ring.rank(), _rt.ring_order, "network-left", _net)
+"""
+
+
+def test_round_robin_placement_gets_a_host_contiguous_ring(hosts, kernel):
+    """--hosts a,b -n 4: Hydra deals ranks round-robin (0,2 on a; 1,3 on b); GPUs go by local
+    rank on each host (--gpus 0,1 here: only CUDA_VISIBLE_DEVICES is set). The ring still
+    visits each host's ranks together, so only the first rank of each host receives over the
+    network (named in its per-hop trace phases), and allreduce/reducescatter are exact."""
+    a, b = hosts.hosts
+    out = kernel.ok(f"%ring start --hosts {a['name']},{b['name']} -n 4 --gpus 0,1",
+                    timeout=120)
+    # GPUs are pinned by local rank: ranks 0 and 2 are local 0 and 1 on a, 1 and 3 on b
+    table = re.findall(r"^(\d+)\s+(\S+)\s+\d+\s+cuda:0 \(GPU (\d)\)$", out, re.M)
+    assert table == [("0", a["name"], "0"), ("1", b["name"], "0"), ("2", a["name"], "1"),
+                     ("3", b["name"], "1")], out
+    out = kernel.ok("%%distributed\n" + RING_HOPS, timeout=120)
+    rows = {int(r): (json.loads(order), net) for r, order, net in
+            re.findall(r"order (\d) (\[[\d, ]+\]) network-left (\[.*\])", out)}
+    assert sorted(rows) == [0, 1, 2, 3], out
+    assert {tuple(order) for order, _ in rows.values()} == {(0, 2, 1, 3)}, out
+    # ring 0 -> 2 -> 1 -> 3 -> 0: rank 1 receives from 2 (on a), rank 0 from 3 (on b) over the
+    # network; 2 and 3 receive from their own host
+    assert rows[1][1] == f"['2 @ {a['name']} (network)']", out
+    assert rows[0][1] == f"['3 @ {b['name']} (network)']", out
+    assert rows[2][1] == "[]" and rows[3][1] == "[]", out
+    kernel.ok("%ring stop", timeout=60)
