@@ -352,8 +352,11 @@ class RingCluster(LoggingConfigurable):
         config = Config()
         # one host: MPICH's gforker, whose ranks listen on loopback only (Hydra's PMI port is on
         # 0.0.0.0 and inherited by every rank); --hosts needs Hydra's remote launch.
-        config.MPIEngineSetLauncher.mpi_cmd = [local_mpiexec() if one_host else find_mpiexec()]
-        config.MPIEngineSetLauncher.mpi_args = self._mpi_args()
+        mpiexec = local_mpiexec() if one_host else find_mpiexec()
+        config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+        # gforker says how each rank ended (the signal) only when asked; describe_death reads it
+        exitinfo = ["-exitinfo"] if mpiexec.endswith("gforker") else []
+        config.MPIEngineSetLauncher.mpi_args = exitinfo + self._mpi_args()
         config.EngineLauncher.environment = {k: v for k, v in env.items()
                                              if os.environ.get(k) != v}
         if engines == "slurm":
@@ -530,7 +533,10 @@ class RingCluster(LoggingConfigurable):
         exit_string = re.search(r"EXIT STRING: (.+)", output)
         if nanny and int(nanny.group(1)) in eid_rank:
             rank = eid_rank[int(nanny.group(1))]
-            how = exit_string.group(1).strip() if exit_string else "engine process exited"
+            # gforker -exitinfo: "[0]<rank>:Return code = 0, signaled with Killed"
+            gforker = re.search(rf"\]{rank}:Return code = \d+, signaled with (\w+)", output)
+            how = (exit_string.group(1).strip() if exit_string
+                   else f"signal: {gforker.group(1)}" if gforker else "engine process exited")
             first = (rank, hosts.get(rank, "?"), how)
         ranks = ", ".join(str(r) for r in dead)
         if first is not None:
