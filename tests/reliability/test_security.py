@@ -26,6 +26,7 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
+from jupyter_ring._launch import local_mpiexec
 from jupyter_ring.cluster import RingCluster, _profile_dir
 
 LOOPBACK = ("127.0.0.1", "::1")
@@ -137,6 +138,9 @@ def test_every_socket_of_the_cluster_is_on_loopback(ring):
         count = sum(1 for r in rows if r[0] == proc.pid)
         print(f"  {proc.pid:>7}  {name:<32} {count} listening on {sorted(ips) or '-'}")
     assert rows, "found no listening socket at all: the psutil scan is broken"
+    launcher = os.path.basename(local_mpiexec())
+    assert any(_role(p, cluster) == launcher for p in cluster.processes()), \
+        f"no {launcher} in the cluster's processes"
     outside = [row for row in rows if row[2] not in LOOPBACK]
     assert not outside, f"sockets reachable from other hosts: {outside}"
 
