@@ -8,7 +8,7 @@ Runs inside each ipyparallel engine, before the user's first cell. It imports no
 import os
 import socket
 
-__all__ = ["local_rank", "bind_device", "describe", "complete", "inspect"]
+__all__ = ["local_rank", "bind_device", "describe", "watch_cells", "complete", "inspect"]
 
 # Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
@@ -52,6 +52,27 @@ def describe(ring, device):
     return {"rank": ring.rank(), "size": ring.size(), "local_rank": ring.local_rank(),
             "host": socket.gethostname(), "pid": os.getpid(), "device": device}
 
+
+def watch_cells():
+    """After a cell fails or is interrupted on this rank, abandon the collectives it queued.
+
+    An interrupt can land between ``loss.backward()`` (whose hooks queue the gradients'
+    allreduces) and ``optimizer.step()``; left queued, they would run at the start of the next
+    cell on this rank only, and the ranks would disagree. Registered once per engine.
+    """
+    from IPython import get_ipython
+
+    events = get_ipython().events
+    if _after_cell not in events.callbacks["post_run_cell"]:
+        events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(result):
+    if result.error_in_exec is not None:
+        from .runtime import _api
+
+        _api.abandon_queued("the cell that queued this collective failed or was interrupted "
+                            f"on this rank ({type(result.error_in_exec).__name__})")
 
 
 # ------------------------------------------------------------- completion and inspection (rank 0)

@@ -46,6 +46,7 @@ import jupyter_ring._engine as _jr_engine
 _jr_device = _jr_engine.bind_device(_jr_gpus)
 import jupyter_ring.runtime as ring
 ring.init()
+_jr_engine.watch_cells()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask
 """

@@ -185,6 +185,9 @@ class RingMagics(Magics):
                           "%%distributed cell's output once a rank reports progress or metrics "
                           "(ring.progress/log/track, optimizer steps). %%distributed "
                           "--no-dashboard turns it off for one cell.")
+    output_grace = Float(2.0, config=True,
+                         help="Seconds to wait for more output from the ranks after their cell "
+                              "finished and nothing more arrived, before giving the notebook back.")
     health_interval = Float(0.25, config=True,
                             help="Seconds between checks for dead ranks while a cell runs.")
 
@@ -591,11 +594,35 @@ class _CellRun:
         except KeyboardInterrupt:
             self._interrupt_all()
             raise
-        ar.wait_for_output(2.0)
+        self._wait_for_output()
         self._stream(final=True)
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
         self._show_results()
         self._raise_errors()
+
+    def _wait_for_output(self):
+        """Wait for the ranks' last output (their IOPub idle), showing it as it comes.
+
+        The replies can arrive well before the output (10,000 printed lines take seconds to
+        travel): wait as long as output keeps arriving, and give up only after
+        ``output_grace`` seconds without any, saying that the output may be cut short.
+        """
+        ar, grace = self.ar, self.magics.output_grace
+        received, quiet_since = -1, time.monotonic()
+        while not ar.wait_for_output(min(0.1, grace)):
+            self._stream(final=False)
+            self.sink.flush()
+            now = time.monotonic()
+            size = sum(len(md["stdout"] or "") + len(md["stderr"] or "") + len(md["outputs"] or [])
+                       for md in ar._metadata)
+            if size != received:
+                received, quiet_since = size, now
+            elif now - quiet_since >= grace:
+                late = [str(r) for r, child in zip(self.ranks, ar._children)
+                        if not getattr(getattr(child, "output", None), "done", lambda: True)()]
+                print(f"(no end of output from rank(s) {', '.join(late) or '?'} {grace:g} s after "
+                      "the cell finished; what they printed last may be missing)", file=sys.stderr)
+                return
 
     def _check_dead(self):
         """A rank that died mid-cell never replies: report it now instead of waiting forever."""

@@ -13,31 +13,19 @@ import pytest
 
 from jupyter_ring._sidecar import read_sidecar, sidecar_path
 from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
+from real_kernel import alive
 
 GiB = 1 << 30
-
-
-def _cluster_procs(pids):
-    """The processes among ``pids`` (and their descendants) that are still alive."""
-    alive = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.Error:
-            pass
-    return alive
 
 
 def _wait_gone(pids, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = _cluster_procs(pids)
-        if not alive:
+        left = alive(pids)
+        if not left:
             return []
         time.sleep(0.05)
-    return _cluster_procs(pids)
+    return alive(pids)
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -156,7 +144,7 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         assert line, f"starter failed: {proc.stderr.read()}"
         pids = json.loads(line)
         assert len(pids) >= 5  # controller, mpiexec, hydra proxy, 2 engines (+ nannies)
-        assert _cluster_procs(pids), "cluster not running before the kill"
+        assert alive(pids), "cluster not running before the kill"
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -168,5 +156,5 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         if proc.poll() is None:
             proc.kill()
         # if the watchdog failed, do not leave the cluster behind for the other tests
-        for p in _cluster_procs(locals().get("pids", [])):
+        for p in alive(locals().get("pids", [])):
             p.kill()

@@ -2,29 +2,16 @@
 
 import json
 import os
-import queue
 import signal
 import time
 
-import psutil
 import pytest
-from jupyter_client.manager import start_new_kernel
 
 from jupyter_ring import demo
+from real_kernel import alive as _alive
+from real_kernel import cluster_pids, ring_kernel
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def _alive(pids):
-    out = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc)
-        except psutil.Error:
-            pass
-    return out
 
 
 def test_quickstart_notebook_runs_headless():
@@ -83,85 +70,11 @@ def test_run_all_after_start_loses_no_cell_and_auto_mode_runs_on_ranks():
     assert texts[sources.index("print(here, 'seen' in globals())")].strip() == "kernel False"
 
 
-class Kernel:
-    """A real IPython kernel (jupyter_client) with helpers to run code and collect output."""
-
-    def __init__(self):
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
-
-    def execute(self, code, timeout=60, interrupt_after=None, messages=None):
-        """Run ``code``; return (text, error). The text is what a reader of the saved notebook
-        sees: streams, execute results and each display's final text/plain (an
-        update_display_data replaces the display it names). ``messages`` collects every iopub
-        message of the request."""
-        msg_id = self.kc.execute(code)
-        deadline = time.monotonic() + timeout
-        interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
-        parts, error = [], None  # [display_id or None, text]
-        while True:
-            if interrupt_at is not None and time.monotonic() >= interrupt_at:
-                self.km.interrupt_kernel()
-                interrupt_at = None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no reply in {timeout} s to {code!r}; output so far: {parts}")
-            try:
-                msg = self.kc.get_iopub_msg(timeout=0.1)
-            except queue.Empty:
-                continue
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if messages is not None:
-                messages.append(msg)
-            kind, content = msg["msg_type"], msg["content"]
-            display_id = (content.get("transient") or {}).get("display_id")
-            if kind == "stream":
-                parts.append([None, content["text"]])
-            elif kind in ("execute_result", "display_data"):
-                text = content["data"].get("text/plain", "")
-                parts.append([display_id, text + "\n" if kind == "display_data" else text])
-            elif kind == "update_display_data":
-                for part in parts:
-                    if part[0] == display_id:
-                        part[1] = content["data"].get("text/plain", "") + "\n"
-            elif kind == "error":
-                error = content
-            elif kind == "status" and content["execution_state"] == "idle":
-                return "".join(text for _, text in parts), error
-
-    def ok(self, code, **kwargs):
-        out, error = self.execute(code, **kwargs)
-        assert error is None, f"{code!r} failed: {error and error['ename']}: {error and error['evalue']}\n{out}"
-        return out
-
-    def close(self):
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-
-
 @pytest.fixture(scope="module")
 def kernel():
     """A kernel with a 2-rank cluster; its finalizer kills the kernel and anything left over."""
-    k = Kernel()
-    pids = []
-    try:
-        k.ok("%load_ext jupyter_ring")
-        k.ok("%ring start -n 2", timeout=90)
-        k.pids = pids
+    with ring_kernel(2) as k:
         yield k
-    finally:
-        try:
-            k.close()
-        finally:
-            for proc in _alive(pids):
-                proc.kill()
-
-
-def _cluster_pids(kernel):
-    out = kernel.ok("import json\nprint(json.dumps([p.pid for p in get_ipython().magics_manager"
-                    ".registry['RingMagics'].cluster.processes()]))")
-    pids = json.loads(out.strip().splitlines()[-1])
-    kernel.pids[:] = pids
-    return pids
 
 
 def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
@@ -325,7 +238,7 @@ def test_dead_engine_is_reported_by_rank_within_2s(kernel):
 
 # Kills the kernel: keep it last.
 def test_sigkilled_kernel_leaves_no_cluster_processes(kernel):
-    pids = _cluster_pids(kernel)
+    pids = cluster_pids(kernel)
     names = " ".join(" ".join(p.cmdline()) for p in _alive(pids))
     assert "ipyparallel.controller" in names and "mpiexec" in names and "--mpi" in names
     kernel_pid = kernel.km.provisioner.process.pid

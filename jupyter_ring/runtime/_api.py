@@ -36,6 +36,7 @@ class _Process:
         self.unnamed = {}      # kind -> counter for auto names
         self.fusion = None     # reusable fusion buffer (bytes)
         self.atexit = False
+        self.epoch = 0         # +1 each time queued work is abandoned (a failed notebook cell)
 
 
 _proc = _Process()
@@ -452,6 +453,28 @@ def _drop_queue(error):
         _proc.results[handle] = error
     _proc.queue = []
     _proc.queued_bytes = 0
+
+
+def abandon_queued(reason):
+    """Fail every queued, not yet run collective with ``RingError(reason)`` and start a new epoch.
+
+    Called on a rank whose notebook cell failed or was interrupted: what that cell queued must
+    not run at the start of the next cell (the peers, interrupted elsewhere, did not queue the
+    same calls). Stateful wrappers (DistributedOptimizer) compare :func:`epoch` to drop a step
+    that began before.
+    """
+    _drop_queue(RingError(f"cancelled: {reason}"))
+    _proc.epoch += 1
+
+
+def epoch():
+    """How many times queued work has been abandoned in this process (see abandon_queued)."""
+    return _proc.epoch
+
+
+def discard(handle):
+    """Forget ``handle`` without waiting for it (its result, if any, is dropped)."""
+    _proc.results.pop(handle, None)
 
 
 def _flush():

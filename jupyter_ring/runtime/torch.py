@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .. import runtime as _ring
-from . import _report  # the dashboard's step count (_report_step, at the end)
+from . import _api, _report  # _api: the epoch of queued work; _report: the dashboard's steps
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 
@@ -655,14 +655,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks.append(handle)
 
     def _reset_step(self):
+        self._epoch = _api.epoch()
         self._counts = [0] * len(self._params)
         self._ready = set()
         self._next = 0             # position in self._order of the next parameter to queue
         self._pending = []         # (index, handle, compression ctx, staged tensor)
         self._fired = []           # hook order of this step (rank 0's becomes the canonical order)
 
+    def _drop_stale_step(self):
+        # A notebook cell failed or was interrupted on this rank after backward() and before
+        # step(): its queued allreduces were abandoned (every rank drops its own), so the half
+        # step is dropped too and the next cell starts a clean one.
+        if self._epoch != _api.epoch():
+            for _i, handle, _ctx, _compressed in self._pending:
+                handle._done = True
+                for h in handle._handles:
+                    _api.discard(h)
+            self._reset_step()
+
     # -- hooks
     def _on_grad(self, i):
+        self._drop_stale_step()
         self._synchronized = False
         self._counts[i] += 1
         if self._counts[i] > self._bpps:
@@ -748,6 +761,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         """Zero the gradients; an error between backward() and step(), where it would lose them."""
+        self._drop_stale_step()
         waiting = sum(1 for c in self._counts if c)
         if waiting:
             raise RingError(

@@ -1,0 +1,107 @@
+"""A real IPython kernel driven over jupyter_client, and process checks, shared by the notebook
+and reliability tests (tests/ is on sys.path: ``from real_kernel import Kernel, alive``)."""
+
+import contextlib
+import json
+import queue
+import time
+
+import psutil
+from jupyter_client.manager import start_new_kernel
+
+
+def alive(pids):
+    """The processes among ``pids`` that still exist and are not zombies."""
+    out = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except psutil.Error:
+            pass
+    return out
+
+
+class Kernel:
+    """A real IPython kernel (jupyter_client) with helpers to run code and collect output."""
+
+    def __init__(self):
+        self.km, self.kc = start_new_kernel(kernel_name="python3")
+
+    def execute(self, code, timeout=60, interrupt_after=None, messages=None):
+        """Run ``code``; return (text, error). The text is what a reader of the saved notebook
+        sees: streams, execute results and each display's final text/plain (an
+        update_display_data replaces the display it names). ``messages`` collects every iopub
+        message of the request. With ``interrupt_after`` the kernel gets an interrupt_request
+        that many seconds after the request; ``self.interrupted_at`` notes when (monotonic)."""
+        msg_id = self.kc.execute(code)
+        deadline = time.monotonic() + timeout
+        interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
+        parts, error = [], None  # [display_id or None, text]
+        while True:
+            if interrupt_at is not None and time.monotonic() >= interrupt_at:
+                self.km.interrupt_kernel()
+                self.interrupted_at = time.monotonic()
+                interrupt_at = None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no reply in {timeout} s to {code!r}; output so far: {parts}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if messages is not None:
+                messages.append(msg)
+            kind, content = msg["msg_type"], msg["content"]
+            display_id = (content.get("transient") or {}).get("display_id")
+            if kind == "stream":
+                parts.append([None, content["text"]])
+            elif kind in ("execute_result", "display_data"):
+                text = content["data"].get("text/plain", "")
+                parts.append([display_id, text + "\n" if kind == "display_data" else text])
+            elif kind == "update_display_data":
+                for part in parts:
+                    if part[0] == display_id:
+                        part[1] = content["data"].get("text/plain", "") + "\n"
+            elif kind == "error":
+                error = content
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "".join(text for _, text in parts), error
+
+    def ok(self, code, **kwargs):
+        out, error = self.execute(code, **kwargs)
+        assert error is None, f"{code!r} failed: {error and error['ename']}: {error and error['evalue']}\n{out}"
+        return out
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@contextlib.contextmanager
+def ring_kernel(n=2):
+    """A kernel with ``%ring start -n n`` done; on exit the kernel is shut down and every
+    process recorded in ``kernel.pids`` (see cluster_pids) that is left is killed."""
+    k = Kernel()
+    k.pids = []
+    try:
+        k.ok("%load_ext jupyter_ring")
+        k.ok(f"%ring start -n {n}", timeout=90)
+        yield k
+    finally:
+        try:
+            k.close()
+        finally:
+            for proc in alive(k.pids):
+                proc.kill()
+
+
+def cluster_pids(kernel):
+    """Pids of the kernel's controller, mpiexec and engines (also noted in ``kernel.pids``)."""
+    out = kernel.ok("import json\nprint(json.dumps([p.pid for p in get_ipython().magics_manager"
+                    ".registry['RingMagics'].cluster.processes()]))")
+    pids = json.loads(out.strip().splitlines()[-1])
+    kernel.pids[:] = sorted(set(kernel.pids) | set(pids))
+    return pids

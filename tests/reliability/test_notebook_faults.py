@@ -1,0 +1,311 @@
+"""The failure contract through a real notebook kernel, with repeats and figures (issue 7, items 2-7).
+
+Every case drives a real IPython kernel over jupyter_client (``%load_ext jupyter_ring``,
+``%ring start -n 2``: a real ipyparallel controller and MPI engines under mpiexec), causes the
+fault for real (an exception on one rank, SIGKILL of an engine, the kernel's interrupt_request,
+SIGKILL of the kernel) and measures it from the outside. Bounds are generous (a shared 2-core
+machine); ``-s`` prints the figures that docs/reliability.md records.
+Repeats: JUPYTER_RING_REL_REPEATS (default 3).
+"""
+
+import json
+import os
+import re
+import signal
+import statistics
+import threading
+import time
+
+import psutil
+import pytest
+
+from real_kernel import Kernel, alive, cluster_pids, ring_kernel
+
+pytestmark = pytest.mark.timeout(240)
+
+REPEATS = int(os.environ.get("JUPYTER_RING_REL_REPEATS", "3"))
+
+
+def figures(item, cases, failures, times, unit="s"):
+    """Print one figure line: cases, failures, median and max of ``times``."""
+    line = (f"FIGURE {item}: {cases} cases, {failures} failures, median "
+            f"{statistics.median(times):.2f} {unit}, max {max(times):.2f} {unit} "
+            f"(each: {', '.join(f'{t:.2f}' for t in times)})")
+    print(line)
+    return line
+
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1].split("] ", 1)[-1])
+
+
+def rank_lines(text, rank):
+    tag = f"[rank {rank}] "
+    return [line[len(tag):] for line in text.splitlines() if line.startswith(tag)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with ring_kernel(2) as k:
+        cluster_pids(k)
+        k.ok("%%distributed\nimport json, os, time\nimport numpy as np")
+        yield k
+
+
+def exact_allreduce_ok(kernel, tag):
+    """The next cell works: an allreduce of 1,009 values is exact on every rank."""
+    out = kernel.ok("%%distributed\nimport numpy as np\nv = ring.allreduce(np.arange(1009.0) * (ring.rank() + 1), "
+                    f"op=ring.Sum, name='after_{tag}')\n"
+                    "print(bool((v == np.arange(1009.0) * sum(range(1, ring.size() + 1))).all()))")
+    assert rank_lines(out, 0) == rank_lines(out, 1) == ["True"], out
+
+
+# ------------------------------------------------------------------ 2. a rank raises mid-training
+RAISES = """%%distributed
+w = np.zeros(1000)
+for step in range(10**9):
+    g = ring.allreduce(np.full(1000, ring.rank() + 1.0), name='g')
+    w -= 0.01 * g
+    if ring.rank() == {bad} and step == {at}:
+        raise ValueError(f'bad batch at step {{step}} on rank {bad} t={{time.time()!r}}')
+"""
+
+
+def test_2_a_rank_raising_mid_training_fails_the_cell_fast_and_the_next_cell_works(kernel):
+    times, failures = [], 0
+    for i in range(REPEATS):
+        bad = (i + 1) % 2
+        out, error = kernel.execute(RAISES.format(bad=bad, at=150 + 37 * i), timeout=60)
+        replied = time.time()
+        assert error is not None and error["ename"] == "DistributedError", (out, error)
+        text = "\n".join(error["traceback"])
+        # that rank's traceback first, with the real exception; the other rank was released
+        assert text.startswith(f"[rank {bad} @ ") and "ValueError: bad batch" in text, text
+        assert f"[rank {1 - bad} @ " in text and "KeyboardInterrupt" in text, text
+        raised = float(re.search(r"t=([0-9.]+)", error["evalue"]).group(1))
+        times.append(replied - raised)
+        # the ranks stopped together: same number of updates, identical weights
+        same = kernel.ok("%%distributed\nall_w = ring.allgather(w[None], name='w_check')\n"
+                         "print(bool((all_w[0] == all_w[1]).all()))")
+        assert rank_lines(same, 0) == rank_lines(same, 1) == ["True"], same
+        exact_allreduce_ok(kernel, f"raise{i}")
+        failures += times[-1] >= 5
+    figures("2 rank raises", REPEATS, failures, times)
+    assert max(times) < 5, f"the cell failed {max(times):.1f} s after the rank raised (want < 5 s)"
+
+
+# ------------------------------------------------------------------ 4. interrupt during allreduce
+TORCH_SETUP = """%%distributed
+import torch
+import jupyter_ring.runtime.torch as rt
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                              named_parameters=model.named_parameters())
+rt.broadcast_parameters(model.state_dict(), root_rank=0)
+
+def batch(rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=gen)
+    return x, x.sum(1, keepdim=True)
+
+def train(first, steps, slow_rank=None):
+    for s in range(first, first + steps):
+        x, y = batch(ring.rank(), s)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        if ring.rank() == slow_rank:
+            time.sleep(120)  # the other rank waits for its gradients inside the allreduce
+        opt.step()
+
+def flat():
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+def identical():
+    every = rt.allgather(flat()[None], name='params_check')
+    return all(bool((every[r] == every[0]).all()) for r in range(ring.size()))
+
+def reference(first, steps):
+    # what averaged-gradient SGD must give, computed on this rank alone from every rank's data
+    import copy
+    ref = copy.deepcopy(model)
+    for s in range(first, first + steps):
+        grads = []
+        for r in range(ring.size()):
+            ref.zero_grad()
+            x, y = batch(r, s)
+            ((ref(x) - y) ** 2).mean().backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= 0.05 * sum(g[i] for g in grads) / ring.size()
+    return torch.cat([p.detach().flatten() for p in ref.parameters()])
+
+train(0, 3)
+print(identical())
+"""
+
+CHECK_NEXT = """%%distributed
+want = reference({first}, 4)
+train({first}, 4)
+print(json.dumps([identical(), bool(torch.allclose(flat(), want, rtol=1e-5, atol=1e-6))]))
+"""
+
+
+def test_4_interrupt_inside_allreduce_stops_every_rank_and_keeps_parameters_identical(kernel):
+    out = kernel.ok(TORCH_SETUP, timeout=120)
+    assert rank_lines(out, 0) == rank_lines(out, 1) == ["True"], out
+    times, failures, step = [], 0, 3
+    for i in range(REPEATS):
+        slow = i % 2
+        out, error = kernel.execute(f"%%distributed\ntrain({step}, 5)\ntrain({step + 5}, 100, "
+                                    f"slow_rank={slow})", timeout=60, interrupt_after=2.5)
+        stopped = time.monotonic() - kernel.interrupted_at
+        assert error is not None and error["ename"] == "KeyboardInterrupt", (out, error)
+        assert "did not stop" not in out, out
+        times.append(stopped)
+        # the waiting rank was inside the gradient allreduce when the interrupt came
+        ranks = kernel.ok("%%distributed\nprint(identical())")
+        assert rank_lines(ranks, 0) == rank_lines(ranks, 1) == ["True"], ranks
+        step += 5  # the 5 steps before the slow one completed on every rank
+        out = kernel.ok(CHECK_NEXT.format(first=step), timeout=60)
+        assert rank_lines(out, 0) == rank_lines(out, 1) == ["[true, true]"], out
+        step += 4
+        failures += stopped >= 3
+    figures("4 interrupt in allreduce", REPEATS, failures, times)
+    assert max(times) < 3, f"the ranks stopped {max(times):.1f} s after the interrupt (want < 3 s)"
+
+
+# ------------------------------------------------------------------ 7. output integrity
+def test_7_ten_thousand_lines_per_rank_arrive_in_order(kernel):
+    times, failures = [], 0
+    want = {r: [f"line {i} of rank {r}" for i in range(10000)] for r in (0, 1)}
+    for i in range(REPEATS):
+        flush = ", flush=True" if i % 2 else ""
+        msgs = []
+        t0 = time.monotonic()
+        text = kernel.ok("%%distributed\nfor i in range(10000):\n"
+                         f"    print(f'line {{i}} of rank {{ring.rank()}}'{flush})",
+                         timeout=120, messages=msgs)
+        times.append(time.monotonic() - t0)
+        for r in (0, 1):
+            got = rank_lines(text, r)
+            missing = len(want[r]) - len(set(got) & set(want[r]))
+            assert got == want[r], f"rank {r}: {len(got)} lines, {missing} missing, in order: {got == sorted(got, key=lambda s: int(s.split()[1]))}"
+        # the per-rank tabs of the saved output hold every line too
+        page = next(m["content"]["data"]["text/html"] for m in reversed(msgs)
+                    if m["msg_type"] in ("display_data", "update_display_data"))
+        panels = page.split('<div class="jr-panel">')
+        for r in (0, 1):
+            panel = panels[2 + r]
+            positions = [panel.find(f"line {k} of rank {r}\n") for k in (0, 4999, 9999)]
+            assert -1 not in positions and positions == sorted(positions), (r, positions)
+    figures("7 output 2x10,000 lines", REPEATS, failures, times)
+
+
+# ------------------------------------------------------------------ 6. soak: 500 cells
+SOAK_CELL = """%%distributed
+n = {n}
+a = ring.allreduce(np.arange(n, dtype=np.int64) * (ring.rank() + 1), op=ring.Sum, name='{kind}a{i}')
+assert (a == np.arange(n, dtype=np.int64) * 3).all(), 'allreduce'
+g = ring.allgather(np.full((ring.rank() + 1, 3), ring.rank(), dtype=np.int64), name='g{i}')
+assert g.tolist() == [[0] * 3] + [[1] * 3] * 2, 'allgather'
+b = ring.broadcast(np.full(n, {i}, dtype=np.int64) if ring.rank() == {root} else np.zeros(n, dtype=np.int64), root_rank={root}, name='b{i}')
+assert (b == {i}).all(), 'broadcast'
+"""
+
+
+def _usage(pids):
+    out = {}
+    for pid in pids:
+        proc = psutil.Process(pid)
+        out[pid] = (proc.memory_info().rss, proc.num_fds(), proc.num_threads())
+    return out
+
+
+def test_6_soak_500_cells_exact_and_no_engine_growth(kernel):
+    import random
+
+    rng = random.Random(7)
+    ranks = last_json(kernel.ok(
+        "import json\nprint(json.dumps([r['pid'] for r in get_ipython().magics_manager"
+        ".registry['RingMagics'].cluster.ranks]))"))
+    kernel_proc = psutil.Process(kernel.km.provisioner.process.pid)
+    t0 = time.monotonic()
+    warm = None
+    for i in range(500):
+        n = rng.choice([0, 1, 2, 3, 17, 1009, 4099, 65537])
+        kernel.ok(SOAK_CELL.format(n=n, i=i, root=rng.randrange(2), kind=rng.choice("xyz")),
+                  timeout=60)
+        if i == 49:
+            warm = _usage(ranks), kernel_proc.memory_info().rss
+    wall = time.monotonic() - t0
+    end = _usage(ranks), kernel_proc.memory_info().rss
+    for rank, pid in enumerate(ranks):
+        (r0, f0, t_0), (r1, f1, t_1) = warm[0][pid], end[0][pid]
+        print(f"FIGURE 6 soak rank {rank}: RSS {r0 / 2**20:.1f} -> {r1 / 2**20:.1f} MiB "
+              f"({r1 / r0 - 1:+.1%}), fds {f0} -> {f1}, threads {t_0} -> {t_1}")
+        assert r1 / r0 - 1 < 0.10 and f1 <= f0 and t_1 <= t_0, (rank, warm[0][pid], end[0][pid])
+    print(f"FIGURE 6 soak kernel RSS {warm[1] / 2**20:.1f} -> {end[1] / 2**20:.1f} MiB; "
+          f"500 cells (1,500 collectives) in {wall:.1f} s ({wall / 500 * 1000:.0f} ms a cell)")
+
+
+# ------------------------------------------------------------------ 3. an engine is SIGKILLed
+def test_3_sigkilled_engine_is_reported_by_rank_and_restart_works(kernel):
+    detect, recover, failures = [], [], 0
+    for i in range(REPEATS):
+        victim = i % 2
+        pids = {r["rank"]: r["pid"] for r in last_json(kernel.ok(
+            "import json\nprint(json.dumps(get_ipython().magics_manager.registry['RingMagics']"
+            ".cluster.ranks))"))}
+        old = cluster_pids(kernel)
+        killed = []
+        timer = threading.Timer(1.5, lambda: (killed.append(time.monotonic()),
+                                              os.kill(pids[victim], signal.SIGKILL)))
+        timer.start()
+        try:
+            out, error = kernel.execute("%%distributed\nfor step in range(10**9):\n"
+                                        "    ring.allreduce(np.ones(1000), name='t')", timeout=60)
+        finally:
+            timer.cancel()
+        detect.append(time.monotonic() - killed[0])
+        assert error is not None and error["ename"] == "DeadRankError", (out, error)
+        assert f"rank {victim}" in error["evalue"] and "%ring restart" in error["evalue"], error
+        t0 = time.monotonic()
+        assert "2 ranks ready" in kernel.ok("%ring restart", timeout=90)
+        exact_allreduce_ok(kernel, f"restart{i}")
+        recover.append(time.monotonic() - t0)
+        left = alive(old)
+        assert left == [], [p.cmdline() for p in left]
+        failures += detect[-1] >= 10
+    figures("3 engine SIGKILL detect", REPEATS, failures, detect)
+    figures("3 engine SIGKILL restart+cell", REPEATS, 0, recover)
+    cluster_pids(kernel)
+    assert max(detect) < 10
+
+
+# ------------------------------------------------------------------ 5. the kernel is SIGKILLed
+def test_5_sigkilled_kernel_leaves_no_process_after_15s():
+    times, failures = [], 0
+    for _ in range(REPEATS):
+        with ring_kernel(2) as k:
+            pids = cluster_pids(k)
+            kernel_proc = psutil.Process(k.km.provisioner.process.pid)
+            # everything the kernel started: controller, mpiexec, engines, nannies, watchdog
+            tree = [p.pid for p in kernel_proc.children(recursive=True)]
+            names = " ".join(" ".join(p.cmdline()) for p in alive(pids))
+            assert "ipyparallel.controller" in names and "mpiexec" in names and "--mpi" in names
+            k.pids[:] = sorted(set(pids) | set(tree))
+            k.kc.execute("%%distributed\nimport time\ntime.sleep(60)")  # busy ranks and kernel
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            kernel_proc.kill()
+            left = alive(k.pids)
+            while left and time.monotonic() - t0 < 15:
+                time.sleep(0.05)
+                left = alive(k.pids)
+            times.append(time.monotonic() - t0)
+            assert left == [], [p.cmdline() for p in left]
+            failures += times[-1] >= 15
+    figures("5 kernel SIGKILL", REPEATS, failures, times)
