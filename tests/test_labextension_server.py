@@ -233,3 +233,27 @@ async def test_orphaned_cluster_is_shown_and_can_be_stopped(jp_fetch):
                 p.kill()
             except psutil.Error:
                 pass
+
+
+async def test_interrupt_and_stop_reach_an_encrypted_ring_cluster(jp_fetch):
+    # RingCluster's default: CurveZMQ on, gforker ranks; the server's client must follow suit
+    from jupyter_ring.cluster import RingCluster
+
+    rc = RingCluster(n=2, gpus="none", watchdog=False)
+    rc.start()
+    try:
+        assert rc.client.curve_serverkey, "RingCluster started without CurveZMQ"
+        procs = rc.processes()
+        ar = rc.view.execute("import time; time.sleep(60)")
+        time.sleep(0.5)
+        cid = rc.ipp_cluster.cluster_id
+        await jp_fetch("jupyter-ring", "clusters", cid, "interrupt", method="POST", body=b"")
+        assert ar.wait(10), "the cell was still running 10 s after the interrupt"
+        with pytest.raises(Exception, match="KeyboardInterrupt"):
+            ar.get()
+        response = await jp_fetch("jupyter-ring", "clusters", cid, "stop", method="POST", body=b"")
+        assert json.loads(response.body)["stopped"] is True
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        rc.stop()
