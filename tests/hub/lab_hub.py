@@ -316,25 +316,36 @@ class HubKernel:
     """A kernel in a student's server, driven over its websocket (Jupyter's kernel protocol)."""
 
     def __init__(self, hub, user, kernel_id, token, timeout=60):
-        import websocket
-
         self.hub, self.user, self.id, self.token = hub, user, kernel_id, token
         self.session = uuid.uuid4().hex
-        url = hub.url.replace("http://", "ws://") + f"/user/{user}/api/kernels/{kernel_id}/channels"
+        self.ws = None
+        self._connect(timeout)
+
+    def _connect(self, timeout):
+        """(Re)open the websocket and wait until the kernel answers a kernel_info_request."""
+        import websocket
+
+        self.close()
+        url = (self.hub.url.replace("http://", "ws://")
+               + f"/user/{self.user}/api/kernels/{self.id}/channels")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.ws = websocket.create_connection(url, timeout=timeout,
-                                                      header=[f"Authorization: token {token}"])
+                self.ws = websocket.create_connection(
+                    url, timeout=timeout, header=[f"Authorization: token {self.token}"])
                 break
             except (OSError, websocket.WebSocketException) as exc:
                 if time.monotonic() > deadline:
-                    raise HubError(f"{user}'s kernel websocket did not open: {exc}") from exc
+                    raise HubError(f"{self.user}'s kernel websocket did not open: {exc}") from exc
                 time.sleep(0.3)
-        # the kernel is ready once it answers a kernel_info_request
+        self._last_read = time.monotonic()
         self._request("kernel_info_request", {}, "kernel_info_reply", timeout)
 
     def _send(self, msg_type, content):
+        # the server pings every 30 s and closes a websocket whose pongs stop; pongs only go out
+        # while we read, so a websocket left unread for a while is reopened before use
+        if time.monotonic() - self._last_read > 20:
+            self._connect(60)
         msg_id = uuid.uuid4().hex
         self.ws.send(json.dumps({
             "header": {"msg_id": msg_id, "username": self.user, "session": self.session,
@@ -367,6 +378,7 @@ class HubKernel:
                 continue
             if not data:
                 raise HubError(f"{what}: the kernel's websocket closed")
+            self._last_read = time.monotonic()
             return json.loads(data)
 
     def execute(self, code, timeout=120):
@@ -418,6 +430,8 @@ class HubKernel:
         return nb
 
     def close(self):
+        if self.ws is None:
+            return
         try:
             self.ws.close()
         except Exception:

@@ -123,16 +123,25 @@ def test_another_student_cannot_reach_a_cluster(hub):
     assert set(outcome.values()) == {"PermissionError"}, outcome
     refused.append(f"read A's {len(files)} files and list A's security dir: PermissionError each")
 
-    # 3. B drives A's controller with a forged key and with B's own (copied) key on A's ports
+    # 3. B drives A's controller. What B can know: A's ports (they show in /proc/net/tcp), its
+    # own cluster's connection file, made-up keys; A's HMAC key and CurveZMQ keys are in A's
+    # 0600 file only (checked below: not in A's command lines either)
     with open(client_files[0]) as f:
         a_info = json.load(f)
+    a_ports = {k: v for k, v in a_info.items() if k in ("interface", "location") or
+               (isinstance(v, int) and not isinstance(v, bool))}
     b_files = [f for f in _files(os.path.join(hub.home(b), ".ipython"))
                if re.search(r"ipcontroller-.*-client\.json$", f)]
     with open(b_files[0]) as f:
-        b_key = json.load(f)["key"]
-    attempts = {"forged key": dict(a_info, key=secrets.token_hex(16)),
-                "B's own key on A's ports": dict(a_info, key=b_key),
-                "no key": dict(a_info, key="")}
+        b_info = json.load(f)
+    b_key = b_info["key"]
+    plain = {k: v for k, v in b_info.items() if not k.startswith("curve")}
+    attempts = {"a forged HMAC key": dict(plain, **a_ports, key=secrets.token_hex(16)),
+                "B's own connection file (B's key and CurveZMQ keys)": dict(b_info, **a_ports),
+                "no key": dict(plain, **a_ports, key=""),
+                "a forged HMAC key and a made-up CurveZMQ server key": dict(
+                    plain, **a_ports, key=secrets.token_hex(16),
+                    curve_serverkey=b_info.get("curve_serverkey") or "x" * 40)}
     drive = _ok(kb.execute(
         "import json, os, tempfile, ipyparallel as ipp\nresults = {}\n"
         f"for label, info in {attempts!r}.items():\n"
@@ -152,7 +161,7 @@ def test_another_student_cannot_reach_a_cluster(hub):
         assert not result.startswith("CONNECTED"), (label, result)
         refused.append(f"ipyparallel Client on A's controller with {label}: {result}")
 
-    # 3b. raw messages signed with B's key to every port A's kernel, controller and engine
+    # 3b. raw messages with B's session key to every port A's kernel, controller and engine
     # nannies listen on: run code (it would write a marker file as A), signal, shut down
     marker = os.path.join(hub.home(a), "driven-by-b")
     targets = [row for row in _listening({ua: a})
@@ -171,7 +180,7 @@ def test_another_student_cannot_reach_a_cluster(hub):
         "    sock.connect(f'tcp://127.0.0.1:{port}')\n"
         "    socks.append(sock)\n"
         "time.sleep(0.5)\n"
-        "delivered = 0\n"
+        "delivered = 0   # queued by ZMQ; a CurveZMQ port drops them at its handshake\n"
         "for sock in socks:\n"
         "    try:\n"
         "        session.send(sock, 'execute_request', execute)\n"
@@ -187,9 +196,33 @@ def test_another_student_cannot_reach_a_cluster(hub):
     time.sleep(2)
     assert not os.path.exists(marker), "B's forged execute_request ran in A's kernel or engine"
     assert all(psutil.pid_exists(p) for p in [t[4] for t in targets]), "a forged request stopped A"
-    refused.append(f"execute/signal/shutdown requests signed with B's key, delivered to "
+    refused.append(f"execute/signal/shutdown requests with B's session key, sent to "
                    f"{delivered} of A's kernel, controller and nanny ports: no effect (no code "
                    "ran, every process alive)")
+
+    # 3c. A's secrets are in no command line of A's processes (world-readable in /proc), and
+    # A's process environments are closed to B
+    secrets_a = [str(v) for k, v in a_info.items() if (k == "key" or k.startswith("curve"))
+                 and v and len(str(v)) >= 16]
+    a_all = [p.pid for p in user_processes(ua)]
+    seen = _ok(kb.execute(
+        "import json\nleaks, environ = 0, set()\n"
+        f"for pid in {a_all!r}:\n"
+        "    try:\n"
+        "        cmdline = open(f'/proc/{pid}/cmdline', 'rb').read().decode(errors='replace')\n"
+        f"        leaks += sum(secret in cmdline for secret in {secrets_a!r})\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    try:\n"
+        "        open(f'/proc/{pid}/environ', 'rb').read()\n"
+        "        environ.add('READ')\n"
+        "    except OSError as exc:\n"
+        "        environ.add(type(exc).__name__)\n"
+        "print(json.dumps([leaks, sorted(environ)]))"))
+    leaks, environ = json.loads(seen.strip().splitlines()[-1])
+    assert leaks == 0 and environ == ["PermissionError"], (leaks, environ)
+    refused.append(f"look for A's {len(secrets_a)} key(s) in the command lines of A's "
+                   f"{len(a_all)} processes: not there; their environments: PermissionError")
 
     # 4. B signals A's controller, mpiexec and engines
     a_pids = [p.pid for p in user_processes(ua)
