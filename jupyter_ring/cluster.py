@@ -360,8 +360,16 @@ class RingCluster(LoggingConfigurable):
         config.MPIEngineSetLauncher.mpi_args = exitinfo + self._mpi_args()
         config.EngineLauncher.environment = {k: v for k, v in env.items()
                                              if os.environ.get(k) != v}
+        engine_args = []
+        if not one_host:
+            # An engine whose controller is unreachable (its host cut off, the kernel's host
+            # gone) shuts itself down after this many missed heartbeats (ipyparallel's default,
+            # 50, is ~30 s); on one host the watchdog kills everything at once instead.
+            misses = round(self.heartbeat_tolerance * 1000 / (self.heartbeat_period + 500))
+            engine_args.append(f"--IPEngine.max_heartbeat_misses={max(3, misses)}")
+        config.MPIEngineSetLauncher.engine_args = engine_args
         if engines == "slurm":
-            config.SlurmEngineSetLauncher.engine_args = ["--mpi"]
+            config.SlurmEngineSetLauncher.engine_args = ["--mpi"] + engine_args
         # shutdown_atexit=False: the magics stop engines before the controller (0.5 s instead of
         # ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
         cluster = ipp.Cluster(engines=engines, parent=None, config=config, shutdown_atexit=False,
@@ -547,7 +555,13 @@ class RingCluster(LoggingConfigurable):
             if others:
                 head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
         else:
-            head = f"rank(s) {ranks} died"
+            where = {}
+            for r in dead:
+                where.setdefault(hosts.get(r, "?"), []).append(str(r))
+            head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} @ {host}"
+                             for host, rs in where.items())
+            head += (" stopped answering (died, or the host is down or cut off from this one)"
+                     if len(set(hosts.values())) > 1 else " died")
         return (f"{head}. Their variables are lost; run %ring restart for a fresh cluster "
                 f"with the same arguments.")
 

@@ -3,6 +3,7 @@
 import atexit
 import contextlib
 import json
+import math
 import os
 import pickle
 
@@ -64,8 +65,24 @@ def init(comm=None, **config):
     reporter.trace = _proc.rt.trace
     if not _proc.atexit:
         # Cancel our posted receives before mpi4py finalizes MPI (atexit runs last-in first-out).
-        atexit.register(shutdown)
+        atexit.register(_at_exit, _proc.rt.config.finalize_timeout)
         _proc.atexit = True
+
+
+def _at_exit(finalize_timeout):
+    """shutdown(), with a bound on what follows: MPI_Finalize (mpi4py's, after every atexit
+    handler) waits on the launcher's PMI barrier, which never completes when a peer's host or the
+    launcher is unreachable; SIGALRM's default action ends the process then, with no Python
+    code left to run (a thread could not: it needs the GIL, which finalization holds)."""
+    import signal
+
+    if finalize_timeout > 0 and hasattr(signal, "alarm"):
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(max(1, int(math.ceil(finalize_timeout))))
+        except ValueError:  # not the main thread
+            pass
+    shutdown()
 
 
 def shutdown():

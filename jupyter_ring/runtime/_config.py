@@ -34,6 +34,10 @@ class Config:
     """Payloads up to this size travel inside the agreement message (one round trip in all)."""
     trace_records: int = 10000
     """How many recent collective records the trace keeps for ``timeline()``."""
+    finalize_timeout: float = 10.0
+    """Seconds a rank may spend in MPI_Finalize at exit before it is ended (SIGALRM): a rank
+    whose launcher or peers are unreachable (a host cut off) would otherwise wait there forever;
+    0 waits without limit."""
 
     @classmethod
     def from_env(cls, **overrides):
@@ -52,5 +56,7 @@ class Config:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
         if self.chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
+        if self.finalize_timeout < 0:
+            raise ValueError(f"finalize_timeout must be >= 0 seconds, got {self.finalize_timeout}")
         if self.eager_bytes < 0 or self.fusion_threshold < 0:
             raise ValueError("eager_bytes and fusion_threshold must be >= 0")

@@ -11,6 +11,7 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -202,3 +203,66 @@ def test_round_robin_placement_gets_a_host_contiguous_ring(hosts, kernel):
     assert rows[0][1] == f"['3 @ {b['name']} (network)']", out
     assert rows[2][1] == "[]" and rows[3][1] == "[]", out
     kernel.ok("%ring stop", timeout=60)
+
+
+LONG_ALLREDUCE = """\
+import time
+import numpy as np
+_x = np.ones(1 << 16)
+_t0 = time.monotonic()
+while time.monotonic() - _t0 < 60:
+    ring.allreduce(_x, op=ring.Sum, name="loop")
+"""
+
+
+def test_host_cut_off_mid_collective(hosts):
+    """Host b's veth goes down while every rank loops on allreduce: the cell fails (no hang)
+    within the stall timeout with a DeadRankError naming b's ranks and host; %ring stop leaves
+    nothing on a, and b's engines end on their own once the controller's heartbeat is gone
+    (IPEngine.max_heartbeat_misses) and MPI_Finalize is bounded (finalize_timeout)."""
+    a, b = hosts.hosts
+    stall = 8
+    env = dict(host_env(hosts), JUPYTER_RING_STALL_TIMEOUT=str(stall),
+               JUPYTER_RING_FINALIZE_TIMEOUT="3")
+    k = HostKernel(hosts, 0, env)
+    try:
+        k.ok("%load_ext jupyter_ring")
+        k.ok(f"%ring start --hostfile {hosts.hostfile} --gpus none", timeout=120)
+        cut_at = []
+        timer = threading.Timer(3, lambda: (hosts.cut(1), cut_at.append(time.monotonic())))
+        timer.start()
+        try:
+            out, error = k.execute("%%distributed\n" + LONG_ALLREDUCE, timeout=90)
+        finally:
+            timer.cancel()
+        took = time.monotonic() - cut_at[0]
+        assert error is not None and error["ename"] == "DeadRankError", (error, out)
+        assert f"ranks 2, 3 @ {b['name']} stopped answering" in error["evalue"], error["evalue"]
+        assert took < stall + 5, f"the cut-off host was reported {took:.1f} s after the cut"
+        k.ok("%ring stop", timeout=60)
+        left = wait_no_cluster(hosts, 15)
+        assert a["name"] not in left, f"%ring stop left processes on {a['name']}: {left}"
+        left = wait_no_cluster(hosts, 60)
+        assert not left, f"{b['name']} (cut off) kept cluster processes for 60 s: {left}"
+    finally:
+        k.close()
+        hosts.heal(1)
+
+
+def test_kernel_killed_cleans_both_hosts(hosts):
+    """SIGKILL to the kernel on a: its watchdog ends the controller and mpiexec, ssh closes,
+    and no cluster process is left on either host."""
+    k = HostKernel(hosts, 0, host_env(hosts))
+    try:
+        k.ok("%load_ext jupyter_ring")
+        k.ok(f"%ring start --hostfile {hosts.hostfile} --gpus none", timeout=120)
+        assert all(cluster_procs(hosts, i) for i in range(2))
+        t0 = time.monotonic()
+        k.km.provisioner.process.send_signal(signal.SIGKILL)
+        # the kernel runs under `ip netns exec ... unshare ... sh -c exec`: the same pid
+        left = wait_no_cluster(hosts, 30)
+        took = time.monotonic() - t0
+        assert not left, f"cluster processes left 30 s after the kernel was killed: {left}"
+        print(f"both hosts clean {took:.1f} s after the kernel was killed")
+    finally:
+        k.close()

@@ -159,6 +159,10 @@ class TwoHosts:
         """Take host i's end of the veth down: it is cut off from the other host."""
         _run("ip", "-n", self.hosts[i]["ns"], "link", "set", self.veth[i], "down")
 
+    def heal(self, i):
+        """Bring host i's end of the veth back up."""
+        _run("ip", "-n", self.hosts[i]["ns"], "link", "set", self.veth[i], "up")
+
     # ------------------------------------------------------------------------------ tear down
     def close(self):
         """Kill every process in both namespaces, delete them (and the veth), remove all files."""
