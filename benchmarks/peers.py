@@ -14,13 +14,14 @@ Systems, 2 CPU ranks each:
   kernel's channels (its connection file), as a notebook's do.
 
 The peers are installed by this script into their own venvs under ``--cache``
-(default ``$XDG_CACHE_HOME/jupyter_ring/peers``) with ``torch==2.13.0``; jupyter_ring and
+(default ``/tmp/jupyter_ring_peers``) with ``torch==2.13.0``; jupyter_ring and
 ipyparallel run from this Python. Every cell is timed from ``execute_request`` to the kernel's
 ``idle`` status (what a notebook user waits for), with the output received and counted.
 
 Measures:
 - start: from the start command until the first trivial cell on the ranks has finished.
-- trivial cell: ``x = 1`` on every rank, median of ``--cells``.
+- trivial cell: ``x = 1`` on every rank, median of ``--cells``; "floor": the same cell run in
+  the notebook kernel itself before the start (what the machine's load costs any cell).
 - 1 MB cell: every rank prints 10,000 lines of 100 bytes; the output is checked to arrive.
 - cleanup: SIGKILL of the notebook kernel, then every process that descended from it
   (controller, launcher, ranks, helpers) counted with psutil until none is left (10 s at most).
@@ -81,7 +82,11 @@ class Kernel:
         kc = BlockingKernelClient(connection_file=connection_file)
         kc.load_connection_file()
         kc.start_channels()
-        kc.wait_for_ready(timeout=60)
+        try:
+            kc.wait_for_ready(timeout=60)
+        except Exception:
+            kc.stop_channels()
+            raise
         return cls(None, kc)
 
     def run(self, code, timeout=120):
@@ -165,7 +170,9 @@ def measure(kernel, start_code, first_cell, trivial, cells, setup=None, failed=N
     """
     if setup:
         kernel.ok(setup)
+    floor = _floor(kernel)
     t_start, _ = kernel.ok(start_code, timeout=180)
+    t_command = t_start
     lost = []
     for _ in range(3):
         took, text = kernel.ok(first_cell, timeout=120)
@@ -178,10 +185,18 @@ def measure(kernel, start_code, first_cell, trivial, cells, setup=None, failed=N
     times = [kernel.ok(trivial)[0] for _ in range(cells)]
     big = [kernel.ok(trivial.replace("x = 1", BIG_CELL), timeout=300) for _ in range(3)]
     big_s = statistics.median(t for t, _ in big)
-    return {"start_s": t_start, "first_cells_lost": lost,
+    return {"start_s": t_start, "start_command_s": t_command, "first_cells_lost": lost,
+            "floor_ms": floor,
             "cell_ms": statistics.median(times) * 1000,
             "cell_quartiles_ms": [round(q * 1000, 2) for q in statistics.quantiles(times)],
             "big_s": big_s, "big_chars": min(_count_ys(text) for _, text in big)}
+
+
+def _floor(kernel, n=20):
+    """Median ms of a plain ``x = 1`` in the kernel itself: the floor under any cell."""
+    for _ in range(3):
+        kernel.ok("x = 1")
+    return statistics.median(kernel.ok("x = 1")[0] for _ in range(n)) * 1000
 
 
 def _count_ys(text):
@@ -261,19 +276,29 @@ def run_jupyter_distributed(cells, workdir, cache):
         kid = _http(f"{base}/api/kernels", token, "POST", {"name": "python3"})["id"]
         conn = os.path.join(runtime, f"kernel-{kid}.json")
         kernel = Kernel.connect(conn)
-        kernel.ok("x = 1")
+        floor = _floor(kernel)  # still the plain python3 kernel
         t0 = time.perf_counter()  # the kernel is up: what the toolbar's world-size change costs
         model = _http(f"{base}/jupyter-distributed/kernels/{kid}", token, "POST",
                       {"action": "set", "world_size": 2})
-        t_route = time.perf_counter() - t0
         kernel.kc.stop_channels()
-        kernel = Kernel.connect(conn)  # the kernel restarted as the proxy, same connection file
-        t_first, _ = kernel.ok("import os\nx = 1", timeout=120)
+        kernel = None
+        # the kernel restarts as the proxy with the same connection file; the route may answer
+        # before its heartbeat does, which wait_for_ready takes for a death: try again
+        deadline = time.monotonic() + 120
+        while kernel is None:
+            try:
+                kernel = Kernel.connect(conn)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        kernel.ok("import os\nx = 1", timeout=120)
+        t_start = time.perf_counter() - t0
         for _ in range(3):
             kernel.ok("x = 1")
         times = [kernel.ok("x = 1")[0] for _ in range(cells)]
         big = [kernel.ok(BIG_CELL, timeout=300) for _ in range(3)]
-        res = {"start_s": t_route + t_first, "first_cells_lost": [],
+        res = {"start_s": t_start, "first_cells_lost": [], "floor_ms": floor,
                "cell_ms": statistics.median(times) * 1000,
                "cell_quartiles_ms": [round(q * 1000, 2) for q in statistics.quantiles(times)],
                "big_s": statistics.median(t for t, _ in big),
@@ -367,14 +392,14 @@ def main(argv=None):
     parser.add_argument("--cells", type=int, default=30, help="trivial cells per system (30)")
     parser.add_argument("--only", default="ring,px,nbdistributed,jupyter-distributed",
                         help="comma-separated systems to run")
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    parser.add_argument("--cache", default=os.path.join(cache_home, "jupyter_ring", "peers"),
-                        help="where the peers' venvs live")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(),
+                                                        "jupyter_ring_peers"),
+                        help="where the peers' venvs live (outside the repo and the home folder)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     os.makedirs(args.cache, exist_ok=True)
 
-    results = {}
+    results, load = {}, [os.getloadavg()]
     for name in args.only.split(","):
         workdir = tempfile.mkdtemp(prefix=f"jupyter_ring_peers_{name}_")
         print(f"[peers] {name} ...", file=sys.stderr, flush=True)
@@ -395,20 +420,24 @@ def main(argv=None):
             shutil.rmtree(workdir, ignore_errors=True)
         print(f"[peers] {name}: {results[name]}", file=sys.stderr, flush=True)
 
+    load.append(os.getloadavg())
     want_chars = 2 * BIG_LINES * BIG_LINE
-    print(f"{'system':22} {'start (s)':>10} {'cell (ms)':>10} {'1 MB/rank (s)':>14} "
-          f"{'output':>8} {'cleanup (s)':>12}  first cells lost")
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}"
+          .format(*load[0], *load[1]))
+    print(f"{'system':22} {'start (s)':>10} {'cell (ms)':>10} {'floor (ms)':>11} "
+          f"{'1 MB/rank (s)':>14} {'output':>8} {'cleanup (s)':>12}  first cells lost")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:22} n/a: {r['error']}")
             continue
         cleanup = (f"{r['cleanup_s']:.2f}" if r["cleanup_s"] is not None
                    else f"{r['left']} of {r['procs']} left")
-        print(f"{name:22} {r['start_s']:10.2f} {r['cell_ms']:10.2f} {r['big_s']:14.2f} "
+        print(f"{name:22} {r['start_s']:10.2f} {r['cell_ms']:10.2f} {r['floor_ms']:11.2f} "
+              f"{r['big_s']:14.2f} "
               f"{r['big_chars'] / want_chars:7.0%} {cleanup:>12}  {len(r['first_cells_lost'])}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"load_average": load, "systems": results}, f, indent=1)
     return 0
 
 
