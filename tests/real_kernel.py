@@ -34,7 +34,8 @@ class Kernel:
         sees: streams, execute results and each display's final text/plain (an
         update_display_data replaces the display it names). ``messages`` collects every iopub
         message of the request. With ``interrupt_after`` the kernel gets an interrupt_request
-        that many seconds after the request; ``self.interrupted_at`` notes when (monotonic)."""
+        that many seconds after the request; ``self.interrupted_at`` (monotonic) and
+        ``self.interrupted_wall`` (time.time) note when."""
         msg_id = self.kc.execute(code)
         deadline = time.monotonic() + timeout
         interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
@@ -42,7 +43,7 @@ class Kernel:
         while True:
             if interrupt_at is not None and time.monotonic() >= interrupt_at:
                 self.km.interrupt_kernel()
-                self.interrupted_at = time.monotonic()
+                self.interrupted_at, self.interrupted_wall = time.monotonic(), time.time()
                 interrupt_at = None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reply in {timeout} s to {code!r}; output so far: {parts}")
