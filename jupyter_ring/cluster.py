@@ -225,6 +225,14 @@ class RingCluster(LoggingConfigurable):
     hostfile = Unicode("", config=True,
                        help="A Hydra hostfile (one 'host[:K]' a line) for a multi-host job "
                             "(mpiexec -f FILE); HYDRA_LAUNCHER_EXEC picks the ssh command.")
+    nodes = Integer(None, allow_none=True, config=True,
+                    help="--launcher slurm: nodes for the engines' batch job (sbatch --nodes).")
+    ntasks_per_node = Integer(None, allow_none=True, config=True,
+                              help="--launcher slurm: ranks per node (sbatch --ntasks-per-node).")
+    partition = Unicode("", config=True,
+                        help="--launcher slurm: the partition (sbatch --partition).")
+    time_limit = Unicode("", config=True,
+                         help="--launcher slurm: the job's time limit (sbatch --time), e.g. 1:00:00.")
     controller_ip = Unicode("", config=True,
                             help="Address the controller listens on in a multi-host job; empty: "
                                  "this host's address on the route to the other hosts (the one "
@@ -300,10 +308,21 @@ class RingCluster(LoggingConfigurable):
 
         gpus = visible_gpus(self.gpus)
         detected_gpu = bool(gpus) or self.gpus != "auto"
-        one_host = not self.hosts and not self.hostfile and self.launcher == "mpi"
-        slots = None if one_host else host_slots(self.hosts, self.hostfile)
+        # inside salloc/sbatch on several nodes, Hydra's mpiexec reads the allocation itself
+        allocation = (self.launcher == "mpi" and not self.hosts and not self.hostfile
+                      and _slurm_nodes(os.environ))
+        one_host = (not self.hosts and not self.hostfile and self.launcher == "mpi"
+                    and not allocation)
+        if self.launcher == "slurm" or allocation:
+            slots = [(h, None) for h in allocation or _slurm_nodes(None, self.partition)]
+        else:
+            slots = None if one_host else host_slots(self.hosts, self.hostfile)
         if self.n is not None:
             n = self.n
+        elif allocation and os.environ.get("SLURM_NTASKS", "").isdigit():
+            n = int(os.environ["SLURM_NTASKS"])
+        elif self.launcher == "slurm" and self.nodes:
+            n = self.nodes * (self.ntasks_per_node or 1)
         elif slots and all(k for _, k in slots):
             n = sum(k for _, k in slots)  # --hosts a:2,b:2 -> 4 ranks
         elif slots:
@@ -370,6 +389,9 @@ class RingCluster(LoggingConfigurable):
         config.MPIEngineSetLauncher.engine_args = engine_args
         if engines == "slurm":
             config.SlurmEngineSetLauncher.engine_args = ["--mpi"] + engine_args
+            # ipyparallel 9.2's default script ignores the placement options (every engine
+            # landed on one node): a script of our own, with Hydra's mpiexec inside the job
+            config.SlurmEngineSetLauncher.batch_template = self._slurm_script()
         # shutdown_atexit=False: the magics stop engines before the controller (0.5 s instead of
         # ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
         cluster = ipp.Cluster(engines=engines, parent=None, config=config, shutdown_atexit=False,
@@ -389,6 +411,20 @@ class RingCluster(LoggingConfigurable):
             self.stop()
             raise
         return self.ranks
+
+    def _slurm_script(self):
+        """The engines' sbatch script: placement options, then Hydra's mpiexec (it reads the
+        job's nodes from Slurm and starts its proxies with srun)."""
+        lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+                 "#SBATCH --ntasks={n}"]
+        for flag, value in (("nodes", self.nodes), ("ntasks-per-node", self.ntasks_per_node),
+                            ("partition", self.partition), ("time", self.time_limit)):
+            if value:
+                if re.search(r"[\s{}]", str(value)):
+                    raise ValueError(f"--{flag} {value!r}: no spaces or braces")
+                lines.append(f"#SBATCH --{flag}={value}")
+        lines.append(f"{find_mpiexec()} -n {{n}} {{program_and_args}}")
+        return "\n".join(lines) + "\n"
 
     def _mpi_args(self):
         if self.hostfile:
@@ -668,6 +704,24 @@ def host_slots(hosts, hostfile=""):
                              f"use e.g. --hosts nodeA:2,nodeB:2")
         slots.append((match.group(1), int(match.group(2)) if match.group(2) else None))
     return slots
+
+
+def _slurm_nodes(environ, partition=""):
+    """Node names of this Slurm allocation (``environ``: [] outside one or on one node), or of
+    the cluster (``environ=None``: ``sinfo``, for ``--launcher slurm``)."""
+    if environ is not None:
+        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+        if not environ.get("SLURM_JOB_ID") or not nodelist:
+            return []
+        cmd = ["scontrol", "show", "hostnames", nodelist]
+    else:
+        cmd = ["sinfo", "-h", "-N", "-o", "%N"] + (["-p", partition] if partition else [])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = environ.get("SLURM_JOB_NODELIST", "") if environ is not None else ""
+    nodes = list(dict.fromkeys(out.split()))
+    return nodes if environ is None or len(nodes) > 1 else []
 
 
 def routable_address(hosts):

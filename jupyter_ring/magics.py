@@ -124,6 +124,12 @@ def _ring_parser():
                             "commas or spaces")
     start.add_argument("--hostfile", default="",
                        help="a Hydra hostfile (host[:ranks] a line) for a multi-host job")
+    start.add_argument("--nodes", type=int, default=None,
+                       help="--launcher slurm: nodes for the engines' job (sbatch --nodes)")
+    start.add_argument("--ntasks-per-node", type=int, default=None,
+                       help="--launcher slurm: ranks per node (sbatch --ntasks-per-node)")
+    start.add_argument("--partition", default="", help="--launcher slurm: the partition")
+    start.add_argument("--time", default="", help="--launcher slurm: time limit, e.g. 1:00:00")
     start.add_argument("--ip", default="",
                        help="address the controller listens on for the other hosts "
                             "(default: this host's address on the route to them)")
@@ -209,7 +215,8 @@ class RingMagics(Magics):
         Usage::
 
             %ring start [-n N] [--gpus auto|none|LIST] [--launcher mpi|slurm|ssh] [--hosts H[:K],...]
-                       [--hostfile FILE] [--ip ADDR]
+                       [--hostfile FILE] [--ip ADDR] [--nodes N --ntasks-per-node K
+                       --partition P --time T]   # the last four with --launcher slurm
             %ring status
             %ring stop
             %ring restart            # stop, then start with the same arguments
@@ -256,7 +263,9 @@ class RingMagics(Magics):
             raise UsageError(f"%ring start -n {args.n}: the cluster needs at least 1 rank")
         hosts = [h for item in args.hosts for h in item.split(",") if h]
         cluster = RingCluster(parent=self, n=args.n, gpus=args.gpus, launcher=args.launcher,
-                              hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip)
+                              hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip,
+                              nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+                              partition=args.partition, time_limit=args.time)
         if (self._widgets_ok is None and self.output != "text"
                 and getattr(self.shell, "kernel", None) is not None):
             # ipywidgets takes ~0.5 s to import: overlap it with the ranks starting up
