@@ -29,18 +29,21 @@ class Kernel:
     def __init__(self):
         self.km, self.kc = start_new_kernel(kernel_name="python3")
 
-    def execute(self, code, timeout=60, interrupt_after=None, messages=None):
+    def execute(self, code, timeout=60, interrupt_after=None, messages=None, interrupt_when=None):
         """Run ``code``; return (text, error). The text is what a reader of the saved notebook
         sees: streams, execute results and each display's final text/plain (an
         update_display_data replaces the display it names). ``messages`` collects every iopub
         message of the request. With ``interrupt_after`` the kernel gets an interrupt_request
-        that many seconds after the request; ``self.interrupted_at`` (monotonic) and
+        that many seconds after the request (or once ``interrupt_when()`` is true);
+        ``self.interrupted_at`` (monotonic) and
         ``self.interrupted_wall`` (time.time) note when."""
         msg_id = self.kc.execute(code)
         deadline = time.monotonic() + timeout
         interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
         parts, error = [], None  # [display_id or None, text]
         while True:
+            if interrupt_when is not None and interrupt_when():
+                interrupt_at, interrupt_when = time.monotonic(), None
             if interrupt_at is not None and time.monotonic() >= interrupt_at:
                 self.km.interrupt_kernel()
                 self.interrupted_at, self.interrupted_wall = time.monotonic(), time.time()

@@ -116,6 +116,7 @@ def train(first, steps, slow_rank=None):
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         if ring.rank() == slow_rank:
+            open(SLOW_MARK, 'w').close()
             time.sleep(120)  # the other rank waits for its gradients inside the allreduce
         opt.step()
 
@@ -165,14 +166,28 @@ print(json.dumps([identical(), bool(torch.allclose(flat(), want, rtol=1e-5, atol
 """
 
 
-def test_4_interrupt_inside_allreduce_stops_every_rank_and_keeps_parameters_identical(kernel):
+def test_4_interrupt_inside_allreduce_stops_every_rank_and_keeps_parameters_identical(kernel, tmp_path):
+    mark = str(tmp_path / "slow-rank-sleeps")
+    kernel.ok(f"%%distributed\nSLOW_MARK = {mark!r}")
     out = kernel.ok(TORCH_SETUP, timeout=120)
     assert rank_lines(out, 0) == rank_lines(out, 1) == ["True"], out
     stops, returns, failures, step = [], [], 0, 3
     for i in range(REPEATS):
         slow = i % 2
+        if os.path.exists(mark):
+            os.remove(mark)
+        started = time.monotonic()
+
+        def slow_rank_sleeps():
+            # then the other rank waits in the allreduce (30 s: interrupt anyway; the
+            # traceback check below says where the ranks were)
+            if os.path.exists(mark):
+                time.sleep(0.3)
+                return True
+            return time.monotonic() - started > 30
+
         out, error = kernel.execute(INTERRUPTED.format(step=step, slow=slow), timeout=60,
-                                    interrupt_after=2.5)
+                                    interrupt_when=slow_rank_sleeps)
         returns.append(time.monotonic() - kernel.interrupted_at)
         assert error is not None and error["ename"] == "KeyboardInterrupt", (out, error)
         assert "did not stop" not in out, out
