@@ -30,6 +30,16 @@ if [ ! -x /usr/sbin/sshd ]; then
     echo "[setup] no sshd and not root: the multi-host tests will be skipped"
   fi
 fi
+# ... and Debian's Slurm (slurmctld, slurmd, munge) for tests/multihost/test_slurm.py.
+if [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin/munged ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing slurmctld, slurmd, munge (apt) for the Slurm multi-host test"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
+      || echo "[setup] apt-get install slurm failed: the Slurm multi-host test will be skipped"
+  else
+    echo "[setup] no Slurm and not root: the Slurm multi-host test will be skipped"
+  fi
+fi
 # pip install builds the extension (hatch-jupyter-builder: jlpm install + build); when the venv is
 # already there but the build or labextension/node_modules (jest) is missing, build it here.
 if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || [ ! -d labextension/node_modules ]; }; then

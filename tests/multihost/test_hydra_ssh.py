@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from real_kernel import Kernel  # noqa: E402  (tests/ is on sys.path)
-from twohosts import TwoHosts, missing  # noqa: E402
+from twohosts import TwoHosts, built, missing  # noqa: E402
 
 CLUSTER_PROCS = re.compile(rb"ipyparallel|ipengine|ipcontroller|mpiexec|hydra_pmi_proxy")
 
@@ -33,12 +33,8 @@ def hosts():
     why = missing()
     if why:
         pytest.skip(f"two simulated hosts: {why}")
-    two = TwoHosts().open()
-    try:
+    with built(TwoHosts) as two:
         yield two
-    finally:
-        two.close()
-        assert not two.leftovers(), f"two-host fixture left behind: {two.leftovers()}"
 
 
 class HostKernel(Kernel):
@@ -48,11 +44,11 @@ class HostKernel(Kernel):
     own, which this test process cannot reach.
     """
 
-    def __init__(self, hosts, i, env):
+    def __init__(self, hosts, i, env, prefix=()):
         self.dir = tempfile.mkdtemp(prefix="jr_kernel_", dir=hosts.dir)
         spec_dir = os.path.join(self.dir, "kernels", "onhost")
         os.makedirs(spec_dir)
-        argv = hosts.cmd(i, [sys.executable, "-m", "ipykernel_launcher", "-f",
+        argv = hosts.cmd(i, [*prefix, sys.executable, "-m", "ipykernel_launcher", "-f",
                              "{connection_file}"])
         with open(os.path.join(spec_dir, "kernel.json"), "w") as f:
             json.dump({"argv": argv, "display_name": "on host", "language": "python"}, f)

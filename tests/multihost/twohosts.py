@@ -7,6 +7,7 @@ name unique to the run and is removed by :meth:`TwoHosts.close`, which also kill
 still in either namespace. The same venv (same filesystem) runs on both "hosts".
 """
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["TwoHosts", "missing"]
+__all__ = ["TwoHosts", "SlurmHosts", "missing", "slurm_missing", "built"]
 
 SSHD = "/usr/sbin/sshd"
 
@@ -30,6 +31,28 @@ def missing():
     if not os.path.exists(SSHD):
         return "needs Debian's openssh-server (scripts/setup.sh installs it when run as root)"
     return ""
+
+
+@contextlib.contextmanager
+def built(cls=None):
+    """``with built(TwoHosts) as hosts``: opened, and closed in a finally that then fails if
+    any namespace, process or file of theirs is left."""
+    hosts = (cls or TwoHosts)().open()
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+        left = hosts.leftovers()
+        if left:
+            raise AssertionError(f"the simulated hosts left behind: {left}")
+
+
+def _tail(path, n=1500):
+    try:
+        with open(path, errors="replace") as f:
+            return f"--- {os.path.basename(path)}\n{f.read()[-n:]}\n"
+    except OSError:
+        return ""
 
 
 def _run(*cmd, check=True, timeout=20):
@@ -228,3 +251,86 @@ if __name__ == "__main__":  # a smoke run: python tests/multihost/twohosts.py [C
         t0 = time.monotonic()
         hosts.close()
         print(f"torn down in {time.monotonic() - t0:.2f} s; left: {hosts.leftovers()}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------- Slurm
+def slurm_missing():
+    """Why Slurm cannot run on the two hosts here ("" when it can)."""
+    why = missing()
+    if why:
+        return why
+    for tool in ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"):
+        if not os.path.exists(tool):
+            return (f"needs {tool} (Debian's slurmctld, slurmd and munge; scripts/setup.sh "
+                    f"installs them when run as root)")
+    return ""
+
+
+class SlurmHosts(TwoHosts):
+    """Two hosts plus a Slurm cluster on them: munged (own key and socket, shared by both),
+    slurmctld on host a, slurmd on both, partition ``jr``; clients need ``self.env()``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.conf = os.path.join(self.dir, "slurm.conf")
+
+    def _build(self):
+        super()._build()
+        d = self.dir
+        munge_key = os.path.join(d, "munge.key")
+        with open(munge_key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(munge_key, 0o400)
+        sock = os.path.join(d, "munge.sock")
+        self.sshd.append(subprocess.Popen(
+            ["/usr/sbin/munged", "-F", "--force", f"--socket={sock}", f"--key-file={munge_key}",
+             f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
+             f"--seed-file={d}/munged.seed"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True))
+        a, b = self.hosts
+        os.makedirs(f"{d}/state", exist_ok=True)
+        nodes = "".join(f"NodeName={h['name']} NodeAddr={h['ip']} CPUs={os.cpu_count()} "
+                        f"State=UNKNOWN\n" for h in self.hosts)
+        with open(self.conf, "w") as f:
+            f.write(f"ClusterName=jr{self.tag}\nSlurmctldHost={a['name']}({a['ip']})\n"
+                    f"AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket={sock}\n"
+                    f"SlurmUser=root\nSlurmdUser=root\nStateSaveLocation={d}/state\n"
+                    f"SlurmdSpoolDir={d}/spool_%n\nSlurmctldPidFile={d}/slurmctld.pid\n"
+                    f"SlurmdPidFile={d}/slurmd_%n.pid\nSlurmctldLogFile={d}/slurmctld.log\n"
+                    f"SlurmdLogFile={d}/slurmd_%n.log\nProctrackType=proctrack/linuxproc\n"
+                    "TaskPlugin=task/none\nMpiDefault=none\nSchedulerType=sched/builtin\n"
+                    "SelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n"
+                    "ReturnToService=2\nJobCompType=jobcomp/none\n"
+                    "AccountingStorageType=accounting_storage/none\nSlurmdTimeout=30\n"
+                    + nodes +
+                    "PartitionName=jr Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
+                    "OverSubscribe=FORCE:4\n")
+        with open(os.path.join(d, "cgroup.conf"), "w") as f:
+            f.write("CgroupPlugin=cgroup/v1\n")
+        env = dict(os.environ, SLURM_CONF=self.conf)
+        self.sshd.append(subprocess.Popen(
+            self.cmd(0, ["/usr/sbin/slurmctld", "-D", "-i", "-f", self.conf]), env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(f"{d}/slurmctld.err", "w"), start_new_session=True))
+        for i, h in enumerate(self.hosts):
+            self.sshd.append(subprocess.Popen(
+                self.cmd(i, ["/usr/sbin/slurmd", "-D", "-N", h["name"], "-f", self.conf]),
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=open(f"{d}/slurmd_{h['name']}.err", "w"), start_new_session=True))
+        deadline = time.monotonic() + 30
+        while True:
+            out = subprocess.run(self.cmd(0, ["sinfo", "-h", "-N", "-o", "%N %T"]), env=env,
+                                 capture_output=True, text=True, timeout=20)
+            states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+            if len(states) == 2 and all(s in ("idle", "mixed") for s in states.values()):
+                break
+            if time.monotonic() > deadline:
+                logs = "".join(_tail(os.path.join(d, name)) for name in sorted(os.listdir(d))
+                               if name.endswith((".log", ".err")))
+                raise RuntimeError(f"Slurm nodes not idle in 30 s: {out.stdout} {out.stderr}\n"
+                                   f"{logs}")
+            time.sleep(0.3)
+
+    def env(self):
+        return dict(super().env(), SLURM_CONF=self.conf)
