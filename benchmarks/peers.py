@@ -53,12 +53,13 @@ BIG_CELL = f"print(('y' * {BIG_LINE - 1} + '\\n') * {BIG_LINES}, end='')"
 class Kernel:
     """A kernel over jupyter_client: run code, time it to idle, count the output received."""
 
-    def __init__(self, km=None, kc=None):
+    def __init__(self, km=None, kc=None, specs=None):
         self.km, self.kc = km, kc
+        self.specs = specs  # a temp dir of ours (kernelspec, connection file), removed by _close
 
     @classmethod
     def start(cls, python, env=None):
-        """A kernel running ``python`` (a kernelspec of its own in a temp dir)."""
+        """A kernel running ``python`` (a kernelspec and connection file in a temp dir)."""
         from jupyter_client.kernelspec import KernelSpecManager
         from jupyter_client.manager import KernelManager
 
@@ -67,13 +68,13 @@ class Kernel:
         with open(os.path.join(specs, "bench", "kernel.json"), "w") as f:
             json.dump({"argv": [python, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                        "display_name": "bench", "language": "python"}, f)
-        km = KernelManager(kernel_name="bench",
+        km = KernelManager(kernel_name="bench", connection_file=os.path.join(specs, "conn.json"),
                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[specs]))
         km.start_kernel(env=dict(os.environ, **(env or {})))
         kc = km.client()
         kc.start_channels()
         kc.wait_for_ready(timeout=60)
-        return cls(km, kc)
+        return cls(km, kc, specs)
 
     @classmethod
     def connect(cls, connection_file):
@@ -358,6 +359,8 @@ def _close(kernel):
             kernel.km.shutdown_kernel(now=True)
         except Exception:
             pass
+    if kernel.specs:
+        shutil.rmtree(kernel.specs, ignore_errors=True)
 
 
 def _free_port():
