@@ -8,7 +8,9 @@ jupyter_ring's ``allreduce_`` and ``MPI_Allreduce`` interleaved size by size (me
 nccl-tests) with 2 ranks placed three ways: one per host over TCP (``UCX_TLS=tcp,self``), both
 on one host with MPI's defaults (shared memory), and both on one host over TCP; (2) the time
 ``RingCluster.start()`` takes (controller, engines registered, ``ring.init()`` on every rank)
-for 2 ranks on one host and 2 ranks on two hosts, median of --starts.
+for 2 ranks on one host, on two hosts (Hydra over ssh) and on two Slurm nodes (``--launcher
+slurm``: sbatch, slurmctld and a slurmd per host as in tests/multihost/test_slurm.py), median
+of --starts.
 """
 
 import argparse
@@ -54,7 +56,7 @@ START = """\
 import json, time
 from jupyter_ring.cluster import RingCluster
 t0 = time.perf_counter()
-c = RingCluster(n=2, gpus="none", hosts={hosts!r})
+c = RingCluster(n=2, gpus="none", **{kwargs!r})
 c.start()
 took = time.perf_counter() - t0
 hosts = sorted({{r["host"] for r in c.ranks}})
@@ -83,12 +85,12 @@ def on_host_a(two, argv, env, tag):
 def main():
     args = parse()
     from jupyter_ring._launch import find_mpiexec, mpi_env
-    from twohosts import TwoHosts, missing
+    from twohosts import SlurmHosts, slurm_missing
 
-    why = missing()
+    why = slurm_missing()
     if why:
         sys.exit(f"benchmarks/multihost.py {why}")
-    two = TwoHosts().open()
+    two = SlurmHosts().open()
     home = tempfile.mkdtemp(prefix="jr_bench_multihost_")
     try:
         a, b = (h["name"] for h in two.hosts)
@@ -106,9 +108,12 @@ def main():
             argv = [find_mpiexec(), "-hosts", hosts[0], "-n", "2", sys.executable, script]
             results[label] = on_host_a(two, argv, dict(env, **extra), "RESULT")
         starts = {}
-        for label, hosts in (("one host", []), ("two hosts", [f"{a}:1", f"{b}:1"])):
-            code = START.format(hosts=hosts)
-            extra = {"UCX_TLS": "tcp,self"} if hosts else {}
+        for label, kwargs in (("one host", {}),
+                              ("two hosts, Hydra/ssh", {"hosts": [f"{a}:1", f"{b}:1"]}),
+                              ("two hosts, --launcher slurm",
+                               {"launcher": "slurm", "nodes": 2, "ntasks_per_node": 1})):
+            code = START.format(kwargs=kwargs)
+            extra = {"UCX_TLS": "tcp,self"} if kwargs else {}
             runs = [on_host_a(two, [sys.executable, "-c", code], dict(env, **extra), "START")
                     for _ in range(args.starts)]
             starts[label] = {"median_s": statistics.median(r["s"] for r in runs),

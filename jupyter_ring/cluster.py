@@ -528,11 +528,19 @@ class RingCluster(LoggingConfigurable):
                 pids.append(pid)
         return pids
 
+    def _local_rank_pids(self):
+        """Pids of the ranks on this host: a rank's pid on another host is no process here (and
+        must never be signalled here: it may be an unrelated process of this host)."""
+        import socket
+
+        me = socket.gethostname()
+        return [row["pid"] for row in self.ranks if row["host"] == me]
+
     def _processes(self):
         import psutil
 
         found = {}
-        for pid in self._root_pids(self.ipp_cluster) + [row["pid"] for row in self.ranks]:
+        for pid in self._root_pids(self.ipp_cluster) + self._local_rank_pids():
             try:
                 proc = psutil.Process(pid)
                 found.setdefault(proc.pid, proc)
@@ -632,7 +640,7 @@ class RingCluster(LoggingConfigurable):
         """Tell the watchdog the current root pids (atomic rename: it never reads half a file)."""
         if self._pid_file is None:
             return
-        pids = self._root_pids(cluster) + [row["pid"] for row in self.ranks]
+        pids = self._root_pids(cluster) + self._local_rank_pids()
         tmp = self._pid_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump(pids, f)

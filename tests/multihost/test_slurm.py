@@ -3,6 +3,8 @@ from a real kernel: with ``--launcher slurm`` (sbatch) and inside an ``salloc`` 
 
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 
@@ -72,5 +74,26 @@ def test_inside_salloc_uses_the_allocation(slurm):
     try:
         k.ok("%load_ext jupyter_ring")
         check_cluster(k, slurm, "%ring start --gpus none")
+    finally:
+        k.close()
+
+
+def test_kernel_killed_under_launcher_slurm_leaves_nothing(slurm):
+    """SIGKILL to the kernel of a --launcher slurm cluster: the watchdog ends the controller;
+    the engines (a Slurm job, not this host's children) miss its heartbeat and end, and the
+    job leaves the queue; nothing is left on either host."""
+    k = HostKernel(slurm, 0, slurm_env(slurm))
+    try:
+        k.ok("%load_ext jupyter_ring")
+        k.ok("%ring start --launcher slurm --nodes 2 --ntasks-per-node 1 --gpus none",
+             timeout=180)
+        t0 = time.monotonic()
+        k.km.provisioner.process.send_signal(signal.SIGKILL)
+        left = wait_no_cluster(slurm, 60)
+        took = time.monotonic() - t0
+        assert not left, f"cluster processes left 60 s after the kernel was killed: {left}"
+        queue = subprocess.run(slurm.cmd(0, ["squeue", "-h"]), env=slurm_env(slurm),
+                               capture_output=True, text=True, timeout=20).stdout
+        print(f"both Slurm nodes clean {took:.1f} s after the kernel was killed; queue: {queue!r}")
     finally:
         k.close()
