@@ -392,6 +392,11 @@ class RingCluster(LoggingConfigurable):
             # ipyparallel 9.2's default script ignores the placement options (every engine
             # landed on one node): a script of our own, with Hydra's mpiexec inside the job
             config.SlurmEngineSetLauncher.batch_template = self._slurm_script()
+            # the script and the job's output go to the profile's log dir (owner-only), not to
+            # the kernel's working directory (ipyparallel writes the script to '.', sbatch its
+            # output to slurm-<job>.out there)
+            config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+                kwargs["profile_dir"], "log", f"jupyter_ring-slurm-{os.getpid()}.sbatch")
         # shutdown_atexit=False: the magics stop engines before the controller (0.5 s instead of
         # ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
         cluster = ipp.Cluster(engines=engines, parent=None, config=config, shutdown_atexit=False,
@@ -416,7 +421,7 @@ class RingCluster(LoggingConfigurable):
         """The engines' sbatch script: placement options, then Hydra's mpiexec (it reads the
         job's nodes from Slurm and starts its proxies with srun)."""
         lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
-                 "#SBATCH --ntasks={n}"]
+                 "#SBATCH --ntasks={n}", "#SBATCH --output={output_file}"]
         for flag, value in (("nodes", self.nodes), ("ntasks-per-node", self.ntasks_per_node),
                             ("partition", self.partition), ("time", self.time_limit)):
             if value:

@@ -56,7 +56,9 @@ class HostKernel(Kernel):
         self.km = KernelManager(kernel_name="onhost", kernel_spec_manager=ksm, transport="ipc",
                                 connection_file=os.path.join(self.dir, "kernel.json"))
         self.km.ip = os.path.join(self.dir, "k")
-        self.km.start_kernel(env=env)
+        self.cwd = os.path.join(self.dir, "cwd")  # the notebook's folder: must stay empty
+        os.makedirs(self.cwd)
+        self.km.start_kernel(env=env, cwd=self.cwd)
         self.kc = self.km.client()
         self.kc.start_channels()
         try:

@@ -51,6 +51,8 @@ def check_cluster(kernel, hosts, start_line):
     kernel.ok("%ring stop", timeout=60)
     left = wait_no_cluster(hosts, 20)
     assert not left, f"%ring stop left processes: {left}"
+    left = os.listdir(kernel.cwd)
+    assert not left, f"files left in the notebook's folder (sbatch script, job output): {left}"
     print(f"{start_line}: cluster started in {took:.1f} s")
 
 
