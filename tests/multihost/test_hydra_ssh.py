@@ -247,6 +247,39 @@ def test_host_cut_off_mid_collective(hosts):
         hosts.heal(1)
 
 
+def test_host_dies_mid_collective(hosts, kernel):
+    """Every process on host b (sshd too) is SIGKILLed mid-allreduce: Hydra ends the whole job,
+    the cell fails at once with a DeadRankError that names b's ranks and host (with a's, which
+    MPI ended), and %ring stop leaves nothing on a."""
+    a, b = hosts.hosts
+    kernel.ok(f"%ring start --hostfile {hosts.hostfile} --gpus none", timeout=120)
+    died_at = []
+
+    def die():
+        for pid in hosts.pids(1):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        died_at.append(time.monotonic())
+
+    timer = threading.Timer(3, die)
+    timer.start()
+    try:
+        out, error = kernel.execute("%%distributed\n" + LONG_ALLREDUCE, timeout=90)
+        took = time.monotonic() - died_at[0]
+        assert error is not None and error["ename"] == "DeadRankError", (error, out)
+        assert f"ranks 2, 3 @ {b['name']}" in error["evalue"], error["evalue"]
+        assert took < 15, f"the dead host was reported {took:.1f} s after it died"
+        kernel.ok("%ring stop", timeout=60)
+        left = wait_no_cluster(hosts, 15)
+        assert not left, f"processes left after host b died and %ring stop: {left}"
+    finally:
+        timer.cancel()
+        if died_at:  # the other tests of the module need b's sshd
+            hosts.restart_sshd(1)
+
+
 def test_kernel_killed_cleans_both_hosts(hosts):
     """SIGKILL to the kernel on a: its watchdog ends the controller and mpiexec, ssh closes,
     and no cluster process is left on either host."""

@@ -126,17 +126,30 @@ class TwoHosts:
         if not os.path.isdir("/run/sshd"):  # sshd's privilege-separation dir
             os.makedirs("/run/sshd", mode=0o755)
             self._made_run_sshd = True
-        for h in self.hosts:
-            # sshd -D stays in the foreground under unshare, in a UTS namespace of its own whose
-            # hostname is the host's name: everything started over ssh sees that name.
-            self.sshd.append(subprocess.Popen(
-                ["ip", "netns", "exec", h["ns"], "unshare", "--uts", "sh", "-c",
-                 f"hostname {h['name']} && exec {SSHD} -D -e -f {sshd_config}"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=open(os.path.join(self.dir, f"sshd_{h['name']}.log"), "w"),
-                start_new_session=True))
+        self._sshd_config = sshd_config
+        for i in range(len(self.hosts)):
+            self._start_sshd(i)
+        self._wait_sshd(self.hosts)
+
+    def _start_sshd(self, i):
+        # sshd -D stays in the foreground under unshare, in a UTS namespace of its own whose
+        # hostname is the host's name: everything started over ssh sees that name.
+        h = self.hosts[i]
+        self.sshd.append(subprocess.Popen(
+            ["ip", "netns", "exec", h["ns"], "unshare", "--uts", "sh", "-c",
+             f"hostname {h['name']} && exec {SSHD} -D -e -f {self._sshd_config}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(os.path.join(self.dir, f"sshd_{h['name']}.log"), "a"),
+            start_new_session=True))
+
+    def restart_sshd(self, i):
+        """Start host i's sshd again (after a test killed every process on the host)."""
+        self._start_sshd(i)
+        self._wait_sshd([self.hosts[i]])
+
+    def _wait_sshd(self, hosts):
         deadline = time.monotonic() + 15
-        for h in self.hosts:
+        for h in hosts:
             while True:
                 probe = subprocess.run(self.cmd(0, [self.ssh_wrapper, h["name"], "hostname"]),
                                        capture_output=True, text=True, timeout=15)
