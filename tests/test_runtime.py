@@ -59,6 +59,18 @@ def test_config_reads_environment_and_rejects_nonsense(monkeypatch):
         Config.from_env()
 
 
+@pytest.mark.parametrize("raw, value", [("off", 0), ("OFF", 0), ("0", 0), ("1048576", 1 << 20), ("", 64 * 1024)])
+def test_shm_threshold_reads_bytes_or_off(monkeypatch, raw, value):
+    monkeypatch.setenv("JUPYTER_RING_SHM_THRESHOLD", raw)
+    assert Config.from_env().shm_threshold == value
+
+
+def test_shm_threshold_rejects_nonsense(monkeypatch):
+    monkeypatch.setenv("JUPYTER_RING_SHM_THRESHOLD", "soon")
+    with pytest.raises(ValueError, match="JUPYTER_RING_SHM_THRESHOLD='soon' is not a number"):
+        Config.from_env()
+
+
 def test_mismatch_message_names_tensor_ranks_and_values():
     descs = {q: {"kind": "allreduce", "name": "w.grad", "op": "Average", "root": -1, "dtype": "float32",
                  "desc": (("name", "w.grad"), ("shape", (17, 23 if q != 3 else 24)))} for q in range(4)}
@@ -84,7 +96,7 @@ def test_every_collective_every_dtype_awkward_lengths(mpirun, n):
 
 
 def test_tiny_pieces_and_no_eager_path_exercise_the_pipelined_ring(mpirun):
-    env = {"JUPYTER_RING_CHUNK_BYTES": "4096", "JUPYTER_RING_EAGER_BYTES": "0"}
+    env = {"JUPYTER_RING_CHUNK_BYTES": "4096", "JUPYTER_RING_EAGER_BYTES": "0", "JUPYTER_RING_SHM_THRESHOLD": "off"}
     all_ranks_ok(mpirun("rt_collectives.py", 3, env=env, timeout=180))
 
 
@@ -97,20 +109,70 @@ def test_mismatches_raise_on_every_rank_and_the_next_collective_works(mpirun, n)
     assert len({line.split(" ", 3)[3] for line in shape_lines}) == 1
 
 
+# The large allreduces of rt_failures.py go through shared memory by default (one host);
+# "ring" runs them through the ring.
+PATHS = {"default": {}, "ring": {"JUPYTER_RING_SHM_THRESHOLD": "off"}}
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_a_rank_that_skips_a_collective_gives_stallerror_not_a_hang(mpirun, n):
-    result = mpirun("rt_failures.py", n, "stall", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=60)
+def test_a_rank_that_skips_a_collective_gives_stallerror_not_a_hang(mpirun, n, path):
+    env = {"JUPYTER_RING_STALL_TIMEOUT": "2", **PATHS[path]}
+    result = mpirun("rt_failures.py", n, "stall", env=env, timeout=60)
     all_ranks_ok(result)
     assert len(result.lines("STALL")) == n - 1
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n):
-    result = mpirun("rt_failures.py", n, "interrupt", timeout=90)
+def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n, path):
+    result = mpirun("rt_failures.py", n, "interrupt", env=PATHS[path], timeout=90)
     all_ranks_ok(result)
     assert len(result.lines("INTERRUPTED")) == 2 * n
+
+
+# Shared-memory allreduce: small threshold, eager limit and window keep the lengths around them
+# (threshold - 1 .. several windows) small.
+SHM_ENV = {"JUPYTER_RING_SHM_THRESHOLD": "8192", "JUPYTER_RING_EAGER_BYTES": "1024",
+           "JUPYTER_RING_SHM_WINDOW_BYTES": "65536"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_shared_memory_allreduce_every_op_and_dtype_around_threshold_and_window(mpirun, n):
+    all_ranks_ok(mpirun("rt_shm.py", n, "values", env=SHM_ENV, timeout=120))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_shared_memory_mismatch_raises_on_every_rank_before_data_moves(mpirun, n):
+    result = mpirun("rt_shm.py", n, "mismatch", env=SHM_ENV)
+    all_ranks_ok(result)
+    assert len({line.split(" ", 2)[2] for line in result.lines("MISMATCH")}) == 1
+    assert len(result.lines("MISMATCH")) == n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_interrupt_inside_the_shared_memory_path_then_exact_allreduces(mpirun, n):
+    result = mpirun("rt_shm.py", n, "interrupt", env=SHM_ENV, timeout=90)
+    all_ranks_ok(result)
+    lines = result.lines("INTERRUPTED")
+    assert len(lines) == 2 * n
+    assert sum("(shm)" in line for line in lines) >= n  # the first round, every rank
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_rank_stalled_inside_the_shared_memory_path_is_named_and_a_retry_is_exact(mpirun, n):
+    result = mpirun("rt_shm.py", n, "stall", env={**SHM_ENV, "JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=60)
+    all_ranks_ok(result)
+    assert len(result.lines("STALL")) == n - 1
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_shutdown_then_init_again(mpirun, n):
     all_ranks_ok(mpirun("rt_failures.py", n, "reinit"))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_peer_giving_up_after_an_in_place_result_was_partly_written_raises_not_retries(mpirun, n):
+    result = mpirun("rt_shm.py", n, "partial", env=SHM_ENV)
+    all_ranks_ok(result)
+    assert len(result.lines("GAVE_UP")) == 1 and len(result.lines("PARTIAL")) == n - 1

@@ -11,11 +11,13 @@ import time
 import numpy as np
 
 from ._core import HEADER_BYTES, TAG_DATA, Average, _reducer
+from ._errors import RingError
 
 __all__ = ["allreduce_into", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc"]
 
 TAG_AG = TAG_DATA + 10
+_SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
 
 
 def _bytes(arr):
@@ -50,11 +52,19 @@ def allreduce_into(rt, src, dst, fn, op, prescale, postscale, divisor, name, des
     ``fn``, the scales and ``divisor`` come from ``_reducer``/``_scale_of``, checked by the caller.
     """
     start = time.perf_counter()
+    # in place (also when prescaling copies src): once dst is written, a retry would read results
+    aliased = np.shares_memory(src, dst)
     if prescale != 1.0:
         src = src * src.dtype.type(prescale)
     nbytes = src.nbytes
     eager = rt.fits_eager(nbytes)
-    peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc,
+    # Shared memory when every rank is on this host and the payload is above the threshold:
+    # each rank offers its slot in the agreement message (aux), 0 meaning "ring, please", and
+    # takes that path only if every rank offered one, so all ranks choose alike.
+    threshold = rt.config.shm_threshold
+    offer = (rt.shm.advertise(nbytes, rt.config.shm_window_bytes)
+             if rt.shm is not None and not eager and 0 < threshold < nbytes else 0)
+    peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc, aux=offer,
                          payload=_bytes(src) if eager else None)
     t_agreed = time.perf_counter()
     n = rt.size
@@ -72,8 +82,12 @@ def allreduce_into(rt, src, dst, fn, op, prescale, postscale, divisor, name, des
         for buf in bufs[2:]:
             fn(dst, buf, out=dst)
         _finish(dst, postscale, divisor)
+    elif offer and all(peers[p][0] for p in rt.peers):
+        _shared(rt, src, dst, fn, postscale, divisor, offer, {p: peers[p][0] for p in rt.peers}, name,
+                phases, aliased)
     else:
-        _ring(rt, src, dst, fn, postscale, divisor, _even_bounds(src.size, n), name, phases)
+        _ring(rt, src, dst, fn, postscale, divisor, _even_bounds(src.size, n), name, phases,
+              aliased=aliased)
     end = time.perf_counter()
     rt.trace.record("allreduce", name, nbytes, start, end, phases)
     return dst
@@ -98,7 +112,8 @@ def _row_bounds(rows, row_elems, n):
     return bounds
 
 
-def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=True):
+def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=True,
+          aliased=False):
     """Pipelined ring: reduce-scatter then (optionally) allgather, in pieces of ``chunk_bytes``.
 
     Reduce-scatter step s: rank r sends segment (r-s-1) and receives segment (r-s-2) from the
@@ -165,6 +180,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
         last = s == n - 2
         for req, a, b in reqs:
             rt._wait([req], what, [left])
+            rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
             out = dst[a:b]
             fn(src[a:b], buf[a - base:b - base], out=out)
             if last:
@@ -198,6 +214,76 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
             step_start = step_end
         phases["allgather"] = (t1, time.perf_counter())
     rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
+
+
+def _shared(rt, src, dst, fn, postscale, divisor, offer, offers, name, phases, aliased):
+    """Allreduce through the ranks' shared-memory slots, in pieces of half the slot size wanted.
+
+    Per piece: every rank copies its input into its slot, all but block r, its own; sync; rank r
+    reduces block r over the inputs of ranks 0, 1, .., n-1 in that order (the eager path's
+    order; its own straight from its input) into block r of its slot; sync; every rank copies
+    block q out of slot q. Each element is computed once, so every rank gets the same bits, and
+    only rank q ever writes slot q (no cache line is written by two cores).
+    Pieces alternate between the two halves of the slots: a rank refills a half only after the
+    second sync of the next piece, which every rank reaches only once it has copied that half
+    out; after the last piece the next collective's agreement exchange (or resync) is the fence.
+    Small pieces keep the slots in the cache between the copy in, the reduction and the copy out.
+    """
+    slots = rt.shm
+    n, me = rt.size, rt.rank
+    what = f"allreduce '{name}' (shared memory)"
+    try:
+        half = slots.attach(offer, offers) // 2
+    except OSError as exc:
+        raise RingError(f"{what}: rank {me} cannot map a peer's shared-memory slot ({exc}); set "
+                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+    step = max(1, half // src.itemsize)
+    views = [slots.slot(q) for q in range(n)]
+    starts = range(0, src.size, step)
+
+    def sync():
+        value = slots.arrive(rt.gen)
+        rt.poll(lambda: slots.arrived(value), what, lambda: slots.missing(value),
+                spin_yield=slots.oversubscribed)
+
+    for k, a in enumerate(starts):
+        b = min(a + step, src.size)
+        base = (k % 2) * half
+        t0 = time.perf_counter()
+        slot = [view[base:base + (b - a) * src.itemsize].view(src.dtype) for view in views]
+        piece = src[a:b]
+        lo, hi = (b - a) * me // n, (b - a) * (me + 1) // n
+        # this rank's own block is read straight from its input: only the peers need the rest
+        np.copyto(slot[me][:lo], piece[:lo])
+        np.copyto(slot[me][hi:], piece[hi:])
+        sync()
+        if k == 0:
+            slots.synced()  # every peer has mapped this rank's slot by now
+            first = t0
+        t1 = time.perf_counter()
+        terms = [piece[lo:hi] if q == me else slot[q][lo:hi] for q in range(n)]
+        out = slot[me][lo:hi]  # the block of its own slot this rank did not copy in
+        fn(terms[0], terms[1], out=out)
+        for term in terms[2:]:
+            fn(out, term, out=out)
+        _finish(out, postscale, divisor)
+        sync()
+        t2 = time.perf_counter()
+        rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
+        for q in range(n):
+            c, d = (b - a) * q // n, (b - a) * (q + 1) // n
+            np.copyto(dst[a + c:a + d], slot[q][c:d])
+        t3 = time.perf_counter()
+        if k < _SHM_TRACED_PIECES:
+            suffix = f" piece {k}" if len(starts) > 1 else ""
+            phases[f"shm-copy-in{suffix}"] = (t0, t1)  # each sync's wait ends the phase before it
+            phases[f"shm-reduce{suffix}"] = (t1, t2)
+            phases[f"shm-copy-out{suffix}"] = (t2, t3)
+        elif k == _SHM_TRACED_PIECES:
+            rest = t0
+    if len(starts) > _SHM_TRACED_PIECES:
+        phases[f"shm pieces {_SHM_TRACED_PIECES}..{len(starts) - 1}"] = (rest, t3)
+    phases[f"shm ({len(starts)} x {step * src.itemsize // 1024} KiB)"] = (first, t3)
 
 
 def _post_ag(rt, dst, pieces, j, left, inflight):

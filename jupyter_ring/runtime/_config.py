@@ -18,6 +18,14 @@ def _env_float(name, default):
         raise ValueError(f"{name}={raw!r} is not a number; set it to seconds or bytes, e.g. {name}={default:g}") from None
 
 
+def _env_bytes_or_off(name, default):
+    """Bytes, where ``off`` (or 0) switches the feature off: 0."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("off", "none", "no", "false"):
+        return 0
+    return _env_float(name, default)
+
+
 @dataclasses.dataclass
 class Config:
     """Tunables of the ring runtime; each has a ``JUPYTER_RING_<NAME>`` environment variable."""
@@ -32,6 +40,13 @@ class Config:
     """Pipeline piece of the ring: reduction of one piece overlaps the transfer of the next."""
     eager_bytes: int = 64 * 1024
     """Payloads up to this size travel inside the agreement message (one round trip in all)."""
+    shm_threshold: int = 64 * 1024
+    """Allreduces of more than this many bytes go through shared memory instead of the ring when
+    every rank is on one host; 0 (or ``off`` in the environment) always uses the ring."""
+    shm_window_bytes: int = 4 * MiB
+    """Cap of each rank's shared-memory slot (allocated lazily, grown up to this): allreduces go
+    through it in pieces of half of it, small enough to stay in the cache between copy in,
+    reduction and copy out."""
     trace_records: int = 10000
     """How many recent collective records the trace keeps for ``timeline()``."""
     finalize_timeout: float = 10.0
@@ -44,7 +59,8 @@ class Config:
         """Defaults, then ``JUPYTER_RING_*`` variables, then keyword overrides."""
         values = {}
         for field in dataclasses.fields(cls):
-            value = _env_float("JUPYTER_RING_" + field.name.upper(), field.default)
+            read = _env_bytes_or_off if field.name == "shm_threshold" else _env_float
+            value = read("JUPYTER_RING_" + field.name.upper(), field.default)
             values[field.name] = int(value) if field.type is int else value
         values.update(overrides)
         config = cls(**values)
@@ -58,5 +74,7 @@ class Config:
             raise ValueError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
         if self.finalize_timeout < 0:
             raise ValueError(f"finalize_timeout must be >= 0 seconds, got {self.finalize_timeout}")
-        if self.eager_bytes < 0 or self.fusion_threshold < 0:
-            raise ValueError("eager_bytes and fusion_threshold must be >= 0")
+        if self.eager_bytes < 0 or self.fusion_threshold < 0 or self.shm_threshold < 0:
+            raise ValueError("eager_bytes, fusion_threshold and shm_threshold must be >= 0")
+        if self.shm_window_bytes < 1 << 16:
+            raise ValueError(f"shm_window_bytes must be at least 65536, got {self.shm_window_bytes}")

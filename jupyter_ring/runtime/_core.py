@@ -8,10 +8,12 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    in the same message. Every rank compares all headers, so every rank sees a disagreement and
    raises the same ``CollectiveMismatchError``. Small collectives finish here: one round trip.
 2. **Data.** Larger payloads move over point-to-point messages: a pipelined ring reduce-scatter +
-   allgather for allreduce, direct sends for the rest.
-3. **Waiting.** Every wait is a nonblocking request polled from Python: spin briefly, then back
-   off. SIGINT therefore raises KeyboardInterrupt within milliseconds, a rank that never arrives
-   raises ``StallError`` after ``stall_timeout``.
+   allgather for allreduce, direct sends for the rest. When every rank is on one host, an
+   allreduce above ``shm_threshold`` goes through shared-memory slots instead (``_shm``), if
+   every rank offers its slot in the agreement message.
+3. **Waiting.** Every wait is a nonblocking request (or a shared-memory counter) polled from
+   Python: spin briefly, then back off. SIGINT therefore raises KeyboardInterrupt within
+   milliseconds, a rank that never arrives raises ``StallError`` after ``stall_timeout``.
 4. **Recovery.** An abandoned collective (interrupt, stall, error) can leave messages in flight.
    The rank marks itself dirty; at its next collective it tells every peer (a RESYNC notice on a
    control communicator) and all ranks switch to a fresh data communicator made by a polled
@@ -21,6 +23,7 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
 """
 
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -29,6 +32,7 @@ import zlib
 
 import numpy as np
 
+from . import _shm
 from ._config import Config
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._report import reporter
@@ -109,6 +113,7 @@ class Runtime:
         self.seq = 0
         self.gen = 0
         self.dirty = False
+        self.partial = False      # the collective in progress has written into its caller's input
         self._inflight = []       # requests of the collective in progress
         self._abandoned = []      # (requests, buffers) of collectives given up, freed at resync
         self._keep = []           # send buffers that must outlive their requests
@@ -131,6 +136,7 @@ class Runtime:
         self.hosts = self._exchange_hostnames()
         self._set_topology()
         self._eager_buffers()
+        self.shm = self._shared_slots()
 
     # ------------------------------------------------------------------ set-up
     def _poll_dup(self, comm, what):
@@ -145,6 +151,36 @@ class Runtime:
         req = self.ctl.Iallgather([name, MPI.BYTE], [out, MPI.BYTE])
         self._wait([req], "init", self.peers, check_notices=False)
         return [bytes(out[i * 256:(i + 1) * 256]).rstrip(b"\0").decode() for i in range(self.size)]
+
+    def _shared_slots(self):
+        """``SharedSlots`` when every rank is on this host and sees the others' /dev/shm files.
+
+        Every rank makes a probe file and checks the peers'; one more exchange of the verdicts
+        makes every rank decide alike (a "host" name shared by separate containers fails here).
+        """
+        MPI = self.MPI
+        if self.size == 1 or self.local_size != self.size:
+            return None
+        slots = None
+        if _shm.supported():
+            try:
+                slots = _shm.SharedSlots(self.rank, self.size)
+            except OSError as exc:
+                log.info("jupyter_ring: no shared-memory allreduce on rank %d: %s", self.rank, exc)
+        tokens = np.zeros(self.size, np.int64)
+        mine = np.array([slots.token if slots else 0], np.int64)
+        req = self.ctl.Iallgather([mine, MPI.INT64_T], [tokens, MPI.INT64_T])
+        self._wait([req], "init", self.peers, check_notices=False)
+        ok = np.array([bool(slots and all(tokens) and slots.sees(tokens.tolist()))], np.int8)
+        verdicts = np.zeros(self.size, np.int8)
+        req = self.ctl.Iallgather([ok, MPI.INT8_T], [verdicts, MPI.INT8_T])
+        self._wait([req], "init", self.peers, check_notices=False)
+        if slots is not None:
+            slots.remove_probe()  # every rank has looked at it
+            if not verdicts.all():
+                slots.close()
+                slots = None
+        return slots
 
     def _set_topology(self):
         hosts = self.hosts
@@ -196,6 +232,9 @@ class Runtime:
                 self._discard(req)
         self._abandoned.clear()
         self._free_persistent()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         for comm in (self.comm, self.ctl):
             if comm != MPI.COMM_NULL:
                 try:
@@ -213,18 +252,28 @@ class Runtime:
         Testall = self.MPI.Request.Testall
         if Testall(reqs):
             return
+        if missing is None:
+            missing = lambda: self._missing(reqs, peers_of)  # noqa: E731
+        self.poll(lambda: Testall(reqs), what, missing, check_notices)
+
+    def poll(self, done, what, missing, check_notices=True, spin_yield=False):
+        """Call ``done()`` until it is true: spin briefly, then back off (signals are handled).
+
+        A peer's RESYNC notice raises ``_Restart``; after ``stall_timeout`` ``StallError`` names
+        the ranks that ``missing()`` returns.
+        """
         start = time.perf_counter()
         spin_until = start + _SPIN_SECONDS
         while time.perf_counter() < spin_until:
-            if Testall(reqs):
+            if done():
                 return
-        if missing is None:
-            missing = lambda: self._missing(reqs, peers_of)  # noqa: E731
+            if spin_yield:
+                os.sched_yield()
         config = self.config
         warned = False
         delay = 1e-5
         while True:
-            if Testall(reqs):
+            if done():
                 if warned:
                     reporter.stalled(None, (), 0.0)
                 return
@@ -328,10 +377,17 @@ class Runtime:
         for _attempt in range(5):
             if self.dirty or self._poll_notices() > self.gen:
                 self.resync()
+            self.partial = False
             try:
                 result = fn(*args)
             except _Restart:
                 self._abandon()
+                if self.partial:
+                    raise RingError(
+                        "a peer gave up this collective (interrupted, failed or timed out) after this "
+                        "rank had written part of the result into its input tensor (in place), so it "
+                        "cannot be retried: the tensor now holds partial results. Recompute it and "
+                        "call the collective again on every rank.") from None
                 continue
             except (CollectiveMismatchError, PeerError):
                 self._inflight = []  # every header and description was consumed: nothing in flight

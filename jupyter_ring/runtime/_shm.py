@@ -1,0 +1,203 @@
+"""Shared-memory slots for allreduce when every rank runs on one host.
+
+Each rank owns one file in ``/dev/shm`` (owner-only, reserved with ``posix_fallocate`` so a full
+``/dev/shm`` fails at creation, not with SIGBUS later): a 4 KiB header whose first int64 is the
+rank's sync counter, then its slot. A rank creates its file before the agreement exchange and
+advertises it there as one int64 (a random token and the slot's log2 size), so peers map it after
+the exchange with no extra message; it is unlinked once a sync shows every peer has mapped it.
+
+No MPI call is made here: a sync is "write my counter, poll the peers' counters" from Python,
+which the runtime's poll loop makes interruptible and bounded by the stall timeout. Counter values
+are ``gen << 32 | tick``: ``tick`` counts syncs since the runtime's last resync, ``gen`` is bumped
+by every resync, so a counter left behind by an abandoned collective is always smaller than any
+value a later collective waits for.
+
+Ordering: the data stores (numpy copies and ufuncs) must be visible to a peer before the counter
+store that announces them. x86-64 keeps stores in order (and an atomic read-modify-write, here a
+lock round trip, also drains the non-temporal stores of a large memcpy), so the path is offered
+on x86-64 Linux only.
+"""
+
+import mmap
+import os
+import platform
+import secrets
+import threading
+
+import numpy as np
+
+__all__ = ["SharedSlots", "supported", "slot_log2"]
+
+SHM_DIR = "/dev/shm"
+_HEADER = 4096  # the counter, then the slot from a page boundary
+_MIN_LOG2 = 16
+
+
+def supported():
+    """Whether this machine offers the path (Linux tmpfs in /dev/shm, x86-64 store ordering)."""
+    return (platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
+            and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK))
+
+
+def slot_log2(nbytes, cap):
+    """log2 of the slot an allreduce of ``nbytes`` wants: a power of two, at most ``cap``."""
+    want = max(_MIN_LOG2, (max(int(nbytes), 1) - 1).bit_length())
+    return min(want, max(_MIN_LOG2, int(cap).bit_length() - 1))
+
+
+def _path(token, suffix):
+    return os.path.join(SHM_DIR, f"jupyter_ring.{token:011x}.{suffix}")
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Segment:
+    """One mapped file: its counter and its slot as numpy views."""
+
+    def __init__(self, path, create_bytes=0):
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_bytes else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create_bytes:
+                os.posix_fallocate(fd, 0, create_bytes)
+            self.map = mmap.mmap(fd, os.fstat(fd).st_size)
+        except BaseException:
+            if create_bytes:
+                _unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.path = path
+        self.counter = np.frombuffer(self.map, np.int64, 1, 0)
+        self.slot = np.frombuffer(self.map, np.uint8, len(self.map) - _HEADER, _HEADER)
+
+    def close(self):
+        self.counter = self.slot = None
+        try:
+            self.map.close()
+        except BufferError:  # a view is still alive somewhere: unmapped when it is collected
+            pass
+
+
+class SharedSlots:
+    """This rank's slot, the peers' slots it has mapped, and the sync counters."""
+
+    def __init__(self, rank, size):
+        self.rank = rank
+        self.size = size
+        self.token = secrets.randbits(43) | 1  # names this runtime's files; never 0 (0 = "no shm")
+        self.own = None            # this rank's current segment
+        self.own_log2 = 0
+        self.peers = {}            # rank -> (advertised value, _Segment)
+        self.unlink_when_synced = []
+        self.tick = 0
+        self.tick_gen = -1
+        self._fence = threading.Lock()
+        # more ranks than cores: a waiting rank yields its core to the rank it waits for
+        self.oversubscribed = size > len(os.sched_getaffinity(0))
+        self.probe_path = _path(self.token, "probe")
+        segment = _Segment(self.probe_path, _HEADER)
+        segment.counter[0] = self.token
+        segment.close()
+
+    # ------------------------------------------------------------------ init-time check
+    def sees(self, tokens):
+        """Whether every peer's probe file (named by its token) is visible here with its token."""
+        for q, token in enumerate(tokens):
+            if q == self.rank:
+                continue
+            try:
+                with open(_path(token, "probe"), "rb") as fh:
+                    if int.from_bytes(fh.read(8), "little") != token:
+                        return False
+            except OSError:
+                return False
+        return True
+
+    def remove_probe(self):
+        _unlink(self.probe_path)
+
+    # ------------------------------------------------------------------ per collective
+    def advertise(self, nbytes, cap):
+        """Make sure this rank's slot holds two pieces of ``nbytes``; the value to send the peers.
+
+        The value names this rank's file and says the slot size it wants for this allreduce
+        (every rank then uses the smallest wanted). 0 when the file cannot be made (then every
+        rank takes the ring for this allreduce).
+        """
+        want = slot_log2(2 * nbytes, cap)
+        if self.own is None or self.own_log2 < want:
+            try:
+                segment = _Segment(_path(self.token, want), _HEADER + (1 << want))
+            except OSError:
+                return 0
+            self._drop_own()
+            self.own, self.own_log2 = segment, want
+            self.unlink_when_synced.append(segment.path)
+        return self.token << 12 | self.own_log2 << 6 | want
+
+    def _drop_own(self):
+        if self.own is not None:
+            # the peers map only the file advertised in the collective at hand: this one is done
+            _unlink(self.own.path)
+            if self.own.path in self.unlink_when_synced:
+                self.unlink_when_synced.remove(self.own.path)
+            self.own.close()
+            self.own = None
+
+    def attach(self, own, advertised):
+        """Map every peer's advertised slot; return the slot size (bytes) every rank wants."""
+        want = own & 63
+        for q, value in advertised.items():
+            want = min(want, value & 63)
+            known = self.peers.get(q)
+            if known is not None and known[0] >> 6 == value >> 6:
+                continue
+            segment = _Segment(_path(value >> 12, value >> 6 & 63))
+            if known is not None:
+                known[1].close()
+            self.peers[q] = (value, segment)
+        return 1 << want
+
+    def slot(self, q):
+        return (self.own if q == self.rank else self.peers[q][1]).slot
+
+    def arrive(self, gen):
+        """Announce this rank's next sync point; returns the value to wait for."""
+        if self.tick_gen != gen:
+            self.tick_gen, self.tick = gen, 0
+        self.tick += 1
+        value = gen << 32 | self.tick
+        with self._fence:  # an atomic RMW: every earlier store is visible before the counter's
+            pass
+        self.own.counter[0] = value
+        return value
+
+    def arrived(self, value):
+        for _value, segment in self.peers.values():
+            if segment.counter[0] < value:
+                return False
+        return True
+
+    def missing(self, value):
+        return sorted(q for q, (_v, segment) in self.peers.items() if segment.counter[0] < value)
+
+    def synced(self):
+        """Every peer passed a sync with this rank's file mapped: its name is no longer needed."""
+        while self.unlink_when_synced:
+            _unlink(self.unlink_when_synced.pop())
+
+    def close(self):
+        self.remove_probe()
+        for path in self.unlink_when_synced:
+            _unlink(path)
+        self.unlink_when_synced = []
+        self._drop_own()
+        for _value, segment in self.peers.values():
+            segment.close()
+        self.peers = {}
