@@ -7,8 +7,9 @@ Two sinks with the same methods, chosen by the magics:
 - :class:`RankTabs` shows, while the cell runs, an ipywidgets ``Tab`` with an "all ranks" tab
   (the rank-tagged lines) and an ``Output`` per rank (that rank's stdout, stderr, rich output and
   error). When the cell ends, the same display is replaced (``update_display``) by a static
-  bundle: ``text/html`` tabs that switch with CSS alone, and ``text/plain`` holding exactly the
-  rank-tagged lines of the plain form. The widgets are then closed.
+  bundle: ``text/html`` tabs that switch with CSS alone (every output is in the page once, classed
+  by rank; each tab's rule shows its part), and ``text/plain`` holding exactly the rank-tagged
+  lines of the plain form. The widgets are then closed.
 
 Why replace the widget at the end: a saved notebook reopened without a kernel cannot render a
 widget whose state was not saved (JupyterLab shows "Error displaying widget"), while HTML and
@@ -48,9 +49,8 @@ class TextSink:
         self.tag = tag
 
     def text(self, rank, name, lines):
-        tag = f"[rank {rank}] " if self.tag else ""
         stream = sys.stdout if name == "stdout" else sys.stderr
-        stream.write("".join(f"{tag}{line}\n" for line in lines))
+        stream.write(_tagged(rank, lines) if self.tag else "\n".join(lines) + "\n")
         stream.flush()
 
     def display(self, rank, data, metadata):
@@ -85,7 +85,11 @@ class TextSink:
 
 
 class _Panel:
-    """One tab's outputs, as nbformat-like dicts (consecutive stream text merged)."""
+    """One live tab's outputs, as nbformat-like dicts (consecutive stream text merged).
+
+    Stream text is kept as a list of parts and joined only for the tail that is shown: appending
+    to one growing string would copy it on every batch (quadratic in the cell's output).
+    """
 
     def __init__(self, title):
         self.title = title
@@ -96,33 +100,40 @@ class _Panel:
         self.chars += len(text)
         last = self.items[-1] if self.items else None
         if last is not None and last["output_type"] == "stream" and last["name"] == name:
-            last["text"] += text
+            last["parts"].append(text)
+            last["chars"] += len(text)
         else:
-            self.items.append({"output_type": "stream", "name": name, "text": text})
+            self.items.append({"output_type": "stream", "name": name, "parts": [text],
+                               "chars": len(text)})
 
     def add(self, item):
         self.items.append(item)
 
     def tail(self, limit):
         """The items, with stream text cut to the last ``limit`` characters in all."""
-        if self.chars <= limit:
-            return [dict(item) for item in self.items]
         out, budget = [], limit
         for item in reversed(self.items):
             if item["output_type"] != "stream":
-                out.append(item)
+                out.append(dict(item))
                 continue
             if budget <= 0:
                 continue
-            text = item["text"]
+            parts, taken = [], 0
+            for part in reversed(item["parts"]):
+                parts.append(part)
+                taken += len(part)
+                if taken >= budget:
+                    break
+            text = "".join(reversed(parts))
             if len(text) > budget:
                 text = text[len(text) - budget:]
                 text = text[text.find("\n") + 1:] if "\n" in text else text
             budget -= len(text)
-            out.append(dict(item, text=text))
-        out.append({"output_type": "stream", "name": "stdout",
-                    "text": f"… earlier output not shown here ({self.chars - limit:,} "
-                            "characters or more)\n"})
+            out.append({"output_type": "stream", "name": item["name"], "text": text})
+        if self.chars > limit:
+            out.append({"output_type": "stream", "name": "stdout",
+                        "text": f"… earlier output not shown here ({self.chars - limit:,} "
+                                "characters or more)\n"})
         return out[::-1]
 
 
@@ -134,6 +145,7 @@ class RankTabs:
         self.all = _Panel("all ranks")
         self.panels = {r: _Panel(f"rank {r}") for r in self.ranks}
         self.plain = []          # the rank-tagged lines, as the text form prints them
+        self.log = []            # (rank, where, item) in arrival order, for the static view
         self.failed = {}         # rank -> title mark, in order of failure
         self.selected = None     # rank whose tab is selected (None: "all ranks")
         self.display_id = None
@@ -145,11 +157,12 @@ class RankTabs:
 
     # ------------------------------------------------------------------------------ content
     def text(self, rank, name, lines):
-        text = "".join(f"{line}\n" for line in lines)
+        text = "\n".join(lines) + "\n"
         self.panels[rank].add_stream(name, text)
-        tagged = "".join(f"[rank {rank}] {line}\n" for line in lines)
+        tagged = _tagged(rank, lines)
         self.all.add_stream(name, tagged)
         self.plain.append(tagged)
+        self._log(rank, _BOTH, {"output_type": "stream", "name": name, "text": text})
         self._changed()
 
     def display(self, rank, data, metadata):
@@ -158,6 +171,8 @@ class RankTabs:
         label = _short_repr(data)
         self.all.add_stream("stdout", f"[rank {rank}] {label}\n")
         self.plain.append(f"[rank {rank}]\n{data.get('text/plain', label)}\n")
+        self._log(rank, _ONE, {"output_type": "display_data", "data": data})
+        self._log(rank, _ALL, {"output_type": "stream", "name": "stdout", "text": f"{label}\n"})
         self._changed()
 
     def result(self, rank, data, metadata):
@@ -167,12 +182,18 @@ class RankTabs:
             line = f"[rank {rank}] Out: {text}\n"
             self.all.add_stream("stdout", line)
             self.plain.append(line)
+            self._log(rank, _BOTH, {"output_type": "stream", "name": "stdout",
+                                    "text": f"Out: {text}\n"})
         else:
             self.panels[rank].add_stream("stdout", "Out:\n")
             self.panels[rank].add({"output_type": "display_data", "data": data,
                                    "metadata": metadata})
             self.all.add_stream("stdout", f"[rank {rank}] Out: {_short_repr(data)}\n")
             self.plain.append(f"[rank {rank}] Out:\n{text}\n")
+            self._log(rank, _ONE, {"output_type": "stream", "name": "stdout", "text": "Out:\n"})
+            self._log(rank, _ONE, {"output_type": "display_data", "data": data})
+            self._log(rank, _ALL, {"output_type": "stream", "name": "stdout",
+                                   "text": f"Out: {_short_repr(data)}\n"})
         self._changed()
 
     def error(self, rank, error, label=""):
@@ -183,11 +204,27 @@ class RankTabs:
         lines = str(tb).splitlines() if tb else [f"{ename}: {evalue}"]
         if label:
             lines.append(label)
-        self.panels[rank].add({"output_type": "error", "ename": ename, "evalue": evalue,
-                               "traceback": lines})
-        self.all.add_stream("stderr", f"[rank {rank}] {ename}: {_first_line(evalue)}"
-                                      f"{' (' + label + ')' if label else ''}\n")
+        error_item = {"output_type": "error", "ename": ename, "evalue": evalue,
+                      "traceback": lines}
+        self.panels[rank].add(error_item)
+        summary = f"{ename}: {_first_line(evalue)}{' (' + label + ')' if label else ''}\n"
+        self.all.add_stream("stderr", f"[rank {rank}] {summary}")
+        self._log(rank, _ONE, error_item)
+        self._log(rank, _ALL, {"output_type": "stream", "name": "stderr", "text": summary})
         self._changed()
+
+    def _log(self, rank, where, item):
+        """Note an item for the static view; a stream continuing the last one is merged."""
+        if self.log and item["output_type"] == "stream":
+            last_rank, last_where, last = self.log[-1]
+            if (last_rank, last_where, last["output_type"], last.get("name")) == (
+                    rank, where, "stream", item["name"]):
+                last["parts"].append(item["text"])
+                return
+            item = {"output_type": "stream", "name": item["name"], "parts": [item["text"]]}
+        elif item["output_type"] == "stream":
+            item = {"output_type": "stream", "name": item["name"], "parts": [item["text"]]}
+        self.log.append((rank, where, item))
 
     def fail(self, rank, label="✗"):
         """Mark a rank's tab (title ``rank r ✗``); the first marked rank's tab is selected."""
@@ -295,9 +332,15 @@ class RankTabs:
         return strip_ansi(text).rstrip("\n") or f"(no output from ranks {_ranges(self.ranks)})"
 
     def html(self):
-        """Tabs in HTML and CSS (radio buttons), no JavaScript; without CSS, headed sections."""
+        """Tabs in HTML and CSS (radio buttons), no JavaScript.
+
+        Every output is in the page once, in arrival order, classed by its rank: the "all ranks"
+        tab shows the stream lines with their ``[rank r]`` tags (and a one-line label for each
+        rich output or error), a rank's tab shows that rank's items untagged (rich outputs and
+        tracebacks in full). Without CSS the page reads as the tagged lines with the rich
+        outputs in place.
+        """
         uid = "jr" + uuid.uuid4().hex[:12]
-        panels = [self.all] + [self.panels[r] for r in self.ranks]
         titles = self._titles()
         selected = self._index()
         css = (f"#{uid}>input{{display:none}}"
@@ -308,40 +351,94 @@ class RankTabs:
                f"#{uid}>input:checked+label{{background:var(--jp-layout-color0,#fff);"
                "font-weight:600}"
                f"#{uid}>label.jr-failed{{color:#c62828;border-color:#c62828}}"
-               f"#{uid}>.jr-panel{{display:none;border:1px solid var(--jp-border-color1,#ccc);"
+               f"#{uid}>.jr-panel{{border:1px solid var(--jp-border-color1,#ccc);"
                "padding:4px 6px;max-height:32em;overflow:auto}"
-               f"#{uid} .jr-ptitle{{display:none}}"
+               f"#{uid}>.jr-panel>*{{display:none}}"
                f"#{uid} pre{{margin:0;white-space:pre-wrap}}"
+               f"#{uid} i{{font-style:normal}}"
                f"#{uid} .jr-stderr{{background:var(--jp-rendermime-error-background,#fdd)}}"
-               f"#{uid} .jr-error{{color:#c62828}}")
-        css += "".join(f"#{uid}>input:nth-of-type({i + 1}):checked~div.jr-panel:nth-of-type"
-                       f"({i + 1}){{display:block}}" for i in range(len(panels)))
+               f"#{uid} .jr-error{{color:#c62828}}"
+               f"#{uid}>input:nth-of-type(1):checked~.jr-panel>:not(.{_ONE}){{display:block}}")
+        for i, rank in enumerate(self.ranks):
+            on = f"#{uid}>input:nth-of-type({i + 2}):checked~.jr-panel"
+            css += f"{on}>.jr-r{rank}:not(.{_ALL}){{display:block}}{on} i{{display:none}}"
         parts = [f'<div class="jr-rank-tabs" id="{uid}"><style>{css}</style>']
         for i, title in enumerate(titles):
             checked = " checked" if i == selected else ""
             failed = ' class="jr-failed"' if i and self.ranks[i - 1] in self.failed else ""
             parts.append(f'<input type="radio" name="{uid}" id="{uid}-{i}"{checked}>'
                          f'<label for="{uid}-{i}"{failed}>{html.escape(title)}</label>')
-        for title, panel in zip(titles, panels):
-            parts.append(f'<div class="jr-panel"><div class="jr-ptitle"><b>{html.escape(title)}'
-                         f'</b></div>{_items_html(panel.tail(FINAL_MAX))}</div>')
-        parts.append("</div>")
+        parts.append('<div class="jr-panel">')
+        parts.extend(self._body_html())
+        parts.append("</div></div>")
         return "".join(parts)
 
+    def _body_html(self):
+        """The logged items as HTML, each rank's stream text cut to its last FINAL_MAX characters."""
+        budget = dict.fromkeys(self.ranks, FINAL_MAX)
+        cut = dict.fromkeys(self.ranks, 0)
+        out = []
+        for rank, where, item in reversed(self.log):
+            cls = f"jr-r{rank} {where}"
+            if item["output_type"] != "stream":
+                out.append(_item_html(item, cls))
+                continue
+            text = "".join(item["parts"])
+            if where == _ALL:  # a one-line label in the "all ranks" tab: not counted
+                out.append(_stream_html(item["name"], text, cls, rank))
+                continue
+            if budget[rank] <= 0:
+                cut[rank] += len(text)
+                continue
+            if len(text) > budget[rank]:
+                keep = text[len(text) - budget[rank]:]
+                keep = keep[keep.find("\n") + 1:] if "\n" in keep[:-1] else keep
+                cut[rank] += len(text) - len(keep)
+                text = keep
+            budget[rank] -= len(text)
+            out.append(_stream_html(item["name"], text, cls, rank))
+        shown = {rank for rank, where, _ in self.log if where != _ALL}
+        for rank in self.ranks:
+            if cut[rank]:
+                note = (f"… earlier output of rank {rank} not shown here ({cut[rank]:,} "
+                        "characters; the text/plain form of this output keeps more)\n")
+                out.append(_stream_html("stdout", note, f"jr-r{rank} {_BOTH}", rank))
+            elif rank not in shown:
+                out.append(f'<pre class="jr-r{rank} {_ONE}">(no output)</pre>')
+        if not self.log:
+            out.append(f'<pre class="{_ALL}">(no output)</pre>')
+        return out[::-1]
 
-def _items_html(items):
-    parts = []
-    for item in items:
-        kind = item["output_type"]
-        if kind == "stream":
-            cls = ' class="jr-stderr"' if item["name"] == "stderr" else ""
-            parts.append(f"<pre{cls}>{html.escape(strip_ansi(item['text']))}</pre>")
-        elif kind == "error":
-            tb = strip_ansi("\n".join(item["traceback"]))
-            parts.append(f'<pre class="jr-error">{html.escape(tb)}</pre>')
-        else:
-            parts.append(_data_html(item.get("data") or {}))
-    return "".join(parts) or "<pre>(no output)</pre>"
+
+# Where a logged item shows: both in "all ranks" and in its rank's tab, only in its rank's tab
+# (rich output, tracebacks), only in "all ranks" (their one-line labels).
+_BOTH, _ONE, _ALL = "jr-b", "jr-o", "jr-a"
+
+
+def _tagged(rank, lines):
+    """``lines`` (without their newlines) as text, each line led by ``[rank r] ``."""
+    tag = f"[rank {rank}] "
+    return tag + f"\n{tag}".join(lines) + "\n"
+
+
+def _stream_html(name, text, cls, rank):
+    """Stream text as one <pre>, each line led by its ``[rank r]`` tag (shown in "all ranks")."""
+    if name == "stderr":
+        cls += " jr-stderr"
+    body = html.escape(strip_ansi(text))
+    tag = f"<i>[rank {rank}] </i>"
+    trail = body.endswith("\n")
+    if trail:
+        body = body[:-1]
+    body = tag + body.replace("\n", "\n" + tag) + ("\n" if trail else "")
+    return f'<pre class="{cls}">{body}</pre>'
+
+
+def _item_html(item, cls):
+    if item["output_type"] == "error":
+        tb = strip_ansi("\n".join(item["traceback"]))
+        return f'<pre class="{cls} jr-error">{html.escape(tb)}</pre>'
+    return f'<div class="{cls}">{_data_html(item.get("data") or {})}</div>'
 
 
 def _data_html(data):

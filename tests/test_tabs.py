@@ -7,6 +7,7 @@ import pytest
 
 from jupyter_ring import _tabs
 from jupyter_ring._tabs import RankTabs, TextSink
+from static_tabs import tab_texts as _panels
 
 
 def feed(sink):
@@ -32,23 +33,22 @@ def test_plain_text_of_the_tabs_is_what_the_text_sink_prints(capsys):
     assert "[rank 1] warn 1" in plain and "[rank 1] Out: 101" in plain
 
 
-def _panels(page):
-    return page.split('<div class="jr-panel">')[1:]
-
-
 def test_static_html_has_a_tab_per_rank_with_its_own_output():
     tabs = RankTabs([0, 1])
     feed(tabs)
     page = tabs.html()
     labels = re.findall(r"<label[^>]*>([^<]*)</label>", page)
     assert labels == ["all ranks", "rank 0", "rank 1"]
-    everyone, rank0, rank1 = _panels(page)
-    assert "[rank 0] hello 0" in everyone and "[rank 1] hello 1" in everyone
-    assert "[rank 0] &lt;Figure&gt; &lt;image/png&gt;" in everyone
-    assert "hello 0" in rank0 and "hello 1" not in rank0
-    assert '<img src="data:image/png;base64,iVBORw0KGgo=">' in rank0
-    assert "hello 1" in rank1 and 'class="jr-stderr">warn 1' in rank1 and "Out: 101" in rank1
+    everyone, rank0, rank1 = _panels(page, [0, 1])
+    assert everyone.splitlines() == [
+        "[rank 0] hello 0", "[rank 0] second 0", "[rank 1] hello 1", "[rank 1] warn 1",
+        "[rank 0] <Figure> <image/png>", "[rank 1] Out: 101"]
+    assert rank0 == "hello 0\nsecond 0\n<img data:image/png;base64,iVBORw0KGgo=>"
+    assert rank1 == "hello 1\nwarn 1\nOut: 101\n"
+    assert '<pre class="jr-r1 jr-b jr-stderr"><i>[rank 1] </i>warn 1' in page
     assert "\x1b" not in page
+    # every line of output is in the page once
+    assert page.count("hello 0") == 1
     # the "all ranks" tab is selected when nothing failed
     assert re.search(r'id="jr\w+-0" checked>', page)
 
@@ -70,9 +70,32 @@ def test_failed_rank_is_marked_selected_and_shows_its_error():
     assert labels == ["all ranks", "rank 0", "rank 1 ✗", "rank 2 ✗"]
     assert re.search(r'id="jr\w+-2" checked>', page)
     assert page.count('class="jr-failed"') == 2
-    rank1 = _panels(page)[2]
-    assert "ValueError: bad &lt;batch&gt;" in rank1
-    assert "interrupted: a peer rank failed" in _panels(page)[3]
+    everyone, rank0, rank1, rank2 = _panels(page, [0, 1, 2])
+    assert "Traceback ...\nValueError: bad <batch>" in rank1
+    assert "interrupted: a peer rank failed" in rank2
+    assert "Traceback" not in everyone and "Traceback" not in rank0
+    assert "[rank 2] ValueError: bad <batch> (interrupted: a peer rank failed)" in everyone
+    assert rank0.startswith("hello 0")
+
+
+def test_each_rank_keeps_its_last_characters_in_the_static_view(monkeypatch):
+    monkeypatch.setattr(_tabs, "FINAL_MAX", 100)
+    tabs = RankTabs([0, 1])
+    tabs.text(1, "stdout", ["early 1"])
+    for i in range(50):
+        tabs.text(0, "stdout", [f"line {i}"])
+    everyone, rank0, rank1 = _panels(tabs.html(), [0, 1])
+    assert rank0.endswith("line 49\n") and "line 0\n" not in rank0
+    assert "earlier output of rank 0 not shown" in rank0
+    assert rank1 == "early 1\n"  # a quiet rank keeps its output whatever the others printed
+    assert "[rank 1] early 1" in everyone
+
+
+def test_a_rank_without_output_says_so():
+    tabs = RankTabs([0, 1])
+    tabs.text(0, "stdout", ["only 0"])
+    everyone, rank0, rank1 = _panels(tabs.html(), [0, 1])
+    assert rank1 == "(no output)" and everyone == "[rank 0] only 0\n"
 
 
 def test_nothing_is_displayed_for_a_silent_successful_cell(monkeypatch):

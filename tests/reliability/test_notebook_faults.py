@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from real_kernel import Kernel, alive, cluster_pids, ring_kernel
+from static_tabs import tab_texts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -227,9 +228,9 @@ def test_7_ten_thousand_lines_per_rank_arrive_in_order(kernel):
         # the per-rank tabs of the saved output hold every line too
         page = next(m["content"]["data"]["text/html"] for m in reversed(msgs)
                     if m["msg_type"] in ("display_data", "update_display_data"))
-        panels = page.split('<div class="jr-panel">')
+        panels = tab_texts(page, [0, 1])
         for r in (0, 1):
-            panel = panels[2 + r]
+            panel = panels[1 + r]
             positions = [panel.find(f"line {k} of rank {r}\n") for k in (0, 4999, 9999)]
             assert -1 not in positions and positions == sorted(positions), (r, positions)
     figures("7 output 2x10,000 lines", REPEATS, failures, times)
