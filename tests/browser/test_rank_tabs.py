@@ -15,9 +15,10 @@ import time
 import psutil
 import pytest
 
-from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, ROOT, _run_cell, lab, playwright_api  # noqa: F401
+from conftest import screenshot_path
+from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, _run_cell, lab, playwright_api  # noqa: F401
 
-SCREENSHOT = os.path.join(ROOT, "docs", "img", "rank-tabs.png")
+SCREENSHOT = screenshot_path("rank-tabs.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
 
 pytestmark = pytest.mark.timeout(240)
 
