@@ -4,7 +4,12 @@ ipyparallel starts the controller and mpiexec in their own sessions, so when the
 (SIGKILL, OOM killer) they are re-parented to init and live on with every engine and nanny. This
 small process, started by :class:`jupyter_ring.cluster.RingCluster` in a session of its own,
 polls its parent pid; when the parent is gone it SIGKILLs every process tree listed in its pid
-file. It exits on its own when every listed process has exited (a normal ``%ring stop``).
+file, then removes the shared-memory files (``/dev/shm``) those processes had mapped: MPI's own
+segments, which MPICH unlinks only in ``MPI_Finalize`` (2 MB per cluster was left for every
+killed kernel). It exits on its own when every listed process has exited (a normal ``%ring stop``).
+
+The pid file is JSON: ``{"pids": [...], "shm": [...]}`` (the files the ranks had mapped when the
+kernel last looked), or a plain list of pids.
 
 Usage (internal): ``python -m jupyter_ring._watchdog PARENT_PID PID_FILE``
 """
@@ -12,19 +17,22 @@ Usage (internal): ``python -m jupyter_ring._watchdog PARENT_PID PID_FILE``
 import json
 import os
 import signal
+import stat
 import sys
 import time
 
 import psutil
 
-__all__ = ["main"]
+__all__ = ["main", "shm_files", "remove_shm_files"]
+
+SHM_DIR = "/dev/shm"
 
 POLL_S = 0.05         # how often the parent is checked: the kill happens within ~POLL_S
 REFRESH_S = 1.0       # how often the process trees are re-read
 
 
 def _read_roots(path, cache):
-    """The pids in ``path`` (a JSON list), re-read only when the file changed."""
+    """The pids in ``path``, re-read only when the file changed (``cache["shm"]``: its files)."""
     try:
         mtime = os.stat(path).st_mtime_ns
     except FileNotFoundError:
@@ -32,11 +40,63 @@ def _read_roots(path, cache):
     if cache.get("mtime") != mtime:
         try:
             with open(path) as f:
-                cache["pids"] = [int(p) for p in json.load(f)]
+                data = json.load(f)
+            if isinstance(data, list):
+                data = {"pids": data}
+            cache["pids"] = [int(p) for p in data.get("pids", [])]
+            cache["shm"] = [str(p) for p in data.get("shm", [])]
             cache["mtime"] = mtime
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, AttributeError):
             pass  # half-written: the writer renames atomically, so retry on the next poll
     return cache.get("pids", [])
+
+
+def shm_files(pids):
+    """The files in /dev/shm that the processes ``pids`` have mapped and that still have a name.
+
+    Read from /proc/<pid>/maps (readable for our own processes only); a file already unlinked
+    shows as "(deleted)" there and is left out.
+    """
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)
+                    if len(parts) < 6:
+                        continue
+                    path = parts[5].rstrip("\n")
+                    if os.path.dirname(path) == SHM_DIR and not path.endswith(" (deleted)"):
+                        found.add(path)
+        except OSError:
+            continue
+    return found
+
+
+def remove_shm_files(paths, procs, timeout=2.0):
+    """Unlink ``paths`` once every process in ``procs`` (psutil) has exited.
+
+    Only regular files of /dev/shm owned by this user; nothing is removed while one of ``procs``
+    is still alive (it may be using them). Returns the paths removed.
+    """
+    if not paths:
+        return []
+    _gone, alive = psutil.wait_procs(list(procs), timeout=timeout)
+    if alive:
+        return []
+    removed = []
+    uid = os.getuid()
+    for path in sorted(paths):
+        if os.path.dirname(path) != SHM_DIR:
+            continue
+        try:
+            info = os.lstat(path)
+            if info.st_uid == uid and stat.S_ISREG(info.st_mode):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def _trees(pids, known):
@@ -83,11 +143,15 @@ def main(argv=None):
         if os.getppid() != parent or not psutil.pid_exists(parent):
             # Parent gone: take the trees as they are now (the roots outlive the kernel), plus what
             # we saw before, and kill them all at once so no survivor restarts anything.
-            _kill(_trees(roots, known).values())
+            procs = _trees(roots, known)
+            files = shm_files(procs) | set(cache.get("shm", []))  # mapped: read before the kill
+            _kill(procs.values())
             # a second look for anything forked while the first kill went out (an mpiexec proxy
             # starting an engine): their parents are dead by now, so nothing forks after this
             time.sleep(POLL_S)
-            _kill(_trees(roots, known).values())
+            procs = _trees(roots, known)
+            _kill(procs.values())
+            remove_shm_files(files, procs.values())
             return 0
         time.sleep(POLL_S)
 

@@ -29,6 +29,7 @@ from traitlets.config import Config, LoggingConfigurable
 
 from ._launch import find_mpiexec, local_mpiexec, mpi_env
 from ._sidecar import remove_sidecar, write_sidecar
+from ._watchdog import remove_shm_files, shm_files
 
 __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "default_size",
            "threads_per_rank", "share_note", "parse_ranks", "host_slots", "routable_address"]
@@ -278,6 +279,7 @@ class RingCluster(LoggingConfigurable):
         self.size = 0
         self._watchdog = None
         self._pid_file = None
+        self._shm = set()        # /dev/shm files the local ranks mapped (MPI's segments)
         self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
         self.note = ""           # share_note() of the last start: more ranks than the share
         self.address = ""        # the address the controller listens on (multi-host: routable)
@@ -459,6 +461,9 @@ class RingCluster(LoggingConfigurable):
         self.size = len(self.ranks)
         self.view = client[self.engine_ids]
         self.view.block = False
+        # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
+        # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
+        self._shm = shm_files(self._local_rank_pids())
         self._watch(self.ipp_cluster)
         self._write_sidecar()
 
@@ -477,7 +482,13 @@ class RingCluster(LoggingConfigurable):
             self._write_sidecar()
 
     def stop(self):
-        """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog."""
+        """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog.
+
+        Shared-memory files that the ranks had mapped and that are still there once they have
+        exited (ranks that died never ran MPI_Finalize, which unlinks them) are removed.
+        """
+        ranks = self._rank_processes()
+        shm = self._shm | shm_files([p.pid for p in ranks])
         cluster, self.ipp_cluster = self.ipp_cluster, None
         client, self.client = self.client, None
         self.view = None
@@ -504,18 +515,22 @@ class RingCluster(LoggingConfigurable):
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
         self._stop_watchdog()
-        self.ranks, self.engine_ids, self.size, self.steps = [], [], 0, {}
+        remove_shm_files(shm, ranks)
+        self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
 
     def kill(self):
         """SIGKILL every process of the cluster now (used at interpreter exit)."""
         import psutil
 
-        for proc in self._processes():
+        procs = self._processes()
+        shm = self._shm | shm_files([p.pid for p in procs])
+        for proc in procs:
             try:
                 proc.kill()
             except psutil.Error:
                 pass
         self._stop_watchdog()
+        remove_shm_files(shm, procs, timeout=1.0)
 
     # ------------------------------------------------------------------------------- status
     def processes(self):
@@ -540,6 +555,18 @@ class RingCluster(LoggingConfigurable):
 
         me = socket.gethostname()
         return [row["pid"] for row in self.ranks if row["host"] == me]
+
+    def _rank_processes(self):
+        """psutil.Process objects of the ranks on this host that are still running."""
+        import psutil
+
+        procs = []
+        for pid in self._local_rank_pids():
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        return procs
 
     def _processes(self):
         import psutil
@@ -648,7 +675,7 @@ class RingCluster(LoggingConfigurable):
         pids = self._root_pids(cluster) + self._local_rank_pids()
         tmp = self._pid_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(pids, f)
+            json.dump({"pids": pids, "shm": sorted(self._shm)}, f)
         os.replace(tmp, self._pid_file)
 
     def _stop_watchdog(self):

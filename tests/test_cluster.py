@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from jupyter_ring._sidecar import read_sidecar, sidecar_path
+from jupyter_ring._watchdog import shm_files
 from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
 from real_kernel import alive
 
@@ -130,6 +131,9 @@ _STARTER = textwrap.dedent("""
     from jupyter_ring.cluster import RingCluster
     cluster = RingCluster(n=2)
     cluster.start()
+    # a large allreduce, so that MPI's shared memory is in use when the starter dies
+    cluster.view.execute("import numpy as np; x = ring.allreduce(np.ones(10**6), name='x')",
+                         block=True).get()
     print(json.dumps([p.pid for p in cluster.processes()]), flush=True)
     time.sleep(600)
 """)
@@ -145,6 +149,10 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         pids = json.loads(line)
         assert len(pids) >= 5  # controller, mpiexec, hydra proxy, 2 engines (+ nannies)
         assert alive(pids), "cluster not running before the kill"
+        # MPICH's segments: named files in /dev/shm while the ranks run (MPI_Finalize unlinks
+        # them, a SIGKILL does not)
+        shm = shm_files(pids)
+        assert shm, "the ranks map no file in /dev/shm: this test no longer sees MPI's segments"
         killed_at = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -152,6 +160,10 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         gone_after = time.monotonic() - killed_at
         assert survivors == [], f"survived the starter: {[p.cmdline() for p in survivors]}"
         assert gone_after < 2.5, f"cluster took {gone_after:.1f} s to go"
+        deadline = time.monotonic() + 5
+        while [f for f in shm if os.path.exists(f)] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [f for f in shm if os.path.exists(f)] == [], "the killed ranks' /dev/shm files are left"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -13,6 +13,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from jupyter_ring._watchdog import shm_files
 from jupyter_ring.cluster import DeadRankError
 from jupyter_ring.magics import DistributedError
 
@@ -273,6 +274,8 @@ def test_rich_output_and_results_carry_the_rank(ip, capsys):
 def test_dead_engine_is_reported_by_rank_and_restart_works(ip, capsys):
     magics = ip.magics_manager.registry["RingMagics"]
     old = magics.cluster
+    shm = shm_files([row["pid"] for row in old.ranks])
+    assert shm, "the ranks map no file in /dev/shm: this test no longer sees MPI's segments"
     victim = old.ranks[1]["pid"]
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 15
@@ -295,6 +298,8 @@ def test_dead_engine_is_reported_by_rank_and_restart_works(ip, capsys):
     survivors = [p for p in old_pids if psutil.pid_exists(p)
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert survivors == []
+    # the killed ranks never ran MPI_Finalize, which unlinks MPI's shared-memory files
+    assert [f for f in shm if os.path.exists(f)] == [], "the dead cluster's /dev/shm files are left"
 
 
 def test_stop_then_restart_then_stop(ip, capsys):
