@@ -9,7 +9,7 @@ segments, which MPICH unlinks only in ``MPI_Finalize`` (2 MB per cluster was lef
 killed kernel). It exits on its own when every listed process has exited (a normal ``%ring stop``).
 
 The pid file is JSON: ``{"pids": [...], "shm": [...]}`` (the files the ranks had mapped when the
-kernel last looked), or a plain list of pids.
+kernel last looked).
 
 Usage (internal): ``python -m jupyter_ring._watchdog PARENT_PID PID_FILE``
 """
@@ -41,12 +41,10 @@ def _read_roots(path, cache):
         try:
             with open(path) as f:
                 data = json.load(f)
-            if isinstance(data, list):
-                data = {"pids": data}
-            cache["pids"] = [int(p) for p in data.get("pids", [])]
-            cache["shm"] = [str(p) for p in data.get("shm", [])]
+            cache["pids"] = [int(p) for p in data["pids"]]
+            cache["shm"] = [str(p) for p in data["shm"]]
             cache["mtime"] = mtime
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError):
             pass  # half-written: the writer renames atomically, so retry on the next poll
     return cache.get("pids", [])
 

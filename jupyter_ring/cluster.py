@@ -663,7 +663,7 @@ class RingCluster(LoggingConfigurable):
         fd, self._pid_file = tempfile.mkstemp(prefix="jupyter_ring_watch_", suffix=".json",
                                               dir=os.path.join(_profile_dir(), "security"))
         with os.fdopen(fd, "w") as f:
-            json.dump([], f)
+            json.dump({"pids": [], "shm": []}, f)
         self._watchdog = subprocess.Popen(
             [sys.executable, "-m", "jupyter_ring._watchdog", str(os.getpid()), self._pid_file],
             stdin=subprocess.DEVNULL, start_new_session=True)
