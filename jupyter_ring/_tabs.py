@@ -215,14 +215,13 @@ class RankTabs:
 
     def _log(self, rank, where, item):
         """Note an item for the static view; a stream continuing the last one is merged."""
-        if self.log and item["output_type"] == "stream":
-            last_rank, last_where, last = self.log[-1]
-            if (last_rank, last_where, last["output_type"], last.get("name")) == (
-                    rank, where, "stream", item["name"]):
-                last["parts"].append(item["text"])
-                return
-            item = {"output_type": "stream", "name": item["name"], "parts": [item["text"]]}
-        elif item["output_type"] == "stream":
+        if item["output_type"] == "stream":
+            if self.log:
+                last_rank, last_where, last = self.log[-1]
+                if (last_rank, last_where, last["output_type"], last.get("name")) == (
+                        rank, where, "stream", item["name"]):
+                    last["parts"].append(item["text"])
+                    return
             item = {"output_type": "stream", "name": item["name"], "parts": [item["text"]]}
         self.log.append((rank, where, item))
 
