@@ -71,17 +71,13 @@ def shm_files(pids):
     return found
 
 
-def remove_shm_files(paths, procs, timeout=2.0):
-    """Unlink ``paths`` once every process in ``procs`` (psutil) has exited.
+def remove_shm_files(paths):
+    """Unlink ``paths``: regular files of /dev/shm owned by this user. Returns those removed.
 
-    Only regular files of /dev/shm owned by this user; nothing is removed while one of ``procs``
-    is still alive (it may be using them). Returns the paths removed.
+    Called for a cluster being stopped or killed. Unlinking only removes the name: a rank still
+    exiting keeps its mapping until it is gone, and no process opens these files by name after
+    MPI_Init, so nothing waits here for the ranks to exit.
     """
-    if not paths:
-        return []
-    _gone, alive = psutil.wait_procs(list(procs), timeout=timeout)
-    if alive:
-        return []
     removed = []
     uid = os.getuid()
     for path in sorted(paths):
@@ -147,9 +143,8 @@ def main(argv=None):
             # a second look for anything forked while the first kill went out (an mpiexec proxy
             # starting an engine): their parents are dead by now, so nothing forks after this
             time.sleep(POLL_S)
-            procs = _trees(roots, known)
-            _kill(procs.values())
-            remove_shm_files(files, procs.values())
+            _kill(_trees(roots, known).values())
+            remove_shm_files(files)
             return 0
         time.sleep(POLL_S)
 

@@ -484,11 +484,10 @@ class RingCluster(LoggingConfigurable):
     def stop(self):
         """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog.
 
-        Shared-memory files that the ranks had mapped and that are still there once they have
-        exited (ranks that died never ran MPI_Finalize, which unlinks them) are removed.
+        Shared-memory files that the ranks had mapped and that are still there at the end (ranks
+        that died never ran MPI_Finalize, which unlinks them) are removed.
         """
-        ranks = self._rank_processes()
-        shm = self._shm | shm_files([p.pid for p in ranks])
+        shm = self._shm | shm_files(self._local_rank_pids())
         cluster, self.ipp_cluster = self.ipp_cluster, None
         client, self.client = self.client, None
         self.view = None
@@ -515,7 +514,7 @@ class RingCluster(LoggingConfigurable):
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
         self._stop_watchdog()
-        remove_shm_files(shm, ranks)
+        remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
 
     def kill(self):
@@ -530,7 +529,7 @@ class RingCluster(LoggingConfigurable):
             except psutil.Error:
                 pass
         self._stop_watchdog()
-        remove_shm_files(shm, procs, timeout=1.0)
+        remove_shm_files(shm)
 
     # ------------------------------------------------------------------------------- status
     def processes(self):
@@ -555,18 +554,6 @@ class RingCluster(LoggingConfigurable):
 
         me = socket.gethostname()
         return [row["pid"] for row in self.ranks if row["host"] == me]
-
-    def _rank_processes(self):
-        """psutil.Process objects of the ranks on this host that are still running."""
-        import psutil
-
-        procs = []
-        for pid in self._local_rank_pids():
-            try:
-                procs.append(psutil.Process(pid))
-            except psutil.Error:
-                pass
-        return procs
 
     def _processes(self):
         import psutil
