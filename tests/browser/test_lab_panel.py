@@ -58,6 +58,12 @@ def lab(tmp_path):
     port, token = _free_port(), uuid.uuid4().hex
     env = dict(os.environ)  # tests/conftest.py has put IPYTHONDIR and JUPYTER_* in temp dirs
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    # JupyterLab 4.6 may still ask "Select Kernel" for a notebook whose kernel is already running
+    # under load; starting the preferred kernel without asking keeps the page free of dialogs.
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True}))
+    env["JUPYTERLAB_SETTINGS_DIR"] = str(tmp_path / "lab-settings")
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
