@@ -21,6 +21,32 @@ def snap(rank, step=0, total=None, rate=0.0, history=(), t=0.0, final=False, sta
             "comm_share": comm_share, "stall": stall, "elapsed": t, "time": t, "final": final}
 
 
+def run_ranks(state, rates, seconds, start=100.0, hz=5.0, total=None, share=0.0, offsets=None,
+              steps=None):
+    """Snapshots of ranks advancing at ``rates`` {rank: steps/s}, ``hz`` per second each for
+    ``seconds``, spending ``share`` of the time in collectives; ingested in time order (each
+    rank's snapshot ``offsets[rank]`` s after the tick, its clock = the local clock).
+
+    ``steps`` {rank: (step, comm seconds)} continues an earlier call and is updated. Returns the
+    strugglers seen after each tick: [(time, [ranks])].
+    """
+    offsets = offsets or {}
+    steps = {} if steps is None else steps
+    seen = []
+    for tick in range(int(round(seconds * hz)) + 1):
+        for rank in sorted(rates, key=lambda r: offsets.get(r, 0.0)):
+            t = start + tick / hz + offsets.get(rank, 0.0)
+            step, spent = steps.get(rank, (0, 0.0))
+            if tick:
+                step, spent = step + rates[rank] / hz, spent + share / hz
+            steps[rank] = (step, spent)
+            comm = {"allreduce": {"count": int(step), "bytes": 4096 * int(step), "time_s": spent,
+                                  "busbw": 1e6}}
+            state.ingest(rank, snap(rank, step=int(step), total=total, t=t, comm=comm), received=t)
+        seen.append((start + tick / hz, state.stragglers()))
+    return seen
+
+
 class Clock:
     """Stands in for time.time/perf_counter so the reporter's throttle is deterministic."""
 
@@ -128,16 +154,18 @@ def test_chart_has_one_polyline_per_rank_with_at_most_500_points():
 
 
 # ---------------------------------------------------------------------------------- stragglers
-def test_straggler_is_a_running_rank_below_0_7_of_the_median_rate():
+def test_straggler_is_a_running_rank_below_0_7_of_the_median_rate_for_a_whole_window():
     state = DashboardState(4)
-    for rank, rate in enumerate([10.0, 9.5, 10.2, 5.0]):
-        state.ingest(rank, snap(rank, step=50, total=100, rate=rate, t=1))
+    seen = run_ranks(state, {0: 10.0, 1: 9.5, 2: 10.2, 3: 5.0}, seconds=8, total=1000)
     assert state.stragglers() == [3]
+    # called once its rate is measured (min_span) and has stayed low for the window, not before
+    first = min(t for t, ranks in seen if ranks) - 100.0
+    assert state.min_span + state.window <= first <= state.min_span + state.window + 0.5, seen
     html_text = render_html(state)
     assert re.search(r'class="jr-rank-row jr-straggler" data-rank="3"', html_text)
     assert "straggler" in state.summary().splitlines()[3]
     # a rank that finished is no straggler, and does not count towards the median
-    state.ingest(3, snap(3, step=100, total=100, rate=5.0, t=2, final=True))
+    state.ingest(3, snap(3, step=1000, total=1000, t=109, final=True), received=109)
     assert state.stragglers() == []
 
 
@@ -147,15 +175,13 @@ def test_no_straggler_at_the_start_or_with_one_rank():
     state.ingest(1, snap(1, step=1, total=100, rate=0.0, t=1))
     assert state.stragglers() == []
     one = DashboardState(1)
-    one.ingest(0, snap(0, step=1, total=100, rate=0.1, t=1))
-    assert one.stragglers() == []
+    assert not any(ranks for _, ranks in run_ranks(one, {0: 0.1}, seconds=10, total=100))
 
 
 def test_mild_differences_are_not_stragglers():
     state = DashboardState(3)
-    for rank, rate in enumerate([10.0, 8.0, 7.5]):
-        state.ingest(rank, snap(rank, step=5, total=100, rate=rate, t=1))
-    assert state.stragglers() == []
+    seen = run_ranks(state, {0: 10.0, 1: 8.0, 2: 7.5}, seconds=10, total=1000)
+    assert not any(ranks for _, ranks in seen)
 
 
 # --------------------------------------------------------------------------------- stall, ETA
@@ -181,27 +207,34 @@ def test_stall_banner_names_the_waiting_rank_the_tensor_and_the_missing_ranks():
 
 def test_eta_from_rate_and_total():
     state = DashboardState(1)
-    state.ingest(0, snap(0, step=40, total=100, rate=20.0, t=1))
+    run_ranks(state, {0: 20.0}, seconds=2, total=100)
+    assert state.ranks[0].step == 40 and state.ranks[0].rate == pytest.approx(20.0)
     assert state.ranks[0].eta == pytest.approx(3.0)
     assert "ETA 3 s" in state.summary()
-    state.ingest(0, snap(0, step=40, total=None, rate=20.0, t=2))  # the reporter dropped the total
+    state.ingest(0, snap(0, step=40, total=None, t=102.1))  # the reporter dropped the total
     assert state.ranks[0].eta is None and state.ranks[0].fraction is None
     unknown = DashboardState(1)
-    unknown.ingest(0, snap(0, step=40, total=100, rate=0.0, t=1))
-    assert unknown.ranks[0].eta is None
+    unknown.ingest(0, snap(0, step=40, total=100, rate=5.0, t=1))  # one snapshot: no rate yet
+    assert unknown.ranks[0].rate is None and unknown.ranks[0].eta is None
     assert format_seconds(3725) == "1:02:05" and format_seconds(125) == "2:05"
 
 
 # ------------------------------------------------------------------------------- freeze, HTML
 def _trained_state():
+    """Two ranks, 60 steps in 2 s (30 it/s) with 12 % of the time in allreduces, reported at
+    5 snapshots a second."""
     state = DashboardState(2)
-    comm = {"allreduce": {"count": 120, "bytes": 3 * 2**20, "time_s": 0.25, "busbw": 12.5 * 2**20},
-            "broadcast": {"count": 4, "bytes": 1024, "time_s": 0.01, "busbw": 1e5}}
     for rank in (0, 1):
-        hist = [(i, 100 + i * 0.1, {"loss": 1.0 / (i + 1) + 0.01 * rank}) for i in range(1, 61)]
-        state.ingest(rank, snap(rank, step=60, total=60, rate=30.0, history=hist, t=107,
-                                final=True, metrics={"loss": hist[-1][2]["loss"]},
-                                comm=comm, comm_share=0.12))
+        for k in range(11):
+            t = 100 + k / 5
+            comm = {"allreduce": {"count": 12 * k, "bytes": 3 * 2**20 * k // 10,
+                                  "time_s": 0.024 * k, "busbw": 12.5 * 2**20},
+                    "broadcast": {"count": 4, "bytes": 1024, "time_s": 0.01, "busbw": 1e5}}
+            hist = [(i, 100 + i / 30, {"loss": 1.0 / (i + 1) + 0.01 * rank})
+                    for i in range(6 * k - 5, 6 * k + 1) if i > 0]
+            state.ingest(rank, snap(rank, step=6 * k, total=60, rate=99.0, history=hist, t=t,
+                                    final=k == 10, metrics={"loss": 1.0 / (6 * k + 1) + 0.01 * rank},
+                                    comm=comm, comm_share=0.99), seq=k + 1)
     return state
 
 
@@ -216,10 +249,12 @@ def test_freeze_gives_final_static_html_with_each_rank_row_and_the_chart():
     assert "<script" not in page  # static: shows without a kernel or JavaScript
     comm_rows = re.findall(r'<tr class="jr-comm-row" data-rank="(\d)">(.*?)</tr>', page)
     assert [r for r, _ in comm_rows] == ["0", "1"]
-    assert "<td>120</td><td>3.0 MiB</td><td>0.250 s</td><td>12.5 MiB/s</td><td>12 %</td>" in page
+    assert ('<td>120</td><td>3.0 MiB</td><td>0.240 s</td><td>12.5 MiB/s</td>'
+            '<td class="jr-share">12 %</td>') in page
+    assert "over the whole cell" in page  # the caption says what the share covers
     summary = state.summary()
-    assert summary.splitlines()[0].startswith("rank 0: step 60/60 (100%), 30.0 it/s")
-    assert "allreduce 120x 3.0 MiB 0.25 s 12.5 MiB/s" in summary
+    assert summary.splitlines()[0].startswith("rank 0: step 60/60 (100%), 30 it/s")
+    assert "allreduce 120x 3.0 MiB 0.24 s 12.5 MiB/s" in summary
 
 
 def test_freeze_clears_a_stall_that_was_still_shown():
@@ -246,12 +281,12 @@ def test_widget_has_a_row_per_rank_and_marks_the_straggler():
     dash = Dashboard(ranks=3)
     assert len(dash._rows.children) == 3
     assert "waiting for the first report" in dash._rows.children[0].text.value
-    for rank, rate in enumerate([10.0, 10.0, 3.0]):
-        dash.state.ingest(rank, snap(rank, step=30, total=60, rate=rate, t=1,
-                                     history=[(30, 1.0, {"loss": 0.5})]))
+    run_ranks(dash.state, {0: 10.0, 1: 10.0, 2: 3.0}, seconds=8, total=160)
+    for rank in range(3):  # an older snapshot: adds its points, changes nothing else
+        dash.state.ingest(rank, snap(rank, t=50, history=[(1, 50.0, {"loss": 0.5})]), received=108)
     dash.refresh()
     rows = dash._rows.children
-    assert [r.bar.value for r in rows] == [0.5, 0.5, 0.5]
+    assert [r.bar.value for r in rows] == [0.5, 0.5, 0.15]
     assert [("jr-straggler" in r._dom_classes) for r in rows] == [False, False, True]
     assert rows[2].bar.bar_style == "warning" and "straggler" in rows[2].label.value
     assert "jr-series" in dash._chart.value

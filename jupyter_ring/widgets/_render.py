@@ -6,10 +6,10 @@ notebook, so a notebook reopened without a kernel shows what the widget last sho
 
 import html
 
-from ._state import format_bytes, format_seconds, format_value
+from ._state import format_bytes, format_rate, format_seconds, format_value
 
 __all__ = ["render_html", "render_chart", "render_comm", "render_banner", "rank_cells",
-           "COLORS", "STYLE"]
+           "COLORS", "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
@@ -28,7 +28,12 @@ STYLE = """<style>
 .jr-straggler .jr-bar>div{background:#f28e2b}
 .jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
 .jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
+.jr-caption{color:var(--jp-ui-font-color2,#555);font-size:11px;line-height:1.35;margin:0 0 4px 8px;max-width:640px;white-space:normal}
 </style>"""
+
+# What "time in collectives" measures: the comm table's caption and its column's tooltip.
+COMM_CAPTION = ("time in collectives: the share of wall-clock time each rank spent inside "
+                "collectives (allreduce, broadcast, ...; waiting for the other ranks included)")
 
 
 def _e(text):
@@ -55,8 +60,11 @@ def rank_cells(state, rank):
         eta = f"ETA {format_seconds(s.eta)}" if s.eta is not None else ""
     metrics = "  ".join(f"{k} {format_value(v)}" for k, v in sorted(s.metrics.items()))
     desc = f"{s.desc}: " if s.desc else ""
-    return {"step": f"{desc}{step}{total}", "pct": pct, "rate": f"{s.rate:.1f} it/s", "eta": eta,
-            "metrics": metrics, "comm": f"{100 * s.comm_share:.0f} %"}
+    # no figure before it is measured (the window spans min_span): a first reading is noise
+    rate = f"{format_rate(s.rate)} it/s" if s.rate is not None else ""
+    comm = f"{100 * s.comm_share:.0f} %" if s.comm_share is not None else ""
+    return {"step": f"{desc}{step}{total}", "pct": pct, "rate": rate, "eta": eta,
+            "metrics": metrics, "comm": comm}
 
 
 def render_banner(state):
@@ -117,7 +125,9 @@ def render_chart(state, width=640, height=200, max_points=500):
 
 
 def render_comm(state):
-    """A table per rank of allreduce count, bytes, time, busbw and the comm share of step time."""
+    """A table per rank of allreduce count, bytes, time, busbw and the share of wall-clock time
+    spent in collectives (over the state's window; the whole cell's once frozen), with a caption
+    that says what that share measures."""
     rows = []
     kinds = sorted({k for s in state.ranks.values() for k in s.comm} - {"allreduce"})
     for rank, s in state.ranks.items():
@@ -126,15 +136,25 @@ def render_comm(state):
         ar = state.comm_totals(rank)
         other = ", ".join(f"{k} {state.comm_totals(rank, k)['count']}x" for k in kinds
                           if state.comm_totals(rank, k)["count"])
+        share = f"{100 * s.comm_share:.0f} %" if s.comm_share is not None else "–"
         rows.append(f'<tr class="jr-comm-row" data-rank="{rank}"><td class="jr-l">rank {rank}</td>'
                     f'<td>{ar["count"]}</td><td>{format_bytes(ar["bytes"])}</td>'
                     f'<td>{ar["time_s"]:.3f} s</td><td>{format_bytes(ar["busbw"])}/s</td>'
-                    f'<td>{100 * s.comm_share:.0f} %</td><td class="jr-l jr-wrap">{_e(other)}</td></tr>')
+                    f'<td class="jr-share">{share}</td><td class="jr-l jr-wrap">{_e(other)}</td></tr>')
     if not rows:
         return ""
+    caption = _e(f"{COMM_CAPTION}, {_share_period(state)}.")
     return ('<table class="jr-comm"><tr><th class="jr-l">communication</th><th>allreduces</th>'
-            '<th>bytes</th><th>time</th><th>busbw</th><th>share of step time</th>'
-            '<th class="jr-l">other collectives</th></tr>' + "".join(rows) + "</table>")
+            f'<th>bytes</th><th>time</th><th>busbw</th><th title="{caption}">time in collectives</th>'
+            '<th class="jr-l">other collectives</th></tr>' + "".join(rows) + "</table>"
+            f'<div class="jr-caption">{caption}</div>')
+
+
+def _share_period(state):
+    if state.frozen:
+        return "over the whole cell (from each rank's first report to its last)"
+    return (f"over the last {state.window:g} s (shown once {state.min_span:g} s have been "
+            "measured)")
 
 
 def render_rows(state):

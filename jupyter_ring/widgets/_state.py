@@ -5,17 +5,32 @@ whatever transport the front end uses). Their ``history`` holds only the points 
 previous snapshot, so every snapshot must be ingested once; ingesting one twice, or out of order,
 does no harm: points are de-duplicated and kept in time order, and an older snapshot never
 overwrites a newer one's latest values.
+
+Rates and the share of time in collectives are the state's own figures, measured over a sliding
+window of the snapshots' (time, step, comm time) on each rank's clock, never a single snapshot's
+(a snapshot's figure covers a different instant on each rank: lockstep ranks would look unequal).
+None of them is shown until the window spans ``min_span`` seconds.
 """
 
 import bisect
+import collections
 import math
 import statistics
 import time
+from typing import NamedTuple
 
 __all__ = ["DashboardState", "RankState", "downsample"]
 
 # Points kept per rank and metric before the oldest half is thinned to every other point.
 _MAX_POINTS = 20000
+
+
+class _Sample(NamedTuple):
+    """One newer snapshot of a rank, as the rate and share windows use it."""
+
+    time: float       # the rank's wall time of the snapshot
+    advanced: float   # steps advanced since the rank's first snapshot (restarted counts included)
+    comm: float       # seconds spent in collectives since the rank's first snapshot
 
 
 class RankState:
@@ -30,10 +45,16 @@ class RankState:
         self.step = 0
         self.total = None
         self.desc = None
-        self.rate = 0.0
+        self.rate = None           # steps/s over the window (None: not measured yet)
         self.metrics = {}
         self.comm = {}
-        self.comm_share = 0.0
+        self.comm_share = None     # share of wall time in collectives over the window (None: idem)
+        self.slow_since = None     # local time since which the rate stayed below the stragglers' bar
+        self.samples = collections.deque()  # _Sample of the snapshots in the window (+1 before it)
+        self.first_sample = None   # the first _Sample showing work: the cell's figures start there
+        self._previous = None      # the newest _Sample (in the window or not)
+        self._idle = None          # the last _Sample before any work was seen
+        self._last = None          # (step, comm seconds) of the newest snapshot, as reported
         self.stall = None
         self.elapsed = 0.0
         self.final = False
@@ -58,7 +79,7 @@ class RankState:
         left = self.total - self.step
         if left <= 0:
             return 0.0
-        if self.rate <= 0:
+        if not self.rate or self.rate <= 0:
             return None
         return left / self.rate
 
@@ -66,6 +87,62 @@ class RankState:
     def done(self):
         """Finished: the cell ended on this rank, or the step reached the total."""
         return self.final or (self.total is not None and self.total > 0 and self.step >= self.total)
+
+    def add_sample(self, snapshot, window, min_span):
+        """Take the newest snapshot's time, step and comm time into the window; re-measure.
+
+        Steps and comm seconds are accumulated as deltas, so a count that restarts (a new
+        ``ring.track`` epoch, ``ring.reset_stats()``) continues from there instead of going back.
+        The window opens at the first snapshot that shows work done (a step, or time in a
+        collective): the time a cell spends before its first step (loading data, building a
+        model) is setup, and would drag its first rates down to nothing.
+        """
+        step = snapshot.get("step")
+        comm = sum(float(kind.get("time_s") or 0.0) for kind in (snapshot.get("comm") or {}).values()
+                   if isinstance(kind, dict))
+        when = snapshot.get("time")
+        if not isinstance(when, (int, float)) or not isinstance(step, (int, float)):
+            return
+        previous = self._previous
+        if previous is None:
+            advanced = spent = 0.0
+        else:
+            if when < previous.time:
+                return  # a rank's clock stepped back: keep the window as it was
+            last_step, last_comm = self._last
+            if step >= last_step:
+                advanced = previous.advanced + step - last_step
+            else:  # the count restarted: it went on to its total (if it has one), then from 0
+                total = snapshot.get("total")
+                rest = total - last_step if isinstance(total, (int, float)) and total >= last_step else 0
+                advanced = previous.advanced + rest + step
+            spent = previous.comm + (comm - last_comm if comm >= last_comm else comm)
+        self._last = (step, comm)
+        sample = _Sample(float(when), float(advanced), float(spent))
+        if self.first_sample is None:
+            if advanced <= 0 and spent <= 0:
+                self._previous = self._idle = sample
+                return  # no work seen yet
+            self.first_sample = sample
+        self._previous = sample
+        samples = self.samples
+        samples.append(sample)
+        # invariant: samples[0] is the last sample at or before the window's start
+        while len(samples) > 2 and samples[1].time <= sample.time - window:
+            samples.popleft()
+        self.rate, self.comm_share = _measure(samples[0], sample, min_span)
+
+    def measure_whole(self, min_span):
+        """Rate and comm share from the rank's first work seen to its last snapshot (the cell's
+        figures); a cell whose work fits in less than ``min_span`` between two snapshots is
+        measured from the snapshot before its work."""
+        if not self.samples:
+            return
+        last = self.samples[-1]
+        first = self.first_sample
+        if last.time - first.time < min_span and self._idle is not None:
+            first = self._idle
+        self.rate, self.comm_share = _measure(first, last, 0.0)
 
     def add_point(self, metric, wall, step, value, check=True):
         """Insert one history point in time order; False when it was already there.
@@ -108,6 +185,18 @@ class RankState:
             for _wall, step, value in self.history.get(metric, ()):
                 chart.add(step, value)
         return chart.points()
+
+
+def _measure(first, last, min_span):
+    """(steps/s, share of time in collectives) between two samples; (None, None) over too short
+    a span (a figure from a fraction of a second is noise)."""
+    span = last.time - first.time
+    if span <= 0 or span < min_span:
+        return None, None
+    # a rank that never advanced a step (it only logs metrics) has no rate, rather than 0 it/s
+    rate = (last.advanced - first.advanced) / span if last.advanced > 0 else None
+    share = max(0.0, min(1.0, (last.comm - first.comm) / span))
+    return rate, share
 
 
 class _ChartBuffer:
@@ -168,11 +257,13 @@ class DashboardState:
     """Ingests rank snapshots; answers what to show: rows, stragglers, stall banner, chart series.
 
     ``ranks`` is the number of ranks or the list of ranks to show (snapshots from other ranks add
-    rows). A rank is a straggler when it is not done and its rate is below ``straggler_ratio``
-    times the median rate of the ranks still running.
+    rows). Rates and comm shares are measured over the last ``window`` seconds of each rank's
+    snapshots, and shown once they span ``min_span`` seconds. A rank is a straggler when it is
+    not done and its rate has stayed below ``straggler_ratio`` times the median rate of the
+    running ranks for ``window`` seconds (one low reading is no evidence).
     """
 
-    def __init__(self, ranks=(), straggler_ratio=0.7, metric=None):
+    def __init__(self, ranks=(), straggler_ratio=0.7, metric=None, window=5.0, min_span=1.0):
         if isinstance(ranks, int):
             ranks = range(ranks)
         self.ranks = {}
@@ -180,11 +271,17 @@ class DashboardState:
             self.rank(rank)
         if not 0 < straggler_ratio < 1:
             raise ValueError(f"straggler_ratio must be between 0 and 1, got {straggler_ratio!r}")
+        if not 0 <= min_span <= window:
+            raise ValueError(f"need 0 <= min_span <= window (seconds), got min_span={min_span!r}, "
+                             f"window={window!r}")
         self.straggler_ratio = straggler_ratio
+        self.window = float(window)
+        self.min_span = float(min_span)
         self.metric = metric       # the charted metric; None: 'loss' if logged, else the first
         self.frozen = False
         self.version = 0           # bumped on every change, for renderers to skip repaints
         self.started = time.time()
+        self.now = None            # local time of the latest ingest: the straggler clock
 
     def rank(self, rank):
         """The RankState of ``rank`` (created if new)."""
@@ -231,24 +328,43 @@ class DashboardState:
             state.step = snapshot.get("step", state.step)
             state.total = snapshot.get("total", state.total)
             state.desc = snapshot.get("desc", state.desc)
-            state.rate = float(snapshot.get("rate") or 0.0)
             state.metrics = dict(snapshot.get("metrics") or {})
             state.comm = dict(snapshot.get("comm") or {})
-            state.comm_share = float(snapshot.get("comm_share") or 0.0)
             state.stall = snapshot.get("stall")
             state.elapsed = float(snapshot.get("elapsed") or 0.0)
             state.final = bool(snapshot.get("final"))
+            # the snapshot's own 'rate' and 'comm_share' are ignored: each covers a different
+            # instant on each rank (see the module's docstring)
+            state.add_sample(snapshot, self.window, self.min_span)
         state.seen = True
         state.received = time.time() if received is None else received
+        self.now = state.received if self.now is None else max(self.now, state.received)
+        self._judge_stragglers()
         self.version += 1
         return added
 
     def freeze(self):
-        """No more snapshots: the state is final (a stall still shown is over)."""
+        """No more snapshots: the state is final (a stall still shown is over, and the rates and
+        comm shares become the whole cell's)."""
         for state in self.ranks.values():
             state.stall = None
+            state.slow_since = None
+            state.measure_whole(self.min_span)
         self.frozen = True
         self.version += 1
+
+    def _judge_stragglers(self):
+        """Start or end each running rank's slow spell against the median of the running ranks."""
+        running = {r for r, s in self.ranks.items() if s.seen and not s.done and s.rate is not None}
+        median = (statistics.median(self.ranks[r].rate for r in running) if len(running) >= 2
+                  else None)
+        for rank, state in self.ranks.items():
+            slow = (median is not None and median > 0 and rank in running
+                    and state.rate < self.straggler_ratio * median)
+            if not slow:
+                state.slow_since = None
+            elif state.slow_since is None:
+                state.slow_since = self.now
 
     # ------------------------------------------------------------------------------ queries
     def chart_metric(self):
@@ -262,18 +378,18 @@ class DashboardState:
 
     def median_rate(self):
         """Median rate (steps/s) of the ranks still running with a measured rate, or None."""
-        rates = [s.rate for s in self.ranks.values() if s.seen and not s.done]
+        rates = [s.rate for s in self.ranks.values() if s.seen and not s.done and s.rate is not None]
         if len(rates) < 2 or max(rates) <= 0:
             return None
         return statistics.median(rates)
 
     def stragglers(self):
-        """Ranks still running whose rate is clearly below the median of the running ranks."""
-        median = self.median_rate()
-        if median is None or median <= 0:
+        """Ranks still running whose rate has stayed clearly below the median of the running
+        ranks for the last ``window`` seconds."""
+        if self.frozen:
             return []
         return [r for r, s in self.ranks.items()
-                if s.seen and not s.done and s.rate < self.straggler_ratio * median]
+                if s.slow_since is not None and not s.done and self.now - s.slow_since >= self.window]
 
     def stalls(self):
         """The stall of every waiting rank: [{rank, what, missing, waited}], by rank."""
@@ -328,7 +444,9 @@ class DashboardState:
                 continue
             total = f"/{_num(s.total)}" if s.total is not None else ""
             pct = f" ({100 * s.fraction:.0f}%)" if s.fraction is not None else ""
-            parts = [f"rank {rank}: step {_num(s.step)}{total}{pct}", f"{s.rate:.1f} it/s"]
+            parts = [f"rank {rank}: step {_num(s.step)}{total}{pct}"]
+            if s.rate is not None:
+                parts.append(f"{format_rate(s.rate)} it/s")
             if s.eta is not None and not s.done:
                 parts.append(f"ETA {format_seconds(s.eta)}")
             if metric in s.metrics:
@@ -337,7 +455,8 @@ class DashboardState:
             if ar["count"]:
                 parts.append(f"allreduce {ar['count']}x {format_bytes(ar['bytes'])} "
                              f"{ar['time_s']:.2f} s {format_bytes(ar['busbw'])}/s")
-            parts.append(f"comm {100 * s.comm_share:.0f}%")
+            if s.comm_share is not None:
+                parts.append(f"comm {100 * s.comm_share:.0f}%")
             line = ", ".join(parts)
             if rank in stragglers:
                 line += "  <- straggler"
@@ -382,6 +501,13 @@ def format_value(value):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{value:.4g}"
     return str(value)
+
+
+def format_rate(rate):
+    """Steps per second, 3 significant digits (0.04, 2.57, 31.4, 1234)."""
+    if rate >= 100:
+        return f"{rate:.0f}"
+    return f"{rate:.3g}"
 
 
 def format_bytes(n):

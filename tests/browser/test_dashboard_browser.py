@@ -22,6 +22,7 @@ from conftest import screenshot_path
 from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, ROOT, _run_cell, lab, playwright_api  # noqa: F401
 
 SCREENSHOT = screenshot_path("dashboard.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
+LIVE_SCREENSHOT = screenshot_path("dashboard-live.png")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -157,3 +158,77 @@ def test_distributed_shows_the_dashboard(lab):
             _check_final_dashboard(cell)
         finally:
             browser.close()
+
+
+# Lockstep ranks (an allreduce every step): 3 s of setup after announcing the total (as loading
+# data would), then ~0.02 s a step for ~8 s; the loss spans decades.
+LOCKSTEP = """\
+%%distributed
+import time, numpy as np
+ring.progress(0, total=400, desc="train")
+time.sleep(3)
+for i in range(400):
+    ring.allreduce(np.ones(1000, np.float32), name="g")
+    time.sleep(0.015)
+    ring.progress(i + 1)
+    ring.log(loss=1.0 / (i + 1))    # at step i + 1, as after an optimizer's step
+print("done", flush=True)
+"""
+
+# Every 50 ms in the page: what the live dashboard shows (issue 21 item 2 was seen by eye).
+SAMPLER = """() => {
+  window.__jrSamples = [];
+  window.__jrSampler = setInterval(() => {
+    const dash = document.querySelector('.jr-dashboard');
+    if (!dash) { return; }
+    window.__jrSamples.push({
+      t: performance.now(),
+      rows: Array.from(dash.querySelectorAll('.jr-rank-row')).map(r => r.innerText),
+      straggler: !!dash.querySelector('.jr-straggler'),
+      shares: Array.from(dash.querySelectorAll('td.jr-share')).map(td => td.innerText)
+    });
+  }, 50);
+}"""
+
+
+def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
+    """Issue 21 item 2 in a real JupyterLab: no '0.0 it/s', no 'share 0 %' before anything is
+    measured, no straggler among lockstep ranks; then the figures appear."""
+    import re
+
+    from playwright.sync_api import expect
+
+    with playwright_api.sync_playwright() as p:
+        browser, page = _open_notebook(p, lab)
+        try:
+            _start_ranks(page)
+            page.evaluate(SAMPLER)
+            cell = _run_cell(page, 1, LOCKSTEP)
+            # the live dashboard once it has figures: its picture (docs/img/dashboard-live.png)
+            dash = cell.locator(".jr-dashboard")
+            expect(dash.locator(".jr-rank-row").last).to_contain_text("it/s", timeout=120_000)
+            dash.screenshot(path=LIVE_SCREENSHOT)
+            expect(cell.locator(".jr-static")).to_have_count(1, timeout=120_000)
+            page.evaluate("() => clearInterval(window.__jrSampler)")
+            samples = page.evaluate("() => window.__jrSamples")
+        finally:
+            browser.close()
+    live = [s for s in samples if len(s["rows"]) == 2]
+    assert len(live) >= 20, f"only {len(live)} samples of the live dashboard"
+    setup = [s for s in live if all("train: 0 / 400" in row for row in s["rows"])]
+    assert setup, "the dashboard was not seen during the setup (before the first step)"
+    wrong = []
+    for s in live:
+        text = " | ".join(s["rows"])
+        if s["straggler"] or "straggler" in text:
+            wrong.append(("straggler", text))
+        if re.search(r"(?<![\d.])0(\.0+)? it/s", text):
+            wrong.append(("0 it/s", text))
+    for s in setup:  # nothing measured yet: no figure rather than a wrong one
+        if re.search(r"it/s|ETA", " ".join(s["rows"])) or set(s["shares"]) - {"–"}:
+            wrong.append(("a figure before the first step", s["rows"], s["shares"]))
+    assert not wrong, wrong[:5]
+    moving = [s["t"] for s in live if s not in setup]
+    later = [s for s in live if moving and s["t"] - moving[0] > 2500]
+    assert later and all(all("it/s" in row for row in s["rows"]) for s in later), later[:2]
+    assert all(re.fullmatch(r"\d+ %", share) for s in later for share in s["shares"]), later[-1]

@@ -1,0 +1,184 @@
+"""The dashboard's figures as a user reads them: rate, ETA, time in collectives, stragglers, in the
+first seconds of a run and over its course.
+
+The ranks are simulated with the runtime's real ``Reporter`` and ``Trace`` on a shared fake clock
+(their throttle, their snapshot timing, their comm totals), and their snapshots reach the state in
+publication order, as the datapub transport delivers them.
+"""
+
+import random
+import re
+
+import pytest
+
+from jupyter_ring.runtime._report import Reporter
+from jupyter_ring.runtime._trace import Trace
+from jupyter_ring.widgets._render import rank_cells, render_html
+from jupyter_ring.widgets._state import DashboardState
+from test_dashboard import clock, snap  # noqa: F401 - clock is a fixture
+
+
+class Rank:
+    """One simulated rank: a real Reporter (5 snapshots/s) and a real Trace, created long before
+    the cell runs (as the runtime's reporter is, at import)."""
+
+    def __init__(self, rank, size):
+        self.reporter = Reporter(max_rate=5.0)
+        self.reporter.rank = rank
+        self.reporter.trace = Trace(rank, size, maxlen=10)
+        self.sent = []
+        self.reporter.publisher = lambda s: self.sent.append(s)
+
+
+def simulate(clock, size=2, steps=600, step_s=0.01, comm_s=lambda i: 0.004, offsets=(0.0, 0.004),
+             idle=300.0, total=None, epoch=None, setup=0.0):
+    """Lockstep ranks: step ``i`` takes ``step_s`` + the extra of ``comm_s(i)`` over 4 ms, of which
+    ``comm_s(i)`` is spent in an allreduce; rank r runs ``offsets[r]`` s behind rank 0 within a step.
+    ``epoch``: restart the step count (ring.track per epoch) every ``epoch`` steps; ``setup``: s
+    between ``ring.progress(0, total)`` and the first step (loading data). Returns every
+    snapshot as (publish time, rank, seq, snapshot), in publication order."""
+    ranks = [Rank(r, size) for r in range(size)]
+    clock.now += idle  # the reporters were created at import, minutes before the cell
+    t0 = clock.now
+    published = []
+
+    def publish(r, rank):
+        while rank.sent:
+            published.append((clock.now, r, len(published) + 1, rank.sent.pop(0)))
+
+    for r, rank in enumerate(ranks):
+        clock.now = t0 + offsets[r]
+        rank.reporter.progress(0, total=total or steps, desc="train")
+        publish(r, rank)
+    t = t0 + setup
+    for i in range(steps):
+        spent = comm_s(i)
+        t += step_s + max(0.0, spent - 0.004)
+        for r, rank in enumerate(ranks):
+            clock.now = t + offsets[r]
+            rank.reporter.trace.record("allreduce", "grads", 4096, 0.0, spent, {})
+            step = i % epoch + 1 if epoch else i + 1  # ring.track: 1..epoch, then 1.. again
+            rank.reporter.progress(step)
+            rank.reporter.log(loss=1.0 / (i + 1))
+            publish(r, rank)
+    for r, rank in enumerate(ranks):  # the cell ends: post_execute publishes the final state
+        rank.reporter.publish(final=True)
+        publish(r, rank)
+    published.sort(key=lambda item: item[0])
+    return published
+
+
+def replay(published, state, delay=0.02, each=None):
+    """Ingest the snapshots as they arrive (``delay`` s after publication); ``each(t)`` after each."""
+    for when, rank, seq, snapshot in published:
+        state.ingest(rank, snapshot, seq=seq, received=when + delay)
+        if each is not None:
+            each(when + delay - published[0][0])
+
+
+# ------------------------------------------------------------------------- the first seconds
+@pytest.mark.parametrize("setup", [0.0, 3.0])
+def test_first_seconds_of_lockstep_ranks_show_no_false_figure_and_no_straggler(clock, setup):
+    """Issue 21 item 2: '0.0 it/s' while training, 'share 0 %', a lockstep rank called straggler.
+    ``setup``: seconds before the first step (loading data): no figure then, and no low rate
+    after it."""
+    published = simulate(clock, steps=600, setup=setup)  # 100 it/s, 40 % in the allreduce
+    state = DashboardState(2)
+    seen = []
+
+    def look(t):
+        cells = [rank_cells(state, r) for r in (0, 1)]
+        seen.append((t, cells, state.stragglers(), render_html(state)))
+
+    replay(published, state, each=look)
+    wrong = []  # every wrong reading, so that a failure shows them all
+    for t, cells, stragglers, page in seen:
+        if stragglers or "(straggler)" in page:
+            wrong.append((t, "straggler", stragglers, [c["step"] for c in cells]))
+        for cell in cells:
+            if re.match(r"0(\.0*)? it/s", cell["rate"]):
+                wrong.append((t, "no progress shown", cell))
+            if t < setup + 1.0 and (cell["rate"] or cell["comm"] or cell["eta"]):
+                wrong.append((t, "a figure before it is measured", cell))  # a reading is noise
+            if cell["rate"] and not 85 <= float(cell["rate"].split()[0]) <= 115:
+                wrong.append((t, "rate", cell))
+            if cell["comm"] and not 30 <= int(cell["comm"].split()[0]) <= 50:
+                wrong.append((t, "share", cell))
+    assert not wrong, wrong[:3] + wrong[-3:]
+    late = [cells for t, cells, _, _ in seen if t > setup + 1.5]
+    assert late and all(c["rate"] and c["comm"] and c["eta"] for cells in late for c in cells)
+
+
+def test_a_restarted_step_count_keeps_the_rate(clock):
+    """ring.track per epoch: the step goes back to 0 every 50 steps; the rate stays ~100 it/s."""
+    state = DashboardState(2)
+    rates = []
+    replay(simulate(clock, steps=500, epoch=50, total=50), state,
+           each=lambda t: rates.append(state.ranks[0].rate) if t > 1.5 else None)
+    assert rates and all(80 <= r <= 120 for r in rates), (min(rates), max(rates))
+
+
+def test_a_cell_whose_work_fits_between_two_snapshots_gets_its_final_figures():
+    state = DashboardState(1)
+    state.ingest(0, snap(0, step=0, total=50, t=100.0), seq=1)
+    state.ingest(0, snap(0, step=50, total=50, t=100.1, final=True,
+                         comm={"allreduce": {"time_s": 0.05, "count": 50, "bytes": 0, "busbw": 0}}),
+                 seq=2)
+    assert state.ranks[0].rate is None  # live: one reading, no figure
+    state.freeze()
+    assert state.ranks[0].rate == pytest.approx(500) and state.ranks[0].comm_share == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------- stragglers
+def test_a_real_straggler_is_called_after_a_window_and_stays_called():
+    state = DashboardState(3)
+    called = []
+    for tick in range(61):  # 12 s at 5 snapshots/s; rank 2 runs at half speed
+        t = 100 + tick / 5
+        for rank, rate in ((0, 20.0), (1, 21.0), (2, 10.0)):
+            state.ingest(rank, snap(rank, step=int(rate * (t - 100)), total=1000, t=t), received=t)
+        called.append((t - 100, state.stragglers()))
+    assert all(ranks == [] for t, ranks in called if t < state.min_span + state.window)
+    assert all(ranks == [2] for t, ranks in called if t >= state.min_span + state.window + 0.2)
+
+
+def test_one_slow_window_is_not_a_straggler():
+    """A rank that pauses for 2 s (a checkpoint, a GC) and goes on is not called a straggler."""
+    state = DashboardState(2)
+    steps = {0: 0.0, 1: 0.0}
+    for tick in range(76):
+        t = 100 + tick / 5
+        for rank in (0, 1):
+            paused = rank == 1 and 106 <= t < 108
+            steps[rank] += 0 if paused else 20 / 5
+            state.ingest(rank, snap(rank, step=int(steps[rank]), total=10_000, t=t), received=t)
+        assert state.stragglers() == [], t
+
+
+# ---------------------------------------------------------------- share of time in collectives
+def test_time_in_collectives_is_smoothed_and_the_final_figure_is_the_whole_cell(clock):
+    """Issue 21 item 8: 55, 60, 62, 82, then 47 % final. A slow allreduce (0.2 s waiting) in one
+    step of 45, at random, makes half-second readings jump; the window's do not, and the final
+    figure is the whole cell's."""
+    rng = random.Random(3)
+    comm = [0.2 if rng.random() < 1 / 45 else 0.004 for _ in range(1500)]
+    published = simulate(clock, steps=1500, comm_s=comm.__getitem__)
+    state = DashboardState(2)
+    shares = []
+    replay(published, state, each=lambda t: shares.append(state.ranks[0].comm_share)
+           if t > state.window + 1 else None)
+    raw = [s["comm_share"] for _, r, _, s in published if r == 0][10:]
+
+    def jumps(figures):
+        return max(abs(b - a) for a, b in zip(figures, figures[1:]))
+
+    assert jumps(raw) > 0.2  # the rank's own half-second reading jumps from one to the next...
+    assert shares and jumps(shares) < 0.05, jumps(shares)  # ...the window's moves smoothly
+    state.freeze()
+    spent = sum(comm)
+    wall = sum(0.01 + max(0.0, c - 0.004) for c in comm)
+    assert state.ranks[0].comm_share == pytest.approx(spent / wall, abs=0.01)
+    assert state.ranks[0].rate == pytest.approx(1500 / wall, rel=0.02)
+    page = render_html(state)
+    assert "time in collectives" in page and "over the whole cell" in page
+    assert re.search(r'<th title="time in collectives: the share of wall-clock time[^"]*">', page)
