@@ -1,11 +1,12 @@
-"""The dashboard's figures as a user reads them: rate, ETA, time in collectives, stragglers, in the
-first seconds of a run and over its course.
+"""The dashboard's figures as a user reads them: rate, ETA, time in collectives, stragglers, the
+loss chart's axes, in the first seconds of a run and over its course.
 
 The ranks are simulated with the runtime's real ``Reporter`` and ``Trace`` on a shared fake clock
 (their throttle, their snapshot timing, their comm totals), and their snapshots reach the state in
 publication order, as the datapub transport delivers them.
 """
 
+import math
 import random
 import re
 
@@ -13,7 +14,7 @@ import pytest
 
 from jupyter_ring.runtime._report import Reporter
 from jupyter_ring.runtime._trace import Trace
-from jupyter_ring.widgets._render import rank_cells, render_html
+from jupyter_ring.widgets._render import linear_ticks, log_ticks, rank_cells, render_chart, render_html
 from jupyter_ring.widgets._state import DashboardState
 from test_dashboard import clock, snap  # noqa: F401 - clock is a fixture
 
@@ -182,3 +183,94 @@ def test_time_in_collectives_is_smoothed_and_the_final_figure_is_the_whole_cell(
     page = render_html(state)
     assert "time in collectives" in page and "over the whole cell" in page
     assert re.search(r'<th title="time in collectives: the share of wall-clock time[^"]*">', page)
+
+
+# --------------------------------------------------------------------------------- the chart
+def loss_state(values, ranks=1, start=1, total=None):
+    """A state whose ranks logged ``values`` at steps start, start+1, ..."""
+    state = DashboardState(ranks)
+    for rank in range(ranks):
+        hist = [(start + i, 100 + i * 0.01, {"loss": v * (1 + 0.01 * rank)})
+                for i, v in enumerate(values)]
+        last = start + len(values) - 1
+        state.ingest(rank, snap(rank, step=last, total=total, history=hist, t=200))
+    return state
+
+
+def ticks_of(svg, cls):
+    return re.findall(rf'<text class="{cls}"[^>]*>([^<]*)</text>', svg)
+
+
+def test_log_axis_by_default_when_the_loss_spans_decades_with_round_labels():
+    """Issue 21 item 7: only min/max labelled, clipped ('.003267', '0009594'), linear axis flat."""
+    values = [0.69 * math.exp(-i / 300) + 0.003 for i in range(2560)]
+    state = loss_state(values, ranks=2)
+    svg = render_chart(state)
+    assert 'data-scale="log"' in svg and "log scale" in svg
+    assert ticks_of(svg, "jr-ytick") == ["0.001", "0.01", "0.1", "1"]
+    # a loss that stays within a decade stays linear, with round ticks
+    svg = render_chart(loss_state([2.3 - 1.8 * i / 999 for i in range(1000)]))
+    assert 'data-scale="linear"' in svg
+    assert ticks_of(svg, "jr-ytick") == ["0.5", "1.0", "1.5", "2.0", "2.5"]
+
+
+def test_labels_fit_the_left_margin():
+    for values in ([0.003267 + i * 1e-6 for i in range(100)], [0.0009594, 0.0012],
+                   [1e-7, 3e-2], [123456.0, 9876543.0], [-0.5, 0.25]):
+        svg = render_chart(loss_state(values))
+        left = float(re.search(r'<rect x="(\d+)"', svg).group(1))
+        for label in ticks_of(svg, "jr-ytick"):
+            x = float(re.search(rf'x="([\d.]+)"[^>]*>{re.escape(label)}<', svg).group(1))
+            assert x - 6.2 * len(label) >= 0 and x < left, (values, label)
+        assert len(ticks_of(svg, "jr-ytick")) >= 3, values
+
+
+def test_x_axis_runs_from_the_first_step_to_the_last_of_a_long_run():
+    """'2' to 'step 2554' of 2560: the decimation dropped the ends. Noisy values so that neither
+    end is its bucket's minimum or maximum."""
+    values = [0.5 + 0.1 * math.sin(i * 1.7) for i in range(2560)]
+    values[0] = values[-1] = 0.5
+    state = loss_state(values, ranks=2)
+    svg = render_chart(state)
+    for first, last in re.findall(r'data-first="([\d.]+)" data-last="([\d.]+)"', svg):
+        assert (first, last) == ("1", "2560")
+    labels = ticks_of(svg, "jr-xtick")
+    assert labels[0] == "1" and labels[1] == "2560" and len(labels) > 3, labels
+    assert all(re.fullmatch(r"\d+", label) for label in labels)
+
+
+def test_chosen_scale_holds_and_log_needs_positive_values():
+    state = loss_state([1.0, 0.5, 0.2])
+    assert state.chart_scale() == "linear"
+    state.set_y_scale("log")
+    assert 'data-scale="log"' in render_chart(state)
+    negative = loss_state([1.0, -0.5])
+    negative.set_y_scale("log")
+    svg = render_chart(negative)
+    assert 'data-scale="linear"' in svg and "a log scale needs values &gt; 0" in svg
+    with pytest.raises(ValueError, match="'linear', 'log' or None"):
+        state.set_y_scale("logarithmic")
+
+
+def test_tick_helpers():
+    assert linear_ticks(0.003, 0.69) == ([0.0, 0.2, 0.4, 0.6, 0.8], 0.2)
+    assert linear_ticks(5, 5)[0][0] <= 4.5 and linear_ticks(5, 5)[0][-1] >= 5.5
+    ticks, lo, hi = log_ticks(0.03, 0.7)
+    assert (lo, hi) == (-2, 0) and [v for v, _ in ticks][:3] == [0.01, 0.02, 0.05]
+    ticks, lo, hi = log_ticks(1e-9, 10)
+    assert [labelled for _, labelled in ticks].count(True) == 6  # every other decade of 10
+
+
+def test_widget_offers_the_scale_and_keeps_the_users_choice():
+    from jupyter_ring.widgets import Dashboard
+
+    dash = Dashboard(state=loss_state([0.69 * math.exp(-i / 100) for i in range(600)]))
+    assert dash._scale.layout.display == "" and dash._scale.value == "log"
+    assert 'data-scale="log"' in dash._chart.value
+    dash._scale.value = "linear"  # what a click does
+    assert dash.state.y_scale == "linear" and 'data-scale="linear"' in dash._chart.value
+    dash.state.ingest(0, snap(0, step=700, t=300, history=[(700, 300.0, {"loss": 1e-5})]))
+    dash.refresh()
+    assert dash._scale.value == "linear" and 'data-scale="linear"' in dash._chart.value
+    empty = Dashboard(ranks=2)
+    assert empty._scale.layout.display == "none"

@@ -5,11 +5,12 @@ notebook, so a notebook reopened without a kernel shows what the widget last sho
 """
 
 import html
+import math
 
 from ._state import format_bytes, format_rate, format_seconds, format_value
 
 __all__ = ["render_html", "render_chart", "render_comm", "render_banner", "rank_cells",
-           "COLORS", "STYLE", "COMM_CAPTION"]
+           "linear_ticks", "log_ticks", "COLORS", "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
@@ -28,12 +29,16 @@ STYLE = """<style>
 .jr-straggler .jr-bar>div{background:#f28e2b}
 .jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
 .jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
+.jr-chart .jr-grid{stroke:var(--jp-border-color2,#e0e0e0);stroke-width:0.5}
 .jr-caption{color:var(--jp-ui-font-color2,#555);font-size:11px;line-height:1.35;margin:0 0 4px 8px;max-width:640px;white-space:normal}
 </style>"""
 
 # What "time in collectives" measures: the comm table's caption and its column's tooltip.
 COMM_CAPTION = ("time in collectives: the share of wall-clock time each rank spent inside "
                 "collectives (allreduce, broadcast, ...; waiting for the other ranks included)")
+
+# Average width of a digit of the chart's 10px font: margins are sized to the longest label.
+_CHAR_PX = 6.2
 
 
 def _e(text):
@@ -75,43 +80,114 @@ def render_banner(state):
     return f'<div class="jr-banner"><b>Stalled:</b> {_e(text)}</div>'
 
 
-def render_chart(state, width=640, height=200, max_points=500):
-    """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data."""
+def linear_ticks(lo, hi, count=5):
+    """Round ticks (1, 2 or 5 x 10^k apart) covering [lo, hi]: (ticks, step); the first and last
+    tick are the axis' ends."""
+    if not hi > lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    raw = (hi - lo) / count
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if raw <= m * magnitude * (1 + 1e-9))
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [round(i * step, 12) for i in range(first, last + 1)], step
+
+
+def log_ticks(lo, hi):
+    """Ticks for a log axis over [lo, hi] (both > 0): ([(value, labelled)], low decade, high
+    decade). Decades always; 2 and 5 too over at most two decades; past six decades only every
+    other decade is labelled."""
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    if b == a:
+        b = a + 1
+    ticks = []
+    for k in range(a, b + 1):
+        ticks.append((10.0 ** k, b - a <= 6 or (k - a) % 2 == 0))
+        if b - a <= 2 and k < b:
+            ticks += [(m * 10.0 ** k, True) for m in (2, 5)]
+    return sorted(ticks), a, b
+
+
+def _tick_label(value, step):
+    """A tick value with the decimals its spacing needs: 0.002, 0.75, 1500, 1.2e-05."""
+    if value == 0:
+        return "0"
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    if decimals <= 4 and abs(value) < 1e6:
+        return f"{value:.{decimals}f}"
+    digits = max(1, math.floor(math.log10(abs(value))) - math.floor(math.log10(step)) + 1)
+    return _short_exponent(f"{value:.{digits - 1}e}")
+
+
+def _log_label(value):
+    return _short_exponent(f"{value:g}")
+
+
+def _short_exponent(text):
+    mantissa, _, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else text
+
+
+def render_chart(state, width=640, height=220, max_points=500):
+    """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data.
+
+    The x-axis runs from the first charted step to the last (both labelled); the y-axis is
+    linear or logarithmic (``state.chart_scale``), with round ticks and grid lines.
+    """
     metric = state.chart_metric()
-    series = state.series(metric, max_points=max_points)
+    series = {rank: [(x, y) for x, y in pts if isinstance(x, (int, float))]
+              for rank, pts in state.series(metric, max_points=max_points).items()}
+    series = {rank: pts for rank, pts in series.items() if pts}
     if not series:
         return ""
-    xs = [x for pts in series.values() for x, _ in pts if isinstance(x, (int, float))]
+    scale = state.chart_scale(series)
+    xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
-    if not xs:
-        return ""
     x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    left, right, top, bottom = 48, 90, 18, 22
+    if scale == "log":
+        yticks, lo, hi = log_ticks(min(ys), max(ys))
+        ylabels = [(v, _log_label(v) if labelled else "") for v, labelled in yticks]
+
+        def fy(y):
+            return (math.log10(y) - lo) / (hi - lo)
+    else:
+        ticks, ystep = linear_ticks(min(ys), max(ys))
+        ylabels = [(v, _tick_label(v, ystep)) for v in ticks]
+        y0, y1 = ticks[0], ticks[-1]
+
+        def fy(y):
+            return (y - y0) / (y1 - y0)
+    # room for the longest y label on the left, the legend on the right
+    left = 10 + math.ceil(_CHAR_PX * max(len(label) for _, label in ylabels))
+    right, top, bottom = 80, 20, 32
     pw, ph = width - left - right, height - top - bottom
+    span = (x1 - x0) or 1
 
     def sx(x):
-        return left + (x - x0) / (x1 - x0) * pw
+        return left + (x - x0) / span * pw
 
     def sy(y):
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
+        return top + (1 - fy(y)) * ph
 
-    parts = [f'<svg class="jr-chart" data-metric="{_e(metric)}" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',
-             f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
-             'stroke="#bbb" stroke-width="0.5"/>',
-             f'<text x="{left}" y="12">{_e(metric)} per step, all ranks</text>',
-             f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{format_value(y1)}</text>',
-             f'<text x="{left - 4}" y="{top + ph}" text-anchor="end">{format_value(y0)}</text>',
-             f'<text x="{left}" y="{height - 6}">{format_value(x0)}</text>',
-             f'<text x="{left + pw}" y="{height - 6}" text-anchor="end">step {format_value(x1)}</text>']
+    note = {"log": " · log scale", "linear": ""}[scale]
+    if state.y_scale == "log" and scale == "linear":
+        note = " · linear (a log scale needs values > 0)"
+    parts = [f'<svg class="jr-chart" data-metric="{_e(metric)}" data-scale="{scale}" '
+             f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             'xmlns="http://www.w3.org/2000/svg">',
+             f'<text x="{left}" y="12">{_e(f"{metric} per step, all ranks{note}")}</text>']
+    for value, label in ylabels:
+        y = sy(value)
+        parts.append(f'<line class="jr-grid" x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}"/>')
+        if label:
+            parts.append(f'<text class="jr-ytick" x="{left - 4}" y="{y + 3.5:.1f}" '
+                         f'text-anchor="end">{label}</text>')
+    parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
+                 'stroke="#bbb" stroke-width="0.5"/>')
+    parts += _x_axis(x0, x1, sx, left, pw, top + ph)
     for i, (rank, pts) in enumerate(sorted(series.items())):
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts if isinstance(x, (int, float)))
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
         parts.append(f'<polyline class="jr-series" data-rank="{rank}" data-points="{len(pts)}" '
+                     f'data-first="{pts[0][0]:g}" data-last="{pts[-1][0]:g}" '
                      f'fill="none" stroke="{color(rank)}" stroke-width="1.5" points="{coords}"/>')
         if len(pts) == 1:  # a lone point draws no line: mark it
             x, y = pts[0]
@@ -122,6 +198,37 @@ def render_chart(state, width=640, height=200, max_points=500):
                      f'<text x="{left + pw + 30}" y="{ly}">rank {rank}</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _x_axis(x0, x1, sx, left, pw, base):
+    """Tick marks and labels of the step axis: both ends labelled with their step, round steps
+    between them where their label does not run into an end's."""
+    integral = float(x0).is_integer() and float(x1).is_integer()
+    ticks, step = linear_ticks(x0, x1, count=6)
+    if integral:
+        step = max(step, 1)
+    label = (lambda v: f"{v:.0f}") if integral else (lambda v: _tick_label(v, step))
+    ends = [(x0, label(x0), "start"), (x1, label(x1), "end")] if x1 > x0 else [(x0, label(x0), "start")]
+    out = []
+    for value, text, anchor in ends:
+        x = sx(value)
+        out.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#bbb"/>'
+                   f'<text class="jr-xtick" x="{x:.1f}" y="{base + 14}" text-anchor="{anchor}">'
+                   f"{text}</text>")
+    # an end label and a round tick keep at least 3 characters between them
+    room = [(sx(v) - _CHAR_PX * (len(t) + 3), sx(v) + _CHAR_PX * (len(t) + 3)) for v, t, _ in ends]
+    for value in ticks:
+        if not x0 < value < x1:
+            continue
+        text, x = label(value), sx(value)
+        half = _CHAR_PX * len(text) / 2
+        if any(x - half < end and x + half > start for start, end in room):
+            continue
+        out.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#bbb"/>'
+                   f'<text class="jr-xtick" x="{x:.1f}" y="{base + 14}" text-anchor="middle">'
+                   f"{text}</text>")
+    out.append(f'<text x="{left + pw / 2:.1f}" y="{base + 27}" text-anchor="middle">step</text>')
+    return out
 
 
 def render_comm(state):

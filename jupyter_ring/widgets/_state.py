@@ -24,6 +24,9 @@ __all__ = ["DashboardState", "RankState", "downsample"]
 # Points kept per rank and metric before the oldest half is thinned to every other point.
 _MAX_POINTS = 20000
 
+# The chart's y-axis is logarithmic by default when max > _LOG_RATIO * min (all values > 0).
+_LOG_RATIO = 10 ** 1.5
+
 
 class _Sample(NamedTuple):
     """One newer snapshot of a rank, as the rate and share windows use it."""
@@ -204,6 +207,7 @@ class _ChartBuffer:
 
     Points go into buckets of ``width`` consecutive points, each kept as its minimum and maximum
     (in their order). Past ``limit`` buckets, neighbouring buckets merge and the width doubles.
+    The first and the latest point are always kept: the chart's x-axis runs from one to the other.
     """
 
     def __init__(self, limit=250):
@@ -212,8 +216,12 @@ class _ChartBuffer:
         self.buckets = []          # closed buckets: lists of <= 2 points
         self.count = 0             # points in the open bucket
         self.lo = self.hi = None   # its lowest and highest point: (index, x, y)
+        self.first = self.last = None
 
     def add(self, x, y):
+        if self.first is None:
+            self.first = (x, y)
+        self.last = (x, y)
         n = self.count
         if n == 0:
             self.lo = self.hi = (0, x, y)
@@ -241,7 +249,12 @@ class _ChartBuffer:
         return [(first[1], first[2]), (second[1], second[2])]
 
     def points(self):
-        return [p for bucket in self.buckets for p in bucket] + self._open()
+        out = [p for bucket in self.buckets for p in bucket] + self._open()
+        if out and out[0] != self.first:
+            out.insert(0, self.first)
+        if out and out[-1] != self.last:
+            out.append(self.last)
+        return out
 
 
 def _minmax(points):
@@ -278,6 +291,7 @@ class DashboardState:
         self.window = float(window)
         self.min_span = float(min_span)
         self.metric = metric       # the charted metric; None: 'loss' if logged, else the first
+        self.y_scale = None        # the chart's y-axis: 'linear', 'log' or None (chosen from the data)
         self.frozen = False
         self.version = 0           # bumped on every change, for renderers to skip repaints
         self.started = time.time()
@@ -390,6 +404,24 @@ class DashboardState:
             return []
         return [r for r, s in self.ranks.items()
                 if s.slow_since is not None and not s.done and self.now - s.slow_since >= self.window]
+
+    def set_y_scale(self, scale):
+        """Fix the chart's y-axis to 'linear' or 'log' (None: chosen from the data again)."""
+        if scale not in (None, "linear", "log"):
+            raise ValueError(f"the chart's y-axis scale is 'linear', 'log' or None (automatic), "
+                             f"got {scale!r}")
+        self.y_scale = scale
+        self.version += 1
+
+    def chart_scale(self, series=None):
+        """The chart's y-axis, 'linear' or 'log': the chosen one where the values allow it, else
+        log when every value is positive and they span more than a decade and a half."""
+        series = self.series() if series is None else series
+        ys = [y for pts in series.values() for _, y in pts]
+        positive = bool(ys) and min(ys) > 0
+        if self.y_scale is not None:
+            return "log" if self.y_scale == "log" and positive else "linear"
+        return "log" if positive and max(ys) > _LOG_RATIO * min(ys) else "linear"
 
     def stalls(self):
         """The stall of every waiting rank: [{rank, what, missing, waited}], by rank."""

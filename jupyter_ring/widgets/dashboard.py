@@ -74,13 +74,22 @@ class Dashboard(widgets.VBox):
         self._banner = widgets.HTML("")
         self._rows = widgets.VBox([])
         self._chart = widgets.HTML("")
+        # the y-axis scale: follows the data (state.chart_scale) until the user picks one
+        self._scale = widgets.ToggleButtons(
+            options=[("linear", "linear"), ("log", "log")], value="linear", description="y-axis",
+            tooltips=["linear y-axis", "logarithmic y-axis (values > 0)"],
+            style={"button_width": "64px", "description_width": "48px"},
+            layout=widgets.Layout(display="none", margin="4px 0 0 0"))
+        self._scale.add_class("jr-scale")
+        self._scale_syncing = False
+        self._scale.observe(self._scale_picked, names="value")
         self._comm = widgets.HTML("")
         self._row_of = {}
         self._drawn = None
         self._chart_drawn = None
         self._handle = None
-        super().__init__([self._header, self._banner, self._rows, self._chart, self._comm],
-                         **kwargs)
+        super().__init__([self._header, self._banner, self._rows, self._scale, self._chart,
+                          self._comm], **kwargs)
         self.add_class("jr-dash")
         self.add_class("jr-dashboard")
         self.refresh()
@@ -104,7 +113,25 @@ class Dashboard(widgets.VBox):
         if chart and self._chart_drawn != state.version:
             self._chart_drawn = state.version
             self._chart.value = render_chart(state)
+            self._sync_scale()
         self._comm.value = render_comm(state)
+
+    def _sync_scale(self):
+        """Show the scale buttons once there is a chart, set to the scale it is drawn with."""
+        series = self.state.series()
+        self._scale.layout.display = "" if series else "none"
+        if series:
+            self._scale_syncing = True
+            try:
+                self._scale.value = self.state.chart_scale(series)
+            finally:
+                self._scale_syncing = False
+
+    def _scale_picked(self, change):
+        if self._scale_syncing or self.state.frozen:
+            return
+        self.state.set_y_scale(change["new"])  # the user's choice holds from now on
+        self.refresh()
 
     def to_html(self):
         """The dashboard as static HTML (what a notebook reopened without a kernel shows)."""

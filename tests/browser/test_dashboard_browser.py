@@ -193,7 +193,9 @@ SAMPLER = """() => {
 
 def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
     """Issue 21 item 2 in a real JupyterLab: no '0.0 it/s', no 'share 0 %' before anything is
-    measured, no straggler among lockstep ranks; then the figures appear."""
+    measured, no straggler among lockstep ranks; then the figures appear. And item 7: the final
+    chart is logarithmic for a loss over decades, its ends labelled with the first and last step,
+    no label cut off by the edge of the chart."""
     import re
 
     from playwright.sync_api import expect
@@ -207,10 +209,18 @@ def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
             # the live dashboard once it has figures: its picture (docs/img/dashboard-live.png)
             dash = cell.locator(".jr-dashboard")
             expect(dash.locator(".jr-rank-row").last).to_contain_text("it/s", timeout=120_000)
+            expect(dash.locator(".jr-scale")).to_be_visible(timeout=15_000)
             dash.screenshot(path=LIVE_SCREENSHOT)
             expect(cell.locator(".jr-static")).to_have_count(1, timeout=120_000)
             page.evaluate("() => clearInterval(window.__jrSampler)")
             samples = page.evaluate("() => window.__jrSamples")
+            chart = cell.locator(".jr-static svg.jr-chart")
+            scale = chart.get_attribute("data-scale")
+            x_labels = chart.locator("text.jr-xtick").all_text_contents()
+            y_labels = chart.locator("text.jr-ytick").all_text_contents()
+            clipped = chart.evaluate("""svg => { const w = svg.width.baseVal.value;
+                return Array.from(svg.querySelectorAll('text')).map(t => [t.textContent, t.getBBox()])
+                  .filter(([_, b]) => b.x < 0 || b.x + b.width > w).map(([text]) => text); }""")
         finally:
             browser.close()
     live = [s for s in samples if len(s["rows"]) == 2]
@@ -232,3 +242,6 @@ def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
     later = [s for s in live if moving and s["t"] - moving[0] > 2500]
     assert later and all(all("it/s" in row for row in s["rows"]) for s in later), later[:2]
     assert all(re.fullmatch(r"\d+ %", share) for s in later for share in s["shares"]), later[-1]
+    assert scale == "log" and y_labels[:3] == ["0.001", "0.01", "0.1"], (scale, y_labels)
+    assert x_labels[:2] == ["1", "400"], x_labels
+    assert not clipped, clipped
