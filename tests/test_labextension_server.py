@@ -158,6 +158,41 @@ def test_owner_kernel_and_sidecar_devices(cluster):
         os.remove(sidecar)
 
 
+async def test_owner_is_named_by_its_notebook_session(jp_fetch, jp_serverapp, cluster):
+    """The owner kernel's session (the server's session manager) names the notebook: a real
+    kernel started for ``course/week 1/train.ipynb``, recorded as the owner in the sidecar as
+    ``%ring start`` records it."""
+    c, client = cluster
+    os.makedirs(os.path.join(jp_serverapp.root_dir, "course", "week 1"), exist_ok=True)
+    response = await jp_fetch("api", "sessions", method="POST", body=json.dumps({
+        "path": "course/week 1/train.ipynb", "type": "notebook", "name": "train.ipynb",
+        "kernel": {"name": "python3"}}))
+    session = json.loads(response.body)
+    kernel_id = session["kernel"]["id"]
+    sidecar = None
+    try:
+        from jupyter_ring.server._clusters import kernel_pids
+
+        pids = {k: pid for pid, k in kernel_pids(jp_serverapp.kernel_manager).items()}
+        assert kernel_id in pids, "the session's kernel has no local pid"
+        sidecar = write_sidecar(c.profile_dir, c.cluster_id, [], kernel_pid=pids[kernel_id])
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+        owner = json.loads(response.body)["owner"]
+        assert owner["kernel_id"] == kernel_id and owner["pid"] == pids[kernel_id]
+        assert owner["session"] == {"path": "course/week 1/train.ipynb", "name": "train.ipynb",
+                                    "type": "notebook"}
+        response = await jp_fetch("jupyter-ring", "clusters")
+        (listed,) = [x for x in json.loads(response.body)["clusters"] if x["id"] == c.cluster_id]
+        assert listed["owner"]["session"]["path"] == "course/week 1/train.ipynb"
+    finally:
+        if sidecar:
+            os.remove(sidecar)
+        await jp_fetch("api", "sessions", session["id"], method="DELETE")
+    # a cluster whose owner has no session (this test process): no session, the route still works
+    response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+    assert json.loads(response.body)["owner"]["session"] is None
+
+
 async def test_interrupt_stops_a_running_cell_on_every_rank(jp_fetch, cluster):
     c, client = cluster
     ar = client[:].execute("import time; time.sleep(60)", block=False)

@@ -20,7 +20,7 @@ import psutil
 from .._sidecar import read_sidecar, remove_sidecar
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
-           "interrupt_cluster", "stop_cluster", "kernel_pids"]
+           "interrupt_cluster", "stop_cluster", "kernel_pids", "kernel_sessions"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,20 @@ def kernel_pids(kernel_manager):
             pid = getattr(getattr(provisioner, "process", None), "pid", None)
         if isinstance(pid, int) and pid > 0:
             found[pid] = kernel_id
+    return found
+
+
+async def kernel_sessions(session_manager):
+    """``{kernel_id: {"path", "name", "type"}}`` from the server's sessions (a notebook's path
+    relative to the server's root); a kernel with several sessions is named by a notebook's."""
+    found = {}
+    if session_manager is None:
+        return found
+    for session in await session_manager.list_sessions():
+        kernel_id = (session.get("kernel") or {}).get("id")
+        if not kernel_id or (kernel_id in found and found[kernel_id]["type"] == "notebook"):
+            continue
+        found[kernel_id] = {key: session.get(key) for key in ("path", "name", "type")}
     return found
 
 
@@ -192,8 +206,11 @@ def _nvidia_present():
 
 
 # --------------------------------------------------------------------------------- describing
-def describe_cluster(path, kernels=None):
-    """A JSON-able dict for the cluster file at ``path`` (see docs/lab.md for the fields)."""
+def describe_cluster(path, kernels=None, sessions=None):
+    """A JSON-able dict for the cluster file at ``path`` (see docs/lab.md for the fields).
+
+    ``kernels``: ``{pid: kernel_id}`` (kernel_pids); ``sessions``: ``{kernel_id: session}``
+    (kernel_sessions), which names the owner kernel's notebook."""
     kernels = kernels or {}
     with open(path) as f:
         data = json.load(f)
@@ -223,6 +240,7 @@ def describe_cluster(path, kernels=None):
     if n < len(ranks):
         n = len(ranks)
     owner = _owner(controller, sidecar, kernels)
+    owner["session"] = (sessions or {}).get(owner["kernel_id"])
     controller_alive = controller is not None
     sets_alive = bool(engine_sets) and all(s["alive"] for s in engine_sets)
     anything_alive = controller_alive or any(s["alive"] for s in engine_sets)
@@ -283,12 +301,12 @@ def _row(rank, host, pid, device, alive, step=None, total=None):
             "step": step, "total": total}
 
 
-def list_clusters(kernels=None, ipython_dir=None):
+def list_clusters(kernels=None, ipython_dir=None, sessions=None):
     """Every cluster file's description, newest first; unreadable files are skipped and logged."""
     clusters = []
     for path in _cluster_files(ipython_dir):
         try:
-            clusters.append(describe_cluster(path, kernels))
+            clusters.append(describe_cluster(path, kernels, sessions))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("skipping unreadable cluster file %s: %s", path, exc)
     clusters.sort(key=lambda c: c["id"], reverse=True)

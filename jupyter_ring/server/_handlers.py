@@ -7,7 +7,8 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from ._clusters import (CLUSTER_ID_RE, ClusterNotFound, describe_cluster, find_cluster_file,
-                        interrupt_cluster, kernel_pids, list_clusters, stop_cluster)
+                        interrupt_cluster, kernel_pids, kernel_sessions, list_clusters,
+                        stop_cluster)
 
 __all__ = ["setup_handlers"]
 
@@ -17,6 +18,9 @@ NAMESPACE = "jupyter-ring"
 class _RingHandler(APIHandler):
     def _kernels(self):
         return kernel_pids(self.settings.get("kernel_manager"))
+
+    async def _sessions(self):
+        return await kernel_sessions(self.settings.get("session_manager"))
 
     def _path(self, cluster_id):
         try:
@@ -29,18 +33,20 @@ class ClustersHandler(_RingHandler):
     """``GET /jupyter-ring/clusters`` -> ``{"clusters": [...]}``."""
 
     @tornado.web.authenticated
-    def get(self):
-        self.finish(json.dumps({"clusters": list_clusters(self._kernels())}))
+    async def get(self):
+        clusters = list_clusters(self._kernels(), sessions=await self._sessions())
+        self.finish(json.dumps({"clusters": clusters}))
 
 
 class ClusterHandler(_RingHandler):
     """``GET /jupyter-ring/clusters/<id>`` -> one cluster's description."""
 
     @tornado.web.authenticated
-    def get(self, cluster_id):
+    async def get(self, cluster_id):
         path = self._path(cluster_id)
+        sessions = await self._sessions()
         try:
-            info = describe_cluster(path, self._kernels())
+            info = describe_cluster(path, self._kernels(), sessions)
         except FileNotFoundError as exc:  # stopped between the lookup and the read
             raise tornado.web.HTTPError(404, f"cluster {cluster_id!r} has stopped") from exc
         self.finish(json.dumps(info))

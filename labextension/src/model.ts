@@ -16,12 +16,22 @@ export interface IRankInfo {
   total?: number | null;
 }
 
+/** A Jupyter session of the owner kernel (from the server's session manager). */
+export interface ISessionInfo {
+  /** The notebook's path relative to the server's root (a console's or file's for other types). */
+  path: string | null;
+  name: string | null;
+  type: string | null;
+}
+
 export interface IOwnerInfo {
   pid: number | null;
   alive: boolean;
   /** The Jupyter kernel that started the cluster, when it is one of this server's kernels. */
   kernel_id: string | null;
   name: string | null;
+  /** That kernel's session (its notebook); null when the kernel has none (or is not ours). */
+  session?: ISessionInfo | null;
 }
 
 export type ClusterState = 'running' | 'starting' | 'degraded' | 'stopped';
@@ -85,14 +95,52 @@ export function livenessLabel(rank: IRankInfo): string {
   return rank.alive ? 'alive' : 'dead';
 }
 
-/** Who started the cluster, in words. */
+/** Who started the cluster, in words: its notebook when known, else the kernel or process. */
 export function ownerLabel(cluster: IClusterInfo): string {
   const o = cluster.owner;
   if (!o.alive) {
     return o.pid ? `owner pid ${o.pid} is gone` : 'owner is gone';
   }
+  const session = o.kernel_id ? o.session : null;
+  if (session && (session.path || session.name)) {
+    const path = session.path || session.name || '';
+    return session.type === 'notebook' || path.endsWith('.ipynb') ? basename(path) : session.name || path;
+  }
   if (o.kernel_id) {
-    return `kernel ${o.kernel_id.slice(0, 8)} (pid ${o.pid})`;
+    return `kernel ${shortId(o.kernel_id)} (pid ${o.pid})`;
   }
   return `${o.name || 'process'} pid ${o.pid}`;
+}
+
+/** The ids behind the owner's name, shown second: "kernel 620986e1 · pid 5215" ('' if none). */
+export function ownerDetail(cluster: IClusterInfo): string {
+  const o = cluster.owner;
+  if (!o.alive || !o.kernel_id || !(o.session && (o.session.path || o.session.name))) {
+    return '';
+  }
+  return `kernel ${shortId(o.kernel_id)} · pid ${o.pid}`;
+}
+
+/** The owner's tooltip: the notebook's full path and the whole kernel id. */
+export function ownerTitle(cluster: IClusterInfo): string {
+  const o = cluster.owner;
+  const lines = [];
+  if (o.kernel_id && o.session?.path) {
+    lines.push(`${o.session.type || 'session'}: ${o.session.path}`);
+  }
+  if (o.kernel_id) {
+    lines.push(`kernel ${o.kernel_id}`);
+  }
+  if (o.pid) {
+    lines.push(`pid ${o.pid}${o.alive ? '' : ' (gone)'}`);
+  }
+  return lines.join('\n');
+}
+
+function shortId(id: string): string {
+  return id.slice(0, 8);
+}
+
+function basename(path: string): string {
+  return path.split('/').pop() || path;
 }

@@ -2,7 +2,15 @@
  * DOM for the Ring panel: one card per cluster with its ranks and action buttons.
  * Plain DOM (no JupyterLab imports) so that it is unit-tested in jsdom.
  */
-import { IClusterInfo, IRankInfo, livenessLabel, ownerLabel, stateLabel } from './model';
+import {
+  IClusterInfo,
+  IRankInfo,
+  livenessLabel,
+  ownerDetail,
+  ownerLabel,
+  ownerTitle,
+  stateLabel
+} from './model';
 
 export type ClusterAction = 'interrupt' | 'restart' | 'stop';
 
@@ -56,9 +64,16 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
   header.appendChild(el('span', 'jp-RingPanel-id', cluster.id));
   header.appendChild(el('span', `jp-RingPanel-state jp-mod-${cluster.state}`, stateLabel(cluster)));
   card.appendChild(header);
-  card.appendChild(
-    el('div', 'jp-RingPanel-owner', `${cluster.n} ranks · profile ${cluster.profile} · ${ownerLabel(cluster)}`)
-  );
+  card.appendChild(el('div', 'jp-RingPanel-meta', `${cluster.n} ranks · profile ${cluster.profile}`));
+  // the notebook that owns the cluster first; the kernel id and pid after it, in grey
+  const owner = el('div', 'jp-RingPanel-owner');
+  owner.title = ownerTitle(cluster);
+  owner.appendChild(el('span', 'jp-RingPanel-ownerName', ownerLabel(cluster)));
+  const detail = ownerDetail(cluster);
+  if (detail) {
+    owner.appendChild(el('span', 'jp-RingPanel-ownerId', detail));
+  }
+  card.appendChild(owner);
 
   const live = cluster.state !== 'stopped';
   const actions = el('div', 'jp-RingPanel-actions');

@@ -2,7 +2,9 @@ import {
   aliveRanks,
   clusterForKernel,
   livenessLabel,
+  ownerDetail,
   ownerLabel,
+  ownerTitle,
   stateLabel,
   statusText
 } from '../src/model';
@@ -46,6 +48,32 @@ describe('labels', () => {
     expect(stateLabel(c)).toBe('orphaned (running)');
     expect(ownerLabel(c)).toBe('owner pid 4242 is gone');
     expect(ownerLabel(makeCluster())).toBe('kernel k-1 (pid 4242)');
+  });
+
+  it('names the owner by its notebook, the kernel id second', () => {
+    const owner = {
+      pid: 5215,
+      alive: true,
+      kernel_id: '620986e1-5d2c-4b8f-9d7e-0123456789ab',
+      name: 'python',
+      session: { path: 'course/week 1/03-pytorch.ipynb', name: '03-pytorch.ipynb', type: 'notebook' }
+    };
+    const c = makeCluster({ owner });
+    expect(ownerLabel(c)).toBe('03-pytorch.ipynb');
+    expect(ownerDetail(c)).toBe('kernel 620986e1 · pid 5215');
+    expect(ownerTitle(c)).toBe(
+      'notebook: course/week 1/03-pytorch.ipynb\nkernel 620986e1-5d2c-4b8f-9d7e-0123456789ab\npid 5215'
+    );
+    // a console's session is named by its name; no session: the kernel, as before
+    const consoleOwner = { ...owner, session: { path: 'console-1-abc', name: 'Console 1', type: 'console' } };
+    expect(ownerLabel(makeCluster({ owner: consoleOwner }))).toBe('Console 1');
+    const bare = makeCluster({ owner: { ...owner, session: null } });
+    expect(ownerLabel(bare)).toBe('kernel 620986e1 (pid 5215)');
+    expect(ownerDetail(bare)).toBe('');
+    // an owner that is gone is not named by a session it no longer has
+    const gone = makeCluster({ owner: { ...owner, alive: false } });
+    expect(ownerLabel(gone)).toBe('owner pid 5215 is gone');
+    expect(ownerDetail(gone)).toBe('');
   });
 
   it('says unknown for ranks on other hosts', () => {

@@ -31,6 +31,28 @@ describe('renderClusters', () => {
     expect(steps).toEqual(['120/500', '7']);
   });
 
+  it('shows the owner notebook first and its kernel id in a second, secondary span', () => {
+    const node = document.createElement('div');
+    const cluster = makeCluster({
+      owner: {
+        pid: 5215,
+        alive: true,
+        kernel_id: '620986e1-5d2c-4b8f-9d7e-0123456789ab',
+        name: 'python',
+        session: { path: 'work/ring.ipynb', name: 'ring.ipynb', type: 'notebook' }
+      }
+    });
+    renderClusters(node, [cluster], { onAction: () => undefined });
+    const owner = node.querySelector('.jp-RingPanel-owner') as HTMLElement;
+    const spans = Array.from(owner.children).map(child => [child.className, child.textContent]);
+    expect(spans).toEqual([
+      ['jp-RingPanel-ownerName', 'ring.ipynb'],
+      ['jp-RingPanel-ownerId', 'kernel 620986e1 · pid 5215']
+    ]);
+    expect(owner.title).toContain('notebook: work/ring.ipynb');
+    expect(node.querySelector('.jp-RingPanel-meta')!.textContent).toBe('2 ranks · profile default');
+  });
+
   it('calls onAction with the cluster and the action', () => {
     const node = document.createElement('div');
     const calls: string[] = [];

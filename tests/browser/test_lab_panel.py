@@ -9,6 +9,7 @@ installed extension.
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -162,6 +163,11 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
             expect(card.locator("tr.jp-RingPanel-rank").first).to_contain_text("alive")
             expect(page.locator(".jp-RingStatus")).to_have_text("Ring: running · 2 ranks",
                                                                  timeout=15_000)
+            # the owner is named by its notebook; the kernel id and pid come second
+            expect(card.locator(".jp-RingPanel-ownerName")).to_have_text("ring.ipynb")
+            expect(card.locator(".jp-RingPanel-ownerId")).to_have_text(
+                re.compile(r"kernel [0-9a-f]{8} · pid \d+"))
+            assert _status_text_offset(page) <= 1, "Ring: sits off its neighbours' text line"
 
             long = _run_cell(page, 1, "%%distributed\nimport time\nprint('sleeping', flush=True)\n"
                                       "time.sleep(60)")
@@ -199,6 +205,26 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
             browser.close()
     ours = [e for e in errors if "ring" in e.lower()]
     assert not ours, f"JavaScript errors from the extension: {ours}"
+
+
+def _status_text_offset(page):
+    """Pixels between the vertical position of the Ring status text and that of the status-bar
+    text items beside it (JupyterLab's own, e.g. the kernel's name)."""
+    tops = page.evaluate("""() => {
+      const textTop = node => {
+        const range = document.createRange();
+        range.selectNodeContents(node);
+        const rects = Array.from(range.getClientRects()).filter(r => r.height > 0);
+        return rects.length ? Math.min(...rects.map(r => r.top)) : null;
+      };
+      const ring = document.querySelector('.jp-RingStatus');
+      const others = Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
+        .filter(node => node.offsetParent !== null && node.textContent.trim());
+      return [textTop(ring), others.map(textTop)];
+    }""")
+    ring, others = tops
+    assert ring is not None and others, f"no status-bar text to compare: {tops}"
+    return max(abs(ring - other) for other in others)
 
 
 def _alive(pid):
