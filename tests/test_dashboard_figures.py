@@ -265,7 +265,7 @@ def test_widget_offers_the_scale_and_keeps_the_users_choice():
     from jupyter_ring.widgets import Dashboard
 
     dash = Dashboard(state=loss_state([0.69 * math.exp(-i / 100) for i in range(600)]))
-    assert dash._scale.layout.display == "" and dash._scale.value == "log"
+    assert dash._scale.layout.display == "flex" and dash._scale.value == "log"
     assert 'data-scale="log"' in dash._chart.value
     dash._scale.value = "linear"  # what a click does
     assert dash.state.y_scale == "linear" and 'data-scale="linear"' in dash._chart.value

@@ -9,8 +9,8 @@ import math
 
 from ._state import format_bytes, format_rate, format_seconds, format_value
 
-__all__ = ["render_html", "render_chart", "render_comm", "render_banner", "rank_cells",
-           "linear_ticks", "log_ticks", "COLORS", "STYLE", "COMM_CAPTION"]
+__all__ = ["render_html", "render_chart", "chart_series", "render_comm", "render_banner",
+           "rank_cells", "linear_ticks", "log_ticks", "COLORS", "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
@@ -127,46 +127,48 @@ def _short_exponent(text):
     return f"{mantissa}e{int(exponent)}" if exponent else text
 
 
-def render_chart(state, width=640, height=220, max_points=500):
-    """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data.
-
-    The x-axis runs from the first charted step to the last (both labelled); the y-axis is
-    linear or logarithmic (``state.chart_scale``), with round ticks and grid lines.
-    """
+def chart_series(state, max_points=500):
+    """(metric, {rank: [(step, value)]}, scale) as the chart draws them: numeric steps only,
+    ranks without points left out; (None, {}, None) when there is nothing to draw."""
     metric = state.chart_metric()
     series = {rank: [(x, y) for x, y in pts if isinstance(x, (int, float))]
               for rank, pts in state.series(metric, max_points=max_points).items()}
     series = {rank: pts for rank, pts in series.items() if pts}
     if not series:
+        return None, {}, None
+    return metric, series, state.chart_scale(series)
+
+
+def render_chart(state, width=640, height=220, max_points=500, drawn=None):
+    """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data.
+
+    The x-axis runs from the first charted step to the last (both labelled); the y-axis is
+    linear or logarithmic (``state.chart_scale``), with round ticks and grid lines. ``drawn``:
+    what :func:`chart_series` returned, when the caller has it already.
+    """
+    metric, series, scale = drawn or chart_series(state, max_points)
+    if not series:
         return ""
-    scale = state.chart_scale(series)
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
     x0, x1 = min(xs), max(xs)
     if scale == "log":
-        yticks, lo, hi = log_ticks(min(ys), max(ys))
-        ylabels = [(v, _log_label(v) if labelled else "") for v, labelled in yticks]
-
-        def fy(y):
-            return (math.log10(y) - lo) / (hi - lo)
+        yticks, v0, v1 = log_ticks(min(ys), max(ys))
+        ylabels = [(math.log10(v), _log_label(v) if labelled else "") for v, labelled in yticks]
+        series = {rank: [(x, math.log10(y)) for x, y in pts] for rank, pts in series.items()}
     else:
         ticks, ystep = linear_ticks(min(ys), max(ys))
         ylabels = [(v, _tick_label(v, ystep)) for v in ticks]
-        y0, y1 = ticks[0], ticks[-1]
-
-        def fy(y):
-            return (y - y0) / (y1 - y0)
+        v0, v1 = ticks[0], ticks[-1]
     # room for the longest y label on the left, the legend on the right
     left = 10 + math.ceil(_CHAR_PX * max(len(label) for _, label in ylabels))
     right, top, bottom = 80, 20, 32
     pw, ph = width - left - right, height - top - bottom
-    span = (x1 - x0) or 1
-
-    def sx(x):
-        return left + (x - x0) / span * pw
-
-    def sy(y):
-        return top + (1 - fy(y)) * ph
+    # screen coordinates are linear in the step and in the (log of the) value: px = ax * x + bx
+    ax = pw / ((x1 - x0) or 1)
+    bx = left - x0 * ax
+    ay = -ph / (v1 - v0)
+    by = top + ph - v0 * ay
 
     note = {"log": " · log scale", "linear": ""}[scale]
     if state.y_scale == "log" and scale == "linear":
@@ -176,22 +178,24 @@ def render_chart(state, width=640, height=220, max_points=500):
              'xmlns="http://www.w3.org/2000/svg">',
              f'<text x="{left}" y="12">{_e(f"{metric} per step, all ranks{note}")}</text>']
     for value, label in ylabels:
-        y = sy(value)
+        y = ay * value + by
         parts.append(f'<line class="jr-grid" x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}"/>')
         if label:
             parts.append(f'<text class="jr-ytick" x="{left - 4}" y="{y + 3.5:.1f}" '
                          f'text-anchor="end">{label}</text>')
     parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
                  'stroke="#bbb" stroke-width="0.5"/>')
-    parts += _x_axis(x0, x1, sx, left, pw, top + ph)
+    parts += _x_axis(x0, x1, lambda x: ax * x + bx, left, pw, top + ph)
     for i, (rank, pts) in enumerate(sorted(series.items())):
-        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        # the costly part of a redraw (~1000 points): one formatting per point, no calls
+        coords = " ".join(["%.1f,%.1f" % (ax * x + bx, ay * v + by) for x, v in pts])
         parts.append(f'<polyline class="jr-series" data-rank="{rank}" data-points="{len(pts)}" '
                      f'data-first="{pts[0][0]:g}" data-last="{pts[-1][0]:g}" '
                      f'fill="none" stroke="{color(rank)}" stroke-width="1.5" points="{coords}"/>')
         if len(pts) == 1:  # a lone point draws no line: mark it
-            x, y = pts[0]
-            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color(rank)}"/>')
+            x, v = pts[0]
+            parts.append(f'<circle cx="{ax * x + bx:.1f}" cy="{ay * v + by:.1f}" r="2.5" '
+                         f'fill="{color(rank)}"/>')
         ly = top + 12 + 14 * i
         parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 26}" y2="{ly - 4}" '
                      f'stroke="{color(rank)}" stroke-width="2"/>'

@@ -18,7 +18,8 @@ without a kernel still shows the dashboard.
 
 import ipywidgets as widgets
 
-from ._render import STYLE, color, rank_cells, render_banner, render_chart, render_comm, render_html
+from ._render import (STYLE, chart_series, color, rank_cells, render_banner, render_chart,
+                      render_comm, render_html)
 from ._state import DashboardState
 
 __all__ = ["Dashboard", "DashboardState"]
@@ -112,18 +113,18 @@ class Dashboard(widgets.VBox):
         self._banner.value = render_banner(state)
         if chart and self._chart_drawn != state.version:
             self._chart_drawn = state.version
-            self._chart.value = render_chart(state)
-            self._sync_scale()
+            drawn = chart_series(state)
+            self._chart.value = render_chart(state, drawn=drawn)
+            self._sync_scale(drawn[2])
         self._comm.value = render_comm(state)
 
-    def _sync_scale(self):
+    def _sync_scale(self, scale):
         """Show the scale buttons once there is a chart, set to the scale it is drawn with."""
-        series = self.state.series()
-        self._scale.layout.display = "" if series else "none"
-        if series:
+        self._scale.layout.display = "flex" if scale else "none"
+        if scale:
             self._scale_syncing = True
             try:
-                self._scale.value = self.state.chart_scale(series)
+                self._scale.value = scale
             finally:
                 self._scale_syncing = False
 
