@@ -64,6 +64,11 @@ def lab(tmp_path):
     settings = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
     settings.mkdir(parents=True)
     (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True}))
+    # ... nor the "get notified about Jupyter news?" toast, which can cover a screenshot
+    notify = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    notify.mkdir(parents=True)
+    (notify / "notification.jupyterlab-settings").write_text(json.dumps(
+        {"fetchNews": "false", "checkForUpdates": False}))
     env["JUPYTERLAB_SETTINGS_DIR"] = str(tmp_path / "lab-settings")
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(
