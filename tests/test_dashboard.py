@@ -244,7 +244,7 @@ def test_freeze_gives_final_static_html_with_each_rank_row_and_the_chart():
     assert state.ingest(0, snap(0, step=1, t=999)) == 0 and state.ranks[0].step == 60
     page = render_html(state)
     assert len(re.findall(r'<tr class="jr-rank-row[^"]*" data-rank="\d"', page)) == 2
-    assert page.count('class="jr-series"') == 2
+    assert page.count('class="jr-series"') == 4  # the chart at both scales, one shown (CSS)
     assert page.count("100 %") == 2 and page.count(">done<") == 2
     assert "<script" not in page  # static: shows without a kernel or JavaScript
     comm_rows = re.findall(r'<tr class="jr-comm-row" data-rank="(\d)">(.*?)</tr>', page)
@@ -289,7 +289,7 @@ def test_widget_has_a_row_per_rank_and_marks_the_straggler():
     assert [r.bar.value for r in rows] == [0.5, 0.5, 0.15]
     assert [("jr-straggler" in r._dom_classes) for r in rows] == [False, False, True]
     assert rows[2].bar.bar_style == "warning" and "straggler" in rows[2].label.value
-    assert "jr-series" in dash._chart.value
+    assert "jr-series" in dash._chart_linear.value
     version = dash._drawn
     dash.refresh()  # unchanged state: nothing redrawn
     assert dash._drawn == version
@@ -319,7 +319,7 @@ def test_freeze_replaces_the_displayed_widget_by_its_final_html():
     dash.freeze()
     (bundle, raw), = Handle.updates
     assert raw and set(bundle) == {"text/html", "text/plain"}
-    assert bundle["text/html"].count('class="jr-series"') == 2
+    assert bundle["text/html"].count('class="jr-series"') == 4
     assert dash.state.frozen and dash.comm is None  # the widget was closed
 
 

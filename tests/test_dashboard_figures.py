@@ -265,12 +265,60 @@ def test_widget_offers_the_scale_and_keeps_the_users_choice():
     from jupyter_ring.widgets import Dashboard
 
     dash = Dashboard(state=loss_state([0.69 * math.exp(-i / 100) for i in range(600)]))
+    # both scales drawn, the log one shown: the buttons switch them in the browser (jslink)
+    assert 'data-scale="linear"' in dash._chart_linear.value
+    assert 'data-scale="log"' in dash._chart_log.value
     assert dash._scale.layout.display == "flex" and dash._scale.value == "log"
-    assert 'data-scale="log"' in dash._chart.value
-    dash._scale.value = "linear"  # what a click does
-    assert dash.state.y_scale == "linear" and 'data-scale="linear"' in dash._chart.value
+    assert dash._chart.selected_index == 1
+    assert {dash._link.source, dash._link.target} == {(dash._scale, "index"),
+                                                      (dash._chart, "selected_index")}
+    dash._scale.value = "linear"  # a click, as the kernel hears it
+    assert dash.state.y_scale == "linear" and dash._chart.selected_index == 0
     dash.state.ingest(0, snap(0, step=700, t=300, history=[(700, 300.0, {"loss": 1e-5})]))
     dash.refresh()
-    assert dash._scale.value == "linear" and 'data-scale="linear"' in dash._chart.value
+    assert dash._scale.value == "linear" and dash._chart.selected_index == 0
+    assert dash.state.chart_scale() == "linear"
     empty = Dashboard(ranks=2)
     assert empty._scale.layout.display == "none"
+
+
+def test_the_data_sets_the_scale_once_not_over_a_click_the_kernel_has_not_heard():
+    """The buttons follow the data only when the scale it asks for changes: a loss that comes to
+    span decades turns the chart to log once; redraws after that leave the buttons alone (a click
+    in the browser may be waiting for the busy kernel)."""
+    from jupyter_ring.widgets import Dashboard
+
+    state = loss_state([1.0 - i / 2000 for i in range(100)])
+    dash = Dashboard(state=state)
+    assert dash._scale.value == "linear"
+    state.ingest(0, snap(0, step=200, t=300, history=[(200, 300.0, {"loss": 0.001})]))
+    dash.refresh()
+    assert dash._scale.value == "log" and dash._chart.selected_index == 1
+    dash._scale_syncing = True  # what the browser shows after a click the kernel has not heard
+    dash._scale.value, dash._chart.selected_index = "linear", 0
+    dash._scale_syncing = False
+    state.ingest(0, snap(0, step=201, t=301, history=[(201, 301.0, {"loss": 0.0009})]))
+    dash.refresh()
+    assert dash._scale.value == "linear" and dash._chart.selected_index == 0
+
+
+def test_a_loss_with_values_below_zero_offers_no_log_scale():
+    from jupyter_ring.widgets import Dashboard
+
+    dash = Dashboard(state=loss_state([0.5, -0.2, 0.1]))
+    assert dash._scale.layout.display == "none" and dash._chart_log.value == ""
+    assert dash._chart.selected_index == 0
+    page = render_html(dash.state)
+    assert 'class="jr-pick-log"' not in page and page.count('class="jr-series"') == 1
+
+
+def test_the_static_chart_switches_scale_without_a_kernel():
+    state = loss_state([0.69 * math.exp(-i / 100) for i in range(600)])
+    page = render_html(state)
+    picks = re.findall(r'<input type="radio" class="jr-pick-(\w+)" name="(jr-scale-\w+)" '
+                       r'id="[^"]+"( checked)?>', page)
+    assert [(p, bool(c)) for p, _, c in picks] == [("linear", False), ("log", True)]
+    assert picks[0][1] == picks[1][1] != re.findall(r'name="(jr-scale-\w+)"', render_html(state))[0]
+    assert re.search(r'<div class="jr-chart-linear"><svg[^>]*data-scale="linear"', page)
+    assert re.search(r'<div class="jr-chart-log"><svg[^>]*data-scale="log"', page)
+    assert ".jr-pick-linear:checked~.jr-chart-log" in page and "<script" not in page

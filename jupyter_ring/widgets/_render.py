@@ -6,11 +6,14 @@ notebook, so a notebook reopened without a kernel shows what the widget last sho
 
 import html
 import math
+import uuid
+from typing import NamedTuple
 
-from ._state import format_bytes, format_rate, format_seconds, format_value
+from ._state import choose_scale, format_bytes, format_rate, format_seconds, format_value
 
-__all__ = ["render_html", "render_chart", "chart_series", "render_comm", "render_banner",
-           "rank_cells", "linear_ticks", "log_ticks", "COLORS", "STYLE", "COMM_CAPTION"]
+__all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_possible", "ChartData",
+           "render_comm", "render_banner", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
+           "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
@@ -30,6 +33,11 @@ STYLE = """<style>
 .jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
 .jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
 .jr-chart .jr-grid{stroke:var(--jp-border-color2,#e0e0e0);stroke-width:0.5}
+.jr-charts .jr-pick-linear:checked~.jr-chart-log,.jr-charts .jr-pick-log:checked~.jr-chart-linear{display:none}
+.jr-charts{margin-top:4px}
+.jr-charts>span{margin:0 4px 0 8px;color:var(--jp-ui-font-color2,#555)}
+.jr-charts>label{margin:0 10px 0 2px}
+.jr-charts>input{margin:0 0 0 4px;vertical-align:-2px}
 .jr-caption{color:var(--jp-ui-font-color2,#555);font-size:11px;line-height:1.35;margin:0 0 4px 8px;max-width:640px;white-space:normal}
 </style>"""
 
@@ -127,37 +135,60 @@ def _short_exponent(text):
     return f"{mantissa}e{int(exponent)}" if exponent else text
 
 
+class ChartData(NamedTuple):
+    """What one redraw of the chart needs, computed once for both scales."""
+
+    metric: str
+    series: dict   # rank -> [(step, value)]: numeric steps, in order, at most max_points each
+    scale: str     # 'linear' or 'log': the state's choice (the user's pick, else the data's)
+    x0: float      # first and last step
+    x1: float
+    y0: float      # lowest and highest value
+    y1: float
+
+
 def chart_series(state, max_points=500):
-    """(metric, {rank: [(step, value)]}, scale) as the chart draws them: numeric steps only,
-    ranks without points left out; (None, {}, None) when there is nothing to draw."""
+    """The chart's :class:`ChartData`, or None when there is nothing to draw."""
     metric = state.chart_metric()
-    series = {rank: [(x, y) for x, y in pts if isinstance(x, (int, float))]
-              for rank, pts in state.series(metric, max_points=max_points).items()}
-    series = {rank: pts for rank, pts in series.items() if pts}
+    series = {}
+    for rank, pts in state.series(metric, max_points=max_points).items():
+        pts = [(x, y) for x, y in pts if isinstance(x, (int, float))]
+        if pts:
+            series[rank] = pts
     if not series:
-        return None, {}, None
-    return metric, series, state.chart_scale(series)
+        return None
+    x0 = min(pts[0][0] for pts in series.values())   # each series is in step order
+    x1 = max(pts[-1][0] for pts in series.values())
+    y0 = min(min(y for _, y in pts) for pts in series.values())
+    y1 = max(max(y for _, y in pts) for pts in series.values())
+    return ChartData(metric, series, choose_scale(state.y_scale, y0, y1), x0, x1, y0, y1)
 
 
-def render_chart(state, width=640, height=220, max_points=500, drawn=None):
+def log_possible(data):
+    """Whether a log axis can show every value of ``data`` (a ChartData): all are positive."""
+    return data is not None and data.y0 > 0
+
+
+def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale=None):
     """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data.
 
     The x-axis runs from the first charted step to the last (both labelled); the y-axis is
-    linear or logarithmic (``state.chart_scale``), with round ticks and grid lines. ``drawn``:
-    what :func:`chart_series` returned, when the caller has it already.
+    linear or logarithmic (``scale``; by default ``state.chart_scale``), with round ticks and grid
+    lines. ``drawn``: the :func:`chart_series` of this redraw, when the caller has it already.
     """
-    metric, series, scale = drawn or chart_series(state, max_points)
-    if not series:
+    data = drawn or chart_series(state, max_points)
+    if data is None:
         return ""
-    xs = [x for pts in series.values() for x, _ in pts]
-    ys = [y for pts in series.values() for _, y in pts]
-    x0, x1 = min(xs), max(xs)
+    metric, series, x0, x1 = data.metric, data.series, data.x0, data.x1
+    wanted = scale or state.y_scale or data.scale
+    scale = wanted if wanted == "linear" or log_possible(data) else "linear"
     if scale == "log":
-        yticks, v0, v1 = log_ticks(min(ys), max(ys))
+        yticks, v0, v1 = log_ticks(data.y0, data.y1)
         ylabels = [(math.log10(v), _log_label(v) if labelled else "") for v, labelled in yticks]
-        series = {rank: [(x, math.log10(y)) for x, y in pts] for rank, pts in series.items()}
+        log10 = math.log10
+        series = {rank: [(x, log10(y)) for x, y in pts] for rank, pts in series.items()}
     else:
-        ticks, ystep = linear_ticks(min(ys), max(ys))
+        ticks, ystep = linear_ticks(data.y0, data.y1)
         ylabels = [(v, _tick_label(v, ystep)) for v in ticks]
         v0, v1 = ticks[0], ticks[-1]
     # room for the longest y label on the left, the legend on the right
@@ -171,7 +202,7 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None):
     by = top + ph - v0 * ay
 
     note = {"log": " · log scale", "linear": ""}[scale]
-    if state.y_scale == "log" and scale == "linear":
+    if wanted == "log" and scale == "linear":
         note = " · linear (a log scale needs values > 0)"
     parts = [f'<svg class="jr-chart" data-metric="{_e(metric)}" data-scale="{scale}" '
              f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
@@ -201,6 +232,27 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None):
                      f'stroke="{color(rank)}" stroke-width="2"/>'
                      f'<text x="{left + pw + 30}" y="{ly}">rank {rank}</text>')
     parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_charts(state, max_points=500, drawn=None):
+    """The static chart: at both scales, with a linear | log switch made of two radio buttons and
+    CSS alone (no JavaScript, no kernel), set to ``state.chart_scale``; the linear chart alone
+    where a log axis cannot show the values. Without the CSS (a sanitized view) both charts show."""
+    drawn = drawn or chart_series(state, max_points)
+    if not log_possible(drawn):
+        return render_chart(state, drawn=drawn, scale="linear")
+    scale = drawn.scale
+    group = f"jr-scale-{uuid.uuid4().hex[:12]}"  # one switch per output, however many on a page
+    parts = ['<div class="jr-charts"><span>y-axis</span>']
+    for option in ("linear", "log"):
+        checked = " checked" if option == scale else ""
+        parts.append(f'<input type="radio" class="jr-pick-{option}" name="{group}" '
+                     f'id="{group}-{option}"{checked}><label for="{group}-{option}">{option}</label>')
+    for option in ("linear", "log"):
+        parts.append(f'<div class="jr-chart-{option}">'
+                     f'{render_chart(state, drawn=drawn, scale=option)}</div>')
+    parts.append("</div>")
     return "".join(parts)
 
 
@@ -289,5 +341,5 @@ def render_rows(state):
 def render_html(state, title="jupyter_ring training"):
     """The whole dashboard as one self-contained HTML fragment (the static fallback)."""
     return (f'{STYLE}<div class="jr-dash jr-static"><div><b>{_e(title)}</b></div>'
-            f"{render_banner(state)}{render_rows(state)}{render_chart(state)}{render_comm(state)}"
+            f"{render_banner(state)}{render_rows(state)}{render_charts(state)}{render_comm(state)}"
             "</div>")

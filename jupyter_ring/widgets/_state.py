@@ -418,10 +418,7 @@ class DashboardState:
         log when every value is positive and they span more than a decade and a half."""
         series = self.series() if series is None else series
         ys = [y for pts in series.values() for _, y in pts]
-        positive = bool(ys) and min(ys) > 0
-        if self.y_scale is not None:
-            return "log" if self.y_scale == "log" and positive else "linear"
-        return "log" if positive and max(ys) > _LOG_RATIO * min(ys) else "linear"
+        return choose_scale(self.y_scale, min(ys), max(ys)) if ys else "linear"
 
     def stalls(self):
         """The stall of every waiting rank: [{rank, what, missing, waited}], by rank."""
@@ -533,6 +530,15 @@ def format_value(value):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{value:.4g}"
     return str(value)
+
+
+def choose_scale(chosen, lo, hi):
+    """The y-axis for values in [lo, hi]: ``chosen`` ('linear', 'log' or None) where the values
+    allow it; by default log when all are positive and span more than a decade and a half."""
+    positive = lo > 0
+    if chosen is not None:
+        return "log" if chosen == "log" and positive else "linear"
+    return "log" if positive and hi > _LOG_RATIO * lo else "linear"
 
 
 def format_rate(rate):

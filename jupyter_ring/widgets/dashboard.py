@@ -18,8 +18,8 @@ without a kernel still shows the dashboard.
 
 import ipywidgets as widgets
 
-from ._render import (STYLE, chart_series, color, rank_cells, render_banner, render_chart,
-                      render_comm, render_html)
+from ._render import (STYLE, chart_series, color, log_possible, rank_cells, render_banner,
+                      render_chart, render_comm, render_html)
 from ._state import DashboardState
 
 __all__ = ["Dashboard", "DashboardState"]
@@ -74,14 +74,19 @@ class Dashboard(widgets.VBox):
         self._header = widgets.HTML(f"{STYLE}<b>{title}</b>")
         self._banner = widgets.HTML("")
         self._rows = widgets.VBox([])
-        self._chart = widgets.HTML("")
-        # the y-axis scale: follows the data (state.chart_scale) until the user picks one
+        # The chart at both scales, one shown: the buttons switch them in the browser (jslink),
+        # because a click reaches the kernel only after the running cell (the shell is busy).
+        self._chart_linear = widgets.HTML("")
+        self._chart_log = widgets.HTML("")
+        self._chart = widgets.Stack([self._chart_linear, self._chart_log], selected_index=0)
         self._scale = widgets.ToggleButtons(
             options=[("linear", "linear"), ("log", "log")], value="linear", description="y-axis",
             tooltips=["linear y-axis", "logarithmic y-axis (values > 0)"],
             style={"button_width": "64px", "description_width": "48px"},
             layout=widgets.Layout(display="none", margin="4px 0 0 0"))
         self._scale.add_class("jr-scale")
+        self._link = widgets.jslink((self._scale, "index"), (self._chart, "selected_index"))
+        self._scale_shown = None   # the scale last set from here (the data's, or a known pick)
         self._scale_syncing = False
         self._scale.observe(self._scale_picked, names="value")
         self._comm = widgets.HTML("")
@@ -114,25 +119,34 @@ class Dashboard(widgets.VBox):
         if chart and self._chart_drawn != state.version:
             self._chart_drawn = state.version
             drawn = chart_series(state)
-            self._chart.value = render_chart(state, drawn=drawn)
-            self._sync_scale(drawn[2])
+            self._chart_linear.value = render_chart(state, drawn=drawn, scale="linear")
+            log = log_possible(drawn)
+            self._chart_log.value = render_chart(state, drawn=drawn, scale="log") if log else ""
+            self._sync_scale(drawn.scale if log else None)
         self._comm.value = render_comm(state)
 
     def _sync_scale(self, scale):
-        """Show the scale buttons once there is a chart, set to the scale it is drawn with."""
+        """Show the buttons while both scales can be drawn; set them only when the scale the data
+        asks for changes (a loss that comes to span decades), not over a pick the kernel has
+        not heard of yet."""
         self._scale.layout.display = "flex" if scale else "none"
-        if scale:
+        wanted = scale or "linear"
+        if wanted != self._scale_shown:
+            self._scale_shown = wanted
             self._scale_syncing = True
             try:
-                self._scale.value = scale
+                self._scale.value = wanted
+                self._chart.selected_index = self._scale.index
             finally:
                 self._scale_syncing = False
 
     def _scale_picked(self, change):
+        """A pick heard by the kernel (after the cell, or between its polls): it holds from now on."""
         if self._scale_syncing or self.state.frozen:
             return
-        self.state.set_y_scale(change["new"])  # the user's choice holds from now on
-        self.refresh()
+        self.state.set_y_scale(change["new"])
+        self._scale_shown = change["new"]
+        self._chart.selected_index = self._scale.index
 
     def to_html(self):
         """The dashboard as static HTML (what a notebook reopened without a kernel shows)."""
@@ -153,6 +167,7 @@ class Dashboard(widgets.VBox):
             self._handle.update(self._static_bundle(), raw=True)
             self._handle = None
             _close_tree(self)  # the widget models are no longer shown anywhere
+            self._link.close()
 
     def _static_bundle(self):
         return {"text/html": self.to_html(), "text/plain": self.state.summary()}
