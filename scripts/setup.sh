@@ -42,9 +42,20 @@ if [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin
 fi
 # pip install builds the extension (hatch-jupyter-builder: jlpm install + build); when the venv is
 # already there but the build or labextension/node_modules (jest) is missing, build it here.
-if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || [ ! -d labextension/node_modules ]; }; then
+# A build older than its sources (a pulled change to labextension/) is rebuilt too, and copied
+# where the editable install put it (hatch copies shared-data once, at install time).
+stale=""
+if [ -f labextension/prebuilt/package.json ]; then
+  stale=$(find labextension/src labextension/style labextension/package.json -newer labextension/prebuilt/package.json 2>/dev/null | head -1)
+fi
+if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || [ ! -d labextension/node_modules ] || [ -n "$stale" ]; }; then
   echo "[setup] building the lab extension"
   (cd labextension && PATH="$PWD/../.venv/bin:$PATH" jlpm install >/dev/null && PATH="$PWD/../.venv/bin:$PATH" jlpm build:prod >/dev/null)
+  installed=.venv/share/jupyter/labextensions/jupyter-ring
+  if [ -d "$installed" ]; then
+    rm -rf "$installed.new" && cp -r labextension/prebuilt "$installed.new" && cp labextension/install.json "$installed.new/" \
+      && rm -rf "$installed" && mv "$installed.new" "$installed"
+  fi
 fi
 # ---- end JupyterLab extension ----------------------------------------------------------------
 stamp=.venv/.jupyter_ring-installed
