@@ -36,6 +36,22 @@ __all__ = ["RingCluster", "ClusterError", "DeadRankError", "visible_gpus", "defa
 
 log = logging.getLogger(__name__)
 
+
+class _GoneLogFilter(logging.Filter):
+    """Drop ipyparallel's "Failed to remove <engine log>: ... No such file" at stop.
+
+    Its launcher checks that the output file exists, then removes it; when the file is gone in
+    between (seen once on the teaching hub at ``%ring stop``), it logs an error that reaches the
+    notebook as stderr although nothing failed: the file it wanted gone is gone.
+    """
+
+    def filter(self, record):
+        msg = record.getMessage()
+        return not (msg.startswith("Failed to remove ") and "No such file or directory" in msg)
+
+
+logging.getLogger(__name__ + ".ipyparallel").addFilter(_GoneLogFilter())
+
 GiB = 1 << 30
 
 # Run first on every engine, in the user namespace: bind the GPU before any framework import,

@@ -170,3 +170,20 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         # if the watchdog failed, do not leave the cluster behind for the other tests
         for p in alive(locals().get("pids", [])):
             p.kill()
+
+
+def test_ipyparallel_gone_log_file_is_not_reported_as_an_error(caplog):
+    """ipyparallel checks its engine log exists, then removes it: a file gone in between logged
+    "Failed to remove ... No such file" into the notebook at %ring stop (teaching hub CI run)."""
+    import logging
+
+    from ipyparallel.cluster.launcher import LocalProcessLauncher
+
+    ipp_log = logging.getLogger("jupyter_ring.cluster.ipyparallel")
+    launcher = LocalProcessLauncher(log=ipp_log, output_file="/nonexistent/ipengine-x.log")
+    with caplog.at_level(logging.ERROR, logger=ipp_log.name):
+        launcher.log.error(f"Failed to remove {launcher.output_file}: [Errno 2] "
+                           f"No such file or directory: '{launcher.output_file}'")
+        launcher.log.error("Failed to remove /x: [Errno 13] Permission denied: '/x'")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["Failed to remove /x: [Errno 13] Permission denied: '/x'"]
