@@ -148,7 +148,7 @@ def main():
         worker(args)
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
 
     cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
            "--max-mib", str(args.max_mib)]

@@ -123,7 +123,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="jupyter_ring_bench_"))
     from jupyter_ring.cluster import RingCluster
-    from jupyter_ring.widgets import _publish
+    from jupyter_ring.engines import _publish
     from jupyter_ring.widgets.live import ENGINE_SETUP, LiveDashboard
 
     cluster = RingCluster(n=args.n, **({"controller_db": args.controller_db}

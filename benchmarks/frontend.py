@@ -25,7 +25,7 @@ def _median_ms(samples):
 def bench_start(ip, n, runs):
     import ipyparallel as ipp
 
-    from jupyter_ring._launch import find_mpiexec
+    from jupyter_ring.launch import find_mpiexec
 
     ring_times, ipp_times = [], []
     for _ in range(runs):

@@ -84,7 +84,7 @@ def on_host_a(two, argv, env, tag):
 
 def main():
     args = parse()
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
     from twohosts import SlurmHosts, slurm_missing
 
     why = slurm_missing()

@@ -218,7 +218,7 @@ def run_ring(cells, workdir):
 
 
 def run_px(cells, workdir):
-    from jupyter_ring._launch import find_mpiexec
+    from jupyter_ring.launch import find_mpiexec
 
     kernel = Kernel.start(sys.executable, env={"IPYTHONDIR": os.path.join(workdir, "ipython")})
     start = ("import ipyparallel as ipp\n"

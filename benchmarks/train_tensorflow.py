@@ -60,7 +60,7 @@ def worker(steps, batch):
 
 
 def launch(n, args):
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")

@@ -96,7 +96,7 @@ def worker(mode, steps, batch, warmup, fusion):
 
 
 def launch(mode, n, args):
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

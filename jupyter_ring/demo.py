@@ -11,7 +11,7 @@ import re
 import sys
 import tempfile
 
-__all__ = ["main", "run_notebook", "NOTEBOOK"]
+__all__ = ["main", "run_notebook", "format_outputs", "NOTEBOOK"]
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "notebooks", "01-quickstart.ipynb")

@@ -21,60 +21,14 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float
 
-from ._tabs import RankTabs, TextSink, _ranges
-from .cluster import DeadRankError, RingCluster, _format_table, parse_ranks
+from .cluster import RingCluster, format_table, parse_ranks
+from .errors import DeadRankError, DistributedError, _ename
+from .widgets._tabs import RankTabs, TextSink, _ranges
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
 
 # Errors on other ranks that are usually consequences of the first failure, never the headline.
 _SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
-
-
-class DistributedError(Exception):
-    """A ``%%distributed`` cell failed on one or more ranks.
-
-    Shows the first failing rank's traceback (label ``[rank r @ host]``, original exception type
-    kept in ``ename``), then one line per other failed rank. ``errors`` maps rank -> the remote
-    error; ``rank`` is the headline rank.
-    """
-
-    def __init__(self, rank, host, error, others, note="", reasons=None):
-        self.reasons = dict(reasons or {})  # rank -> why the front end interrupted it
-        self.rank = rank
-        self.host = host
-        self.error = error
-        self.others = others          # [(rank, host, error)] in order of failure
-        self.note = note
-        self.ename = getattr(error, "ename", type(error).__name__)
-        self.evalue = getattr(error, "evalue", str(error))
-        self.errors = {rank: error, **{r: e for r, _, e in others}}
-        super().__init__(self._summary())
-
-    def _summary(self):
-        text = f"[rank {self.rank} @ {self.host}] {self.ename}: {self.evalue}"
-        if self.others:
-            text += "; also " + ", ".join(f"rank {r}: {_ename(e)}" for r, _, e in self.others)
-        return text
-
-    def _render_traceback_(self):
-        lines = [f"[rank {self.rank} @ {self.host}] {self.ename}: {self.evalue}"]
-        remote_tb = getattr(self.error, "traceback", None)
-        if remote_tb:
-            lines.extend(str(remote_tb).splitlines())
-        if self.others:
-            lines.append("")
-            lines.append(f"other ranks ({len(self.others)}), probably as a consequence:")
-            for rank, host, error in self.others:
-                line = f"  [rank {rank} @ {host}] {_ename(error)}"
-                evalue = _first_line(getattr(error, "evalue", str(error)))
-                if evalue:
-                    line += f": {evalue}"
-                if rank in self.reasons:
-                    line += f" (interrupted: {self.reasons[rank]})"
-                lines.append(line)
-        if self.note:
-            lines.append(self.note)
-        return lines
 
 
 def _child_error(child):
@@ -86,15 +40,6 @@ def _child_error(child):
         return exc
     result = child.result()
     return result if isinstance(result, BaseException) else None
-
-
-def _ename(error):
-    return getattr(error, "ename", None) or type(error).__name__
-
-
-def _first_line(text):
-    text = str(text).strip()
-    return text.splitlines()[0] if text else ""
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -279,7 +224,7 @@ class RingMagics(Magics):
         self.cluster = cluster
         self._start_argv = argv
         self._dashboard_ready = self._setup_dashboard(cluster)
-        print(_format_table(rows))
+        print(format_table(rows))
         if cluster.note:
             print(cluster.note)
         if cluster.address != "127.0.0.1":
@@ -313,7 +258,7 @@ class RingMagics(Magics):
         dead = cluster.dead_ranks()
         rows = [dict(row, device=row["device"] + ("  DEAD" if row["rank"] in dead else ""))
                 for row in cluster.ranks]
-        print(_format_table(rows))
+        print(format_table(rows))
         if dead:
             print(cluster.describe_death(dead))
         else:
@@ -466,7 +411,7 @@ class RingMagics(Magics):
         return None
 
     def _sink(self, ranks, args):
-        """Tabs or tagged text for one cell (see jupyter_ring._tabs)."""
+        """Tabs or tagged text for one cell (see jupyter_ring.widgets._tabs)."""
         mode = args.output or self.output
         if args.rank0_output:
             return TextSink(tag=False)
@@ -772,7 +717,7 @@ class _KernelShim:
     Wraps ``kernel.do_complete`` and ``kernel.do_inspect`` of this kernel instance (the
     documented override points of ipykernel): for a ``%%distributed`` cell, or any cell that
     auto mode sends to the ranks, the request goes to rank 0's kernel with ``view.apply``
-    (``jupyter_ring._engine.complete`` / ``inspect``), so names that exist only on the ranks
+    (``jupyter_ring.engines._complete.complete`` / ``inspect``), so names that exist only on the ranks
     complete and ``?``/Shift-Tab describe the rank's object; nothing is copied into this
     kernel. Other cells, a cursor on the ``%%distributed`` line itself, no cluster, or no answer
     within ``RingMagics.remote_timeout`` seconds: this kernel answers as usual.
@@ -816,7 +761,7 @@ class _KernelShim:
 
     def _remote(self, what, code, cursor_pos, *args):
         """Rank 0's reply with positions shifted back into the cell, or None (answer here)."""
-        from . import _engine
+        from .engines import _complete
 
         body_start = _remote_body_start(code, self.magics.auto)
         if body_start is None or cursor_pos < body_start:
@@ -826,7 +771,7 @@ class _KernelShim:
             return None
         try:
             view = cluster.client[cluster.engine_ids[0]]
-            func = _engine.complete if what == "complete" else _engine.inspect
+            func = _complete.complete if what == "complete" else _complete.inspect
             reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
                                      *args).get(timeout=self.magics.remote_timeout)
         except Exception:  # busy, dead or slow rank: this kernel's own answer is better than none

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from jupyter_ring._launch import find_mpiexec, mpi_env
+from jupyter_ring.launch import find_mpiexec, mpi_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MPI_SCRIPTS = os.path.join(HERE, "mpi")

@@ -1,4 +1,4 @@
-"""Reading the static rank tabs of a %%distributed output (jupyter_ring._tabs.RankTabs.html)."""
+"""Reading the static rank tabs of a %%distributed output (jupyter_ring.widgets._tabs.RankTabs.html)."""
 
 from html.parser import HTMLParser
 

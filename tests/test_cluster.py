@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from jupyter_ring._sidecar import read_sidecar, sidecar_path
-from jupyter_ring._watchdog import shm_files
+from jupyter_ring.cluster._sidecar import read_sidecar, sidecar_path
+from jupyter_ring.cluster._procs import shm_files
 from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
 from real_kernel import alive
 

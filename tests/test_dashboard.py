@@ -327,7 +327,7 @@ def test_freeze_replaces_the_displayed_widget_by_its_final_html():
 def test_unique_keys_survive_ipyparallels_dict_update_and_are_consumed_once(clock):
     """Snapshots merged into one dict (as ipyparallel's client does) between two polls: none
     overwrites another, each is read exactly once, in publication order."""
-    from jupyter_ring.widgets._publish import Publisher
+    from jupyter_ring.engines._publish import Publisher
     from jupyter_ring.widgets.live import LiveDashboard, take_snapshots
 
     engine_data = {}                 # what the client's AsyncResult.data holds for one engine
@@ -355,7 +355,7 @@ def test_unique_keys_survive_ipyparallels_dict_update_and_are_consumed_once(cloc
 
 
 def test_take_snapshots_orders_by_sequence_number():
-    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.engines._publish import snapshot_key
     from jupyter_ring.widgets.live import take_snapshots
 
     data = {snapshot_key(n): {"rank": 0, "n": n} for n in (12, 3, 100, 7)}
@@ -364,7 +364,7 @@ def test_take_snapshots_orders_by_sequence_number():
 
 
 def test_post_execute_publishes_final_only_for_cells_that_reported(clock):
-    from jupyter_ring.widgets._publish import Publisher
+    from jupyter_ring.engines._publish import Publisher
 
     sent = []
     reporter = Reporter()
@@ -387,7 +387,7 @@ def test_post_execute_publishes_final_only_for_cells_that_reported(clock):
 
 
 def test_live_dashboard_polls_a_subset_of_ranks_and_draws_at_most_every_min_interval(clock):
-    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.engines._publish import snapshot_key
     from jupyter_ring.widgets.live import LiveDashboard
 
     live = LiveDashboard([0, 1, 2, 3], display=False, min_interval=3600)
@@ -423,7 +423,7 @@ def test_long_runs_are_charted_from_an_incremental_decimation():
 
 
 def test_has_and_discard_snapshots_for_cells_without_a_dashboard():
-    from jupyter_ring.widgets._publish import snapshot_key
+    from jupyter_ring.engines._publish import snapshot_key
     from jupyter_ring.widgets.live import discard_snapshots, has_snapshots
 
     engines = [{"other": 1}, {}]
@@ -452,7 +452,7 @@ def test_public_names():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
     # what every rank imports at %ring start (ENGINE_SETUP) brings no ipywidgets (~0.18 s each)
-    code = ("import sys, jupyter_ring.widgets._publish; print(sorted(m for m in ('ipywidgets', "
+    code = ("import sys, jupyter_ring.engines._publish; print(sorted(m for m in ('ipywidgets', "
             "'jupyter_ring.widgets.dashboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out

@@ -11,7 +11,8 @@ import os
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from jupyter_ring.cluster import THREAD_VARS, _cpu_count, share_note, threads_per_rank
+from jupyter_ring.cluster import THREAD_VARS, share_note, threads_per_rank
+from jupyter_ring.cluster._sizing import cpu_count as _cpu_count
 
 GiB = 1 << 30
 

@@ -17,9 +17,9 @@ pytest.importorskip("pytest_jupyter", reason="needs pytest-jupyter[server] (in j
 
 from tornado.httpclient import HTTPClientError  # noqa: E402
 
-from jupyter_ring._launch import find_mpiexec, mpi_env  # noqa: E402
+from jupyter_ring.launch import find_mpiexec, mpi_env  # noqa: E402
 from jupyter_ring.server._clusters import describe_cluster, find_cluster_file  # noqa: E402
-from jupyter_ring._sidecar import read_sidecar, write_sidecar  # noqa: E402
+from jupyter_ring.cluster._sidecar import read_sidecar, write_sidecar  # noqa: E402
 
 pytest_plugins = ["pytest_jupyter.jupyter_server"]
 

@@ -13,9 +13,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from jupyter_ring._watchdog import shm_files
-from jupyter_ring.cluster import DeadRankError
-from jupyter_ring.magics import DistributedError
+from jupyter_ring.cluster._procs import shm_files
+from jupyter_ring.errors import DeadRankError, DistributedError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -173,7 +173,7 @@ def test_dashboard_shows_when_a_rank_reports_and_not_otherwise(kernel):
     assert any("jr-dash" in page for page in finals), [m["msg_type"] for m in msgs]
     # the Ring panel's step column: the kernel noted each rank's last progress in the sidecar
     steps = kernel.ok(
-        "import json\nfrom jupyter_ring._sidecar import read_sidecar\n"
+        "import json\nfrom jupyter_ring.cluster._sidecar import read_sidecar\n"
         "_c = get_ipython().magics_manager.registry['RingMagics'].cluster.ipp_cluster\n"
         "print(json.dumps([(r['rank'], r['step'], r['total'])"
         " for r in read_sidecar(_c.profile_dir, _c.cluster_id)['ranks']]))")

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from jupyter_ring import _tabs
-from jupyter_ring._tabs import RankTabs, TextSink
+from jupyter_ring.widgets import _tabs
+from jupyter_ring.widgets._tabs import RankTabs, TextSink
 from static_tabs import tab_texts as _panels
 
 

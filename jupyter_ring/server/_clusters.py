@@ -2,8 +2,9 @@
 
 Listing is read-only: it parses ``$IPYTHONDIR/profile_*/security/cluster-*.json`` as JSON and asks
 psutil about the pids in them, so a poll every few seconds starts no threads and rewrites no file.
-Actions (interrupt, stop) load the cluster with ipyparallel (``Cluster.from_file``) and use its
-launchers, exactly as the kernel that started the cluster would.
+Actions go the way the kernel's own do: interrupt through the engines' nannies
+(``cluster._signals``, never a second SIGINT to mpiexec), stop with ipyparallel's launchers
+(``Cluster.from_file``), then the process trees of ``cluster._procs`` for what is left.
 """
 
 import asyncio
@@ -17,7 +18,10 @@ import socket
 
 import psutil
 
-from .._sidecar import read_sidecar, remove_sidecar
+from ..cluster._procs import kill_processes, live_process, process_trees, wait_exit
+from ..cluster._sidecar import read_sidecar, remove_sidecar
+from ..cluster._signals import signal_cluster
+from ..errors import ClusterNotFound
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
            "interrupt_cluster", "stop_cluster", "kernel_pids", "kernel_sessions"]
@@ -30,10 +34,6 @@ CLUSTER_ID_RE = r"[A-Za-z0-9_.\-]+"
 
 # Environment variables that carry the MPI rank, by launcher: MPICH/Hydra, Open MPI, PMIx, Slurm.
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
-class ClusterNotFound(LookupError):
-    """No cluster file for this id in any IPython profile."""
 
 
 # ------------------------------------------------------------------------------------- files
@@ -64,19 +64,6 @@ def _profile_name(profile_dir):
 
 
 # ---------------------------------------------------------------------------------- processes
-def _process(pid):
-    """A live psutil.Process for ``pid``, or None (gone, zombie, or not ours to see)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.Error:
-        return None
-
-
 def kernel_pids(kernel_manager):
     """``{pid: kernel_id}`` for the kernels this Jupyter server runs (local provisioners)."""
     found = {}
@@ -121,7 +108,7 @@ def _owner(controller, sidecar, kernels):
     pid = (sidecar or {}).get("kernel_pid")
     chain = []
     if isinstance(pid, int) and pid > 0:
-        proc = _process(pid)
+        proc = live_process(pid)
         chain = [proc] if proc is not None else []
     elif controller is not None:
         try:
@@ -158,31 +145,23 @@ def _engine_processes(set_state):
         if isinstance(sub, dict) and isinstance(sub.get("pid"), int):
             roots.append(sub["pid"])
     found = []
-    for pid in roots:
-        root = _process(pid)
-        if root is None:
-            continue
+    for proc in process_trees([pid for pid in roots if live_process(pid) is not None]).values():
         try:
-            procs = [root] + root.children(recursive=True)
+            cmd = proc.cmdline()
         except psutil.Error:
-            procs = [root]
-        for proc in procs:
-            try:
-                cmd = proc.cmdline()
-            except psutil.Error:
-                continue
-            if not _is_engine(cmd):
-                continue
-            rank = None
-            try:
-                env = proc.environ()
-                for var in _RANK_VARS:
-                    if env.get(var, "").isdigit():
-                        rank = int(env[var])
-                        break
-            except psutil.Error:
-                pass
-            found.append((rank, proc))
+            continue
+        if not _is_engine(cmd):
+            continue
+        rank = None
+        try:
+            env = proc.environ()
+            for var in _RANK_VARS:
+                if env.get(var, "").isdigit():
+                    rank = int(env[var])
+                    break
+        except psutil.Error:
+            pass
+        found.append((rank, proc))
     return found
 
 
@@ -221,17 +200,17 @@ def describe_cluster(path, kernels=None, sessions=None):
     here = socket.gethostname()
 
     controller_state = ((data.get("controller") or {}).get("state") or {})
-    controller = _process(controller_state.get("pid"))
+    controller = live_process(controller_state.get("pid"))
     engine_sets = []
     engines = []
     n = 0
     for set_id, state in ((data.get("engines") or {}).get("sets") or {}).items():
         set_n = state.get("n") or len(state.get("engines") or {}) or 0
         n += set_n
-        launcher = _process(state.get("pid"))
+        launcher = live_process(state.get("pid"))
         engine_sets.append({"id": set_id, "n": set_n, "pid": state.get("pid"),
                             "alive": launcher is not None or any(
-                                _process(s.get("pid")) for s in (state.get("engines") or {}).values()
+                                live_process(s.get("pid")) for s in (state.get("engines") or {}).values()
                                 if isinstance(s, dict))})
         engines.extend(_engine_processes(state))
     n = n or info.get("n") or 0
@@ -280,7 +259,7 @@ def _rank_rows(engines, sidecar, here):
             pid = row.get("pid")
             host = row.get("host")
             local = host in (here, None, "localhost")
-            alive = (_process(pid) is not None) if local else None  # None: another host, unknown
+            alive = (live_process(pid) is not None) if local else None  # None: another host, unknown
             rows.append(_row(row.get("rank"), host, pid, row.get("device"), alive,
                              row.get("step"), row.get("total")))
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"]))
@@ -314,19 +293,24 @@ def list_clusters(kernels=None, ipython_dir=None, sessions=None):
 
 
 # ------------------------------------------------------------------------------------ actions
-def _load(path):
-    from ipyparallel import Cluster
-
-    return Cluster.from_file(path, log=log)
+def _read_cluster_file(path):
+    """The cluster file's JSON; ClusterNotFound when it went away (the cluster was stopped)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ClusterNotFound(f"cluster file {path} is gone: the cluster has stopped") from None
 
 
 async def interrupt_cluster(path):
-    """SIGINT every rank (ipyparallel's ``signal_engines``: mpiexec forwards it to the ranks)."""
-    cluster = _load(path)
-    if not cluster.engines:
-        raise RuntimeError("the cluster has no running engines to interrupt")
-    await cluster.signal_engines(signal.SIGINT)
-    return {"signal": "SIGINT", "engine_sets": list(cluster.engines)}
+    """SIGINT every rank through its engine's nanny (``cluster._signals``: the kernel's own
+    path), so that any number of presses only interrupts, under gforker or Hydra alike."""
+    info = _read_cluster_file(path).get("cluster", {})
+    profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
+    # connecting a client blocks (sockets, registration): not on the server's event loop
+    engines = await asyncio.to_thread(signal_cluster, profile_dir, info.get("cluster_id", ""),
+                                      signal.SIGINT)
+    return {"signal": "SIGINT", "engines": engines}
 
 
 async def stop_cluster(path, grace=5.0):
@@ -335,19 +319,9 @@ async def stop_cluster(path, grace=5.0):
     The second step matters for orphans whose controller died: ipyparallel then has no launcher
     for it, but its processes are still listed in the cluster file.
     """
-    with open(path) as f:
-        data = json.load(f)
+    data = _read_cluster_file(path)
     info = data.get("cluster", {})
-    pids = _all_pids(data)
-    roots = [p for p in (_process(pid) for pid in pids) if p is not None]
-    tree = {}
-    for proc in roots:
-        tree[proc.pid] = proc
-        try:
-            for child in proc.children(recursive=True):
-                tree.setdefault(child.pid, child)
-        except psutil.Error:
-            pass
+    tree = process_trees([pid for pid in _all_pids(data) if live_process(pid) is not None])
     try:
         cluster = _load(path)
         await asyncio.wait_for(cluster.stop_engines(), grace)
@@ -355,21 +329,22 @@ async def stop_cluster(path, grace=5.0):
     except Exception as exc:  # a broken half of the cluster must not keep the rest alive
         log.warning("ipyparallel could not stop cluster %s cleanly (%s); killing its processes",
                     info.get("cluster_id"), exc)
-    gone, alive = psutil.wait_procs(list(tree.values()), timeout=0.5)
-    for proc in alive:
-        try:
-            proc.kill()  # psutil checks the create time: a recycled pid is never signalled
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=2)
-    for p in (path,):
-        try:
-            os.remove(p)
-        except FileNotFoundError:
-            pass
+    alive = wait_exit(tree.values(), 0.5)
+    kill_processes(alive)
+    wait_exit(alive, 2)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
     profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
     remove_sidecar(profile_dir, info.get("cluster_id", ""))
     return {"stopped": True, "killed": sorted(p.pid for p in alive)}
+
+
+def _load(path):
+    from ipyparallel import Cluster
+
+    return Cluster.from_file(path, log=log)
 
 
 def _all_pids(data):

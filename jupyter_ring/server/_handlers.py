@@ -6,9 +6,9 @@ import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
-from ._clusters import (CLUSTER_ID_RE, ClusterNotFound, describe_cluster, find_cluster_file,
-                        interrupt_cluster, kernel_pids, kernel_sessions, list_clusters,
-                        stop_cluster)
+from ..errors import ClusterNotFound, JupyterRingError
+from ._clusters import (CLUSTER_ID_RE, describe_cluster, find_cluster_file, interrupt_cluster,
+                        kernel_pids, kernel_sessions, list_clusters, stop_cluster)
 
 __all__ = ["setup_handlers"]
 
@@ -63,9 +63,9 @@ class ClusterActionHandler(_RingHandler):
                 result = await interrupt_cluster(path)
             else:
                 result = await stop_cluster(path)
-        except FileNotFoundError as exc:
-            raise tornado.web.HTTPError(404, f"cluster {cluster_id!r} has stopped") from exc
-        except RuntimeError as exc:
+        except ClusterNotFound as exc:
+            raise tornado.web.HTTPError(404, f"cluster {cluster_id!r}: {exc}") from exc
+        except JupyterRingError as exc:  # the cluster cannot do it now (no engines, no controller)
             raise tornado.web.HTTPError(409, f"cluster {cluster_id!r}: {exc}") from exc
         self.log.info("jupyter_ring: %s cluster %s", action, cluster_id)
         self.finish(json.dumps({"id": cluster_id, "action": action, **result}))

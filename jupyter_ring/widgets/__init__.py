@@ -1,15 +1,16 @@
-"""Notebook widgets: the live training dashboard (one row per rank, loss chart, comm timing).
+"""Notebook widgets: the live training dashboard (one row per rank, loss chart, comm timing) and
+the rank tabs of a ``%%distributed`` cell's output (``_tabs``).
 
-Front-end code: imports ipywidgets (and, in :mod:`.live`, ipyparallel when polling); never a
-training framework. The engine-side half of the transport is :mod:`._publish`.
+Front-end code, in the notebook kernel: imports ipywidgets, never a training framework. The
+engine-side half of the dashboard's transport is :mod:`jupyter_ring.engines._publish`.
 """
 
 __all__ = ["Dashboard", "DashboardState"]
 
 
 def __getattr__(name):
-    # Lazy: every rank imports ._publish at %ring start, and importing .dashboard (ipywidgets)
-    # there cost each rank ~0.1-0.2 s of CPU for nothing.
+    # Lazy: the magics import the rank tabs and .live when the extension loads, and ipywidgets
+    # (~0.5 s) is imported only when a widget is shown (or in a thread during %ring start).
     if name == "Dashboard":
         from .dashboard import Dashboard
 

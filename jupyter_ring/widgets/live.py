@@ -19,14 +19,14 @@ no dashboard. ``ar`` may cover any subset of the ranks: snapshots name their ran
 
 import time
 
-from ._publish import KEY_PREFIX
+from ..engines._publish import KEY_PREFIX
 from .dashboard import Dashboard
 
 __all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "has_snapshots", "discard_snapshots",
            "set_publishing"]
 
 ENGINE_SETUP = """\
-import jupyter_ring.widgets._publish as _jr_publish
+import jupyter_ring.engines._publish as _jr_publish
 _jr_publish.install()
 del _jr_publish
 """
@@ -150,6 +150,6 @@ class LiveDashboard:
 
 def set_publishing(view, enabled):
     """Pause or resume the ranks' snapshots (``--no-dashboard``): a quick apply on ``view``."""
-    from ._publish import enable
+    from ..engines._publish import enable
 
     return view.apply_sync(enable, bool(enabled))

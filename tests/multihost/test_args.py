@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from jupyter_ring.cluster import ClusterError, RingCluster, host_slots, routable_address
+from jupyter_ring.cluster import ClusterError, host_slots, routable_address
 
 
 def test_host_slots_read_hosts_and_hostfiles(tmp_path):
@@ -44,16 +44,6 @@ def test_routable_address_is_not_loopback_or_says_how_to_choose(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
     with pytest.raises(ClusterError, match="--ip ADDR"):
         routable_address(["localhost"])
-
-
-def test_slurm_options_with_spaces_are_refused():
-    cluster = RingCluster(launcher="slurm", nodes=2, partition="a b")
-    with pytest.raises(ValueError, match="--partition 'a b'"):
-        cluster._slurm_script()
-    script = RingCluster(launcher="slurm", nodes=2, ntasks_per_node=3, time_limit="1:00:00")
-    text = script._slurm_script()
-    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=3\n#SBATCH --time=1:00:00\n" in text
-    assert text.rstrip().endswith("-n {n} {program_and_args}")
 
 
 def test_percent_ring_start_bad_hosts_is_a_usage_error(tmp_path):

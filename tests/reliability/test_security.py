@@ -26,8 +26,9 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from jupyter_ring._launch import local_mpiexec
-from jupyter_ring.cluster import RingCluster, _profile_dir
+from jupyter_ring.launch import local_mpiexec
+from jupyter_ring.cluster import RingCluster
+from jupyter_ring.cluster._machine import profile_dir as _profile_dir
 
 LOOPBACK = ("127.0.0.1", "::1")
 OWNER_DIRS = ("security", "log", "pid")  # where ipyparallel and jupyter_ring write
@@ -120,7 +121,7 @@ def _cluster_files(cluster):
     files = glob.glob(os.path.join(security, f"*{cid}*"))
     files += [es.output_file for es in cluster.ipp_cluster.engines.values()]
     files.append(cluster.ipp_cluster.controller.output_file)
-    files.append(cluster._pid_file)  # the watchdog's list of pids
+    files.append(cluster._watchdog.path)  # the watchdog's list of pids
     return sorted(set(f for f in files if f and os.path.exists(f)))
 
 

@@ -6,12 +6,55 @@ the client's ``AsyncResult.data`` with ``dict.update``; snapshots carry *deltas*
 history, so each one goes under a key of its own (``jupyter_ring/<seq>``) and the notebook pops
 the keys it has read: none overwrites another between two polls.
 
+What travels is a :class:`Snapshot`: the runtime's reporter (``runtime._report.Reporter.snapshot``)
+builds it, this publisher numbers it and sends it, ``widgets._state.DashboardState.ingest`` reads it.
+
 Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's reporter.
 """
 
-__all__ = ["KEY_PREFIX", "MAX_RATE", "Publisher", "install", "uninstall", "enable"]
+from typing import TypedDict
+
+__all__ = ["KEY_PREFIX", "MAX_RATE", "Snapshot", "CommTotals", "Stall", "Publisher",
+           "snapshot_key", "install", "uninstall", "enable"]
 
 KEY_PREFIX = "jupyter_ring/"
+
+
+class CommTotals(TypedDict):
+    """One kind of collective's totals on this rank since ``ring.init()``."""
+
+    count: int
+    bytes: int
+    time_s: float
+    busbw: float          # bytes/s, NCCL's bus-bandwidth convention
+
+
+class Stall(TypedDict):
+    """What this rank is stuck waiting for (the dashboard's banner names the missing ranks)."""
+
+    what: str
+    missing: list[int]
+    waited: float         # seconds
+    rank: int
+
+
+class Snapshot(TypedDict):
+    """One rank's state, sent at most MAX_RATE times a second under ``snapshot_key(seq)``."""
+
+    rank: int
+    step: int | float
+    total: int | float | None
+    desc: str | None
+    rate: float                                   # steps per second
+    metrics: dict[str, float | str]               # latest value of each ring.log() metric
+    # points logged since the previous snapshot: (step, wall time, {metric: value})
+    history: list[tuple[int | float, float, dict[str, float | str]]]
+    comm: dict[str, CommTotals]                   # by collective ("allreduce", ...)
+    comm_share: float                             # fraction of the last ~0.5 s spent in comm
+    stall: Stall | None
+    elapsed: float                                # seconds since the reporter was reset
+    time: float                                   # wall time of the snapshot
+    final: bool                                   # the cell ended: the last word for this cell
 
 
 def snapshot_key(seq):

@@ -15,15 +15,39 @@ Format (one JSON object)::
 ``step``/``total``: the rank's last ``ring.progress()`` as the kernel's dashboard saw it (rewritten
 at most once a second while a cell reports, and when it ends); null before any report.
 
-This module imports nothing from Jupyter or ipyparallel, so the kernel can use it cheaply.
+The format is :class:`Sidecar` (its rows :class:`SidecarRank`). This module imports nothing
+from Jupyter or ipyparallel, so the kernel and the server use it cheaply.
 """
 
 import json
 import os
+from typing import TypedDict
 
-__all__ = ["sidecar_path", "write_sidecar", "read_sidecar", "remove_sidecar"]
+__all__ = ["Sidecar", "SidecarRank", "VERSION", "sidecar_path", "write_sidecar", "read_sidecar",
+           "remove_sidecar"]
 
 VERSION = 1
+
+
+class SidecarRank(TypedDict):
+    """One rank of the sidecar: where it runs and its last reported step."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    step: int | float | None    # the rank's last ring.progress() step the dashboard saw
+    total: int | float | None
+
+
+class Sidecar(TypedDict):
+    """The sidecar file's JSON object."""
+
+    version: int
+    cluster_id: str
+    kernel_pid: int
+    connection_file: str | None
+    ranks: list[SidecarRank]
 
 
 def sidecar_path(profile_dir, cluster_id):
@@ -41,11 +65,12 @@ def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_fi
         kernel_pid = os.getpid()
     if connection_file is None:
         connection_file = _connection_file()
-    data = {"version": VERSION, "cluster_id": cluster_id, "kernel_pid": int(kernel_pid),
-            "connection_file": connection_file,
-            "ranks": [{key: row.get(key) for key in ("rank", "host", "pid", "device", "step",
-                                                     "total")}
-                      for row in ranks]}
+    data = Sidecar(version=VERSION, cluster_id=cluster_id, kernel_pid=int(kernel_pid),
+                   connection_file=connection_file,
+                   ranks=[SidecarRank(rank=row.get("rank"), host=row.get("host"),
+                                      pid=row.get("pid"), device=row.get("device"),
+                                      step=row.get("step"), total=row.get("total"))
+                          for row in ranks])
     path = sidecar_path(profile_dir, cluster_id)
     tmp = path + ".tmp"
     # 0o600: the connection-file path and pids are nobody else's business on a shared host.

@@ -1,0 +1,61 @@
+"""The cluster: an MPI job of ipyparallel engines with the ring runtime initialised on every rank.
+
+:class:`RingCluster` wraps ``ipyparallel.Cluster(engines="mpi")``: it finds the environment's
+``mpiexec``, binds one GPU per rank through ``CUDA_VISIBLE_DEVICES``, runs
+``import jupyter_ring.runtime as ring; ring.init()`` on every engine, and starts a watchdog so
+that nothing outlives the kernel. The ``%ring`` magic is a thin layer over this class::
+
+    from jupyter_ring.cluster import RingCluster
+
+    with RingCluster(n=2) as cluster:
+        cluster.view.execute("print(ring.rank())", block=True)
+
+    RingCluster(n=4, hosts=["a:2", "b:2"]).plan()   # what start() would run; starts nothing
+
+Where each part lives (one place each):
+
+- planned: ``_plan`` (:func:`plan_launch` -> :class:`LaunchPlan`, plain data; the engines'
+  environment in ``ENVIRONMENT_LAYERS``), from ``_sizing`` (ranks, GPUs, threads) and
+  ``_machine`` (what the plan reads from the machine);
+- launched: ``_launchers`` (the plan on ipyparallel's ``Cluster``), ``_slurm`` (the Slurm
+  engine launcher), ``_ring`` (:class:`RingCluster`: start, rank setup, stop);
+- interrupted: ``_signals`` (through the engines' nannies, for the kernel and the Ring panel);
+- cleaned up: ``_procs`` (process trees, kill, /dev/shm), ``_watchdog`` (a killed kernel);
+- diagnosed: ``_death`` (which rank died first, and how);
+- described to the Ring panel: ``_sidecar``.
+
+This package never imports torch, tensorflow or cupy: the engines do, after their GPU is bound.
+"""
+
+import importlib
+
+from ..errors import ClusterError, DeadRankError
+
+# name -> the submodule that defines it. Imported on first use: the watchdog process
+# (``python -m jupyter_ring.cluster._watchdog``) and the Ring panel's listing import only the
+# submodules they need, not traitlets and the rest (the watchdog starts with every cluster).
+_EXPORTS = {
+    "RingCluster": "_ring", "format_table": "_ring",
+    "LaunchPlan": "_plan", "SlurmJob": "_plan", "Shape": "_plan", "plan_launch": "_plan",
+    "ENVIRONMENT_LAYERS": "_plan",
+    "Machine": "_machine", "routable_address": "_machine",
+    "signal_engines": "_signals", "signal_cluster": "_signals",
+    "THREAD_VARS": "_sizing", "HostSlot": "_sizing", "visible_gpus": "_sizing",
+    "default_size": "_sizing", "threads_per_rank": "_sizing", "share_note": "_sizing",
+    "parse_ranks": "_sizing", "host_slots": "_sizing",
+}
+
+__all__ = ["ClusterError", "DeadRankError", *_EXPORTS]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,54 @@
+"""Death diagnosis: which rank died first and how, from the engines' nanny logs and mpiexec's report.
+
+:func:`describe_death` is a pure function of what the cluster knows (its rank rows, the engine
+id of each rank) and the text of the engine launchers' output files, so each of its cases can be
+read against a log captured from a real death.
+"""
+
+import re
+
+__all__ = ["describe_death"]
+
+
+def describe_death(dead, rows, engine_ids, output):
+    """A message for the ``dead`` ranks: which died first and how, and the fix.
+
+    ``rows``: the ranks' rows (``rank``, ``host``); ``engine_ids[rank]``: the rank's engine id;
+    ``output``: the engine sets' output (nanny logs, mpiexec's report).
+    """
+    hosts = {row["rank"]: row["host"] for row in rows}
+    first = _first_death(output, {eid: rank for rank, eid in enumerate(engine_ids)}, hosts)
+    if first is not None:
+        rank, host, how = first
+        head = f"rank {rank} @ {host} died ({how})"
+        others = [r for r in dead if r != rank]
+        if others:
+            head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
+    else:
+        where = {}
+        for r in dead:
+            where.setdefault(hosts.get(r, "?"), []).append(str(r))
+        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} @ {host}"
+                         for host, rs in where.items())
+        head += (" stopped answering (died, or the host is down or cut off from this one)"
+                 if len(set(hosts.values())) > 1 else " died")
+    return (f"{head}. Their variables are lost; run %ring restart for a fresh cluster "
+            f"with the same arguments.")
+
+
+def _first_death(output, eid_rank, hosts):
+    """``(rank, host, how)`` of the rank whose nanny logged its death first, or None.
+
+    The nanny of the engine that died first logs it first; mpiexec's own report names whichever
+    rank it cleaned up, so it is used only for how the job ended.
+    """
+    nanny = re.search(r"\[KernelNanny\.(\d+)\] Pipe closed, parent (\d+)", output)
+    if not nanny or int(nanny.group(1)) not in eid_rank:
+        return None
+    rank = eid_rank[int(nanny.group(1))]
+    exit_string = re.search(r"EXIT STRING: (.+)", output)
+    # gforker -exitinfo: "[0]<rank>:Return code = 0, signaled with Killed"
+    gforker = re.search(rf"\]{rank}:Return code = \d+, signaled with (\w+)", output)
+    how = (exit_string.group(1).strip() if exit_string
+           else f"signal: {gforker.group(1)}" if gforker else "engine process exited")
+    return rank, hosts.get(rank, "?"), how

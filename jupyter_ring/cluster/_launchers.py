@@ -1,0 +1,92 @@
+"""A :class:`LaunchPlan` carried out with ipyparallel's ``Cluster`` and launchers.
+
+:func:`ipp_cluster` turns a plan into an ``ipyparallel.Cluster`` (not started: the caller starts
+the controller, then the engines, and watches them). Launcher specifics stay in launcher
+classes, as in ipyparallel: ``--launcher slurm`` is :mod:`._slurm`'s launcher class. Imports
+ipyparallel only when a cluster is made.
+"""
+
+import contextlib
+import logging
+
+from ._machine import ensure_profile
+
+__all__ = ["ipp_cluster", "curve_client"]
+
+
+class _GoneLogFilter(logging.Filter):
+    """Drop ipyparallel's "Failed to remove <engine log>: ... No such file" at stop.
+
+    Its launcher checks that the output file exists, then removes it; when the file is gone in
+    between (seen once on the teaching hub at ``%ring stop``), it logs an error that reaches the
+    notebook as stderr although nothing failed: the file it wanted gone is gone.
+    """
+
+    def filter(self, record):
+        msg = record.getMessage()
+        return not (msg.startswith("Failed to remove ") and "No such file or directory" in msg)
+
+
+logging.getLogger("jupyter_ring.cluster.ipyparallel").addFilter(_GoneLogFilter())
+
+
+def ipp_cluster(plan, log=None):
+    """An ``ipyparallel.Cluster`` configured by ``plan`` (nothing started yet)."""
+    import ipyparallel as ipp
+    from traitlets.config import Config
+
+    if log is None:
+        # ipyparallel logs to the kernel app's log (shown in the notebook); keep only its errors
+        log = logging.getLogger("jupyter_ring.cluster.ipyparallel")
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.ERROR)
+    ensure_profile(plan.profile_dir)
+    # A config of our own: the shell's config must not be changed by starting a cluster.
+    config = Config()
+    config.MPIEngineSetLauncher.mpi_cmd = [plan.mpiexec]
+    config.MPIEngineSetLauncher.mpi_args = list(plan.mpi_args)
+    config.MPIEngineSetLauncher.engine_args = list(plan.engine_args)
+    config.EngineLauncher.environment = dict(plan.environment)
+    if plan.slurm is not None:
+        job = plan.slurm
+        section = config.RingSlurmEngineSetLauncher
+        section.engine_args = ["--mpi", *plan.engine_args]
+        section.mpiexec = plan.mpiexec
+        section.nodes = job.nodes
+        section.ntasks_per_node = job.ntasks_per_node
+        section.partition = job.partition
+        section.time_limit = job.time_limit
+        # ipyparallel writes the script to '.', sbatch its output to slurm-<job>.out there:
+        # both go to the profile's owner-only log dir instead of the notebook's folder
+        section.batch_file_name = job.batch_file
+    # shutdown_atexit=False: RingCluster.stop stops engines before the controller (0.5 s
+    # instead of ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
+    return ipp.Cluster(engines=plan.engine_launcher, parent=None, config=config,
+                       shutdown_atexit=False, log=log, n=plan.n, delay=0,
+                       profile_dir=plan.profile_dir, controller_ip=plan.controller_ip,
+                       controller_args=list(plan.controller_args),
+                       engine_timeout=int(plan.engine_timeout),
+                       send_engines_connection_env=plan.send_engines_connection_env)
+
+
+class _NoSigningWarning(logging.Filter):
+    def filter(self, record):
+        return "Message signing is disabled" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def curve_client():
+    """While an ipyparallel Client of a CurveZMQ cluster is made: drop jupyter_client's
+    "Message signing is disabled" warning, which is wrong there (ipyparallel leaves the HMAC key
+    empty because CurveZMQ encrypts and authenticates every message) and lands in the notebook
+    server's log, or on the terminal of a kernel run by nbclient (the demo's first lines)."""
+    from traitlets.log import get_logger
+
+    logger = get_logger()   # the running application's log (the kernel's), else traitlets'
+    quiet = _NoSigningWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+

@@ -1,0 +1,215 @@
+"""The launch plan: what ``%ring start`` will run, as plain data, before anything starts.
+
+:func:`plan_launch` reads the options (a :class:`RingCluster`'s traits, or any object with the
+same attribute names) and the machine (:class:`Machine`) and returns a :class:`LaunchPlan`:
+how many ranks, where, with which GPUs, the engines' environment, and every argument handed to
+ipyparallel. Nothing is started; a test reads the plan of a Slurm or multi-host start on a
+laptop by giving its own Machine. ``_launchers.start_plan`` carries a plan out.
+
+The engines' environment is built in one place, :data:`ENVIRONMENT_LAYERS`: each layer adds its
+variables over the kernel's own environment, in order. A new kind of variable (a framework's
+world description, say) is a new layer there, and nothing else changes.
+"""
+
+import os
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..launch import mpi_env
+from ._machine import Machine
+from ._sizing import (THREAD_VARS, HostSlot, default_size, host_slots, share_note,
+                      threads_per_rank, visible_gpus)
+
+__all__ = ["LaunchPlan", "SlurmJob", "Shape", "plan_launch", "engine_environment",
+           "ENVIRONMENT_LAYERS", "SLURM_LAUNCHER"]
+
+# The engine launcher of ``--launcher slurm`` (an import path: it is also what ipyparallel
+# writes into the cluster file, and what the Ring panel's server imports to stop the job).
+SLURM_LAUNCHER = "jupyter_ring.cluster._slurm.RingSlurmEngineSetLauncher"
+
+
+class SlurmJob(NamedTuple):
+    """The engines' batch job of ``--launcher slurm`` (sbatch options; None/"" = Slurm's default)."""
+
+    nodes: int | None
+    ntasks_per_node: int | None
+    partition: str
+    time_limit: str
+    batch_file: str   # the sbatch script: in the profile's owner-only log dir, not the cwd
+
+
+class Shape(NamedTuple):
+    """Where the ranks run, as the environment layers see it."""
+
+    n: int
+    one_host: bool
+    slots: tuple[HostSlot, ...]
+    controller_ip: str
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a start needs, decided before anything starts (see :func:`plan_launch`)."""
+
+    n: int                          # ranks
+    one_host: bool                  # every rank here, every socket on loopback
+    slots: tuple[HostSlot, ...]     # the hosts of a multi-host job (() on one host)
+    gpus: tuple[str, ...] | None    # GPU ids the ranks share out by local rank; None: no GPU
+                                    # detected, CUDA_VISIBLE_DEVICES left alone
+    note: str                       # share_note() for an -n beyond the fair share
+    profile_dir: str
+    controller_ip: str
+    controller_args: tuple[str, ...]
+    engine_launcher: str            # ipyparallel's "mpi", or SLURM_LAUNCHER
+    mpiexec: str
+    mpi_args: tuple[str, ...]
+    engine_args: tuple[str, ...]
+    # the engines' environment: only the variables whose value differs from the kernel's
+    environment: dict[str, str] = field(default_factory=dict)
+    # one host: engines start with the controller and read its connection file from the
+    # profile (~0.7 s sooner) instead of getting it in their environment once it is up
+    send_engines_connection_env: bool = True
+    engine_timeout: float = 60.0
+    slurm: SlurmJob | None = None
+
+
+def plan_launch(options, machine=None):
+    """The :class:`LaunchPlan` for ``options`` (RingCluster traits) on ``machine``.
+
+    Raises ValueError for options that cannot work (bad hosts, no rank, a malformed
+    ``engine_env`` entry or Slurm option), before anything starts.
+    """
+    machine = Machine() if machine is None else machine
+    environ = machine.environ
+    asks_driver = options.gpus == "auto" and "CUDA_VISIBLE_DEVICES" not in environ
+    gpus = visible_gpus(options.gpus, environ, machine.driver_gpus if asks_driver else 0)
+    launcher = options.launcher
+    # inside salloc/sbatch on several nodes, Hydra's mpiexec reads the allocation itself
+    allocation = (launcher == "mpi" and not options.hosts and not options.hostfile
+                  and machine.slurm_allocation())
+    one_host = (launcher == "mpi" and not options.hosts and not options.hostfile
+                and not allocation)
+    if launcher == "slurm" or allocation:
+        slots = [HostSlot(h, None) for h in allocation or machine.slurm_nodes(options.partition)]
+    else:
+        slots = [] if one_host else host_slots(options.hosts, options.hostfile)
+    n = _size(options, environ, slots, allocation, gpus, machine.cpus)
+    if n < 1:
+        raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
+    if one_host:
+        controller_ip = "127.0.0.1"
+    else:
+        # the engines on the other hosts connect here: 127.0.0.1 (ipyparallel's default)
+        # makes them time out after 5 s
+        controller_ip = options.controller_ip or machine.address_towards([h for h, _ in slots])
+    shape = Shape(n, one_host, tuple(slots), controller_ip)
+    # one host: MPICH's gforker, whose ranks listen on loopback only (Hydra's PMI port is on
+    # 0.0.0.0 and inherited by every rank); --hosts needs Hydra's remote launch.
+    mpiexec = machine.local_mpiexec if one_host else machine.mpiexec
+    # gforker says how each rank ended (the signal) only when asked; death diagnosis reads it
+    exitinfo = ("-exitinfo",) if mpiexec.endswith("gforker") else ()
+    engine_args = ()
+    if not one_host:
+        # An engine whose controller is unreachable (its host cut off, the kernel's host gone)
+        # shuts itself down after this many missed heartbeats (ipyparallel's default, 50, is
+        # ~30 s); on one host the watchdog kills everything at once instead.
+        misses = round(options.heartbeat_tolerance * 1000 / (options.heartbeat_period + 500))
+        engine_args = (f"--IPEngine.max_heartbeat_misses={max(3, misses)}",)
+    profile = machine.profile_dir
+    slurm = None
+    if launcher == "slurm":
+        slurm = SlurmJob(options.nodes, options.ntasks_per_node, options.partition,
+                         options.time_limit,
+                         os.path.join(profile, "log", f"jupyter_ring-slurm-{machine.pid}.sbatch"))
+        _check_slurm(slurm)
+    return LaunchPlan(
+        n=n, one_host=one_host, slots=shape.slots,
+        gpus=tuple(gpus) if gpus or options.gpus != "auto" else None,
+        note=share_note(n, gpus, environ, machine.cpus) if options.n is not None and one_host
+        else "",
+        profile_dir=profile, controller_ip=controller_ip,
+        controller_args=_controller_args(options),
+        engine_launcher=SLURM_LAUNCHER if launcher == "slurm" else "mpi",
+        mpiexec=mpiexec, mpi_args=exitinfo + _mpi_args(options, machine),
+        engine_args=engine_args,
+        environment=engine_environment(options, machine, shape),
+        send_engines_connection_env=not one_host,
+        engine_timeout=options.engine_timeout, slurm=slurm)
+
+
+def _size(options, environ, slots, allocation, gpus, cpus):
+    if options.n is not None:
+        return options.n
+    if allocation and environ.get("SLURM_NTASKS", "").isdigit():
+        return int(environ["SLURM_NTASKS"])
+    if options.launcher == "slurm" and options.nodes:
+        return options.nodes * (options.ntasks_per_node or 1)
+    if slots and all(k for _, k in slots):
+        return sum(k for _, k in slots)  # --hosts a:2,b:2 -> 4 ranks
+    if slots:
+        return len(slots)  # one rank per host named without a count
+    return default_size(gpus, environ, cpus)
+
+
+def _controller_args(options):
+    # the controller declares an engine dead after heartbeat_tolerance seconds of missed beats
+    misses = max(3, round(options.heartbeat_tolerance * 1000 / options.heartbeat_period))
+    return (f"--HeartMonitor.period={options.heartbeat_period}",
+            f"--HeartMonitor.max_heartmonitor_misses={misses}",
+            f"--IPController.db_class={options.controller_db}",
+            f"--IPController.enable_curve={options.encrypt}")
+
+
+def _mpi_args(options, machine):
+    if options.hostfile:
+        return ("--hostfile" if machine.mpi_flavour == "openmpi" else "-f", options.hostfile)
+    if not options.hosts:
+        return ()
+    if machine.mpi_flavour == "openmpi":
+        return ("--host", ",".join(options.hosts))
+    args = ("-hosts", ",".join(options.hosts))  # MPICH/Hydra
+    return ("-launcher", "ssh") + args if options.launcher == "ssh" else args
+
+
+def _check_slurm(job):
+    for flag, value in (("nodes", job.nodes), ("ntasks-per-node", job.ntasks_per_node),
+                        ("partition", job.partition), ("time", job.time_limit)):
+        # one #SBATCH line each, and the script is a str.format template: no spaces or braces
+        if value and any(c.isspace() or c in "{}" for c in str(value)):
+            raise ValueError(f"--{flag} {value!r}: no spaces or braces")
+
+
+# ------------------------------------------------------------------ the engines' environment
+def _mpi_layer(env, options, machine, shape):
+    """Loopback-only UCX on one host, Open MPI's root and oversubscription flags (kernel wins)."""
+    env.update(mpi_env(env, one_host=shape.one_host))
+
+
+def _thread_layer(env, options, machine, shape):
+    """One host: each rank's share of the cores as its thread pools' size (kernel wins)."""
+    if shape.one_host:
+        threads = str(threads_per_rank(shape.n, machine.environ, machine.cpus))
+        for var in THREAD_VARS:
+            env.setdefault(var, threads)
+
+
+def _user_layer(env, options, machine, shape):
+    """``RingCluster.engine_env``: the user's NAME=VALUE entries, over everything else."""
+    for item in options.engine_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"engine_env entry {item!r} is not NAME=VALUE")
+        env[name] = value
+
+
+# Applied in order over a copy of the kernel's environment; each layer says whether the kernel's
+# own value wins (setdefault) or its value does. Signature: layer(env, options, machine, shape).
+ENVIRONMENT_LAYERS = (_mpi_layer, _thread_layer, _user_layer)
+
+
+def engine_environment(options, machine, shape):
+    """The engines' environment as the variables that differ from the kernel's."""
+    env = dict(machine.environ)
+    for layer in ENVIRONMENT_LAYERS:
+        layer(env, options, machine, shape)
+    return {k: v for k, v in env.items() if machine.environ.get(k) != v}

@@ -1,0 +1,177 @@
+"""Process trees and clean-up, with psutil: the one implementation the cluster, its watchdog and
+the Ring panel's server share.
+
+A cluster is a few root processes (the controller, mpiexec or the batch job's launcher, the
+ranks on this host) and everything they started (Hydra proxies, engines, nannies). Killing goes
+through ``psutil.Process`` objects, which check the process's create time: a pid the system
+has recycled for an unrelated process is never signalled. MPICH's shared-memory segments
+(named files in ``/dev/shm``, unlinked only by ``MPI_Finalize``) are cleaned up here too, and
+:class:`Watchdog` starts the process that does all this when the kernel is killed (``_watchdog``).
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from typing import TypedDict
+
+import psutil
+
+__all__ = ["SHM_DIR", "live_process", "process_trees", "kill_processes", "wait_exit",
+           "shm_files", "remove_shm_files", "Watchdog", "PidFile"]
+
+SHM_DIR = "/dev/shm"
+
+
+def live_process(pid):
+    """A ``psutil.Process`` for ``pid`` if it runs (not a zombie) and we may see it, else None."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except psutil.Error:
+        return None
+
+
+def process_trees(pids, known=None):
+    """The processes ``pids`` and all their descendants as ``{pid: Process}``, merged into
+    ``known`` (processes seen before, whose children may have been re-parented since)."""
+    found = {} if known is None else known
+    for pid in pids:
+        if pid not in found:
+            try:
+                found[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue
+        try:
+            for child in found[pid].children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def kill_processes(procs):
+    """SIGKILL each of ``procs`` (Process objects); those already gone are skipped."""
+    for proc in procs:
+        try:
+            proc.kill()  # psutil checks the create time: a recycled pid is never signalled
+        except psutil.Error:
+            pass
+
+
+def wait_exit(procs, timeout):
+    """Wait up to ``timeout`` seconds in all for ``procs`` (Processes or pids) to exit; returns
+    the ones still alive."""
+    objs = []
+    for proc in procs:
+        if not isinstance(proc, psutil.Process):
+            try:
+                proc = psutil.Process(proc)
+            except psutil.Error:
+                continue
+        objs.append(proc)
+    _, alive = psutil.wait_procs(objs, timeout=timeout)
+    return alive
+
+
+def shm_files(pids):
+    """The files in /dev/shm that the processes ``pids`` have mapped and that still have a name.
+
+    Read from /proc/<pid>/maps (readable for our own processes only); a file already unlinked
+    shows as "(deleted)" there and is left out.
+    """
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)
+                    if len(parts) < 6:
+                        continue
+                    path = parts[5].rstrip("\n")
+                    if os.path.dirname(path) == SHM_DIR and not path.endswith(" (deleted)"):
+                        found.add(path)
+        except OSError:
+            continue
+    return found
+
+
+def remove_shm_files(paths):
+    """Unlink ``paths``: regular files of /dev/shm owned by this user. Returns those removed.
+
+    Called for a cluster being stopped or killed. Unlinking only removes the name: a rank still
+    exiting keeps its mapping until it is gone, and no process opens these files by name after
+    MPI_Init, so nothing waits here for the ranks to exit.
+    """
+    removed = []
+    uid = os.getuid()
+    for path in sorted(paths):
+        if os.path.dirname(path) != SHM_DIR:
+            continue
+        try:
+            info = os.lstat(path)
+            if info.st_uid == uid and stat.S_ISREG(info.st_mode):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+# ----------------------------------------------------------------- the watchdog, kernel side
+class PidFile(TypedDict):
+    """The watchdog's pid file, written by :meth:`Watchdog.watch`."""
+
+    pids: list[int]   # roots of the cluster's process trees
+    shm: list[str]    # /dev/shm files the ranks had mapped
+
+
+class Watchdog:
+    """The kernel's side: starts the watchdog process and keeps its pid file current."""
+
+    def __init__(self, folder):
+        self.folder = folder      # owner-only: the profile's security dir
+        self.proc = None
+        self.path = None
+
+    def start(self):
+        """Start the process, watching nothing yet."""
+        fd, self.path = tempfile.mkstemp(prefix="jupyter_ring_watch_", suffix=".json",
+                                         dir=self.folder)
+        with os.fdopen(fd, "w") as f:
+            json.dump(PidFile(pids=[], shm=[]), f)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_ring.cluster._watchdog", str(os.getpid()), self.path],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def watch(self, pids, shm=()):
+        """Tell the watchdog the current root pids (atomic rename: it never reads half a file)."""
+        if self.path is None:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(PidFile(pids=list(pids), shm=sorted(shm)), f)
+        os.replace(tmp, self.path)
+
+    def stop(self):
+        """Stop the process (the cluster is stopped) and remove its files."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        path, self.path = self.path, None
+        if path:
+            for p in (path, path + ".tmp"):
+                try:
+                    os.remove(p)
+                except FileNotFoundError:
+                    pass

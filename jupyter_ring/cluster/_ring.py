@@ -1,0 +1,347 @@
+"""RingCluster: a :class:`LaunchPlan` started on ipyparallel, the ranks set up, then stopped.
+
+The class holds the options (traits), starts and stops the cluster, and answers questions about
+its ranks; planning, launching, process trees, signals and death diagnosis are the package's
+other modules.
+"""
+
+import logging
+import os
+import socket
+
+from traitlets import Bool, Enum, Float, Integer, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+from ..errors import ClusterError, DeadRankError
+from ._death import describe_death
+from ._launchers import curve_client, ipp_cluster
+from ._plan import plan_launch
+from ._procs import (Watchdog, kill_processes, process_trees, remove_shm_files, shm_files,
+                     wait_exit)
+from ._sidecar import remove_sidecar, write_sidecar
+from ._signals import signal_engines
+
+__all__ = ["RingCluster", "format_table"]
+
+log = logging.getLogger(__name__)
+
+# Run first on every engine, in the user namespace: bind the GPU before any framework import,
+# then start the runtime so that ``ring`` is there in every cell.
+_SETUP_CODE = """\
+import os as _jr_os
+_jr_os.umask(_jr_umask)
+import jupyter_ring.engines._setup as _jr_engine
+_jr_device = _jr_engine.bind_device(_jr_gpus)
+import jupyter_ring.runtime as ring
+ring.init()
+_jr_engine.watch_cells()
+_jr_info = _jr_engine.describe(ring, _jr_device)
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask
+"""
+
+
+class RingCluster(LoggingConfigurable):
+    """ipyparallel MPI engines, one per rank, with GPUs bound and ``ring`` initialised.
+
+    ::
+
+        with RingCluster(n=2) as cluster:       # start() ... stop()
+            cluster.view.execute("print(ring.rank())", block=True)
+
+    ``plan()`` shows what ``start()`` would run, without starting anything.
+    """
+
+    n = Integer(None, allow_none=True, config=True,
+                help="Number of ranks (default: one per visible GPU, else CPU ranks as in "
+                     "default_size()).")
+    gpus = Unicode("auto", config=True,
+                   help="GPUs for the ranks: 'auto' (CUDA_VISIBLE_DEVICES or all the driver's "
+                        "GPUs), 'none' (CPU ranks, GPUs hidden), or a list of ids like '0,2'.")
+    launcher = Enum(["mpi", "slurm", "ssh"], "mpi", config=True,
+                    help="How engines start: 'mpi' (mpiexec on this host, or on --hosts), "
+                         "'slurm' (ipyparallel's Slurm launcher), 'ssh' (mpiexec over ssh to "
+                         "--hosts).")
+    hosts = List(Unicode(), config=True,
+                 help="Hosts for a multi-host job (passed to mpiexec); empty means this host "
+                      "only, with every socket on loopback. 'host:K' puts K ranks on host.")
+    hostfile = Unicode("", config=True,
+                       help="A Hydra hostfile (one 'host[:K]' a line) for a multi-host job "
+                            "(mpiexec -f FILE); HYDRA_LAUNCHER_EXEC picks the ssh command.")
+    nodes = Integer(None, allow_none=True, config=True,
+                    help="--launcher slurm: nodes for the engines' batch job (sbatch --nodes).")
+    ntasks_per_node = Integer(None, allow_none=True, config=True,
+                              help="--launcher slurm: ranks per node (sbatch --ntasks-per-node).")
+    partition = Unicode("", config=True,
+                        help="--launcher slurm: the partition (sbatch --partition).")
+    time_limit = Unicode("", config=True,
+                         help="--launcher slurm: the job's time limit (sbatch --time), e.g. 1:00:00.")
+    controller_ip = Unicode("", config=True,
+                            help="Address the controller listens on in a multi-host job; empty: "
+                                 "this host's address on the route to the other hosts (the one "
+                                 "they can reach). One-host clusters always use 127.0.0.1.")
+    heartbeat_period = Integer(100, config=True,
+                               help="Controller heartbeat period in ms: an engine registers "
+                                    "on a heartbeat, so ipyparallel's 3000 makes the start "
+                                    "wait seconds (500: ~0.4 s slower than 100).")
+    heartbeat_tolerance = Float(5.0, config=True,
+                                help="Seconds of missed heartbeats before the controller "
+                                     "declares an engine dead (a busy machine can delay a "
+                                     "beat; a dead process is noticed at once by its nanny).")
+    controller_db = Unicode("NoDB", config=True,
+                            help="The controller's record store (IPController.db_class). "
+                                 "ipyparallel's DictDB keeps every task's record and output, "
+                                 "deep-copying it on each output message (CPU and memory in "
+                                 "the controller for every line printed or snapshot sent); the "
+                                 "magics never read it back, so NoDB by default.")
+    encrypt = Bool(True, config=True,
+                   help="Encrypt and authenticate every message between this kernel, the "
+                        "controller and the engines with CurveZMQ (ipyparallel's "
+                        "enable_curve): without it, anyone on the host who can reach the "
+                        "controller's loopback ports can read the ranks' output, and messages "
+                        "are only signed (HMAC key in the connection file). Costs: see "
+                        "docs/benchmarks.md.")
+    engine_timeout = Float(60.0, config=True,
+                           help="Seconds to wait for all engines to register before failing.")
+    setup_timeout = Float(60.0, config=True,
+                          help="Seconds to wait for ring.init() on every rank.")
+    watchdog = Bool(True, config=True,
+                    help="Start a watchdog process that kills the cluster if this process dies.")
+    engine_env = List(Unicode(), config=True,
+                      help="Extra NAME=VALUE environment variables for the engines.")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.ipp_cluster = None
+        self.client = None
+        self.view = None
+        self.ranks = []          # rows of the start table (engines._setup.RankRow), index = rank
+        self.engine_ids = []     # ipyparallel engine id of each rank
+        self.steps = {}          # rank -> {"step", "total"}: the last progress the dashboard saw
+        self.size = 0
+        self.note = ""           # the plan's share note: more ranks than the share
+        self.address = ""        # the address the controller listens on (multi-host: routable)
+        self._watchdog = None
+        self._shm = set()        # /dev/shm files the local ranks mapped (MPI's segments)
+        self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
+
+    def __enter__(self):
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @property
+    def running(self):
+        return self.ipp_cluster is not None
+
+    def plan(self, machine=None):
+        """The :class:`LaunchPlan` ``start()`` would carry out on ``machine`` (default: here)."""
+        return plan_launch(self, machine)
+
+    def start(self):
+        """Start controller and engines, bind devices, ``ring.init()``; return the rank rows."""
+        if self.running:
+            raise ClusterError("a cluster is already running; %ring restart replaces it")
+        # Owner-only from creation: every file and folder written while the cluster starts
+        # (connection and cluster files, logs, pid files) is created 0600/0700 by this process
+        # or by the controller, mpiexec and engines, which inherit this umask (ipyparallel's own
+        # chmod after writing would leave a window). The ranks get the user's umask back in
+        # _SETUP_CODE, so files that cells write keep their usual modes. umask is per process:
+        # another thread of this kernel creating a file meanwhile gets 0600 too (never looser).
+        self._user_umask = os.umask(0o077)
+        try:
+            plan = self.plan()
+            self.note, self.address = plan.note, plan.controller_ip
+            self.ipp_cluster = cluster = ipp_cluster(plan)
+            try:
+                if self.watchdog:
+                    self._watchdog = Watchdog(os.path.join(plan.profile_dir, "security"))
+                    self._watchdog.start()
+                cluster.start_controller_sync()
+                self._watch()
+                cluster.start_engines_sync(plan.n)
+                self._watch()
+                with curve_client():
+                    self.client = cluster.connect_client_sync()
+                self.client.wait_for_engines(plan.n, timeout=self.engine_timeout, block=True,
+                                            interactive=False)
+                self._setup_ranks(plan.gpus)
+            except BaseException:
+                self.stop()
+                raise
+        finally:
+            os.umask(self._user_umask)
+        return self.ranks
+
+    def _setup_ranks(self, gpus):
+        client = self.client
+        ids = sorted(client.ids)
+        view = client[ids]
+        view.push({"_jr_gpus": None if gpus is None else list(gpus),
+                   "_jr_umask": self._user_umask}, block=False)
+        ar = view.execute(_SETUP_CODE, block=False)
+        if not ar.wait(self.setup_timeout):
+            raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
+        ar.get()
+        infos = view.pull("_jr_info", block=True)
+        order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
+        self.engine_ids = [ids[i] for i in order]
+        self.ranks = [infos[i] for i in order]
+        self.size = len(self.ranks)
+        self.view = client[self.engine_ids]
+        self.view.block = False
+        # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
+        # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
+        self._shm = shm_files(self._local_rank_pids())
+        self._watch()
+        self._write_sidecar()
+
+    def _write_sidecar(self):
+        """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
+        try:
+            write_sidecar(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id,
+                          [dict(row, **self.steps.get(row["rank"], {})) for row in self.ranks])
+        except OSError as exc:
+            log.warning("could not write the Ring panel's sidecar file: %s", exc)
+
+    def record_steps(self, steps):
+        """Note each rank's ``{"step": s, "total": t}`` (from the dashboard) for the Ring panel."""
+        if self.running and steps and steps != self.steps:
+            self.steps = dict(steps)
+            self._write_sidecar()
+
+    def stop(self):
+        """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog.
+
+        Shared-memory files that the ranks had mapped and that are still there at the end (ranks
+        that died never ran MPI_Finalize, which unlinks them) are removed.
+        """
+        shm = self._shm | shm_files(self._local_rank_pids())
+        cluster, self.ipp_cluster = self.ipp_cluster, None
+        client, self.client = self.client, None
+        self.view = None
+        if client is not None:
+            try:
+                # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
+                client.shutdown(targets="all", hub=False, block=False)
+                wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
+            except Exception:
+                log.debug("asking the engines to shut down failed", exc_info=True)
+            try:
+                client.close()
+            except Exception:  # a closed or broken client must not stop the shutdown
+                log.debug("closing the client failed", exc_info=True)
+        if cluster is not None:
+            for what, step in (("engines", cluster.stop_engines_sync),
+                               ("controller", cluster.stop_controller_sync)):
+                try:
+                    step()
+                except Exception:
+                    log.warning("stopping the %s failed", what, exc_info=True)
+            remove_sidecar(cluster.profile_dir, cluster.cluster_id)
+        self._stop_watchdog()
+        remove_shm_files(shm)
+        self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
+
+    def kill(self):
+        """SIGKILL every process of the cluster now (used at interpreter exit)."""
+        procs = self.processes()
+        shm = self._shm | shm_files([p.pid for p in procs])
+        kill_processes(procs)
+        self._stop_watchdog()
+        remove_shm_files(shm)
+
+    # ------------------------------------------------------------------------------- status
+    def processes(self):
+        """psutil.Process objects of the controller, mpiexec and every engine (and nanny)."""
+        return list(process_trees(_root_pids(self.ipp_cluster) + self._local_rank_pids()).values())
+
+    def _local_rank_pids(self):
+        """Pids of the ranks on this host: a rank's pid on another host is no process here (and
+        must never be signalled here: it may be an unrelated process of this host)."""
+        me = socket.gethostname()
+        return [row["pid"] for row in self.ranks if row["host"] == me]
+
+    def dead_ranks(self):
+        """Ranks whose engine has unregistered from the controller (died or was killed)."""
+        if self.client is None:
+            return []
+        if any(es.state == "after" for es in self.ipp_cluster.engines.values()):
+            return list(range(self.size))  # mpiexec has exited: every rank is gone
+        alive = set(self.client.ids)
+        return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
+
+    def check_alive(self, ranks=None):
+        """Raise DeadRankError naming the dead ranks and the fix; else return quietly."""
+        if not self.running:
+            raise ClusterError("no cluster is running; start one with %ring start")
+        dead = self.dead_ranks()
+        if ranks is not None:
+            dead = [r for r in dead if r in ranks] or dead
+        if dead:
+            raise DeadRankError(self.describe_death(dead), dead)
+
+    def describe_death(self, dead):
+        """A message for dead ranks: which died first and how (nanny log, mpiexec report), the fix."""
+        output = ""
+        try:
+            for engine_set in self.ipp_cluster.engines.values():
+                output += _read(getattr(engine_set, "output_file", ""))
+        except Exception:
+            output = ""
+        return describe_death(dead, self.ranks, self.engine_ids, output)
+
+    # ----------------------------------------------------------------------------- signals
+    def signal_ranks(self, sig, ranks=None):
+        """Send ``sig`` to the ranks' engines (all by default) through their ipyparallel nannies
+        (see ``_signals``: never through mpiexec)."""
+        if not self.running:
+            return
+        ranks = range(self.size) if ranks is None else ranks
+        signal_engines(self.client, sig, [self.engine_ids[r] for r in ranks])
+
+    # ---------------------------------------------------------------------------- watchdog
+    def _watch(self):
+        """Tell the watchdog the cluster's current root pids and shared-memory files."""
+        if self._watchdog is not None:
+            self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm)
+
+    def _stop_watchdog(self):
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
+
+
+def _root_pids(cluster):
+    """Pids of the controller and of each engine set's launcher (mpiexec) of an ipyparallel
+    Cluster, those started so far."""
+    pids = []
+    if cluster is None:
+        return pids
+    for launcher in [cluster.controller] + list(cluster.engines.values()):
+        pid = getattr(launcher, "pid", -1) if launcher is not None else -1
+        if pid and pid > 0:
+            pids.append(pid)
+    return pids
+
+
+def _read(path):
+    if not path:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def format_table(rows):
+    """The compact rank table printed by ``%ring start`` and ``%ring status``."""
+    header = ("rank", "host", "pid", "device")
+    lines = [header] + [(str(r["rank"]), r["host"], str(r["pid"]), r["device"]) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+                     for line in lines)

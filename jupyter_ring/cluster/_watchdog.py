@@ -1,0 +1,85 @@
+"""Kills a cluster's processes when the notebook kernel that started them dies.
+
+ipyparallel starts the controller and mpiexec in their own sessions, so when the kernel is killed
+(SIGKILL, OOM killer) they are re-parented to init and live on with every engine and nanny. The
+watchdog, a small process started by :class:`RingCluster` in a session of its own, polls its
+parent pid; when the parent is gone it SIGKILLs every process tree listed in its pid file, then
+removes the shared-memory files (``/dev/shm``) those processes had mapped: MPI's own segments,
+which MPICH unlinks only in ``MPI_Finalize`` (2 MB per cluster was left for every killed
+kernel). It exits on its own when every listed process has exited (a normal ``%ring stop``).
+
+The pid file is JSON: ``{"pids": [...], "shm": [...]}`` (the files the ranks had mapped when the
+kernel last looked: ``_procs.PidFile``). ``_procs.Watchdog`` is the kernel's handle on the
+process; this module is only ever run, never imported by the package.
+
+Usage (internal): ``python -m jupyter_ring.cluster._watchdog PARENT_PID PID_FILE``
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+
+from ._procs import kill_processes, process_trees, remove_shm_files, shm_files
+
+__all__ = ["main"]
+
+POLL_S = 0.05         # how often the parent is checked: the kill happens within ~POLL_S
+REFRESH_S = 1.0       # how often the process trees are re-read
+
+
+def _read_roots(path, cache):
+    """The pids in ``path``, re-read only when the file changed (``cache["shm"]``: its files)."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return cache.get("pids", [])
+    if cache.get("mtime") != mtime:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            cache["pids"] = [int(p) for p in data["pids"]]
+            cache["shm"] = [str(p) for p in data["shm"]]
+            cache["mtime"] = mtime
+        except (OSError, ValueError, KeyError):
+            pass  # half-written: the writer renames atomically, so retry on the next poll
+    return cache.get("pids", [])
+
+
+def main(argv=None):
+    """Watch PARENT_PID; when it is gone, kill the trees in PID_FILE and remove their shm files."""
+    argv = sys.argv[1:] if argv is None else argv
+    parent, path = int(argv[0]), argv[1]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for us
+    cache, known = {}, {}
+    last_refresh = 0.0
+    seen_any = False
+    while True:
+        roots = _read_roots(path, cache)
+        now = time.monotonic()
+        if now - last_refresh >= REFRESH_S:
+            known = {pid: p for pid, p in process_trees(roots, known).items() if p.is_running()}
+            last_refresh = now
+            seen_any = seen_any or bool(known)
+            if seen_any and not known:
+                return 0  # the cluster stopped normally
+        if os.getppid() != parent or not psutil.pid_exists(parent):
+            # Parent gone: take the trees as they are now (the roots outlive the kernel), plus what
+            # we saw before, and kill them all at once so no survivor restarts anything.
+            procs = process_trees(roots, known)
+            files = shm_files(procs) | set(cache.get("shm", []))  # mapped: read before the kill
+            kill_processes(procs.values())
+            # a second look for anything forked while the first kill went out (an mpiexec proxy
+            # starting an engine): their parents are dead by now, so nothing forks after this
+            time.sleep(POLL_S)
+            kill_processes(process_trees(roots, known).values())
+            remove_shm_files(files)
+            return 0
+        time.sleep(POLL_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

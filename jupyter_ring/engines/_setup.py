@@ -1,0 +1,88 @@
+"""The setup ``%ring start`` runs first on every rank: GPU binding, the rank's row, cell hooks.
+
+Runs inside each ipyparallel engine, before the user's first cell (``cluster._ring._SETUP_CODE``).
+It imports no framework: ``CUDA_VISIBLE_DEVICES`` must be set before torch/tensorflow/cupy first
+touch CUDA.
+"""
+
+import os
+import socket
+from typing import TypedDict
+
+__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells"]
+
+
+class RankRow(TypedDict):
+    """One rank as ``%ring start`` lists it (and the cluster keeps it: ``RingCluster.ranks``)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    host: str
+    pid: int
+    device: str    # "cpu" or "cuda:0 (GPU <id>)": the GPU this rank sees as cuda:0
+
+
+# Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                    "PMIX_LOCAL_RANK", "PMI_LOCAL_RANK")
+
+
+def local_rank():
+    """This process's rank among the ranks on its host, from the launcher or from MPI."""
+    for var in _LOCAL_RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    from mpi4py import MPI
+
+    # Collective over COMM_WORLD: every engine runs this same setup code, so all ranks enter.
+    node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def bind_device(gpus):
+    """Set ``CUDA_VISIBLE_DEVICES`` to this rank's GPU; return a device label for the table.
+
+    ``gpus`` is the list of GPU ids (strings) visible to the notebook kernel, ``[]`` to hide every
+    GPU, or ``None`` to leave the environment alone (no GPU on this machine).
+    """
+    if gpus is None:
+        return "cpu"
+    if not gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return "cpu"
+    gpu = gpus[local_rank() % len(gpus)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    return f"cuda:0 (GPU {gpu})"
+
+
+def describe(ring, device):
+    """This rank's row of the ``%ring start`` table."""
+    return RankRow(rank=ring.rank(), size=ring.size(), local_rank=ring.local_rank(),
+                   host=socket.gethostname(), pid=os.getpid(), device=device)
+
+
+def watch_cells():
+    """After a cell fails or is interrupted on this rank, abandon the collectives it queued.
+
+    An interrupt can land between ``loss.backward()`` (whose hooks queue the gradients'
+    allreduces) and ``optimizer.step()``; left queued, they would run at the start of the next
+    cell on this rank only, and the ranks would disagree. Registered once per engine.
+    """
+    from IPython import get_ipython
+
+    events = get_ipython().events
+    if _after_cell not in events.callbacks["post_run_cell"]:
+        events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(result):
+    if result.error_in_exec is not None:
+        from ..runtime import _api
+
+        _api.abandon_queued("the cell that queued this collective failed or was interrupted "
+                            f"on this rank ({type(result.error_in_exec).__name__})")
