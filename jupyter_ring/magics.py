@@ -11,7 +11,6 @@ import ast
 import atexit
 import inspect
 import shlex
-import signal
 import sys
 import threading
 import time
@@ -21,26 +20,13 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float
 
+from ._cell import CellRun, routes_to_ranks
+from ._completion import KernelShim
 from .cluster import RingCluster, format_table, parse_ranks
-from .errors import DeadRankError, DistributedError, _ename
+from .errors import DistributedError, _ename
 from .widgets._tabs import RankTabs, TextSink, _ranges
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
-
-# Errors on other ranks that are usually consequences of the first failure, never the headline.
-_SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
-
-
-def _child_error(child):
-    """The remote error of one engine's finished request, else None (running or succeeded)."""
-    if not child.done():
-        return None
-    exc = child.exception()
-    if exc is not None:
-        return exc
-    result = child.result()
-    return result if isinstance(result, BaseException) else None
-
 
 class _ArgumentParser(argparse.ArgumentParser):
     """argparse that reports errors as IPython UsageErrors instead of exiting the kernel."""
@@ -97,16 +83,11 @@ def _ring_parser():
 
 _RING_PARSER = _ring_parser()
 
-# Line magics that keep an auto-mode cell in the notebook kernel when they open it.
-_LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
-
 
 @magics_class
 class RingMagics(Magics):
     """``%ring`` (cluster control) and ``%%distributed`` (run a cell on every rank)."""
 
-    poll_interval = Float(0.02, config=True,
-                          help="Seconds between checks for new output from the ranks.")
     interrupt_grace = Float(5.0, config=True,
                             help="Seconds to wait for the ranks to stop after SIGINT before "
                                  "giving the notebook back.")
@@ -300,7 +281,7 @@ class RingMagics(Magics):
         ``%load_ext``/``%unload_ext``), which run here. Sees the raw cell, so it works the
         same in JupyterLab, Notebook, VS Code and nbclient.
         """
-        if not self.auto or self._local_depth or not _routes_to_ranks(lines):
+        if not self.auto or self._local_depth or not routes_to_ranks(lines):
             return lines
         return ["%%distributed --auto\n"] + lines
 
@@ -381,7 +362,7 @@ class RingMagics(Magics):
         if args.auto and self.auto_banner:
             print(f"[ring auto] ranks {_ranges(ranks)} of {cluster.size} "
                   "(%%local runs a cell here; %ring auto off)")
-        return _CellRun(self, cluster, ranks, cell, args, self._sink(ranks, args)).run()
+        return CellRun(self, cluster, ranks, cell, args, self._sink(ranks, args)).run()
 
     @cell_magic
     def local(self, line, cell):
@@ -459,363 +440,6 @@ class RingMagics(Magics):
         atexit.unregister(self._atexit)
 
 
-class _CellRun:
-    """One ``%%distributed`` execution: submit, stream, watch for failures, interrupt, report."""
-
-    def __init__(self, magics, cluster, ranks, cell, args, sink):
-        self.magics = magics
-        self.cluster = cluster
-        self.ranks = ranks
-        self.cell = cell
-        self.timeout = args.timeout
-        self.only_rank = ranks[0] if args.rank0_output else None
-        self.sink = sink
-        # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
-        self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
-        self.dashboard = None
-        self._steps_noted = -float("inf")
-        self.offsets = {}     # (rank, stream name) -> characters already shown
-        self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
-        self.n_outputs = {}   # rank -> display_data outputs already shown
-        self.interrupted = {}  # rank -> why it was interrupted
-
-    def run(self):
-        try:
-            self._run()
-        finally:
-            # also on error and interrupt: the dashboard and the tabs become static
-            if self.dashboard is not None:
-                try:
-                    self.dashboard.finish(getattr(self, "ar", None))
-                    self._note_steps()
-                except Exception as exc:  # never hide the cell's own outcome
-                    print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
-            self.sink.finish()
-
-    def _poll_dashboard(self):
-        if self.dashboard is None:
-            if not self.magics._dashboard_ready:  # no publisher on the ranks (e.g. a terminal)
-                return
-            from .widgets import live
-
-            if not self.want_dashboard:
-                # --no-dashboard: drop the ranks' snapshots, which would otherwise pile up in
-                # the client's metadata for the rest of the session
-                live.discard_snapshots(self.ar)
-                return
-            if not live.has_snapshots(self.ar):  # copies keys: safe against the IO thread
-                return
-            self.dashboard = live.LiveDashboard(self.ranks)
-        self.dashboard.poll(self.ar)
-        now = time.monotonic()
-        if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
-            self._steps_noted = now
-            self._note_steps()
-
-    def _note_steps(self):
-        state = self.dashboard.state
-        self.cluster.record_steps({r: {"step": s.step, "total": s.total}
-                                   for r, s in state.ranks.items() if s.seen})
-
-    def _run(self):
-        view = self.cluster.client[[self.cluster.engine_ids[r] for r in self.ranks]]
-        ar = view.execute(self.cell, silent=False, block=False)
-        self.ar = ar
-        children = ar._children
-        t0 = time.monotonic()
-        first_failure = None
-        next_health_check = t0 + self.magics.health_interval
-        try:
-            while not ar.wait(self.magics.poll_interval):
-                self._stream(final=False)
-                now = time.monotonic()
-                if now >= next_health_check:
-                    next_health_check = now + self.magics.health_interval
-                    self._check_dead()
-                for rank, child in zip(self.ranks, children):
-                    if _child_error(child) is not None:
-                        if first_failure is None:
-                            first_failure = now
-                        self.sink.fail(rank)  # live: the tab is marked and selected at once
-                self.sink.flush()
-                self._poll_dashboard()
-                pending = [r for r, child in zip(self.ranks, children) if not child.done()]
-                if (first_failure is not None and self.magics.interrupt_peers and pending
-                        and now - first_failure >= self.magics.peer_interrupt_delay):
-                    self._interrupt(pending, "a peer rank failed")
-                if self.timeout is not None and now - t0 > self.timeout and pending:
-                    self._interrupt(pending, f"--timeout {self.timeout:g} s")
-        except KeyboardInterrupt:
-            self._interrupt_all()
-            raise
-        self._wait_for_output()
-        self._stream(final=True)
-        self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
-        self._show_results()
-        self._raise_errors()
-
-    def _wait_for_output(self):
-        """Wait for the ranks' last output (their IOPub idle), showing it as it comes.
-
-        The replies can arrive well before the output (10,000 printed lines take seconds to
-        travel): wait as long as output keeps arriving, and give up only after
-        ``output_grace`` seconds without any, saying that the output may be cut short.
-        """
-        ar, grace = self.ar, self.magics.output_grace
-        received, quiet_since = -1, time.monotonic()
-        while not ar.wait_for_output(min(0.1, grace)):
-            self._stream(final=False)
-            self.sink.flush()
-            now = time.monotonic()
-            size = sum(len(md["stdout"] or "") + len(md["stderr"] or "") + len(md["outputs"] or [])
-                       for md in ar._metadata)
-            if size != received:
-                received, quiet_since = size, now
-            elif now - quiet_since >= grace:
-                late = [str(r) for r, child in zip(self.ranks, ar._children)
-                        if not getattr(getattr(child, "output", None), "done", lambda: True)()]
-                print(f"(no end of output from rank(s) {', '.join(late) or '?'} {grace:g} s after "
-                      "the cell finished; what they printed last may be missing)", file=sys.stderr)
-                return
-
-    def _check_dead(self):
-        """A rank that died mid-cell never replies: report it now instead of waiting forever."""
-        dead = self.cluster.dead_ranks()
-        if not dead:
-            return
-        self.ar.wait(0.2)  # let ipyparallel deliver what it has
-        self._stream(final=True)
-        message = self.cluster.describe_death(dead)
-        for rank in dead:
-            if rank in self.ranks:
-                self.sink.error(rank, DeadRankError(message, dead))
-                self.sink.fail(rank, "✗ dead")
-        raise DeadRankError(message, dead)
-
-    def _interrupt(self, ranks, why):
-        todo = [r for r in ranks if r not in self.interrupted]
-        if not todo:
-            return
-        for r in todo:
-            self.interrupted[r] = why
-        self.cluster.signal_ranks(signal.SIGINT, todo)
-
-    def _interrupt_all(self):
-        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
-        ar = self.ar
-        self.cluster.signal_ranks(signal.SIGINT)
-        finished = ar.wait(self.magics.interrupt_grace)
-        try:
-            ar.wait_for_output(1.0)
-        except Exception:
-            pass
-        self._stream(final=True)
-        if not finished:
-            pending = [r for r, c in zip(self.ranks, ar._children) if not c.done()]
-            print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
-                  f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
-                  "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
-
-    # ----------------------------------------------------------------------------- output
-    def _stream(self, final):
-        for i, rank in enumerate(self.ranks):
-            md = self.ar._metadata[i]
-            if self.only_rank is None or rank == self.only_rank:
-                for name in ("stdout", "stderr"):
-                    self._stream_text(rank, name, md[name] or "", final)
-            outputs = md["outputs"] or []
-            shown = self.n_outputs.get(rank, 0)
-            for content in outputs[shown:]:
-                self._display(rank, content)
-            self.n_outputs[rank] = len(outputs)
-
-    def _stream_text(self, rank, name, text, final):
-        key = (rank, name)
-        start = self.offsets.get(key, 0)
-        if len(text) <= start and not (final and self.partial.get(key)):
-            return
-        self.offsets[key] = len(text)
-        buf = self.partial.get(key, "") + text[start:]
-        lines = buf.split("\n")
-        rest = lines.pop()  # after the last newline: held back until the line is complete
-        if final and rest:
-            lines.append(rest)
-            rest = ""
-        self.partial[key] = rest
-        if lines:
-            self.sink.text(rank, name, lines)
-
-    def _display(self, rank, content):
-        data = content.get("data") or {}
-        metadata = dict(content.get("metadata") or {})
-        metadata["jupyter_ring_rank"] = rank
-        self.sink.display(rank, data, metadata)
-
-    def _show_results(self):
-        for i, rank in enumerate(self.ranks):
-            result = self.ar._metadata[i]["execute_result"]
-            if result:
-                self.sink.result(rank, result.get("data") or {}, result.get("metadata") or {})
-
-    # ----------------------------------------------------------------------------- errors
-    def _raise_errors(self):
-        failures = []
-        for i, (rank, child) in enumerate(zip(self.ranks, self.ar._children)):
-            exc = _child_error(child)
-            if exc is None:
-                continue
-            completed = self.ar._metadata[i]["completed"] or self.ar._metadata[i]["received"]
-            failures.append((rank, completed, exc))
-        if not failures:
-            return
-        dead = self.cluster.dead_ranks()
-        if not dead and any(_ename(e) == "EngineError" for _, _, e in failures):
-            # the controller failed the tasks of a dead engine; the client hears of the
-            # unregistration a moment later
-            deadline = time.monotonic() + 1.0
-            while not dead and time.monotonic() < deadline:
-                time.sleep(0.05)
-                dead = self.cluster.dead_ranks()
-        if dead and all(r in dead or _ename(e) in _SECONDARY for r, _, e in failures):
-            # a dead engine is the story, not the errors it caused: report it by rank
-            message = self.cluster.describe_death(dead)
-            for r in dead:
-                if r in self.ranks:
-                    self.sink.error(r, DeadRankError(message, dead))
-                    self.sink.fail(r, "✗ dead")
-            raise DeadRankError(message, dead)
-
-        def order(item):
-            rank, completed, exc = item
-            secondary = _ename(exc) in _SECONDARY or rank in self.interrupted or rank in dead
-            return (secondary, completed is None, completed or 0, rank)
-
-        failures.sort(key=order)
-        host = {row["rank"]: row["host"] for row in self.cluster.ranks}
-        for r, _, e in sorted(failures, key=lambda item: item[0]):
-            why = self.interrupted.get(r)
-            self.sink.error(r, e, f"interrupted: {why}" if why else "")
-            self.sink.fail(r)
-        rank, _, exc = failures[0]
-        self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
-        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
-        notes = []
-        if self.interrupted:
-            by_why = {}
-            for r, why in sorted(self.interrupted.items()):
-                by_why.setdefault(why, []).append(str(r))
-            notes += [f"interrupted rank(s) {', '.join(rs)}: {why}" for why, rs in by_why.items()]
-        if dead:
-            notes.append(self.cluster.describe_death(dead))
-        raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
-                               reasons=self.interrupted)
-
-
-class _KernelShim:
-    """Answers the kernel's complete and inspect requests from rank 0 for cells that run there.
-
-    Wraps ``kernel.do_complete`` and ``kernel.do_inspect`` of this kernel instance (the
-    documented override points of ipykernel): for a ``%%distributed`` cell, or any cell that
-    auto mode sends to the ranks, the request goes to rank 0's kernel with ``view.apply``
-    (``jupyter_ring.engines._complete.complete`` / ``inspect``), so names that exist only on the ranks
-    complete and ``?``/Shift-Tab describe the rank's object; nothing is copied into this
-    kernel. Other cells, a cursor on the ``%%distributed`` line itself, no cluster, or no answer
-    within ``RingMagics.remote_timeout`` seconds: this kernel answers as usual.
-    """
-
-    def __init__(self, magics, kernel):
-        self.magics = magics
-        self.kernel = kernel
-        self._complete = kernel.do_complete
-        self._inspect = kernel.do_inspect
-        kernel.do_complete = self.do_complete
-        kernel.do_inspect = self.do_inspect
-
-    def remove(self):
-        if self.kernel.do_complete == self.do_complete:
-            self.kernel.do_complete = self._complete
-        if self.kernel.do_inspect == self.do_inspect:
-            self.kernel.do_inspect = self._inspect
-
-    async def do_complete(self, code, cursor_pos):
-        if cursor_pos is None:
-            cursor_pos = len(code)
-        reply = self._remote("complete", code, cursor_pos)
-        if reply is None:
-            reply = self._complete(code, cursor_pos)
-            if inspect.isawaitable(reply):
-                reply = await reply
-        return reply
-
-    async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
-        if cursor_pos is None:
-            cursor_pos = len(code)
-        reply = self._remote("inspect", code, cursor_pos, detail_level, list(omit_sections))
-        if reply is None or not reply.get("found"):
-            local = self._inspect(code, cursor_pos, detail_level, omit_sections)
-            if inspect.isawaitable(local):
-                local = await local
-            if reply is None or local.get("found"):
-                reply = local
-        return reply
-
-    def _remote(self, what, code, cursor_pos, *args):
-        """Rank 0's reply with positions shifted back into the cell, or None (answer here)."""
-        from .engines import _complete
-
-        body_start = _remote_body_start(code, self.magics.auto)
-        if body_start is None or cursor_pos < body_start:
-            return None
-        cluster = self.magics.cluster
-        if cluster is None or not cluster.running or not cluster.engine_ids:
-            return None
-        try:
-            view = cluster.client[cluster.engine_ids[0]]
-            func = _complete.complete if what == "complete" else _complete.inspect
-            reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
-                                     *args).get(timeout=self.magics.remote_timeout)
-        except Exception:  # busy, dead or slow rank: this kernel's own answer is better than none
-            return None
-        if what == "complete":
-            reply = dict(reply)
-            reply["cursor_start"] = reply.get("cursor_start", 0) + body_start
-            reply["cursor_end"] = reply.get("cursor_end", 0) + body_start
-            meta = dict(reply.get("metadata") or {})
-            for key, items in meta.items():
-                if key.endswith("_jupyter_types_experimental") and isinstance(items, list):
-                    meta[key] = [dict(item, start=item.get("start", 0) + body_start,
-                                      end=item.get("end", 0) + body_start) for item in items]
-            reply["metadata"] = meta
-        return reply
-
-
-def _remote_body_start(code, auto):
-    """Where the part of ``code`` that runs on the ranks starts, or None if it runs here."""
-    stripped = code.lstrip()
-    if stripped.startswith("%%distributed"):
-        newline = code.find("\n", len(code) - len(stripped))
-        return len(code) + 1 if newline == -1 else newline + 1
-    if auto and _routes_to_ranks(code.splitlines(keepends=True)):
-        return 0
-    return None
-
-
-def _routes_to_ranks(lines):
-    """Whether an auto-mode cell goes to the ranks: not blank, not opened by a cell magic or by
-    one of the local line magics (``%ring``, ``%load_ext`` ...)."""
-    for line in lines:
-        stripped = line.strip()
-        if not stripped:
-            continue
-        if stripped.startswith("%%"):
-            return False
-        if stripped.startswith("%"):
-            name = stripped[1:].split(None, 1)[0] if len(stripped) > 1 else ""
-            return name not in _LOCAL_LINE_MAGICS
-        return True
-    return False
-
-
 def _render_pull_error(exc, name, ranks, cluster):
     ename = _ename(exc)
     inner = getattr(exc, "elist", None)
@@ -837,7 +461,7 @@ def load_ipython_extension(ipython):
     ipython.input_transformers_cleanup.insert(0, magics._auto_transform)
     kernel = getattr(ipython, "kernel", None)
     if kernel is not None and hasattr(kernel, "do_complete"):
-        magics._shim = _KernelShim(magics, kernel)
+        magics._shim = KernelShim(magics, kernel)
 
 
 def unload_ipython_extension(ipython):

@@ -8,7 +8,7 @@ Wiring into a front end (what ``%ring start`` and ``%%distributed`` do)::
 
     ar = view.execute(cell, block=False)
     live = LiveDashboard(ranks)                      # shows itself on the first snapshot
-    while not ar.wait(0.02):
+    while not ar.wait(0.1):                          # %%distributed: also on each data message
         live.poll(ar)                                # cheap; redraws at most 5 times a second
     ar.wait_for_output(2.0)
     live.finish(ar)                                  # last snapshots, then static final HTML
@@ -67,16 +67,14 @@ def discard_snapshots(ar):
 
 
 def _data_dicts(ar):
-    """Each engine's live datapub dict of an ipyparallel AsyncResult (or a list of dicts)."""
+    """Each engine's live datapub dict of an ipyparallel AsyncResult (its public ``data``: the
+    dicts themselves, not copies), or of a dict or list of dicts."""
     if isinstance(ar, dict):
         return [ar]
     if isinstance(ar, (list, tuple)):
         return [d for d in ar if isinstance(d, dict)]
-    metadata = getattr(ar, "_metadata", None)
-    if metadata is not None:
-        return [md["data"] for md in metadata if md.get("data") is not None]
     data = ar.data
-    return [data] if isinstance(data, dict) else list(data)
+    return [data] if isinstance(data, dict) else [d for d in data if isinstance(d, dict)]
 
 
 class LiveDashboard:

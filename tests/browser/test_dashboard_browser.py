@@ -66,8 +66,8 @@ ar.get()
 
 
 def _wired():
-    """True once ``%%distributed`` shows the dashboard (the front end imports LiveDashboard)."""
-    with open(os.path.join(ROOT, "jupyter_ring", "magics.py")) as f:
+    """True once ``%%distributed`` shows the dashboard (the cell loop imports LiveDashboard)."""
+    with open(os.path.join(ROOT, "jupyter_ring", "_cell.py")) as f:
         return "LiveDashboard" in f.read()
 
 
@@ -151,7 +151,7 @@ def test_dashboard_renders_in_jupyterlab(lab):
 
 @pytest.mark.xfail(not _wired(), strict=False,
                    reason="%%distributed does not show the dashboard yet (front end to wire "
-                          "jupyter_ring.widgets.live.LiveDashboard into _CellRun)")
+                          "jupyter_ring.widgets.live.LiveDashboard into _cell.CellRun)")
 def test_distributed_shows_the_dashboard(lab):
     with playwright_api.sync_playwright() as p:
         browser, page = _open_notebook(p, lab)

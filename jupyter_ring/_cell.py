@@ -1,0 +1,288 @@
+"""One ``%%distributed`` execution: submit, show output as it arrives, watch for failures,
+interrupt, report.
+
+The output path: each rank's iopub messages reach :class:`jupyter_ring._ipp.CellExecution` on
+ipyparallel's IO thread, which wakes this thread at once; stream text is cut into whole lines
+(each rank's and stream's last partial line held back until its newline or the end) and handed
+to the sink (rank tabs or tagged text), rich outputs as they come, results at the end. Between
+arrivals the loop wakes every ``_TICK`` seconds for what is due by the clock: the health check,
+peer interrupts, ``--timeout``, the live views' redraws.
+"""
+
+import re
+import signal
+import sys
+import time
+
+from ._ipp import CellExecution
+from .errors import DeadRankError, DistributedError, _ename
+
+__all__ = ["CellRun", "routes_to_ranks"]
+
+# Errors on other ranks that are usually consequences of the first failure, never the headline.
+_SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
+
+# Seconds between the loop's wake-ups when nothing arrives: output wakes it at once; this is for
+# redraws that were throttled (rank tabs every 0.1 s) and for the clock's deadlines.
+_TICK = 0.1
+
+# Line magics that keep an auto-mode cell in the notebook kernel when they open it.
+_LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
+
+# A carriage return not followed by a newline rewrites the line (progress bars): keep what comes
+# after the last one, as a terminal (and ipyparallel's own output buffer) does.
+_CR = re.compile(r".*\r(?=[^\n])")
+
+
+class CellRun:
+    """One cell on ``ranks`` of ``cluster``, shown through ``sink`` (see ``widgets._tabs``)."""
+
+    def __init__(self, magics, cluster, ranks, cell, args, sink):
+        self.magics = magics
+        self.cluster = cluster
+        self.ranks = ranks
+        self.cell = cell
+        self.timeout = args.timeout
+        self.only_rank = ranks[0] if args.rank0_output else None
+        self.sink = sink
+        # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
+        self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
+        self.dashboard = None
+        self.execution = None
+        self._steps_noted = -float("inf")
+        self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
+        self.results = {}     # rank -> execute_result content (shown after the output)
+        self.interrupted = {}  # rank -> why it was interrupted
+
+    def run(self):
+        try:
+            self._run()
+        finally:
+            # also on error and interrupt: the dashboard and the tabs become static
+            if self.dashboard is not None:
+                try:
+                    self.dashboard.finish(self.execution and self.execution.ar)
+                    self._note_steps()
+                except Exception as exc:  # never hide the cell's own outcome
+                    print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
+            self.sink.finish()
+
+    def _run(self):
+        cluster = self.cluster
+        execution = self.execution = CellExecution(
+            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
+        magics = self.magics
+        t0 = time.monotonic()
+        first_failure = None
+        next_health_check = t0 + magics.health_interval
+        try:
+            while not execution.done():
+                execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
+                self._deliver()
+                now = time.monotonic()
+                if now >= next_health_check:
+                    next_health_check = now + magics.health_interval
+                    self._check_dead()
+                for rank in self.ranks:
+                    if execution.error(rank) is not None:
+                        if first_failure is None:
+                            first_failure = now
+                        self.sink.fail(rank)  # live: the tab is marked and selected at once
+                self.sink.flush()
+                self._poll_dashboard()
+                pending = execution.pending()
+                if (first_failure is not None and magics.interrupt_peers and pending
+                        and now - first_failure >= magics.peer_interrupt_delay):
+                    self._interrupt(pending, "a peer rank failed")
+                if self.timeout is not None and now - t0 > self.timeout and pending:
+                    self._interrupt(pending, f"--timeout {self.timeout:g} s")
+        except KeyboardInterrupt:
+            self._interrupt_all()
+            raise
+        self._wait_for_output()
+        self._deliver(final=True)
+        self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
+        self._show_results()
+        self._raise_errors()
+
+    def _wait_for_output(self):
+        """Wait for the ranks' last output (their IOPub idle), showing it as it comes.
+
+        The replies can arrive well before the output (10,000 printed lines take seconds to
+        travel): wait as long as output keeps arriving, and give up only after
+        ``output_grace`` seconds without any, saying that the output may be cut short.
+        """
+        execution, grace = self.execution, self.magics.output_grace
+        started = time.monotonic()
+        while not execution.output_done():
+            execution.wait(min(_TICK, grace))
+            self._deliver()
+            self.sink.flush()
+            if time.monotonic() - max(started, execution.last_arrival) >= grace:
+                late = [str(r) for r in self.ranks if not execution.output_done(r)]
+                print(f"(no end of output from rank(s) {', '.join(late) or '?'} {grace:g} s after "
+                      "the cell finished; what they printed last may be missing)", file=sys.stderr)
+                return
+
+    def _check_dead(self):
+        """A rank that died mid-cell never replies: report it now instead of waiting forever."""
+        dead = self.cluster.dead_ranks()
+        if not dead:
+            return
+        self.execution.ar.wait(0.2)  # let ipyparallel deliver what it has
+        self._deliver(final=True)
+        self._raise_dead(dead)
+
+    def _raise_dead(self, dead):
+        """Mark the dead ranks' tabs, then raise the DeadRankError that names them."""
+        message = self.cluster.describe_death(dead)
+        for rank in dead:
+            if rank in self.ranks:
+                self.sink.error(rank, DeadRankError(message, dead))
+                self.sink.fail(rank, "✗ dead")
+        raise DeadRankError(message, dead)
+
+    def _interrupt(self, ranks, why):
+        todo = [r for r in ranks if r not in self.interrupted]
+        if not todo:
+            return
+        for r in todo:
+            self.interrupted[r] = why
+        self.cluster.signal_ranks(signal.SIGINT, todo)
+
+    def _interrupt_all(self):
+        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
+        ar = self.execution.ar
+        self.cluster.signal_ranks(signal.SIGINT)
+        finished = ar.wait(self.magics.interrupt_grace)
+        try:
+            ar.wait_for_output(1.0)
+        except Exception:
+            pass
+        self._deliver(final=True)
+        pending = [] if finished else self.execution.pending()  # some may have just stopped
+        if pending:
+            print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
+                  f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
+                  "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
+
+    # ----------------------------------------------------------------------------- output
+    def _deliver(self, final=False):
+        """Hand what arrived to the sink; ``final``: the partial last lines too."""
+        for rank, kind, content in self.execution.take():
+            if kind == "stream":
+                if self.only_rank is None or rank == self.only_rank:
+                    self._stream_text(rank, content["name"], content["text"])
+            elif kind == "display_data":
+                metadata = dict(content.get("metadata") or {})
+                metadata["jupyter_ring_rank"] = rank
+                self.sink.display(rank, content.get("data") or {}, metadata)
+            elif kind == "execute_result":
+                self.results[rank] = content
+        if final:
+            partial, self.partial = self.partial, {}
+            for (rank, name), rest in partial.items():
+                if rest:
+                    self.sink.text(rank, name, [_CR.sub("", rest)])
+
+    def _stream_text(self, rank, name, text):
+        key = (rank, name)
+        lines = (self.partial.get(key, "") + text).split("\n")
+        # after the last newline: held back until the line is complete (or the cell ends)
+        self.partial[key] = lines.pop()
+        if lines:
+            self.sink.text(rank, name, [_CR.sub("", line) if "\r" in line else line
+                                        for line in lines])
+
+    def _show_results(self):
+        for rank in self.ranks:
+            result = self.results.get(rank)
+            if result:
+                self.sink.result(rank, result.get("data") or {}, result.get("metadata") or {})
+
+    # -------------------------------------------------------------------------- dashboard
+    def _poll_dashboard(self):
+        ar = self.execution.ar
+        if self.dashboard is None:
+            if not self.magics._dashboard_ready:  # no publisher on the ranks (e.g. a terminal)
+                return
+            from .widgets import live
+
+            if not self.want_dashboard:
+                # --no-dashboard: drop the ranks' snapshots, which would otherwise pile up in
+                # the client's metadata for the rest of the session
+                live.discard_snapshots(ar)
+                return
+            if not live.has_snapshots(ar):  # copies keys: safe against the IO thread
+                return
+            self.dashboard = live.LiveDashboard(self.ranks)
+        self.dashboard.poll(ar)
+        now = time.monotonic()
+        if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
+            self._steps_noted = now
+            self._note_steps()
+
+    def _note_steps(self):
+        state = self.dashboard.state
+        self.cluster.record_steps({r: {"step": s.step, "total": s.total}
+                                   for r, s in state.ranks.items() if s.seen})
+
+    # ----------------------------------------------------------------------------- errors
+    def _raise_errors(self):
+        execution = self.execution
+        failures = [(rank, execution.finished_at(rank), execution.error(rank))
+                    for rank in self.ranks if execution.error(rank) is not None]
+        if not failures:
+            return
+        dead = self.cluster.dead_ranks()
+        if not dead and any(_ename(e) == "EngineError" for _, _, e in failures):
+            # the controller failed the tasks of a dead engine; the client hears of the
+            # unregistration a moment later
+            deadline = time.monotonic() + 1.0
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self.cluster.dead_ranks()
+        if dead and all(r in dead or _ename(e) in _SECONDARY for r, _, e in failures):
+            # a dead engine is the story, not the errors it caused: report it by rank
+            self._raise_dead(dead)
+
+        def order(item):
+            rank, completed, exc = item
+            secondary = _ename(exc) in _SECONDARY or rank in self.interrupted or rank in dead
+            return (secondary, completed is None, completed or 0, rank)
+
+        failures.sort(key=order)
+        host = {row["rank"]: row["host"] for row in self.cluster.ranks}
+        for r, _, e in sorted(failures, key=lambda item: item[0]):
+            why = self.interrupted.get(r)
+            self.sink.error(r, e, f"interrupted: {why}" if why else "")
+            self.sink.fail(r)
+        rank, _, exc = failures[0]
+        self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
+        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
+        notes = []
+        if self.interrupted:
+            by_why = {}
+            for r, why in sorted(self.interrupted.items()):
+                by_why.setdefault(why, []).append(str(r))
+            notes += [f"interrupted rank(s) {', '.join(rs)}: {why}" for why, rs in by_why.items()]
+        if dead:
+            notes.append(self.cluster.describe_death(dead))
+        raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
+                               reasons=self.interrupted)
+
+
+def routes_to_ranks(lines):
+    """Whether an auto-mode cell goes to the ranks: not blank, not opened by a cell magic or by
+    one of the local line magics (``%ring``, ``%load_ext`` ...)."""
+    for line in lines:
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("%%"):
+            return False
+        if stripped.startswith("%"):
+            name = stripped[1:].split(None, 1)[0] if len(stripped) > 1 else ""
+            return name not in _LOCAL_LINE_MAGICS
+        return True
+    return False

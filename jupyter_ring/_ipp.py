@@ -1,0 +1,119 @@
+"""The one module that uses ipyparallel's private API: a cell's execution on the ranks, with each
+iopub message handed over as it arrives.
+
+ipyparallel's public ``AsyncResult`` says when requests finish and accumulates their output, but
+only its own ``stream_output()`` gets a message the moment it arrives, through the per-request
+``MessageFuture.iopub_callbacks`` (it then prints ``[stdout:N]`` blocks itself, and registers
+after the request is sent, replaying what came meanwhile: a race it notes as a FIXME).
+:class:`CellExecution` sends the execute requests itself (``Client.send_execute_request`` with a
+``message_future_hook``, as ``DirectView.execute`` does), so its callbacks are registered before
+the request leaves: no message can come first, none is seen twice.
+
+The callbacks run on ipyparallel's IO thread and only queue a record and wake the notebook's
+thread, which takes them in order (:meth:`CellExecution.take`) and draws them. Everything else
+the front end does with ipyparallel goes through its public API (views, ``Client.ids``,
+``send_signal``, launchers' ``pid``/``state``/``output_file``). If an ipyparallel release
+changes these internals, this file is the one to change.
+"""
+
+import collections
+import functools
+import threading
+import time
+from typing import NamedTuple
+
+__all__ = ["Arrival", "CellExecution"]
+
+# the iopub messages a cell's output is made of (``data_message``: a datapub publication, merged
+# by ipyparallel into the request's ``data`` dict before the callback runs)
+DELIVERED = frozenset({"stream", "display_data", "execute_result", "data_message"})
+
+
+class Arrival(NamedTuple):
+    """One iopub message from one rank, in arrival order."""
+
+    rank: int
+    kind: str        # one of DELIVERED
+    content: dict    # the message's content (stream: name, text; display_data: data, metadata)
+
+
+class CellExecution:
+    """``code`` executed on ``engine_ids`` (one per rank of ``ranks``), messages queued as they come.
+
+    ``ar`` is the public ``AsyncResult`` of the requests (``wait``, ``wait_for_output``, ``data``).
+    """
+
+    def __init__(self, client, engine_ids, ranks, code):
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        self.ranks = list(ranks)
+        self._index = {rank: i for i, rank in enumerate(self.ranks)}
+        self._arrivals = collections.deque()   # appended on the IO thread, taken on ours
+        self._wake = threading.Event()
+        self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
+        view = client[list(engine_ids)]
+        idents, targets = client._build_targets(list(engine_ids))
+        self._futures = []
+        for rank, ident in zip(self.ranks, idents):
+            self._futures.append(client.send_execute_request(
+                view._socket, code, silent=False, ident=ident, metadata={"label": None},
+                message_future_hook=functools.partial(self._hook, rank)))
+        self.ar = AsyncResult(client, self._futures, fname="execute", targets=targets, owner=True)
+
+    def _hook(self, rank, future):
+        # before the request is handed to the IO thread: nothing of it can have arrived yet
+        future.iopub_callbacks.append(functools.partial(self._on_iopub, rank))
+        future.add_done_callback(self._on_done)
+        future.output.add_done_callback(self._on_done)
+
+    def _on_iopub(self, rank, msg):
+        kind = msg["header"]["msg_type"]
+        if kind in DELIVERED:
+            self._arrivals.append(Arrival(rank, kind, msg["content"]))
+            self.last_arrival = time.monotonic()
+            self._wake.set()
+
+    def _on_done(self, _future):
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the notebook's thread
+    def wait(self, timeout):
+        """Block until a message or a reply arrives, or ``timeout`` seconds pass."""
+        if self._wake.wait(timeout):
+            self._wake.clear()  # before take(): whatever comes after wakes the next wait
+
+    def take(self):
+        """The messages that arrived since the last call, oldest first."""
+        out = []
+        while self._arrivals:
+            out.append(self._arrivals.popleft())
+        return out
+
+    def done(self):
+        """Whether every rank has replied (finished, failed or been failed by the controller)."""
+        return all(f.done() for f in self._futures)
+
+    def output_done(self, rank=None):
+        """Whether the rank's (every rank's) output is complete: its engine went idle."""
+        futures = self._futures if rank is None else [self._futures[self._index[rank]]]
+        return all(f.output.done() for f in futures)
+
+    def pending(self):
+        """Ranks that have not replied yet."""
+        return [r for r, f in zip(self.ranks, self._futures) if not f.done()]
+
+    def error(self, rank):
+        """The rank's remote error (ipyparallel's RemoteError, EngineError ...), else None."""
+        future = self._futures[self._index[rank]]
+        if not future.done():
+            return None
+        exc = future.exception()
+        if exc is not None:
+            return exc
+        result = future.result()
+        return result if isinstance(result, BaseException) else None
+
+    def finished_at(self, rank):
+        """When the rank's reply says its cell ended (or was received), or None."""
+        md = self._futures[self._index[rank]].output.metadata
+        return md["completed"] or md["received"]
