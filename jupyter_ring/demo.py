@@ -3,6 +3,10 @@
 Executes ``notebooks/01-quickstart.ipynb`` with nbclient on a kernel of the current Python
 environment. IPython, Jupyter and ipyparallel files go to a temporary directory unless
 IPYTHONDIR / JUPYTER_* are already set, so the demo leaves nothing in the home folder.
+
+The kernel listens on Unix sockets in an owner-only temporary folder (jupyter_client's ``ipc``
+transport), not on TCP ports: no other user of the machine can connect to it, and it starts
+without ipykernel's warning about unencrypted TCP.
 """
 
 import argparse
@@ -28,16 +32,21 @@ def _isolate(tmp):
 
 
 def run_notebook(path=NOTEBOOK, timeout=120):
-    """Execute the notebook in place of a copy; return the executed nbformat notebook."""
+    """Execute the notebook (a copy in memory); return the executed nbformat notebook."""
     import nbformat
     from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
-    # the native kernel runs sys.executable: this environment, wherever the notebook came from
-    client = NotebookClient(nb, timeout=timeout, kernel_name=NATIVE_KERNEL_NAME,
-                            resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
-    client.execute()
+    with tempfile.TemporaryDirectory(prefix="jupyter_ring_kernel_") as sockets:  # mode 0700
+        config = Config()
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = os.path.join(sockets, "kernel")  # sockets: kernel-<port>
+        # the native kernel runs sys.executable: this environment, wherever the notebook came from
+        client = NotebookClient(nb, timeout=timeout, kernel_name=NATIVE_KERNEL_NAME, config=config,
+                                resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
+        client.execute()
     return nb
 
 

@@ -15,12 +15,17 @@ from static_tabs import tab_texts
 pytestmark = pytest.mark.timeout(150)
 
 
-def test_quickstart_notebook_runs_headless():
+def test_quickstart_notebook_runs_headless(capfd):
+    """What scripts/demo.sh shows: every cell ran, and nothing came before the transcript (the
+    kernel's stderr is the demo's: ipykernel's unencrypted-TCP warning, jupyter_client's
+    signing one were a newcomer's first lines)."""
     nb = demo.run_notebook(demo.NOTEBOOK, timeout=120)
     text = demo.format_outputs(nb)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors, text
+    stderr = capfd.readouterr().err   # the kernel's, a child process writing to our fd 2
+    assert "warning" not in stderr.lower(), stderr
     sums = [line.split(" ", 3)[3] for line in text.splitlines()
             if line.startswith(("[rank 0] 0 [", "[rank 1] 1 ["))]
     assert len(sums) == 2 and sums[0] == sums[1], text  # both ranks hold the same allreduce
@@ -28,6 +33,26 @@ def test_quickstart_notebook_runs_headless():
     assert text.count("sum matches: True") == 2
     assert "Out[5]: array([" in text
     assert "stopped 2 ranks" in text
+
+
+def test_demo_kernel_takes_requests_on_owner_only_unix_sockets(tmp_path):
+    """The demo's kernel talks over Unix sockets in an owner-only folder: no other local user can
+    connect to it (a TCP port on loopback is open to every user of the machine). The one TCP
+    port left is ipykernel's own relay of forked children's output (each message carries a
+    random 16-byte key), bound whatever the transport."""
+    import nbformat
+
+    code = ("import json, os, sys, psutil\n"
+            "from ipykernel.connect import get_connection_info\n"
+            "info = json.loads(get_connection_info())\n"
+            "listen = [c.laddr.port for c in psutil.Process().net_connections('tcp')\n"
+            "          if c.status == psutil.CONN_LISTEN]\n"
+            "print(info['transport'], oct(os.stat(os.path.dirname(info['ip'])).st_mode & 0o777),\n"
+            "      listen == [sys.stdout.pub_thread._pipe_port])")
+    path = tmp_path / "probe.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), str(path))
+    text = demo.format_outputs(demo.run_notebook(str(path), timeout=60))
+    assert text.splitlines()[-1] == "ipc 0o700 True", text
 
 
 def _run_all(sources, timeout=90):
