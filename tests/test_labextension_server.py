@@ -270,6 +270,51 @@ async def test_orphaned_cluster_is_shown_and_can_be_stopped(jp_fetch):
                 pass
 
 
+# A busy cell: allreduces in a loop, so an interrupt lands inside a collective (or between two).
+BUSY = """\
+import time
+_t0 = time.monotonic()
+while time.monotonic() - _t0 < 60:
+    ring.allreduce(np.ones(1 << 14), op=ring.Sum, name="busy")
+"""
+
+
+async def test_two_quick_interrupts_only_interrupt_and_the_variables_stay(jp_fetch):
+    """The panel's Interrupt pressed twice at once on a busy cell (a one-host, gforker cluster):
+    every rank's cell ends with KeyboardInterrupt, no rank dies, and the next cell on the same
+    cluster finds its variables and runs an exact allreduce. (Two SIGINTs to MPICH's Hydra
+    mpiexec would abort the whole job: the route goes through the nannies; the Hydra case is in
+    tests/multihost/test_hydra_ssh.py.)"""
+    import asyncio
+
+    import numpy as np
+
+    from jupyter_ring.cluster import RingCluster
+
+    with RingCluster(n=3, gpus="none", watchdog=False) as rc:
+        rc.view.execute("import numpy as np\nkept = ring.rank() + 1", block=True)
+        ar = rc.view.execute(BUSY)
+        time.sleep(1.0)
+        assert not ar.ready(), "the busy cell ended before the interrupts"
+        cid = rc.ipp_cluster.cluster_id
+        responses = await asyncio.gather(*(
+            jp_fetch("jupyter-ring", "clusters", cid, "interrupt", method="POST", body=b"")
+            for _ in range(2)))
+        for response in responses:
+            body = json.loads(response.body)
+            assert body["signal"] == "SIGINT" and sorted(body["engines"]) == sorted(rc.engine_ids)
+        assert ar.wait(15), "the busy cell was still running 15 s after two interrupts"
+        errors = ar.get(return_exceptions=True)
+        assert [getattr(e, "ename", e) for e in errors] == ["KeyboardInterrupt"] * 3, errors
+        time.sleep(0.5)  # a second SIGINT that came late lands on an idle engine: it must live
+        assert rc.dead_ranks() == []
+        rc.view.execute("z = ring.allreduce(np.array([kept * 1.0]), op=ring.Sum, name='z')",
+                        block=True)
+        assert [v.tolist() for v in rc.view.pull("z", block=True)] == [[6.0]] * 3
+        assert rc.view.pull("kept", block=True) == [1, 2, 3]
+    assert not rc.running
+
+
 async def test_interrupt_and_stop_reach_an_encrypted_ring_cluster(jp_fetch):
     # RingCluster's default: CurveZMQ on, gforker ranks; the server's client must follow suit
     from jupyter_ring.cluster import RingCluster

@@ -5,14 +5,19 @@ the kernel runs on the first one, as a notebook on a login node would. Ranks tal
 (``UCX_TLS=tcp,self``: otherwise UCX quietly uses shared memory between the namespaces).
 """
 
+import contextlib
+import http.client
 import json
 import os
 import re
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 
 import pytest
 from jupyter_client import KernelManager
@@ -297,3 +302,107 @@ def test_kernel_killed_cleans_both_hosts(hosts):
         print(f"both hosts clean {took:.1f} s after the kernel was killed")
     finally:
         k.close()
+
+
+# ------------------------------------------------------------------- the Ring panel under Hydra
+class _UnixHTTP(http.client.HTTPConnection):
+    """HTTP over a Unix socket: the server runs in host a's network namespace, which this
+    process cannot reach over TCP, but the socket file is on the shared filesystem."""
+
+    def __init__(self, path, timeout=60):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.unix_path)
+        self.sock = sock
+
+
+@contextlib.contextmanager
+def lab_server(hosts, env):
+    """A real Jupyter server with the Ring panel's routes, on host a (as JupyterLab beside the
+    kernel would run), listening on a Unix socket; yields ``request(method, path)``."""
+    folder = tempfile.mkdtemp(prefix="jr_server_", dir=hosts.dir)
+    sock, token = os.path.join(folder, "server.sock"), uuid.uuid4().hex
+    log = open(os.path.join(folder, "server.log"), "w")
+    proc = subprocess.Popen(hosts.cmd(0, [
+        sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
+        f"--ServerApp.sock={sock}", f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={folder}",
+        "--ServerApp.jpserver_extensions={'jupyter_ring.server': True}"]),
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def request(method, path):
+        conn = _UnixHTTP(sock)
+        try:
+            conn.request(method, path, body=b"" if method == "POST" else None,
+                         headers={"Authorization": f"token {token}"})
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if request("GET", "/jupyter-ring/clusters")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                with open(log.name) as f:
+                    raise RuntimeError(f"the Jupyter server on host a did not come up:\n{f.read()[-3000:]}")
+            time.sleep(0.2)
+        yield request
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+
+
+def test_panel_interrupt_pressed_twice_on_a_hydra_cluster(hosts, kernel):
+    """The Ring panel's Interrupt, pressed twice at once while every rank of a 4-rank cluster
+    across two hosts (Hydra over ssh) loops on allreduce: the cell ends with KeyboardInterrupt,
+    no rank dies (a second SIGINT to Hydra's mpiexec would abort the whole job), and the next
+    cell on the same cluster finds its variables and runs exact allreduces."""
+    kernel.ok(f"%ring start --hostfile {hosts.hostfile} --gpus none", timeout=120)
+    kernel.ok("%%distributed\nkept = ring.rank() * 10")
+    cid = kernel.ok("print(get_ipython().magics_manager.registry['RingMagics']"
+                    ".cluster.ipp_cluster.cluster_id)").strip()
+    with lab_server(hosts, host_env(hosts)) as request:
+        answers = []
+
+        def press_twice():
+            presses = [threading.Thread(target=lambda: answers.append(request(
+                "POST", f"/jupyter-ring/clusters/{cid}/interrupt"))) for _ in range(2)]
+            for t in presses:
+                t.start()
+            for t in presses:
+                t.join(60)
+
+        timer = threading.Timer(4, press_twice)
+        timer.start()
+        try:
+            out, error = kernel.execute("%%distributed\n" + LONG_ALLREDUCE, timeout=90)
+        finally:
+            timer.join(70)
+    assert [status for status, _ in answers] == [200, 200], answers
+    assert all(len(json.loads(body)["engines"]) == 4 for _, body in answers), answers
+    assert error is not None and error["ename"] == "DistributedError", (error, out)
+    assert "KeyboardInterrupt" in error["evalue"], error["evalue"]
+    time.sleep(0.5)  # a late second SIGINT lands on idle engines: they must live
+    status = kernel.ok("%ring status")
+    assert "4 ranks alive" in status, status
+    out = kernel.ok("%%distributed\nprint('kept', ring.rank(), kept)\n" + ALLREDUCE_CHECK,
+                    timeout=120)
+    assert sorted(re.findall(r"kept (\d) (\d+)", out)) == [(str(r), str(10 * r)) for r in range(4)], out
+    assert sorted(topology(out)) == [0, 1, 2, 3], out
+    kernel.ok("%ring stop", timeout=60)
+
