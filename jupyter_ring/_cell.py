@@ -78,6 +78,8 @@ class CellRun:
         try:
             while not execution.done():
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
+                if execution.done():
+                    break  # every rank replied: what is left is the output's end, below
                 self._deliver()
                 now = time.monotonic()
                 if now >= next_health_check:
