@@ -11,7 +11,7 @@ from static_tabs import tab_texts as _panels
 
 
 def feed(sink):
-    """The same cell output, as _CellRun would deliver it, into any sink."""
+    """The same cell output, as _cell.CellRun would deliver it, into any sink."""
     sink.text(0, "stdout", ["hello 0", "second 0"])
     sink.text(1, "stdout", ["hello 1"])
     sink.text(1, "stderr", ["\x1b[31mwarn 1\x1b[0m"])
