@@ -179,6 +179,8 @@ def test_ipyparallel_gone_log_file_is_not_reported_as_an_error(caplog):
 
     from ipyparallel.cluster.launcher import LocalProcessLauncher
 
+    import jupyter_ring.cluster._launchers  # noqa: F401  (installs the filter)
+
     ipp_log = logging.getLogger("jupyter_ring.cluster.ipyparallel")
     launcher = LocalProcessLauncher(log=ipp_log, output_file="/nonexistent/ipengine-x.log")
     with caplog.at_level(logging.ERROR, logger=ipp_log.name):
