@@ -80,7 +80,7 @@ def _open_notebook(p, lab):
     if news.count():
         news.first.click()
     page.wait_for_function(
-        "() => !document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]')",
+        "() => document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')",
         timeout=60_000)
     return browser, page
 

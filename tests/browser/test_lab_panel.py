@@ -153,7 +153,7 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
             # Wait for the kernel before typing, so that the first run is not lost.
             page.wait_for_function(
                 "() => { const s = document.querySelector('.jp-Notebook'); return s && "
-                "!document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]'); }",
+                "document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]'); }",
                 timeout=60_000)
 
             start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")

@@ -49,7 +49,7 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
                 news.first.click()
             page.wait_for_function(
                 "() => document.querySelector('.jp-Notebook') && "
-                "!document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]')",
+                "document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')",
                 timeout=60_000)
             start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
             expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",

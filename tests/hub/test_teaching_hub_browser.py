@@ -64,10 +64,12 @@ def test_student_logs_in_and_runs_the_quickstart():
                 news = page.locator(".jp-Notification-Toast-Close, .jp-toast-button:has-text('No')")
                 if news.count():
                     news.first.click()
+                # idle, not just "not busy": a kernel still starting (a first start in a fresh
+                # lab environment under load) was taken as ready, and no cell ever ran
                 page.wait_for_function(
                     "() => document.querySelector('.jp-Notebook') && "
-                    "!document.querySelector('.jp-Toolbar-kernelStatus[data-status=\"busy\"]')",
-                    timeout=60_000)
+                    "document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')",
+                    timeout=120_000)
 
                 code = page.locator(".jp-Notebook .jp-CodeCell")
                 n_code = sum(c.cell_type == "code" for c in nbformat.read(QUICKSTART, 4).cells)
