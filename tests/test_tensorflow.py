@@ -11,20 +11,30 @@ pytest.importorskip("tensorflow", reason="the tensorflow adapter tests need tens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TF_PUBLIC = {
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "barrier", "broadcast_object", "allgather_object", "broadcast_variables", "stats", "timeline",
-    "DistributedGradientTape",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "CollectiveMismatchError", "Compression",
+    "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "RingError",
+    "StallError", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_global_variables",
+    "broadcast_object", "broadcast_object_fn", "broadcast_variables", "ccl_built", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join",
+    "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stats",
+    "stop_timeline", "timeline",
 }
 KERAS_PUBLIC = {
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "allgather", "broadcast", "barrier", "broadcast_object", "allgather_object",
-    "broadcast_variables", "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateWarmupCallback", "ProgressCallback",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "Adasum", "Average", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "CollectiveMismatchError",
+    "Compression", "DistributedOptimizer", "HorovodInternalError", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback", "Max", "MetricAverageCallback", "Min", "NotInitializedError",
+    "PartialDistributedOptimizer", "ProcessSet", "Product", "ProgressCallback", "RingError", "StallError",
+    "Sum", "add_process_set", "allgather", "allgather_object", "allreduce", "barrier", "broadcast",
+    "broadcast_global_variables", "broadcast_object", "broadcast_variables", "callbacks", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "init", "is_homogeneous", "is_initialized", "join", "load_model", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
+    "rocm_built", "shutdown", "size", "start_timeline", "stats", "stop_timeline", "timeline",
 }
 
 

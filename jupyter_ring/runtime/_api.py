@@ -627,3 +627,25 @@ def timeline(path):
             json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, fh)
         os.replace(tmp, path)
     return path
+
+
+# ------------------------------------------------------------------ process sets (adapter hook)
+def _new_process(rt):
+    """A separate API state (queue, handles, auto names) over ``rt``: one per process set."""
+    process = _Process()
+    process.rt = rt
+    return process
+
+
+@contextlib.contextmanager
+def _using(process):
+    """Inside, the API's calls run on ``process`` (a process set's runtime), not this process's.
+
+    Callers hold the adapters' lock: the swap is of one module global.
+    """
+    global _proc
+    saved, _proc = _proc, process
+    try:
+        yield
+    finally:
+        _proc = saved

@@ -18,42 +18,28 @@ Keras' "auto" choice on GPUs) cannot compile a py_function: compile with ``jit_c
 import types
 
 try:
+    import tensorflow as tf
     import keras
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the keras adapter needs tensorflow (with Keras 3): "
                       "pip install 'jupyter_ring[tensorflow]'") from exc
 
+import numpy as np
+
 from . import _report
 from . import tensorflow as _tf_adapter
-from ._core import Adasum, Average, Max, Min, Product, Sum
-from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
-from .tensorflow import (
-    Compression,
-    allgather,
-    allgather_object,
-    allreduce,
-    barrier,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-)
+from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from ._common import __all__ as _COMMON
+from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
+from ._horovod import __all__ as _HOROVOD
+from .tensorflow import Compression, broadcast_variables
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "allgather", "broadcast", "barrier", "broadcast_object", "allgather_object",
-    "broadcast_variables", "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateWarmupCallback", "ProgressCallback",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "allreduce", "allgather",
+    "broadcast", "reducescatter", "broadcast_variables", "broadcast_global_variables", "load_model",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+    "BestModelCheckpoint", "ProgressCallback",
 ]
 
 
@@ -74,25 +60,35 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     its variables, learning rate and iteration count; this one only reduces the gradients.
     """
 
-    def __init__(self, optimizer, name=None, compression=Compression.none, op=Average,
-                 gradient_predivide_factor=1.0, backward_passes_per_step=1):
+    def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                 sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                 average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
+                 scale_local_gradients=True):
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain Keras optimizer once")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer).__name__}")
         if op == Adasum:
-            raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
+            raise ValueError("op == Adasum is not supported yet with Keras")
         if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor needs op=Average")
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is not supported by the Keras adapter; set "
                              "gradient_accumulation_steps on the inner Keras optimizer instead")
         super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
         self.inner_optimizer = optimizer
         self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
         self._op = op
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = gradient_predivide_factor
+        self._process_set = process_set
+        self._scale_local_gradients = scale_local_gradients
+        self._local_vars = set()
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local (not reduced over the ranks)."""
+        self._local_vars.add(id(var))
 
     def build(self, var_list):
         """Build the inner optimizer's variables."""
@@ -133,10 +129,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(variables)
             self.built = True
-        names = [f"gradient.{i}.{v.path if hasattr(v, 'path') else i}" for i, v in enumerate(variables)]
-        reduced = _tf_adapter._reduce_gradients(grads, variables, self._op, self._prescale, self._postscale,
-                                                self._compression, names)
-        self.inner_optimizer.apply(reduced, trainable_variables)
+        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_vars]
+        shared_set = set(shared)
+        names = [f"gradient.{i}.{getattr(variables[i], 'path', i)}" for i in shared]
+        reduced = _tf_adapter._reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared],
+                                                self._op, self._prescale, self._postscale, self._compression,
+                                                names, self._sparse_as_dense, self._process_set)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self._scale_local_gradients and len(shared) < len(out):
+            n = float(self._process_set.size() or size())
+            out = [g if i in shared_set or g is None else g / n for i, g in enumerate(out)]
+        self.inner_optimizer.apply(out, trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not available: the ring runs on the TensorFlow backend's stateful path only."""
@@ -158,17 +163,94 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, name=config.get("name"))
 
 
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=global_process_set, local_layers=None, scale_local_gradients=True):
+    """A DistributedOptimizer whose ``local_layers``' gradients stay local (model parallelism)."""
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for var in _tf_adapter._local_weights(local_layers):
+        opt.register_local_var(var)
+    return opt
+
+
+# ------------------------------------------------------------------ values (Horovod's Keras helpers)
+def _value(tensor):
+    return tensor.numpy() if hasattr(tensor, "numpy") else tensor
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none, process_set=global_process_set):
+    """Reduce a value (array or tensor) over the ranks and return it as a numpy array (default: Average)."""
+    return _value(_tf_adapter.allreduce(tf.constant(value), average=average, name=name, op=op,
+                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                        compression=compression, process_set=process_set))
+
+
+def allgather(value, name=None, process_set=global_process_set):
+    """Every rank's value concatenated along dim 0, as a numpy array."""
+    return _value(_tf_adapter.allgather(tf.constant(value), name=name, process_set=process_set))
+
+
+def broadcast(value, root_rank, name=None, process_set=global_process_set):
+    """Root's value on every rank, as a numpy array."""
+    return _value(_tf_adapter.broadcast(tf.constant(value), root_rank, name=name, process_set=process_set))
+
+
+def reducescatter(value, name=None, op=Average, process_set=global_process_set):
+    """This rank's block of dim 0 of the reduced value, as a numpy array."""
+    return _value(_tf_adapter.reducescatter(tf.constant(value), name=name, op=op, process_set=process_set))
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graph mode only (as Horovod on TF 2): run ``hvd.broadcast_global_variables``' op.
+
+    In eager Keras 3 there are no global variables: use BroadcastGlobalVariablesCallback(root_rank)
+    in ``fit``, or ``broadcast_variables(model.variables, root_rank)``.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables() does not support eager execution (Keras 3 has no global "
+                           "variables); use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
+                           "hvd.broadcast_variables(model.variables, root_rank)")
+    return _tf_adapter.broadcast_global_variables(root_rank)
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               legacy_opts=False):
+    """Load a saved Keras model and wrap its optimizer (with its state) in a DistributedOptimizer.
+
+    Models saved with a plain optimizer or with this DistributedOptimizer both load; training
+    continues from the saved optimizer state on every rank.
+    """
+    objects = {"DistributedOptimizer": DistributedOptimizer}
+    for cls in custom_optimizers or ():
+        objects[cls.__name__] = cls
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and not isinstance(opt, DistributedOptimizer):
+        model.optimizer = DistributedOptimizer(opt, compression=compression)
+    elif opt is not None:
+        opt._compression = compression
+    return model
+
+
 # ------------------------------------------------------------------ callbacks
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, give every rank root's model and optimizer variables.
 
     The optimizer is built first (its slots exist before the first batch), so training starts
-    from identical state everywhere and n ranks match one process exactly.
+    from identical state everywhere and n ranks match one process exactly. ``local_variables``
+    are left alone (each rank keeps its own).
     """
 
-    def __init__(self, root_rank=0):
+    def __init__(self, root_rank=0, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
+        self.local_variables = {id(v) for v in (local_variables or [])}
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
@@ -179,7 +261,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if opt is not None and not opt.built:
             opt.build(model.trainable_variables)
         variables = list(model.variables) + (list(opt.variables) if opt is not None else [])
-        broadcast_variables(variables, root_rank=self.root_rank)
+        broadcast_variables([v for v in variables if id(v) not in self.local_variables], root_rank=self.root_rank)
         self.broadcast_done = True
 
 
@@ -189,11 +271,13 @@ class MetricAverageCallback(keras.callbacks.Callback):
     Put it before callbacks that read the metrics (checkpoints, early stopping, LR schedules).
     """
 
+    def __init__(self, device=""):
+        super().__init__()
+        self.device = device
+
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
-        import numpy as np
-
         from .. import runtime as ring
 
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(float(v), float))
@@ -203,48 +287,111 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = float(v)
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
-    """Ramp the learning rate from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``.
+def _get_lr(optimizer):
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
-    Horovod's gradual warm-up (Goyal et al., 2017): ``lr = initial_lr / size * (1 + t * (size - 1) /
-    warmup_epochs)`` for the fractional epoch ``t``, adjusted every batch. ``momentum_correction``
-    is accepted for Horovod compatibility but has no effect: Keras 3 compiles the momentum into
-    the train step as a constant.
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
+
+    ``multiplier``: a number (exponential decay, ``multiplier ** (epoch - start_epoch)``) or a
+    function of the (fractional, with ``staircase=False``) epoch; with ``staircase`` the rate
+    changes at the first batch of each epoch, otherwise at every batch. ``momentum_correction``
+    is accepted but has no effect: Keras 3 compiles the momentum into the train step as a constant.
     """
 
-    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
         super().__init__()
-        if warmup_epochs <= 0:
-            raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
-        self.initial_lr = float(initial_lr)
-        self.warmup_epochs = warmup_epochs
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = initial_lr
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
-        self.verbose = verbose
-        self.current_epoch = 0
+        self.current_epoch = None
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
 
-    def _lr(self, epoch_fraction):
-        n = size()
-        return self.initial_lr / n * (1 + epoch_fraction * (n - 1) / self.warmup_epochs)
+    def _autodetect_steps_per_epoch(self):
+        params = self.params or {}
+        if params.get("steps"):
+            return params["steps"]
+        if params.get("samples") and params.get("batch_size"):
+            return params["samples"] // params["batch_size"]
+        raise ValueError(f"Could not autodetect the number of steps per epoch; pass steps_per_epoch= to "
+                         f"{type(self).__name__}()")
+
+    def _adjust_learning_rate(self, epoch):
+        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-            if not self.steps_per_epoch:
-                raise ValueError("LearningRateWarmupCallback needs steps_per_epoch= (fit() did not say how "
-                                 "many steps an epoch has)")
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.current_epoch >= self.warmup_epochs:
+        if self.current_epoch < self.start_epoch or (self.end_epoch is not None and self.current_epoch >= self.end_epoch):
             return
-        self.model.optimizer.learning_rate = self._lr(self.current_epoch + batch / self.steps_per_epoch)
+        if self.staircase and batch == 0:
+            self._adjust_learning_rate(self.current_epoch)
+        elif not self.staircase:
+            self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch == self.warmup_epochs - 1:
-            self.model.optimizer.learning_rate = self.initial_lr
-            if self.verbose and rank() == 0:
-                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
+        if logs is not None:
+            logs["lr"] = _get_lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size()`` to ``initial_lr`` over ``warmup_epochs``.
+
+    Horovod's gradual warm-up (Goyal et al., 2017), adjusted every batch:
+    ``lr = initial_lr / size * (t * (size - 1) / warmup_epochs + 1)`` at the fractional epoch
+    ``t`` (plus one batch). ``momentum_correction`` has no effect (see LearningRateScheduleCallback).
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        if warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+
+        def multiplier(epoch):
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / size() * (epoch * (size() - 1) / warmup_epochs + 1)
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_get_lr(self.model.optimizer):g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep only the best model seen (``save_best_only``) at ``filepath``, which may be set later.
+
+    Horovod's: a ModelCheckpoint whose file path the training harness sets (``cb.filepath =
+    ...``) before ``fit``; the path must end in ``.keras`` (``.weights.h5`` with
+    ``save_weights_only``), as Keras 3 requires.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch",
+                 filepath=None):
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs=None):
+        if not self.filepath:
+            raise ValueError("BestModelCheckpoint has no filepath; set callback.filepath = 'best.keras' (or pass "
+                             "filepath=) before fit()")
+        super().on_train_begin(logs)
 
 
 # ------------------------------------------------------------------ dashboard (owner: widgets)
@@ -292,7 +439,9 @@ class ProgressCallback(keras.callbacks.Callback):
 callbacks = types.SimpleNamespace(
     BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
     MetricAverageCallback=MetricAverageCallback,
+    LearningRateScheduleCallback=LearningRateScheduleCallback,
     LearningRateWarmupCallback=LearningRateWarmupCallback,
+    BestModelCheckpoint=BestModelCheckpoint,
     ProgressCallback=ProgressCallback,
 )
 """Horovod's ``hvd.callbacks`` namespace: the callbacks above (and ``ProgressCallback``)."""

@@ -10,10 +10,16 @@
     tape = hvd.DistributedGradientTape(tape)
     grads = tape.gradient(loss, model.trainable_variables)
 
-Tensors cross into the runtime as numpy arrays: eagerly through ``tensor.numpy()``, inside a
-``tf.function`` through one ``tf.py_function`` per collective (so XLA-compiled functions,
-``jit_compile=True``, cannot contain them). bfloat16 travels as float32. GPU tensors are staged
-through host memory. For Keras 3 ``model.fit`` see :mod:`jupyter_ring.runtime.keras`.
+Works eagerly, inside ``tf.function`` and in TF1 graph mode (``tf.compat.v1`` sessions,
+``MonitoredTrainingSession``, ``hvd.DistributedOptimizer`` around a ``tf.compat.v1.train``
+optimizer, ``hvd.BroadcastGlobalVariablesHook``). Tensors cross into the runtime as numpy arrays:
+eagerly through ``tensor.numpy()``, in a graph through one ``tf.py_function`` per collective (so
+XLA-compiled functions, ``jit_compile=True``, cannot contain them). Every collective has
+Horovod's gradient. Errors are TensorFlow's: ranks that disagree raise
+``tf.errors.FailedPreconditionError`` on every rank, bad arguments found while running raise
+``tf.errors.InvalidArgumentError``, a stall ``tf.errors.DeadlineExceededError``. bfloat16 travels
+as float32; GPU tensors are staged through host memory. For Keras 3 ``model.fit`` see
+:mod:`jupyter_ring.runtime.keras`.
 """
 
 try:
@@ -21,15 +27,29 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
+import sys
+import zlib
+
+import keras
 import numpy as np
 
 from .. import runtime as _ring
+from . import _api
+from . import _process_sets as _sets
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
+from ._errors import PeerError
+from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
+from ._horovod import __all__ as _HOROVOD
+from ._horovod import adasum_combine, reduce_plan
 
 __all__ = [
-    *_COMMON, "Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast",
-    "alltoall", "reducescatter", "broadcast_variables", "DistributedGradientTape",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "allreduce",
+    "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
+    "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
+    "broadcast_object_fn", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",
+    "BroadcastGlobalVariablesHook", "DistributedOptimizer", "DistributedGradientTape",
+    "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]
 
 
@@ -67,10 +87,15 @@ class Compression:
     fp16 = FP16Compressor
 
 
-# ------------------------------------------------------------------ tensor <-> numpy
+# ------------------------------------------------------------------ tensor <-> numpy, errors
+def _executing_eagerly():
+    """Whether TensorFlow runs eagerly here (False inside tf.function and TF1 graphs)."""
+    return tf.executing_eagerly()
+
+
 def _dense(tensor, where):
     if isinstance(tensor, tf.IndexedSlices):
-        return tf.convert_to_tensor(tensor)  # sparse gradients (embeddings) are densified
+        return tf.convert_to_tensor(tensor)
     if isinstance(tensor, tf.SparseTensor):
         raise TypeError(f"{where}: tf.SparseTensor is not supported; pass tf.sparse.to_dense(x)")
     return tf.convert_to_tensor(tensor)
@@ -85,16 +110,43 @@ def _host(t):
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def _call(fn, tensors, out_dtypes, out_shapes):
-    """Run ``fn(list of numpy arrays) -> list of numpy arrays`` eagerly or as one tf.py_function."""
+def _tf_error(exc):
+    """The TensorFlow exception Horovod raises for a runtime error (the message kept)."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (CollectiveMismatchError, PeerError)):
+        return tf.errors.FailedPreconditionError(None, None, message)
+    if isinstance(exc, StallError):
+        return tf.errors.DeadlineExceededError(None, None, message)
+    if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, RingError):
+        return tf.errors.InvalidArgumentError(None, None, message)
+    return tf.errors.UnknownError(None, None, message)
+
+
+def _run(fn, arrays, process_set, where):
+    """``fn(arrays)`` on ``process_set``'s runtime, one collective at a time, errors as TF's."""
+    try:
+        with _sets.on(process_set, where):
+            return fn(arrays)
+    except tf.errors.OpError:
+        raise
+    except (RingError, ValueError, TypeError) as exc:
+        raise _tf_error(exc) from exc
+
+
+def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
+    """Run ``fn(list of numpy arrays) -> list of numpy arrays`` eagerly or as one tf.py_function.
+
+    In a graph the op runs when the session (or function) runs it; ``tf.function`` orders
+    py_functions as written, so every rank runs its collectives in the same order.
+    """
     tensors = list(tensors)
     if tf.executing_eagerly():
-        outs = fn([_host(t) for t in tensors])
+        outs = _run(fn, [_host(t) for t in tensors], process_set, where)
         return [tf.convert_to_tensor(np.asarray(o).astype(d.as_numpy_dtype) if d != tf.bfloat16 else o, dtype=d)
                 for o, d in zip(outs, out_dtypes)]
 
     def py(*ts):
-        outs = fn([_host(t) for t in ts])
+        outs = _run(fn, [_host(t) for t in ts], process_set, where)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
     outs = tf.py_function(py, tensors, Tout=list(out_dtypes))
@@ -104,144 +156,654 @@ def _call(fn, tensors, out_dtypes, out_shapes):
     return outs
 
 
-def _allreduce_list(tensors, op, prescale, postscale, names):
-    """One fused allreduce of a list of tensors (the runtime fuses the queued calls)."""
-    def fn(arrays):
-        handles = [_ring.allreduce_async(a, name=nm, op=op, prescale_factor=prescale,
-                                         postscale_factor=postscale) for a, nm in zip(arrays, names)]
-        return [_ring.synchronize(h) for h in handles]
-    return _call(fn, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
+def _set_size(process_set):
+    return _ring.size() if _sets.is_global(process_set) else process_set.size()
+
+
+def _set_rank(process_set):
+    return _ring.rank() if _sets.is_global(process_set) else process_set.rank()
+
+
+def _suffix(name, suffix):
+    return None if name is None else f"{name}.{suffix}"
+
+
+# ------------------------------------------------------------------ allreduce
+def _allreduce_arrays(arrays, op, prescale, postscale, names, n):
+    """Allreduce numpy arrays, queued together so that the runtime fuses them (Horovod's scaling
+    of integer tensors: in float64, truncated, done around the runtime's sum)."""
+    if op == Adasum:
+        if n & (n - 1):
+            raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet ({n} ranks)")
+        return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=nm)).astype(a.dtype).reshape(a.shape)
+                for a, nm in zip(arrays, names)]
+    plans = [reduce_plan(a, op, prescale, postscale, n) for a in arrays]
+    handles = [_ring.allreduce_async(p.staged, op=p.op, name=nm, prescale_factor=p.pre, postscale_factor=p.post)
+               for p, nm in zip(plans, names)]
+    return [p.finish(_ring.synchronize(h)) for p, h in zip(plans, handles)]
+
+
+def _allreduce_list(tensors, op, prescale, postscale, names, process_set=global_process_set):
+    """One fused allreduce of a list of dense tensors; differentiable (the gradient is reduced alike)."""
+    n = _set_size(process_set)
+    where = f"allreduce '{names[0] if names else None}'"
+
+    @tf.custom_gradient
+    def reduce(*ts):
+        outs = _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n), ts,
+                     [t.dtype for t in ts], [t.shape for t in ts], process_set, where)
+
+        def grad(*dys):
+            dys = [tf.convert_to_tensor(d) for d in dys]
+            return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale,
+                                                          [_suffix(nm, "grad") for nm in names], n),
+                         dys, [d.dtype for d in dys], [d.shape for d in dys], process_set, where)
+        return list(outs), grad
+    if not tensors:
+        return []
+    return list(reduce(*tensors))
+
+
+def _check_sparse_op(op, prescale, postscale, where):
+    if op == Adasum:
+        raise NotImplementedError(f"{where}: The Adasum reduction does not currently support sparse tensors. As a "
+                                  "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"{where}: Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError(f"{where}: Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
+def _allreduce_slices(slices, op, names, process_set):
+    """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices."""
+    outs = []
+    values = grouped_allgather([s.values for s in slices], name=_suffix(names[0], "values"), process_set=process_set)
+    indices = grouped_allgather([s.indices for s in slices], name=_suffix(names[0], "indices"),
+                                process_set=process_set)
+    for s, v, i in zip(slices, values, indices):
+        if op == Average:
+            v = v / tf.cast(_set_size(process_set), v.dtype)
+        outs.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
+    return outs
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
-              op=None, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """Reduce ``tensor`` over all ranks (default: Average); differentiable, works in tf.function."""
-    tensor = _dense(tensor, f"allreduce '{name}'")
-    op = _ring._api._op(op, average, f"allreduce '{name}'")
+              op=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """Reduce ``tensor`` over all ranks (default: Average); differentiable, works in graphs.
 
-    @tf.custom_gradient
-    def reduce(t):
-        compressed, ctx = compression.compress(t)
-        out = _allreduce_list([compressed], op, prescale_factor, postscale_factor, [name])[0]
-
-        def grad(dy):
-            return _allreduce_list([dy], op, prescale_factor, postscale_factor,
-                                   [None if name is None else f"{name}.grad"])[0]
-        return compression.decompress(out, ctx), grad
-    return reduce(tensor)
+    A ``tf.IndexedSlices`` is reduced by allgathering its values and indices (Sum or Average).
+    """
+    where = f"allreduce '{name}'"
+    op = _api._op(op, average, where)
+    if isinstance(tensor, tf.IndexedSlices):
+        _check_sparse_op(op, prescale_factor, postscale_factor, where)
+        return _allreduce_slices([tensor], op, [name], process_set)[0]
+    tensor = _dense(tensor, where)
+    compressed, ctx = compression.compress(tensor)
+    out = _allreduce_list([compressed], op, prescale_factor, postscale_factor, [name], process_set)[0]
+    return compression.decompress(out, ctx)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """Allreduce a list of tensors in one fused pass; returns a list."""
-    op = _ring._api._op(op, average, f"grouped_allreduce '{name}'")
-    dense = [_dense(t, f"grouped_allreduce '{name}' tensor {i}") for i, t in enumerate(tensors)]
-    pairs = [compression.compress(t) for t in dense]
-    names = [None if name is None else f"{name}.{i}" for i in range(len(dense))]
-    outs = _allreduce_list([c for c, _ in pairs], op, prescale_factor, postscale_factor, names)
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Allreduce a list of tensors in one fused pass; returns a list (IndexedSlices allgathered)."""
+    if not tensors:
+        return tensors
+    where = f"grouped_allreduce '{name}'"
+    op = _api._op(op, average, where)
+    slices = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    out = [None] * len(tensors)
+    if slices:
+        _check_sparse_op(op, prescale_factor, postscale_factor, where)
+        reduced = _allreduce_slices([tensors[i] for i in slices], op, [_suffix(name, "slices")], process_set)
+        for i, r in zip(slices, reduced):
+            out[i] = r
+    if dense:
+        pairs = [compression.compress(_dense(tensors[i], f"{where} tensor {i}")) for i in dense]
+        names = [_suffix(name, str(i)) for i in dense]
+        reduced = _allreduce_list([c for c, _ in pairs], op, prescale_factor, postscale_factor, names, process_set)
+        for i, r, (_, ctx) in zip(dense, reduced, pairs):
+            out[i] = compression.decompress(r, ctx)
+    return out
 
 
-def allgather(tensor, name=None):
-    """Every rank's tensor concatenated along dim 0 (which may differ between ranks)."""
-    tensor = _dense(tensor, f"allgather '{name}'")
+# ------------------------------------------------------------------ allgather, broadcast, ...
+def _row_offsets(rows, process_set, name):
+    counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), name=name, process_set=process_set)
+    r = _set_rank(process_set)
+    return tf.reduce_sum(counts[:r]) if r else tf.constant(0, tf.int64)
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank's tensors concatenated along dim 0, for each tensor of a list; differentiable."""
+    if not tensors:
+        return []
+    where = f"grouped_allgather '{name}'"
+    tensors = [_dense(t, f"{where} tensor {i}") for i, t in enumerate(tensors)]
+    for i, t in enumerate(tensors):
+        if t.shape.rank == 0:
+            raise ValueError(f"{where} tensor {i}: needs at least one dimension; pass tf.reshape(x, [1])")
+    names = [name if len(tensors) == 1 else _suffix(name, str(i)) for i in range(len(tensors))]
+
+    def fn(arrays):
+        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, names)]
+        return [_ring.synchronize(h) for h in handles]
+
+    @tf.custom_gradient
+    def gather(*ts):
+        shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in ts]
+        outs = _call(fn, ts, [t.dtype for t in ts], shapes, process_set, where)
+
+        def grad(*dys):
+            reduced = _allreduce_list([tf.convert_to_tensor(d) for d in dys], Average, 1.0, 1.0,
+                                      [_suffix(nm, "grad") for nm in names], process_set)
+            out = []
+            for i, (g, t) in enumerate(zip(reduced, ts)):
+                rows = tf.shape(t, out_type=tf.int64)[0]
+                offset = _row_offsets(rows, process_set, _suffix(names[i], "grad.rows"))
+                out.append(g[offset:offset + rows])
+            return out
+        return list(outs), grad
+    return list(gather(*tensors))
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank's tensor concatenated along dim 0 (which may differ between ranks); differentiable."""
+    return grouped_allgather([tensor], name=name, process_set=process_set)[0]
+
+
+def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Root's tensor (``root_rank``: a global rank), returned on every rank; differentiable
+    (the root's gradient is the average of every rank's, the others' zero)."""
+    where = f"broadcast '{name}'"
+    tensor = _dense(tensor, where)
+    root = _sets.set_rank(process_set, root_rank, where) if _ring.is_initialized() else root_rank
+
+    @tf.custom_gradient
+    def bcast(t):
+        out = _call(lambda a: [_ring.broadcast(a[0], root, name).reshape(a[0].shape)], [t], [t.dtype], [t.shape],
+                    process_set, where)[0]
+
+        def grad(dy):
+            g = _allreduce_list([tf.convert_to_tensor(dy)], Average, 1.0, 1.0, [_suffix(name, "grad")],
+                                process_set)[0]
+            return g if _ring.rank() == root_rank else tf.zeros_like(g)
+        return out, grad
+    return bcast(tensor)
+
+
+def _read(variable):
+    return variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
+
+
+def _broadcast_values(values, root_rank, name, process_set):
+    """Root's values of a list of tensors, in one collective op (queued broadcasts, fused order)."""
+    where = f"broadcast '{name}'"
+    root = _sets.set_rank(process_set, root_rank, where)
+    names = [_suffix(name, str(i)) for i in range(len(values))]
+
+    def fn(arrays):
+        handles = [_ring.broadcast_async(a, root, nm) for a, nm in zip(arrays, names)]
+        return [_ring.synchronize(h).reshape(a.shape) for a, h in zip(arrays, handles)]
+    return _call(fn, values, [v.dtype for v in values], [v.shape for v in values], process_set, where)
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast: every rank's variables take root's values; returns their new values."""
+    variables = list(variables)
+    if not variables:
+        return []
+    values = _broadcast_values([_read(v) for v in variables], root_rank, name or "broadcast_", process_set)
+    if tf.executing_eagerly():
+        for v, x in zip(variables, values):
+            v.assign(x)
+        return variables
+    return [tf.compat.v1.assign(v, x) for v, x in zip(variables, values)]
+
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Send ``splits[q]`` rows to rank q and receive theirs; differentiable.
+
+    Returns ``(output, received_splits)`` when ``splits`` is given, else ``output`` (dim 0 must
+    then be divisible by the number of ranks), as Horovod.
+    """
+    where = f"alltoall '{name}'"
+    tensor = _dense(tensor, where)
     if tensor.shape.rank == 0:
-        raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension; pass tf.reshape(x, [1])")
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    return _call(lambda a: [_ring.allgather(a[0], name)], [tensor], [tensor.dtype], [shape])[0]
-
-
-def broadcast(tensor, root_rank=0, name=None):
-    """Root's tensor, returned on every rank."""
-    tensor = _dense(tensor, f"broadcast '{name}'")
-    return _call(lambda a: [_ring.broadcast(a[0], root_rank, name).reshape(a[0].shape)],
-                 [tensor], [tensor.dtype], [tensor.shape])[0]
-
-
-def alltoall(tensor, splits=None, name=None):
-    """Send ``splits[q]`` rows to rank q, receive theirs: returns (output, received_splits)."""
-    tensor = _dense(tensor, f"alltoall '{name}'")
-    inputs = [tensor] if splits is None else [tensor, tf.cast(splits, tf.int32)]
+        raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
+    split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
 
     def fn(arrays):
         out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], name)
         return [out, np.asarray(received, np.int32)]
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    out, received = _call(fn, inputs, [tensor.dtype, tf.int32], [shape, tf.TensorShape([None])])
-    return out, received
+
+    @tf.custom_gradient
+    def a2a(t, s):
+        shape = tf.TensorShape([None]).concatenate(t.shape[1:])
+        out, received = _call(fn, [t, s], [t.dtype, tf.int32], [shape, tf.TensorShape([None])], process_set, where)
+
+        def grad(dy, _dsplits):
+            g, _ = alltoall(tf.convert_to_tensor(dy), splits=received, name=_suffix(name, "grad"),
+                            process_set=process_set)
+            return g, None
+        return (out, received), grad
+    out, received = a2a(tensor, split_tensor)
+    return out if splits is None else (out, received)
 
 
-def reducescatter(tensor, op=Average, name=None):
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Reduce each tensor over ranks and return this rank's block of dim 0 of each; differentiable."""
+    if not tensors:
+        return tensors
+    where = f"reducescatter '{name}'"
+    if op not in (Average, Sum):
+        raise ValueError(f"{where}: reducescatter supports op=Average or op=Sum, got {op!r}")
+    pairs = [compression.compress(_dense(t, where)) for t in tensors]
+    ts = [c for c, _ in pairs]
+    for t in ts:
+        if t.shape.rank == 0:
+            raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
+    n = _set_size(process_set)
+    names = [name if len(ts) == 1 else _suffix(name, str(i)) for i in range(len(ts))]
+
+    def fn(arrays):
+        out = []
+        for a, nm in zip(arrays, names):
+            plan = reduce_plan(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
+            out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=nm)))
+        return out
+
+    @tf.custom_gradient
+    def rs(*xs):
+        shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
+        outs = _call(fn, xs, [x.dtype for x in xs], shapes, process_set, where)
+
+        def grad(*dys):
+            scale = prescale_factor * postscale_factor * (n if op == Sum else 1)
+            return grouped_allgather([tf.convert_to_tensor(d) * tf.cast(scale, d.dtype) for d in dys],
+                                     name=_suffix(name, "grad"), process_set=process_set)
+        return list(outs), grad
+    outs = rs(*ts)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
     """Reduce over ranks and return this rank's block of dim 0 (the first ranks get the extra rows)."""
-    tensor = _dense(tensor, f"reducescatter '{name}'")
-    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
-    return _call(lambda a: [_ring.reducescatter(a[0], op=op, name=name)], [tensor], [tensor.dtype], [shape])[0]
+    return grouped_reducescatter([tensor], compression=compression, op=op, process_set=process_set,
+                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                 name=name)[0]
 
 
-def broadcast_variables(variables, root_rank=0):
-    """Assign root's values to every rank's variables (model and optimizer variables)."""
+# ------------------------------------------------------------------ topology as graph ops
+def _scalar_op(value_fn, name):
+    """A graph op returning ``value_fn()`` when it runs (eagerly: the value now)."""
+    if tf.executing_eagerly():
+        return tf.constant(value_fn(), tf.int32, name=name)
+    return tf.py_function(lambda: np.int32(value_fn()), [], tf.int32, name=name)
+
+
+def size_op(process_set_id=0, name=None):
+    """An op returning the number of ranks (of the process set ``process_set_id``) when it runs."""
+    return _scalar_op(lambda: _process_set_of(process_set_id).size(), name)
+
+
+def rank_op(name=None):
+    """An op returning this process's rank when it runs."""
+    return _scalar_op(_ring.rank, name)
+
+
+def local_size_op(name=None):
+    """An op returning the number of ranks on this host when it runs."""
+    return _scalar_op(_ring.local_size, name)
+
+
+def local_rank_op(name=None):
+    """An op returning this rank's index on its host when it runs."""
+    return _scalar_op(_ring.local_rank, name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """An op returning 1 if this rank belongs to process set ``process_set_id``, else 0."""
+    return _scalar_op(lambda: int(bool(_process_set_of(process_set_id).included())), name)
+
+
+def _process_set_of(process_set_id):
+    if process_set_id == 0:
+        return global_process_set
+    found = _sets.registered(process_set_id)
+    if found is None:
+        raise ValueError(f"process set {process_set_id} is not registered; call hvd.add_process_set([...]) first")
+    return found
+
+
+# ------------------------------------------------------------------ variables, objects
+def broadcast_variables(variables, root_rank=0, process_set=global_process_set, inplace=False):
+    """Give every rank root's values of ``variables``; in a graph, returns the op that does it."""
     variables = list(variables)
-    names = [f"broadcast_variables.{i}" for i in range(len(variables))]
-    handles = [_ring.broadcast_async(_host(v.value() if hasattr(v, "value") and callable(v.value) else v),
-                                     root_rank, name=nm) for v, nm in zip(variables, names)]
-    for v, h in zip(variables, handles):
-        value = _ring.synchronize(h)
-        v.assign(tf.cast(value.reshape(tuple(v.shape)), v.dtype))
+    if not variables:
+        return tf.no_op() if not tf.executing_eagerly() else None
+    values = _broadcast_values([_read(v) for v in variables], root_rank, "broadcast_variables", process_set)
+    if tf.executing_eagerly():
+        for v, x in zip(variables, values):
+            v.assign(x)
+        return None
+    return tf.group(*[tf.compat.v1.assign(v, x) for v, x in zip(variables, values)])
 
 
-# ------------------------------------------------------------------ gradient tape
-def _reduce_gradients(grads, sources, op, prescale, postscale, compression, names):
-    """Allreduce gradients in one fused pass; the shared core of the tape and the Keras optimizer.
+def broadcast_global_variables(root_rank):
+    """TF1 graph mode: the op that gives every rank root's values of every global variable."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
-    A gradient that is None on this rank is sent as zeros of its variable's shape, so ranks that
-    differ in which gradients exist still queue the same allreduces (no mismatch, no hang). It
-    stays None here when no rank had one (known eagerly from a flag per gradient) or, inside a
-    tf.function where the structure is static, when this rank had none (as Horovod does).
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function ``f(obj)`` returning root's ``obj`` on every rank (``session`` is not needed)."""
+    def bcast(obj):
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return bcast
+
+
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Root's picklable object, returned on every rank of ``process_set``."""
+    root = _sets.set_rank(process_set, root_rank, f"broadcast_object '{name}'")
+    return _sets.run_on(process_set, "broadcast_object", _ring.broadcast_object, obj, root, name)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every rank's picklable object, as a list in rank order."""
+    return _sets.run_on(process_set, "allgather_object", _ring.allgather_object, obj, name)
+
+
+def barrier(process_set=global_process_set):
+    """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
+    _sets.run_on(process_set, "barrier", _ring.barrier)
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """SessionRunHook giving every rank root's global variables once the session exists.
+
+    For ``MonitoredTrainingSession`` in TF1 graph mode: random initial weights, or a checkpoint
+    restored on rank 0, become everyone's.
+    """
+
+    def __init__(self, root_rank, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+        self.device = device
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            with tf.device(self.device):
+                self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
+
+
+# ------------------------------------------------------------------ gradients
+def _reduce_gradients(grads, sources, op, prescale, postscale, compression, names, sparse_as_dense=False,
+                      process_set=global_process_set):
+    """Reduce gradients as Horovod: dense ones in one fused allreduce, IndexedSlices by allgather
+    (or densified with ``sparse_as_dense``); the shared core of the tape and the optimizers.
+
+    Eagerly, a gradient that is None on this rank is sent as zeros so ranks that differ in which
+    gradients exist still agree; it stays None only where no rank had one (a flag per gradient
+    is reduced too). In a graph the structure is static: None stays None, as in Horovod.
     """
     grads = list(grads)
     if not grads:
         return grads
-    present = [g is not None for g in grads]
-    dense = [_dense(g, f"gradient '{nm}'") if g is not None else tf.zeros(tuple(s.shape), s.dtype)
-             for g, s, nm in zip(grads, sources, names)]
-    pairs = [compression.compress(g) for g in dense]
-    tensors = [c for c, _ in pairs]
     eager = tf.executing_eagerly()
-    outs = _allreduce_list(tensors, op, prescale, postscale, list(names))
-    seen = None
-    if eager:
-        # every rank runs this (even with every gradient present), or the ranks' calls differ
-        flags = tf.constant([float(p) for p in present], tf.float32)
-        seen = _allreduce_list([flags], Max, 1.0, 1.0, ["gradient.present"])[0].numpy()
-    result = []
-    for i, (o, (_, ctx)) in enumerate(zip(outs, pairs)):
-        if present[i] or (eager and seen is not None and seen[i] > 0):
-            result.append(compression.decompress(o, ctx))
-        else:
-            result.append(None)
+    if sparse_as_dense:
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    present = [g is not None for g in grads]
+    result = [None] * len(grads)
+    dense, sparse = [], []
+    for i, (g, s) in enumerate(zip(grads, sources)):
+        if isinstance(g, tf.IndexedSlices):
+            sparse.append(i)
+        elif g is not None:
+            dense.append(i)
+        elif eager:
+            dense.append(i)
+            grads[i] = tf.zeros(tuple(s.shape), s.dtype)
+    if sparse:
+        _check_sparse_op(op, prescale, postscale, "gradient")
+        for i, r in zip(sparse, _allreduce_slices([grads[i] for i in sparse], op, [names[sparse[0]]],
+                                                  process_set)):
+            result[i] = r
+    if dense:
+        pairs = [compression.compress(_dense(grads[i], f"gradient '{names[i]}'")) for i in dense]
+        reduced = _reduce_dense([c for c, _ in pairs], op, prescale, postscale, [names[i] for i in dense],
+                                process_set)
+        for i, r, (_, ctx) in zip(dense, reduced, pairs):
+            result[i] = compression.decompress(r, ctx)
+    if eager and not all(present):
+        # every rank runs this when any gradient is missing anywhere: the flags say which
+        flags = np.array([float(p) for p in present], np.float32)
+        seen = _sets.run_on(process_set, "gradient.present", _ring.allreduce, flags, None, "gradient.present",
+                            Max)
+        result = [r if seen[i] > 0 else None for i, r in enumerate(result)]
+    elif eager:
+        flags = np.ones(len(present), np.float32)
+        _sets.run_on(process_set, "gradient.present", _ring.allreduce, flags, None, "gradient.present", Max)
     return result
 
 
-class DistributedGradientTape:
-    """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients averaged over the ranks.
+_FUSED_DTYPES = (tf.float16, tf.float32, tf.float64)
 
-    Gradients of a call are fused into one allreduce; a gradient that is None on some ranks is
-    sent as zeros there, so the ranks never disagree (Horovod's behaviour).
+
+class _GradientBuffers:
+    """64-byte aligned flat buffers, one per dtype, that the fused gradient allreduce works in.
+
+    The reduced gradients handed back to TensorFlow are views of the buffer (DLPack, no copy), so
+    a buffer is reused only while no view of it is alive: every view holds a reference to it.
+    """
+
+    def __init__(self):
+        self.roots = {}
+
+    def flat(self, dtype, nbytes):
+        root = self.roots.get(dtype)
+        # 3 references: the dict, ``root`` and getrefcount's argument; more: a view is still alive
+        if root is None or root.nbytes < nbytes + 64 or sys.getrefcount(root) > 3:
+            root = self.roots[dtype] = np.zeros(nbytes + 64, np.uint8)
+        start = (-root.ctypes.data) % 64
+        return root[start:start + nbytes].view(dtype)
+
+
+_buffers = _GradientBuffers()
+
+
+def _layout(tensors):
+    """dtype -> [(index, offset, size)], total elements: each tensor starts 64-byte aligned, as
+    TensorFlow wants its buffers (the padding is reduced too, identically everywhere)."""
+    groups = {}
+    for i, t in enumerate(tensors):
+        np_dtype = np.dtype(t.dtype.as_numpy_dtype)
+        entries, total = groups.get(np_dtype, ([], 0))
+        align = 64 // np_dtype.itemsize
+        total = -(-total // align) * align
+        size = int(np.prod(t.shape.as_list(), dtype=np.int64))
+        entries.append((i, total, size))
+        groups[np_dtype] = (entries, total + size)
+    return groups
+
+
+def _view_of(tensor):
+    """A numpy view of an eager CPU tensor's buffer (DLPack), or a host copy where that fails."""
+    try:
+        return np.from_dlpack(tensor)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return _host(tensor)
+
+
+def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
+    """Allreduce gradients in place in one aligned buffer per dtype: one copy in, none out."""
+    groups = _layout(tensors)
+    shapes = [tuple(t.shape.as_list()) for t in tensors]
+
+    def fused(*ts):
+        outs = [None] * len(ts)
+        try:
+            with _sets.on(process_set, name):
+                for np_dtype, (entries, total) in groups.items():
+                    flat = _buffers.flat(np_dtype, total * np_dtype.itemsize)
+                    for i, offset, size in entries:
+                        flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
+                    _ring.allreduce_(flat, name=f"{name}.{np_dtype}", op=op, prescale_factor=prescale,
+                                     postscale_factor=postscale)
+                    for i, offset, size in entries:
+                        view = flat[offset:offset + size].reshape(shapes[i])
+                        outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
+        except (RingError, ValueError, TypeError) as exc:
+            raise _tf_error(exc) from exc
+        return outs
+
+    if tf.executing_eagerly():
+        return fused(*tensors)
+    outs = tf.py_function(fused, tensors, Tout=[t.dtype for t in tensors])
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    return outs
+
+
+def _reduce_dense(tensors, op, prescale, postscale, names, process_set):
+    """Gradients need no gradient of their own: one fused collective op, no custom_gradient.
+
+    Float gradients of known shapes take the zero-copy path (the name carries a digest of every
+    shape, so ranks that differ in shapes raise a mismatch); the rest the generic one.
+    """
+    if (op != Adasum and all(t.dtype in _FUSED_DTYPES and t.shape.is_fully_defined() for t in tensors)
+            and all("GPU" not in (t.device or "") for t in tensors)):
+        digest = zlib.crc32(repr([(t.dtype.name, tuple(t.shape.as_list())) for t in tensors]).encode())
+        name = f"gradients[{len(tensors)} tensors, shapes #{digest:08x}]"
+        return _fused_gradients(tensors, op, prescale, postscale, name, process_set)
+    n = _set_size(process_set)
+    return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n), tensors,
+                 [t.dtype for t in tensors], [t.shape for t in tensors], process_set, "gradients")
+
+
+def _check_optimizer_args(op, gradient_predivide_factor):
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+
+
+def _scales(op, gradient_predivide_factor):
+    if op == Average:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    return 1.0, 1.0
+
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 ``tf.compat.v1.train`` optimizer whose compute_gradients averages over the ranks."""
+
+    def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
+                 sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, backward_passes_per_step=1,
+                 process_set=global_process_set):
+        super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
+        if backward_passes_per_step != 1:
+            raise ValueError("backward_passes_per_step > 1 is not supported with a tf.compat.v1.train optimizer "
+                             "by jupyter_ring; accumulate gradients yourself or use a Keras optimizer's "
+                             "gradient_accumulation_steps")
+        self._optimizer = optimizer
+        self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._op = op
+        self._prescale, self._postscale = _scales(op, gradient_predivide_factor)
+        self.process_set = process_set
+        self._local_vars = set()
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local (not reduced over the ranks)."""
+        self._local_vars.add(var.ref())
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's gradients, reduced over the ranks (one fused collective op)."""
+        gradients = self._optimizer.compute_gradients(*args, **kwargs)
+        grads, variables = zip(*gradients) if gradients else ((), ())
+        shared = [i for i, v in enumerate(variables) if v.ref() not in self._local_vars]
+        names = [f"{self._name}.{getattr(variables[i], 'name', i)}" for i in shared]
+        reduced = _reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared], self._op,
+                                    self._prescale, self._postscale, self._compression, names,
+                                    self._sparse_as_dense, self.process_set)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        return list(zip(out, variables))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """The wrapped optimizer's apply_gradients."""
+        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def get_slot(self, *args, **kwargs):
+        """The wrapped optimizer's slot."""
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        """The wrapped optimizer's slot names."""
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        """The wrapped optimizer's variables."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """Wrap a ``tf.compat.v1.train`` optimizer (TF1 graphs) or a Keras optimizer: gradients are
+    averaged over the ranks before they are applied (Horovod's DistributedOptimizer)."""
+    _check_optimizer_args(op, gradient_predivide_factor)
+    if op == Adasum:
+        raise ValueError("op=Adasum in DistributedOptimizer is not supported by jupyter_ring (Horovod's delta "
+                         "optimizer); use op=Average, or hvd.allreduce(..., op=hvd.Adasum) yourself")
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
+                                     gradient_predivide_factor, backward_passes_per_step, process_set)
+    from . import keras as _keras
+
+    return _keras.DistributedOptimizer(optimizer, name=name, compression=compression, op=op,
+                                       gradient_predivide_factor=gradient_predivide_factor,
+                                       backward_passes_per_step=backward_passes_per_step,
+                                       sparse_as_dense=sparse_as_dense, process_set=process_set)
+
+
+class DistributedGradientTape:
+    """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients reduced over the ranks.
+
+    Dense gradients of a call go in one fused allreduce, ``tf.IndexedSlices`` (embeddings) by
+    allgather unless ``sparse_as_dense``; a gradient that is None on some ranks is sent as zeros
+    there (Horovod's behaviour). Sources registered with ``register_local_source`` keep their
+    local gradient (divided by the size, with ``scale_local_gradients``).
     """
 
     def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=True, op=Average, gradient_predivide_factor=1.0):
+                 sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                 process_set=global_process_set, scale_local_gradients=True):
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
         if op == Adasum:
-            raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor needs op=Average")
+            raise ValueError("op=Adasum is not supported by DistributedGradientTape; use op=Average or op=Sum")
+        _check_optimizer_args(op, gradient_predivide_factor)
         self._tape = gradtape
         self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
         self._op = op
-        self._prescale = 1.0 / gradient_predivide_factor
-        self._postscale = gradient_predivide_factor
+        self._prescale, self._postscale = _scales(op, gradient_predivide_factor)
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_sources = set()
 
     @property
     def tape(self):
@@ -271,13 +833,87 @@ class DistributedGradientTape:
         """Clear the recorded operations."""
         return self._tape.reset()
 
+    def register_local_source(self, source):
+        """Keep ``source``'s gradient local: not reduced over the ranks."""
+        self._local_sources.add(source.ref())
+
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
         """The wrapped tape's gradients, averaged (or ``op``-reduced) over every rank."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        names = [f"gradient.{i}" for i in range(len(flat))]
-        reduced = _reduce_gradients(flat, flat_sources, self._op, self._prescale, self._postscale,
-                                    self._compression, names)
-        return tf.nest.pack_sequence_as(grads, reduced)
+        shared = [i for i, s in enumerate(flat_sources) if not hasattr(s, "ref") or s.ref() not in self._local_sources]
+        names = [f"gradient.{i}" for i in shared]
+        reduced = _reduce_gradients([flat[i] for i in shared], [flat_sources[i] for i in shared], self._op,
+                                    self._prescale, self._postscale, self._compression, names,
+                                    self._sparse_as_dense, self.process_set)
+        out = list(flat)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self.scale_local_gradients and self._local_sources:
+            n = float(_set_size(self.process_set))
+            for i, s in enumerate(flat_sources):
+                if i not in shared and out[i] is not None:
+                    g = out[i]
+                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g / n)
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
+        """(local [(source, grad)], global [(source, grad)]) split by register_local_source."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        local, shared = [], []
+        for s, g in zip(sources, grads):
+            (local if s.ref() in self._local_sources else shared).append((s, g))
+        return local, shared
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """A DistributedGradientTape whose ``local_layers``' gradients stay local (model parallelism)."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    for var in _local_weights(local_layers):
+        tape.register_local_source(var)
+    return tape
+
+
+def _local_weights(local_layers):
+    """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    return [var for layer in local_layers for var in layer.trainable_weights]
+
+
+# ------------------------------------------------------------------ SyncBatchNormalization
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """BatchNormalization whose training statistics cover every rank's batch (Horovod's).
+
+    Mean and variance are combined over the ranks weighted by each rank's count (one allreduce
+    per call); in inference it is the ordinary layer.
+    """
+
+    def __init__(self, fused=False, **kwargs):
+        if fused in (True, None):
+            raise ValueError("SyncBatchNormalization does not support fused=True.")
+        super().__init__(**kwargs)
+
+    def _moments(self, inputs, mask):
+        mean, variance = super()._moments(inputs, mask)
+        if _ring.size() == 1:
+            return mean, variance
+        rank = len(inputs.shape)
+        axes = [a for a in range(rank) if a not in [ax % rank for ax in self.axis]]
+        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), mean.dtype)
+        stack = tf.stack([mean * count, (variance + tf.square(mean)) * count, tf.ones_like(mean) * count])
+        total = allreduce(stack, op=Sum, name=f"{self.name}.moments")
+        group_mean = total[0] / total[2]
+        return group_mean, total[1] / total[2] - tf.square(group_mean)

@@ -31,44 +31,24 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _api, _report  # _api: the epoch of queued work; _report: the dashboard's steps
+from . import _process_sets as _sets
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
+from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
+from ._horovod import __all__ as _HOROVOD
+from ._horovod import adasum_combine
+from ._torch_sync_bn import SyncBatchNorm
 
 __all__ = [
-    *_COMMON, "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
-    "Compression", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "alltoall", "reducescatter", "poll", "synchronize",
-    "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "poll",
+    "synchronize", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+    "SyncBatchNorm",
 ]
-
-
-def mpi_built():
-    """True: the ring runs over MPI (mpi4py)."""
-    return True
-
-
-def gloo_built():
-    """False: there is no Gloo controller; the ring runs over MPI."""
-    return False
-
-
-def nccl_built():
-    """False for torch tensors: CUDA tensors are staged through host memory."""
-    return False
-
-
-def cuda_built():
-    """False: torch CUDA tensors are staged through host memory (see the module docstring)."""
-    return False
-
-
-def mpi_threads_supported():
-    """Whether MPI was initialised with MPI_THREAD_MULTIPLE."""
-    from mpi4py import MPI
-
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 # ------------------------------------------------------------------ compression
@@ -192,65 +172,172 @@ def synchronize(handle):
     return handle._finish(results)
 
 
+# ------------------------------------------------------------------ process sets, handles made here
+def _launch(process_set, where, start, finish):
+    """A Handle for the runtime handles ``start()`` queues, on ``process_set``'s ranks.
+
+    On the global set the work stays queued (fused, run by synchronize); on a smaller set it runs
+    now on the set's runtime and the handle holds the result, or the collective's error, which
+    synchronize() raises. Bad arguments raise here, at the call.
+    """
+    if _sets.is_global(process_set):
+        return Handle(start(), finish)
+    with _sets.on(process_set, where):
+        handles = start()
+        results, error = [], None
+        for h in handles:
+            try:
+                results.append(_ring.synchronize(h))
+            except RingError as exc:
+                error = error or exc
+    return _completed(results, error, finish)
+
+
+def _blocking(process_set, where, fn, finish):
+    """A completed Handle for a collective the runtime runs only blocking (alltoall, reducescatter)."""
+    with _sets.on(process_set, where):
+        try:
+            results, error = [fn()], None
+        except RingError as exc:
+            results, error = [], exc
+    return _completed(results, error, finish)
+
+
+def _completed(results, error, finish):
+    def done(_nothing):
+        if error is not None:
+            raise error
+        return finish(results)
+    return Handle([], done)
+
+
+def _set_size(process_set):
+    return _ring.size() if _sets.is_global(process_set) else process_set.size()
+
+
+def _set_rank(process_set):
+    return _ring.rank() if _sets.is_global(process_set) else process_set.rank()
+
+
+def _grad_name(name, suffix="grad"):
+    return None if name is None else f"{name}.{suffix}"
+
+
 # ------------------------------------------------------------------ allreduce
-def _scales(op, prescale_factor, postscale_factor):
-    return dict(op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+_INTEGER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+class _Reduce:
+    """How one allreduce is split between the runtime and the adapter.
+
+    Horovod scales integer tensors in float64 and truncates toward zero (Average is a postscale
+    by 1/size): for those the adapter scales before and after, and the runtime only sums. Every
+    other tensor's op and factors go to the runtime unchanged.
+    """
+
+    __slots__ = ("op", "pre", "post", "after", "integer")
+
+    def __init__(self, tensor, op, pre, post, process_set, where):
+        pre = _api._factor(pre, "prescale_factor", where)
+        post = _api._factor(post, "postscale_factor", where)
+        self.integer = tensor.dtype in _INTEGER_DTYPES and (pre != 1.0 or post != 1.0 or op == Average)
+        if self.integer:
+            self.op, self.pre, self.post = (Sum if op == Average else op), pre, 1.0
+            self.after = post / _set_size(process_set) if op == Average else post
+        else:
+            self.op, self.pre, self.post, self.after = op, pre, post, 1.0
+
+    def stage(self, tensor):
+        """The tensor whose numpy form the runtime reduces (prescaled here for integers)."""
+        if self.integer and self.pre != 1.0:
+            return (tensor.detach().to(torch.float64) * self.pre).to(tensor.dtype)
+        return tensor
+
+    def runtime_scales(self, tensor):
+        """(prescale, postscale) for the runtime: none for integers (the adapter applies them)."""
+        return (1.0, 1.0) if self.integer else (self.pre, self.post)
+
+    def finish(self, out):
+        if self.after != 1.0:
+            return (out.to(torch.float64) * self.after).to(out.dtype)
+        return out
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
     """Queue an allreduce of ``tensor``; ``synchronize(handle)`` returns a new tensor."""
-    _check_tensor(tensor, f"allreduce '{name}'")
-    arr = _to_numpy(tensor)
-    h = _ring.allreduce_async(arr, average, name, op, prescale_factor, postscale_factor)
-    return Handle([h], lambda res: _from_numpy(res[0], tensor))
+    where = f"allreduce '{name}'"
+    _check_tensor(tensor, where)
+    op = _api._op(op, average, where)
+    if op == Adasum:
+        return _adasum_async(tensor, name, process_set, where)
+    plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
+    arr = _to_numpy(plan.stage(tensor))
+    pre, post = plan.runtime_scales(tensor)
+    return _launch(process_set, where,
+                   lambda: [_ring.allreduce_async(arr, None, name, plan.op, pre, post)],
+                   lambda res: plan.finish(_from_numpy(res[0], tensor)))
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
     """Queue an in-place allreduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
-    _check_tensor(tensor, f"allreduce_ '{name}'")
+    where = f"allreduce_ '{name}'"
+    _check_tensor(tensor, where)
+    op = _api._op(op, average, where)
     t = tensor.detach()
-    if _shares_numpy(t):
+    plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where) if op != Adasum else None
+    if op != Adasum and not plan.integer and _shares_numpy(t):
         # zero-copy: the runtime reduces straight into the tensor's memory
-        h = _ring.allreduce_async_(t.numpy(), average, name, op, prescale_factor, postscale_factor)
-        return Handle([h], lambda res: tensor)
-    staged = _to_numpy(t)   # a host copy (bfloat16 as float32, CUDA staged, strides packed)
-    h = _ring.allreduce_async_(staged, average, name, op, prescale_factor, postscale_factor)
+        arr = t.numpy()
+        return _launch(process_set, where,
+                       lambda: [_ring.allreduce_async_(arr, None, name, op, prescale_factor, postscale_factor)],
+                       lambda res: tensor)
+    handle = allreduce_async(t, None, name, op, prescale_factor, postscale_factor, process_set)
+    inner = handle._finish
 
     def finish(res):
+        out = inner(res)
         with torch.no_grad():
-            t.copy_(torch.from_numpy(staged))
+            t.copy_(out)
         return tensor
-    return Handle([h], finish)
+    handle._finish = finish
+    return handle
 
 
 class _Allreduce(torch.autograd.Function):
     """allreduce as a differentiable op: the gradient is allreduced with the same op and scales."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor):
-        ctx.args = (average, None if name is None else f"{name}.grad", op, prescale_factor, postscale_factor)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (average, _grad_name(name), op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                           process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        return synchronize(allreduce_async(grad_output.contiguous(), *ctx.args)), None, None, None, None, None
+        grad = synchronize(allreduce_async(grad_output.contiguous(), *ctx.args))
+        return grad, None, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0):
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduce ``tensor`` over all ranks (default: Average) into a new tensor; differentiable."""
     _check_tensor(tensor, f"allreduce '{name}'")
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
-        out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor)
+        out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     else:
-        out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor))
+        out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                                          process_set))
     return compression.decompress(out, ctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
     """In-place allreduce: ``tensor`` receives the result and is returned."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                        process_set))
 
 
 def _group_check(tensors, where):
@@ -261,18 +348,31 @@ def _group_check(tensors, where):
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0):
+                            postscale_factor=1.0, process_set=global_process_set):
     """Queue an allreduce of a list of tensors (one fused pass); synchronize returns a list."""
-    _group_check(tensors, f"grouped_allreduce '{name}'")
+    where = f"grouped_allreduce '{name}'"
+    _group_check(tensors, where)
+    op = _api._op(op, average, where)
+    if op == Adasum:
+        handles = [_adasum_async(t, _grad_name(name, str(i)), process_set, where) for i, t in enumerate(tensors)]
+        return _completed([], None, lambda _res: [synchronize(h) for h in handles])
+    plans = [_Reduce(t, op, prescale_factor, postscale_factor, process_set, where) for t in tensors]
+    if any(p.after != 1.0 or p.op != op for p in plans):
+        # integer tensors scaled as Horovod does: one allreduce each, fused by the runtime's queue
+        handles = [allreduce_async(t, None, _grad_name(name, str(i)), op, prescale_factor, postscale_factor,
+                                   process_set) for i, t in enumerate(tensors)]
+        return _completed([], None, lambda _res: [synchronize(h) for h in handles])
     arrays = [_to_numpy(t) for t in tensors]
-    h = _ring.grouped_allreduce_async(arrays, average, name, op, prescale_factor, postscale_factor)
-    return Handle([h], lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
+    return _launch(process_set, where,
+                   lambda: [_ring.grouped_allreduce_async(arrays, None, name, op, prescale_factor,
+                                                          postscale_factor)],
+                   lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0):
+                             postscale_factor=1.0, process_set=global_process_set):
     """Queue an in-place grouped allreduce; synchronize returns the list of input tensors."""
-    handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor)
+    handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
     def finish(res):
@@ -284,70 +384,181 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     return handle
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+    """grouped_allreduce as a differentiable op: the gradients are grouped-allreduced alike."""
+
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (average, _grad_name(name), op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
+                                                         postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_output], *ctx.args))
+        return (None, None, None, None, None, None, *grads)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
-    """Allreduce a list of tensors together; returns a list of new tensors."""
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce a list of tensors together; returns a list of new tensors; differentiable."""
     _group_check(tensors, f"grouped_allreduce '{name}'")
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_allreduce_async([c for c, _ in pairs], average, name, op,
-                                               prescale_factor, postscale_factor))
+    compressed = [c for c, _ in pairs]
+    if torch.is_grad_enabled() and any(c.requires_grad for c in compressed):
+        outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                       *compressed)
+    else:
+        outs = synchronize(grouped_allreduce_async(compressed, average, name, op, prescale_factor,
+                                                   postscale_factor, process_set))
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
     """In-place grouped allreduce; returns the list of input tensors."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
-# ------------------------------------------------------------------ allgather, broadcast, ...
-def allgather_async(tensor, name=None):
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Reduce a sparse COO tensor by allgathering its indices and values (Horovod's way).
+
+    Returns a function; calling it waits and returns the reduced sparse tensor (duplicate
+    indices stay uncoalesced, as in Horovod). ``op``: Average or Sum.
+    """
+    where = f"sparse_allreduce '{name}'"
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TypeError(f"{where}: expects a sparse COO tensor (tensor.to_sparse()), got "
+                        f"{type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else 'a dense tensor'}")
+    if op not in (Average, Sum):
+        raise ValueError(f"{where}: only op=Average or op=Sum are defined for sparse tensors")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = t._indices().transpose(0, 1).contiguous()
+    values = t._values().contiguous()
+    h_values = allgather_async(values, name=_grad_name(name, "values"), process_set=process_set)
+    h_indices = allgather_async(indices, name=_grad_name(name, "indices"), process_set=process_set)
+
+    def handle():
+        vals = synchronize(h_values)
+        idx = synchronize(h_indices)
+        if op == Average:
+            vals = vals / _set_size(process_set)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
+    return handle
+
+
+# ------------------------------------------------------------------ Adasum
+def _adasum_async(tensor, name, process_set, where):
+    n = _set_size(process_set)
+    if n & (n - 1):
+        raise NotImplementedError(f"{where}: Running Adasum with non-power of 2 ranks is not supported yet "
+                                  f"({n} ranks; Horovod's algorithm pairs ranks recursively)")
+    if not tensor.dtype.is_floating_point:
+        raise TypeError(f"{where}: Adasum needs a floating-point tensor, got {tensor.dtype}")
+    flat = tensor.detach().reshape(1, -1)
+    gathered = allgather_async(flat, name=name, process_set=process_set)
+
+    def finish(_res):
+        rows = synchronize(gathered).to(torch.float64).numpy()
+        out = torch.from_numpy(adasum_combine(rows))
+        return out.to(tensor.dtype).reshape(tensor.shape)
+    return _completed([], None, finish)
+
+
+# ------------------------------------------------------------------ allgather
+def allgather_async(tensor, name=None, process_set=global_process_set):
     """Queue an allgather (concatenation along dim 0, which may differ between ranks)."""
-    _check_tensor(tensor, f"allgather '{name}'")
+    where = f"allgather '{name}'"
+    _check_tensor(tensor, where)
     if tensor.dim() == 0:
-        raise ValueError(f"allgather '{name}': needs a tensor with at least one dimension; "
-                         "pass tensor.reshape(1)")
-    h = _ring.allgather_async(_to_numpy(tensor), name)
-    return Handle([h], lambda res: _from_numpy(res[0], tensor))
+        raise ValueError(f"{where}: needs a tensor with at least one dimension; pass tensor.reshape(1)")
+    arr = _to_numpy(tensor)
+    return _launch(process_set, where, lambda: [_ring.allgather_async(arr, name)],
+                   lambda res: _from_numpy(res[0], tensor))
+
+
+def _row_offset(rows, process_set, name):
+    """This rank's first row in a concatenation of every member's ``rows`` rows."""
+    counts = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64), name=name,
+                                         process_set=process_set))
+    return int(counts[:_set_rank(process_set)].sum())
 
 
 class _Allgather(torch.autograd.Function):
     """allgather as a differentiable op: each rank's gradient is its rows of the averaged gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows = tensor.shape[0]
-        ctx.name = name
-        return synchronize(allgather_async(tensor, name))
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows, ctx.name, ctx.process_set = tensor.shape[0], name, process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average,
-                                           name=None if ctx.name is None else f"{ctx.name}.grad"))
-        rows = _ring.allgather(np.array([ctx.rows], np.int64),
-                               name=None if ctx.name is None else f"{ctx.name}.grad.rows")
-        offset = int(rows[:_ring.rank()].sum())
-        return grad.narrow(0, offset, ctx.rows), None
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, name=_grad_name(ctx.name),
+                                           process_set=ctx.process_set))
+        offset = _row_offset(ctx.rows, ctx.process_set, _grad_name(ctx.name, "grad.rows"))
+        return grad.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=global_process_set):
     """Every rank's tensor concatenated along dim 0 (dim 0 may differ); differentiable."""
     _check_tensor(tensor, f"allgather '{name}'")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, name)
-    return synchronize(allgather_async(tensor, name))
+        return _Allgather.apply(tensor, name, process_set)
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def broadcast_async(tensor, root_rank=0, name=None):
-    """Queue a broadcast of root's tensor; synchronize returns a new tensor."""
-    _check_tensor(tensor, f"broadcast '{name}'")
-    h = _ring.broadcast_async(_to_numpy(tensor), root_rank, name)
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Queue an allgather of each tensor of a list; synchronize returns the list of results."""
+    where = f"grouped_allgather '{name}'"
+    _group_check(tensors, where)
+    handles = [allgather_async(t, _grad_name(name, str(i)), process_set) for i, t in enumerate(tensors)]
+    return _completed([], None, lambda _res: [synchronize(h) for h in handles])
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    """grouped_allgather as a differentiable op (each tensor as allgather's gradient)."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.name, ctx.process_set = [t.shape[0] for t in tensors], name, process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_output], op=Average,
+                                                    name=_grad_name(ctx.name), process_set=ctx.process_set))
+        out = []
+        for i, (grad, rows) in enumerate(zip(grads, ctx.rows)):
+            offset = _row_offset(rows, ctx.process_set, _grad_name(ctx.name, f"grad.rows.{i}"))
+            out.append(grad.narrow(0, offset, rows))
+        return (None, None, *out)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """allgather of each tensor of a list; returns a list; differentiable."""
+    _group_check(tensors, f"grouped_allgather '{name}'")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# ------------------------------------------------------------------ broadcast
+def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_set):
+    """Queue a broadcast of root's tensor (root_rank: a global rank); synchronize returns a new tensor."""
+    where = f"broadcast '{name}'"
+    _check_tensor(tensor, where)
+    root = _sets.set_rank(process_set, root_rank, where)
+    arr = _to_numpy(tensor)
     # reshape: the runtime returns 0-d arrays as shape (1,) (np.ascontiguousarray promotes them)
-    return Handle([h], lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
+    return _launch(process_set, where, lambda: [_ring.broadcast_async(arr, root, name)],
+                   lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
 
 
-def broadcast_async_(tensor, root_rank=0, name=None):
+def broadcast_async_(tensor, root_rank=0, name=None, process_set=global_process_set):
     """Queue an in-place broadcast into ``tensor``; synchronize returns ``tensor``."""
-    handle = broadcast_async(tensor, root_rank, name)
+    handle = broadcast_async(tensor, root_rank, name, process_set)
     inner = handle._finish
 
     def finish(res):
@@ -362,47 +573,192 @@ class _Broadcast(torch.autograd.Function):
     """broadcast as a differentiable op: root gets the averaged gradient, the others zero."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank, ctx.name = root_rank, name
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.name, ctx.process_set = root_rank, name, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average,
-                                           name=None if ctx.name is None else f"{ctx.name}.grad"))
+        grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, name=_grad_name(ctx.name),
+                                           process_set=ctx.process_set))
         if _ring.rank() != ctx.root_rank:
             grad = torch.zeros_like(grad)
-        return grad, None, None
+        return grad, None, None, None
 
 
-def broadcast(tensor, root_rank=0, name=None):
+def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
     """Root's tensor, returned as a new tensor on every rank; differentiable."""
     _check_tensor(tensor, f"broadcast '{name}'")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name))
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor, root_rank=0, name=None):
+def broadcast_(tensor, root_rank=0, name=None, process_set=global_process_set):
     """In-place broadcast: ``tensor`` receives root's values and is returned."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall(tensor, splits=None, name=None):
-    """Send ``splits[q]`` rows to rank q, receive theirs: returns (output, received_splits)."""
-    _check_tensor(tensor, f"alltoall '{name}'")
+# ------------------------------------------------------------------ alltoall
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Queue an alltoall; synchronize returns (output, received_splits)."""
+    where = f"alltoall '{name}'"
+    _check_tensor(tensor, where)
+    if tensor.dim() == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
     if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{where}: splits must be an int32 or int64 tensor, got {splits.dtype}")
         splits = splits.detach().cpu().numpy()
-    out, received = _ring.alltoall(_to_numpy(tensor), splits, name)
-    return _from_numpy(out, tensor), torch.from_numpy(np.asarray(received, np.int32))
+    arr = _to_numpy(tensor)
+    # without splits, dim 0 must divide evenly (ValueError here otherwise, as Horovod)
+    return _blocking(process_set, where, lambda: _ring.alltoall(arr, splits, name),
+                     lambda res: (_from_numpy(res[0][0], tensor),
+                                  torch.from_numpy(np.asarray(res[0][1], np.int32))))
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average):
+class _Alltoall(torch.autograd.Function):
+    """alltoall as a differentiable op: the gradient goes back with the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.name, ctx.process_set = received, name, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *_dead):
+        grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, _grad_name(ctx.name),
+                                             ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send ``splits[q]`` rows to rank q, receive theirs: returns (output, received_splits).
+
+    Without ``splits`` dim 0 must be divisible by the number of ranks and only the output is
+    returned (Horovod's rules). Differentiable.
+    """
+    _check_tensor(tensor, f"alltoall '{name}'")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    else:
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return output if splits is None else (output, received)
+
+
+# ------------------------------------------------------------------ reducescatter
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    """Queue a reducescatter; synchronize returns this rank's block of dim 0."""
+    where = f"reducescatter '{name}'"
+    _check_tensor(tensor, where)
+    if tensor.dim() == 0:
+        raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
+    if op not in (Average, Sum):
+        raise ValueError(f"{where}: reducescatter supports op=Average or op=Sum (Horovod's), got {op!r}")
+    # the runtime's reducescatter has no scale factors: the adapter applies them (integers in
+    # float64, truncated, as Horovod does)
+    plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
+    staged = plan.stage(tensor)
+    if not plan.integer and plan.pre != 1.0:
+        staged = tensor.detach() * plan.pre
+    arr = _to_numpy(staged)
+    post = 1.0 if plan.integer else plan.post
+
+    def finish(res):
+        out = _from_numpy(res[0], tensor)
+        if post != 1.0:
+            out = out * post
+        return plan.finish(out)
+    return _blocking(process_set, where, lambda: _ring.reducescatter(arr, op=plan.op, name=name), finish)
+
+
+class _Reducescatter(torch.autograd.Function):
+    """reducescatter as a differentiable op: the gradient is allgathered (times size for Sum)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (name, op, process_set, prescale_factor * postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        name, op, process_set, factor = ctx.args
+        grad = grad_output * (factor * (_set_size(process_set) if op == Sum else 1))
+        return allgather(grad.contiguous(), _grad_name(name), process_set), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
     """Reduce over ranks and return this rank's block of dim 0 (the first ranks get the extra rows)."""
     _check_tensor(tensor, f"reducescatter '{name}'")
     compressed, ctx = compression.compress(tensor)
-    out = _ring.reducescatter(_to_numpy(compressed), op=op, name=name)
-    return compression.decompress(_from_numpy(out, compressed), ctx)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    else:
+        out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                              postscale_factor))
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Queue a reducescatter of each tensor of a list; synchronize returns the list of blocks."""
+    where = f"grouped_reducescatter '{name}'"
+    _group_check(tensors, where)
+    handles = [reducescatter_async(t, _grad_name(name, str(i)), op, process_set, prescale_factor,
+                                   postscale_factor) for i, t in enumerate(tensors)]
+    return _completed([], None, lambda _res: [synchronize(h) for h in handles])
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    """grouped_reducescatter as a differentiable op (each tensor as reducescatter's gradient)."""
+
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (name, op, process_set, prescale_factor * postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                             prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        name, op, process_set, factor = ctx.args
+        scale = factor * (_set_size(process_set) if op == Sum else 1)
+        grads = grouped_allgather([(g * scale).contiguous() for g in grad_output], _grad_name(name), process_set)
+        return (None, None, None, None, None, *grads)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """reducescatter of each tensor of a list; returns a list; differentiable."""
+    _group_check(tensors, f"grouped_reducescatter '{name}'")
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [c for c, _ in pairs]
+    if torch.is_grad_enabled() and any(c.requires_grad for c in compressed):
+        outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *compressed)
+    else:
+        outs = synchronize(grouped_reducescatter_async(compressed, name, op, process_set, prescale_factor,
+                                                       postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# ------------------------------------------------------------------ barrier, objects
+def barrier(process_set=global_process_set):
+    """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
+    _sets.run_on(process_set, "barrier", _ring.barrier)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Root's picklable object, returned on every rank of ``process_set``."""
+    root = _sets.set_rank(process_set, root_rank, f"broadcast_object '{name}'")
+    return _sets.run_on(process_set, "broadcast_object", _ring.broadcast_object, obj, root, name)
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every rank's picklable object, as a list in rank order."""
+    return _sets.run_on(process_set, "allgather_object", _ring.allgather_object, obj, name)
 
 
 # ------------------------------------------------------------------ model and optimizer state
@@ -460,18 +816,42 @@ def _fill_tensors(obj, tensors):
     return obj
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def _initialize_state(optimizer, model):
+    """Horovod's way to give an optimizer without state its state: one step on zero gradients
+    (sparse ones for SparseAdam and for sparse embeddings of ``model``). The gradients stay zero."""
+    sparse = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                    p.grad = p.grad.to_sparse()
+    optimizer.step()
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
 
     Root's ``state_dict()`` structure travels as one small object; its tensors travel as
-    broadcasts, so large states (Adam moments) do not go through pickle. Ranks whose optimizer has
-    no state yet (no step taken) receive root's.
+    broadcasts, so large states (Adam moments) do not go through pickle. An optimizer without
+    state (no step taken) first takes one step on zero gradients, as in Horovod (``model`` names
+    sparse embeddings); every optimizer in torch.optim but LBFGS works.
     """
     if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
         raise TypeError("broadcast_optimizer_state takes the optimizer, not its LR scheduler; "
                         "use broadcast_object(scheduler.state_dict()) for the scheduler")
     if not hasattr(optimizer, "state_dict"):
         raise TypeError(f"broadcast_optimizer_state: expected a torch optimizer, got {type(optimizer).__name__}")
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if isinstance(inner, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (its state holds closures' history); "
+                         "re-create it on every rank instead")
+    if not inner.state_dict()["state"]:
+        _initialize_state(inner, model)
     me = _ring.rank()
     tensors = []
     skeleton = _split_tensors(optimizer.state_dict(), tensors) if me == root_rank else None
@@ -515,7 +895,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0):
+                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                 groups=None, sparse_as_dense=False, process_set=global_process_set):
         # Optimizer.__init__ is not called: it would build new param_groups; we share the wrapped
         # optimizer's. These are the attributes the base class methods (hooks) rely on.
         self._optimizer_step_pre_hooks = {}
@@ -539,7 +920,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
             raise TypeError("compression must be Compression.none, Compression.fp16 or an object with "
                             "compress(tensor) and decompress(tensor, ctx)")
+        if not _sets.is_global(process_set) and not isinstance(process_set, ProcessSet):
+            raise TypeError(f"process_set= takes a ProcessSet, got {type(process_set).__name__}")
         self._opt = optimizer
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._process_set = process_set
+        # num_groups/groups split Horovod's fusion into fixed groups; here the runtime fuses what
+        # is queued up to fusion_threshold, so they are accepted and change nothing
+        self._groups = groups if groups is not None else num_groups
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._op = op
@@ -582,6 +970,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value):
         self._opt.defaults = value
+
+    @property
+    def _parameter_names(self):
+        """Horovod's {parameter: name} of every parameter that gets an allreduced gradient."""
+        return {p: name for p, name in zip(self._params, self._names)}
 
     @property
     def optimizer(self):
@@ -700,12 +1093,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         grad = p.grad
         if grad.is_sparse:
-            raise TypeError(f"parameter '{self._names[i]}' has a sparse gradient; jupyter_ring "
-                            "allreduces dense tensors only (use a dense embedding)")
+            self._pending.append((i, self._sparse_handle(p, i), None, grad))
+            return
         compressed, ctx = self._compression.compress(grad)
         handle = allreduce_async_(compressed, name=self._names[i], op=self._op,
-                                  prescale_factor=self._prescale, postscale_factor=self._postscale)
+                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                  process_set=self._process_set)
         self._pending.append((i, handle, ctx, compressed))
+
+    def _sparse_handle(self, p, i):
+        """A sparse gradient (nn.Embedding(sparse=True)): Horovod's two allgathers, or with
+        sparse_as_dense=True a dense allreduce; either way p.grad ends sparse, as the optimizer
+        (SparseAdam) expects. The handle's result is the new p.grad, set by synchronize."""
+        name = self._names[i]
+        if self._sparse_as_dense:
+            dense = p.grad.to_dense()
+            handle = allreduce_async_(dense, name=name, op=self._op, prescale_factor=self._prescale,
+                                      postscale_factor=self._postscale, process_set=self._process_set)
+            inner = handle._finish
+        else:
+            if self._op not in (Average, Sum):
+                raise ValueError(f"parameter '{name}' has a sparse gradient, which op={self._op} cannot reduce; "
+                                 "use op=Average/Sum or sparse_as_dense=True")
+            gathered = sparse_allreduce_async(p.grad, name=name, op=self._op, process_set=self._process_set)
+            handle = _completed([], None, lambda _res: gathered())
+            inner = handle._finish
+
+        def finish(res):
+            out = inner(res)
+            p.grad = out.to_sparse() if not out.is_sparse else out
+            return p.grad
+        handle._finish = finish
+        return handle
 
     # -- public
     def synchronize(self):
@@ -721,6 +1140,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 except BaseException as exc:  # noqa: BLE001 - first error re-raised below
                     error = error or exc
                     continue
+                if out is self._params[i].grad:
+                    continue  # a sparse gradient, replaced by its handle
                 if compressed is not self._params[i].grad:
                     with torch.no_grad():
                         self._params[i].grad.copy_(self._compression.decompress(out, ctx))

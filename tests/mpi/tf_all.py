@@ -163,7 +163,8 @@ for eager in (False, True):
     if not np.all(loss == loss[0]):
         failures.append(f"MetricAverageCallback: epoch losses differ between ranks: {loss}")
 
-# ---- LearningRateWarmupCallback: lr ramps from lr/size to lr over the warm-up epochs
+# ---- LearningRateWarmupCallback: Horovod's ramp from lr/size to lr over the warm-up epochs, set
+# before each batch at the fractional epoch plus one batch (2 batches an epoch here)
 model = make_model(0)
 model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse", jit_compile=False)
 seen = []
@@ -177,7 +178,7 @@ class Record(keras.callbacks.Callback):
 x, y = data(0)
 model.fit(shard(x), shard(y), batch_size=BATCH // n // 2, epochs=3, verbose=0, shuffle=False,
           callbacks=[hvdk.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2), Record()])
-expect = [0.4 / n * (1 + (e + b / 2) * (n - 1) / 2) for e in range(2) for b in range(2)] + [0.4, 0.4]
+expect = [0.4 / n * (1 + (e + b / 2 + 1 / 2) * (n - 1) / 2) for e in range(2) for b in range(2)] + [0.4, 0.4]
 close("LearningRateWarmupCallback", seen, expect, 1e-6)
 
 if failures:
