@@ -11,16 +11,19 @@ pytest.importorskip("torch", reason="the torch adapter tests need torch: pip ins
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PUBLIC = {
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "mpi_built", "gloo_built", "nccl_built", "cuda_built", "mpi_threads_supported",
-    "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
-    "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "reducescatter", "barrier", "broadcast_object", "allgather_object", "poll",
-    "synchronize", "stats", "timeline", "broadcast_parameters", "broadcast_optimizer_state",
-    "DistributedOptimizer",
-    "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
+    "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
+    "HorovodInternalError", "Max", "Min", "NotInitializedError", "ProcessSet", "Product", "RingError",
+    "StallError", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+    "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
+    "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "stats", "stop_timeline", "synchronize", "timeline",
 }
 
 

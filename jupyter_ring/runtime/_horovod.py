@@ -201,17 +201,19 @@ def reduce_plan(arr, op, pre, post, n, scale_in_numpy=False):
     """Horovod's scaling, split around the runtime.
 
     Integer arrays with a scale factor or op=Average are scaled in float64 and truncated toward
-    zero before and after a plain sum (Average is a postscale by 1/n), as Horovod does.
+    zero, float16 ones in float32, before and after a plain sum (Average is a postscale by
+    1/n), as Horovod does on CPU.
     ``scale_in_numpy``: the runtime call takes no factors (reducescatter): apply them here.
     """
     pre, post = float(pre), float(post)
-    if arr.dtype.kind in "iu" and (pre != 1.0 or post != 1.0 or op == Average):
-        staged = (arr.astype(np.float64) * pre).astype(arr.dtype) if pre != 1.0 else arr
+    wide = np.float64 if arr.dtype.kind in "iu" else np.float32 if arr.dtype == np.float16 else None
+    if wide is not None and (pre != 1.0 or post != 1.0 or op == Average):
+        staged = (arr.astype(wide) * pre).astype(arr.dtype) if pre != 1.0 else arr
         after = post / n if op == Average else post
-        finish = (lambda res: (res.astype(np.float64) * after).astype(res.dtype)) if after != 1.0 else _same
+        finish = (lambda res: (res.astype(wide) * after).astype(res.dtype)) if after != 1.0 else _same
         return ReducePlan(staged, Sum if op == Average else op, 1.0, 1.0, finish)
     if scale_in_numpy and (pre != 1.0 or post != 1.0):
-        wide = np.float32 if arr.dtype == np.float16 else arr.dtype  # Horovod: fp16 math in fp32 on CPU
+        wide = arr.dtype
         staged = (arr.astype(wide) * pre).astype(arr.dtype) if pre != 1.0 else arr
         finish = (lambda res: (res.astype(wide) * post).astype(res.dtype)) if post != 1.0 else _same
         return ReducePlan(staged, op, 1.0, 1.0, finish)

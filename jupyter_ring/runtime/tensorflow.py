@@ -16,8 +16,10 @@ optimizer, ``hvd.BroadcastGlobalVariablesHook``). Tensors cross into the runtime
 eagerly through ``tensor.numpy()``, in a graph through one ``tf.py_function`` per collective (so
 XLA-compiled functions, ``jit_compile=True``, cannot contain them). Every collective has
 Horovod's gradient. Errors are TensorFlow's: ranks that disagree raise
-``tf.errors.FailedPreconditionError`` on every rank, bad arguments found while running raise
-``tf.errors.InvalidArgumentError``, a stall ``tf.errors.DeadlineExceededError``. bfloat16 travels
+``tf.errors.FailedPreconditionError`` on every rank (eagerly; inside a graph op TensorFlow's
+py_function lets only ``InvalidArgumentError`` through), bad arguments found while running raise
+``tf.errors.InvalidArgumentError``, a stall ``tf.errors.DeadlineExceededError`` (``UnknownError``
+inside a graph op). bfloat16 travels
 as float32; GPU tensors are staged through host memory. For Keras 3 ``model.fit`` see
 :mod:`jupyter_ring.runtime.keras`.
 """
@@ -110,11 +112,22 @@ def _host(t):
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-def _tf_error(exc):
-    """The TensorFlow exception Horovod raises for a runtime error (the message kept)."""
+class _GraphDisagreementError(tf.errors.FailedPreconditionError, ValueError):
+    """Ranks disagree, inside a graph op: TensorFlow's py_function kernel keeps no TF error type
+    and maps ValueError to InvalidArgumentError (anything else to UnknownError), so this one is
+    a ValueError too."""
+
+
+def _tf_error(exc, in_graph=False):
+    """The TensorFlow exception Horovod raises for a runtime error (the message kept).
+
+    Eagerly a disagreement is FailedPreconditionError as in Horovod; inside a graph op (a
+    tf.function or a TF1 session) it arrives as InvalidArgumentError (see _GraphDisagreementError).
+    """
     message = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
-        return tf.errors.FailedPreconditionError(None, None, message)
+        cls = _GraphDisagreementError if in_graph else tf.errors.FailedPreconditionError
+        return cls(None, None, message)
     if isinstance(exc, StallError):
         return tf.errors.DeadlineExceededError(None, None, message)
     if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, RingError):
@@ -122,7 +135,7 @@ def _tf_error(exc):
     return tf.errors.UnknownError(None, None, message)
 
 
-def _run(fn, arrays, process_set, where):
+def _run(fn, arrays, process_set, where, in_graph=False):
     """``fn(arrays)`` on ``process_set``'s runtime, one collective at a time, errors as TF's."""
     try:
         with _sets.on(process_set, where):
@@ -130,7 +143,7 @@ def _run(fn, arrays, process_set, where):
     except tf.errors.OpError:
         raise
     except (RingError, ValueError, TypeError) as exc:
-        raise _tf_error(exc) from exc
+        raise _tf_error(exc, in_graph) from exc
 
 
 def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
@@ -146,7 +159,7 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
                 for o, d in zip(outs, out_dtypes)]
 
     def py(*ts):
-        outs = _run(fn, [_host(t) for t in ts], process_set, where)
+        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
     outs = tf.py_function(py, tensors, Tout=list(out_dtypes))
@@ -651,6 +664,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     """Allreduce gradients in place in one aligned buffer per dtype: one copy in, none out."""
     groups = _layout(tensors)
     shapes = [tuple(t.shape.as_list()) for t in tensors]
+    in_graph = not tf.executing_eagerly()
 
     def fused(*ts):
         outs = [None] * len(ts)
@@ -666,7 +680,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
                         view = flat[offset:offset + size].reshape(shapes[i])
                         outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
         except (RingError, ValueError, TypeError) as exc:
-            raise _tf_error(exc) from exc
+            raise _tf_error(exc, in_graph) from exc
         return outs
 
     if tf.executing_eagerly():
@@ -911,7 +925,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if _ring.size() == 1:
             return mean, variance
         rank = len(inputs.shape)
-        axes = [a for a in range(rank) if a not in [ax % rank for ax in self.axis]]
+        kept = [ax % rank for ax in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])]
+        axes = [a for a in range(rank) if a not in kept]
         count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), mean.dtype)
         stack = tf.stack([mean * count, (variance + tf.square(mean)) * count, tf.ones_like(mean) * count])
         total = allreduce(stack, op=Sum, name=f"{self.name}.moments")

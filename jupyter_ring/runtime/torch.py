@@ -230,36 +230,43 @@ _INTEGER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int6
 class _Reduce:
     """How one allreduce is split between the runtime and the adapter.
 
-    Horovod scales integer tensors in float64 and truncates toward zero (Average is a postscale
-    by 1/size): for those the adapter scales before and after, and the runtime only sums. Every
-    other tensor's op and factors go to the runtime unchanged.
+    Horovod scales integer tensors in float64 (truncating toward zero) and float16 tensors in
+    float32 on CPU, Average being a postscale by 1/size: for those the adapter scales before
+    and after, and the runtime only sums. Every other tensor's op and factors go to the runtime.
     """
 
-    __slots__ = ("op", "pre", "post", "after", "integer")
+    __slots__ = ("op", "pre", "post", "after", "wide")
 
     def __init__(self, tensor, op, pre, post, process_set, where):
         pre = _api._factor(pre, "prescale_factor", where)
         post = _api._factor(post, "postscale_factor", where)
-        self.integer = tensor.dtype in _INTEGER_DTYPES and (pre != 1.0 or post != 1.0 or op == Average)
-        if self.integer:
+        wide = (torch.float64 if tensor.dtype in _INTEGER_DTYPES else
+                torch.float32 if tensor.dtype == torch.float16 else None)
+        self.wide = wide if wide is not None and (pre != 1.0 or post != 1.0 or op == Average) else None
+        if self.wide is not None:
             self.op, self.pre, self.post = (Sum if op == Average else op), pre, 1.0
             self.after = post / _set_size(process_set) if op == Average else post
         else:
             self.op, self.pre, self.post, self.after = op, pre, post, 1.0
 
+    @property
+    def integer(self):
+        """Whether the adapter scales (the runtime only sums)."""
+        return self.wide is not None
+
     def stage(self, tensor):
-        """The tensor whose numpy form the runtime reduces (prescaled here for integers)."""
-        if self.integer and self.pre != 1.0:
-            return (tensor.detach().to(torch.float64) * self.pre).to(tensor.dtype)
+        """The tensor whose numpy form the runtime reduces (prescaled here when the adapter scales)."""
+        if self.wide is not None and self.pre != 1.0:
+            return (tensor.detach().to(self.wide) * self.pre).to(tensor.dtype)
         return tensor
 
     def runtime_scales(self, tensor):
-        """(prescale, postscale) for the runtime: none for integers (the adapter applies them)."""
-        return (1.0, 1.0) if self.integer else (self.pre, self.post)
+        """(prescale, postscale) for the runtime: none when the adapter applies them."""
+        return (1.0, 1.0) if self.wide is not None else (self.pre, self.post)
 
     def finish(self, out):
-        if self.after != 1.0:
-            return (out.to(torch.float64) * self.after).to(out.dtype)
+        if self.wide is not None and self.after != 1.0:
+            return (out.to(self.wide) * self.after).to(out.dtype)
         return out
 
 
@@ -816,9 +823,11 @@ def _fill_tensors(obj, tensors):
     return obj
 
 
-def _initialize_state(optimizer, model):
-    """Horovod's way to give an optimizer without state its state: one step on zero gradients
-    (sparse ones for SparseAdam and for sparse embeddings of ``model``). The gradients stay zero."""
+def _zero_missing_grads(optimizer, model):
+    """Horovod's visible side effect on an optimizer without state: zero gradients (sparse for
+    SparseAdam and for ``model``'s sparse embeddings) where there are none. Horovod then steps
+    once on them to create the state, which advances Adam's step count; we do not step, so n
+    ranks stay equal to one process (the state comes from root, if root has any)."""
     sparse = set()
     if model is not None:
         for m in model.modules():
@@ -826,20 +835,19 @@ def _initialize_state(optimizer, model):
                 sparse.update(id(p) for p in m.parameters())
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad:
+            if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
                     p.grad = p.grad.to_sparse()
-    optimizer.step()
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
 
     Root's ``state_dict()`` structure travels as one small object; its tensors travel as
-    broadcasts, so large states (Adam moments) do not go through pickle. An optimizer without
-    state (no step taken) first takes one step on zero gradients, as in Horovod (``model`` names
-    sparse embeddings); every optimizer in torch.optim but LBFGS works.
+    broadcasts, so large states (Adam moments) do not go through pickle. Ranks without state
+    receive root's; parameters without a gradient get zeros, as in Horovod (``model`` names sparse
+    embeddings). Every optimizer in torch.optim but LBFGS works.
     """
     if isinstance(optimizer, torch.optim.lr_scheduler.LRScheduler):
         raise TypeError("broadcast_optimizer_state takes the optimizer, not its LR scheduler; "
@@ -851,7 +859,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (its state holds closures' history); "
                          "re-create it on every rank instead")
     if not inner.state_dict()["state"]:
-        _initialize_state(inner, model)
+        _zero_missing_grads(inner, model)
     me = _ring.rank()
     tensors = []
     skeleton = _split_tensors(optimizer.state_dict(), tensors) if me == root_rank else None

@@ -1,0 +1,128 @@
+"""Horovod's API exactly: the conformance page is true, and the Horovod names work under real mpiexec.
+
+One launch per area and rank count (torch and TensorFlow imports cost seconds per rank):
+tests/mpi/hvd_torch.py, tests/mpi/hvd_tf.py (TensorFlow + Keras), tests/mpi/tf_graph_tutorial.py
+(Horovod's classic TF1 tutorial with only its import changed).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "horovod.md")
+NAMES = os.path.join(ROOT, "tests", "data", "horovod_names.json")
+OURS = {
+    "horovod.torch": "jupyter_ring.runtime.torch",
+    "horovod.tensorflow": "jupyter_ring.runtime.tensorflow",
+    "horovod.tensorflow.keras": "jupyter_ring.runtime.keras",
+    "horovod.keras": "jupyter_ring.runtime.keras",
+}
+STATUSES = {"same", "differs", "missing"}
+
+
+def _page_tables():
+    """{horovod module: {name: (status, note)}} and {our module: documented additions} from the page."""
+    tables, additions, current = {}, {}, None
+    for line in open(PAGE, encoding="utf-8"):
+        heading = re.match(r"## (horovod\.[\w.]+) → (jupyter_ring\.[\w.]+)", line)
+        if heading:
+            current = heading.group(1)
+            if OURS.get(current) != heading.group(2):
+                raise AssertionError(f"docs/horovod.md maps {current} to {heading.group(2)}")
+            tables[current] = {}
+            continue
+        row = re.match(r"\| `([\w.]+)` \| (\w+) \| (.*) \|$", line.rstrip("\n"))
+        if row and current is not None:
+            name, status, note = row.groups()
+            if name in tables[current]:
+                raise AssertionError(f"docs/horovod.md lists {current}.{name} twice")
+            tables[current][name] = (status, note.strip())
+        extra = re.match(r"- `(jupyter_ring\.runtime\.\w+)`: (.*)", line)
+        if extra:
+            additions[extra.group(1)] = set(re.findall(r"`(\w+)`", extra.group(2)))
+    return tables, additions
+
+
+def test_conformance_page_is_true():
+    """Every Horovod name once, its status true of our module; our extra names all documented."""
+    code = f"""
+import json, sys
+sys.path.insert(0, {ROOT!r})
+import jupyter_ring.runtime.torch, jupyter_ring.runtime.tensorflow, jupyter_ring.runtime.keras
+out = {{}}
+for mod in ("jupyter_ring.runtime.torch", "jupyter_ring.runtime.tensorflow", "jupyter_ring.runtime.keras"):
+    m = sys.modules[mod]
+    present = {{n for n in dir(m)}}
+    cbs = getattr(m, "callbacks", None)
+    present |= {{"callbacks." + n for n in (vars(cbs) if cbs is not None else ()) if not n.startswith("_")}}
+    out[mod] = {{"all": sorted(m.__all__), "present": sorted(present)}}
+print(json.dumps(out))
+"""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = json.loads(proc.stdout.strip().splitlines()[-1])
+    horovod = json.load(open(NAMES))
+    tables, additions = _page_tables()
+    problems = []
+    for hmod, ours in OURS.items():
+        table = tables.get(hmod, {})
+        names = set(horovod[hmod])
+        for name in sorted(names - set(table)):
+            problems.append(f"{hmod}.{name}: not on the page")
+        for name in sorted(set(table) - names):
+            problems.append(f"{hmod}.{name}: on the page but not one of Horovod's names")
+        for name, (status, note) in sorted(table.items()):
+            exists = name in modules[ours]["present"]
+            public = name in modules[ours]["all"] or name.startswith("callbacks.")
+            if status not in STATUSES:
+                problems.append(f"{hmod}.{name}: status {status!r} is not one of {sorted(STATUSES)}")
+            elif status == "missing" and exists:
+                problems.append(f"{hmod}.{name}: marked missing but {ours} has it")
+            elif status != "missing" and not (exists and public):
+                problems.append(f"{hmod}.{name}: marked {status} but {ours} lacks it (or it is not in __all__)")
+            if status != "same" and not note:
+                problems.append(f"{hmod}.{name}: marked {status} without saying how or why")
+    for ours in set(OURS.values()):
+        theirs = set().union(*(set(horovod[h]) for h, o in OURS.items() if o == ours))
+        extra = set(modules[ours]["all"]) - theirs
+        if extra != additions.get(ours, set()):
+            problems.append(f"{ours}: additions on the page {sorted(additions.get(ours, set()))} but the module's "
+                            f"are {sorted(extra)}")
+    assert not problems, "docs/horovod.md is not true:\n" + "\n".join(problems)
+
+
+def test_every_public_name_has_a_docstring():
+    code = """
+import jupyter_ring.runtime.torch as h, jupyter_ring.runtime.tensorflow as t, jupyter_ring.runtime.keras as k
+print([f"{m.__name__}.{n}" for m in (h, t, k) for n in m.__all__ if n != "callbacks" and not getattr(m, n).__doc__])
+"""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_horovod_torch_names(mpirun, n):
+    pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
+    result = mpirun("hvd_torch.py", n, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    assert sorted(int(line.split()[1]) for line in result.lines("HVD_TORCH_OK")) == list(range(n)), result.stdout
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_horovod_tensorflow_and_keras_names(mpirun, n):
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    result = mpirun("hvd_tf.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert sorted(int(line.split()[1]) for line in result.lines("HVD_TF_OK")) == list(range(n)), result.stdout
+
+
+def test_graph_mode_tutorial_runs_with_only_its_import_changed(mpirun):
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    result = mpirun("tf_graph_tutorial.py", 2, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert sorted(int(line.split()[1]) for line in result.lines("TF_TUTORIAL_OK")) == [0, 1], result.stdout
