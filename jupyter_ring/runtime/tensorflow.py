@@ -414,7 +414,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         return tensors
     where = f"reducescatter '{name}'"
     if op not in (Average, Sum):
-        raise ValueError(f"{where}: reducescatter supports op=Average or op=Sum, got {op!r}")
+        raise NotImplementedError(f"{where}: reducescatter supports op=Average or op=Sum, got {op!r}")
     pairs = [compression.compress(_dense(t, where)) for t in tensors]
     ts = [c for c, _ in pairs]
     for t in ts:

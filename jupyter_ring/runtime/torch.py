@@ -615,7 +615,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{where}: splits must be an int32 or int64 tensor, got {splits.dtype}")
+            raise ValueError(f"{where}: splits must be an int32 or int64 tensor, got {splits.dtype}")
         splits = splits.detach().cpu().numpy()
     arr = _to_numpy(tensor)
     # without splits, dim 0 must divide evenly (ValueError here otherwise, as Horovod)
@@ -664,7 +664,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if tensor.dim() == 0:
         raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
     if op not in (Average, Sum):
-        raise ValueError(f"{where}: reducescatter supports op=Average or op=Sum (Horovod's), got {op!r}")
+        # NotImplementedError, a RuntimeError as Horovod's
+        raise NotImplementedError(f"{where}: reducescatter supports op=Average or op=Sum, got {op!r}")
     # the runtime's reducescatter has no scale factors: the adapter applies them (integers in
     # float64, truncated, as Horovod does)
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
