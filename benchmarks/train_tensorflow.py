@@ -1,6 +1,9 @@
 """Keras 3 ``model.fit`` throughput with jupyter_ring's DistributedOptimizer: 1 rank vs 2 ranks.
 
-    python benchmarks/train_tensorflow.py [--steps 30] [--batch 64] [--repeats 3]
+    python benchmarks/train_tensorflow.py [--steps 30] [--batch 64] [--repeats 3] [--baseline-src DIR]
+
+``--baseline-src DIR`` (a checkout of another revision, e.g. ``git worktree add /tmp/base main``)
+runs that tree's jupyter_ring too, interleaved with this one, so both appear in one table.
 
 The same ~10M-parameter MLP as benchmarks/train_torch.py, one TF thread per rank, median step time
 of the timed epoch (a first epoch compiles the train step and is not timed).
@@ -15,7 +18,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# the tree whose jupyter_ring is measured: this one, or --baseline-src's (set for the workers)
+sys.path.insert(0, os.environ.get("JUPYTER_RING_BENCH_SRC") or os.path.dirname(HERE))
 
 
 def worker(steps, batch):
@@ -59,11 +63,12 @@ def worker(steps, batch):
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(n, args):
+def launch(n, args, src=None):
     from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     env.update(OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env["JUPYTER_RING_BENCH_SRC"] = os.path.abspath(src) if src is not None else ""
     cmd = [find_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker",
            "--steps", str(args.steps), "--batch", str(args.batch)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -80,22 +85,30 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--baseline-src", default=None, help="another source tree to measure alongside")
     args = p.parse_args()
     if args.worker:
         worker(args.steps, args.batch)
         return
-    runs = {1: [], 2: []}
+    trees = {"this tree": None}
+    if args.baseline_src:
+        trees[f"baseline ({args.baseline_src})"] = args.baseline_src
+    runs = {(tree, n): [] for tree in trees for n in (1, 2)}
+    loads = []
     for _ in range(args.repeats):
-        for n in runs:
-            runs[n].append(launch(n, args))
-    one = statistics.median(runs[1])
+        for tree, n in runs:  # interleaved: every configuration once per repeat
+            loads.append(os.getloadavg()[0])
+            runs[tree, n].append(launch(n, args, trees[tree]))
     print(f"Keras 3 model.fit (TF backend), 10.5M-parameter MLP, batch {args.batch} per rank, "
-          f"{args.steps} steps x {args.repeats} runs, medians, 1 TF thread per rank\n")
-    print("| ranks | samples/s | scaling efficiency |")
-    print("|---|---|---|")
-    for n, values in runs.items():
-        med = statistics.median(values)
-        print(f"| {n} | {med:.0f} | {med / (n * one):.2f} |")
+          f"{args.steps} steps x {args.repeats} runs interleaved, medians, 1 TF thread per rank, "
+          f"load {min(loads):.1f}-{max(loads):.1f}\n")
+    print("| code | ranks | samples/s | scaling efficiency |")
+    print("|---|---|---|---|")
+    for tree in trees:
+        one = statistics.median(runs[tree, 1])
+        for n in (1, 2):
+            med = statistics.median(runs[tree, n])
+            print(f"| {tree} | {n} | {med:.0f} | {med / (n * one):.2f} |")
 
 
 if __name__ == "__main__":
