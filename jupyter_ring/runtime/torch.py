@@ -934,6 +934,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._opt = optimizer
         self._sparse_as_dense = bool(sparse_as_dense)
         self._process_set = process_set
+        # a rank outside the optimizer's process set trains locally (Horovod): no hooks, no reduction
+        self._local_only = not _sets.is_global(process_set) and not process_set.included()
         # num_groups/groups split Horovod's fusion into fixed groups; here the runtime fuses what
         # is queued up to fusion_threshold, so they are accepted and change nothing
         self._groups = groups if groups is not None else num_groups
@@ -1037,6 +1039,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return given
 
     def _register(self, params):
+        if self._local_only:
+            return
         for p in params:
             if not p.requires_grad or id(p) in self._index:
                 continue
@@ -1138,6 +1142,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- public
     def synchronize(self):
         """Finish the allreduce of every gradient (parameters without one get averaged zeros)."""
+        if self._local_only:
+            self._synchronized = True
+            return
         try:
             for i in self._order[self._next:]:
                 self._queue(i)
@@ -1165,8 +1172,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _learn_order(self):
         # Rank 0's hook order of its first step becomes everyone's queue order, so that later
         # steps queue each gradient as soon as it is ready (overlap with the rest of backward).
-        fired = self._fired if _ring.rank() == 0 else None
-        fired = _ring.broadcast_object(fired, 0, name="DistributedOptimizer.order")
+        ps = self._process_set
+        root = 0 if _sets.is_global(ps) else ps.ranks[0]
+        fired = self._fired if _ring.rank() == root else None
+        fired = broadcast_object(fired, root, name="DistributedOptimizer.order", process_set=ps)
         seen = set(fired)
         self._order = list(fired) + [i for i in self._order if i not in seen]
         self._order_learned = True
@@ -1184,6 +1193,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
+        elif self._should_synchronize and not self._local_only:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                          "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                          "your code.")
         self._synchronized = False
         result = self._opt.step(closure) if closure is not None else self._opt.step()
         _report_step(self)
