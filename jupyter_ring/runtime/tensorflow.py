@@ -118,6 +118,11 @@ class _GraphDisagreementError(tf.errors.FailedPreconditionError, ValueError):
     a ValueError too."""
 
 
+class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """Bad arguments found inside a graph op: a ValueError too, so that py_function reports
+    InvalidArgumentError (see _GraphDisagreementError)."""
+
+
 def _tf_error(exc, in_graph=False):
     """The TensorFlow exception Horovod raises for a runtime error (the message kept).
 
@@ -131,7 +136,8 @@ def _tf_error(exc, in_graph=False):
     if isinstance(exc, StallError):
         return tf.errors.DeadlineExceededError(None, None, message)
     if isinstance(exc, (ValueError, TypeError)) and not isinstance(exc, RingError):
-        return tf.errors.InvalidArgumentError(None, None, message)
+        cls = _GraphInvalidArgumentError if in_graph else tf.errors.InvalidArgumentError
+        return cls(None, None, message)
     return tf.errors.UnknownError(None, None, message)
 
 
@@ -228,15 +234,24 @@ def _check_sparse_op(op, prescale, postscale, where):
 
 
 def _allreduce_slices(slices, op, names, process_set):
-    """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices."""
+    """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices (one graph
+    op for all of them, so that a session runs them in one order on every rank)."""
+    n = _set_size(process_set)
+    base = names[0] or "indexed_slices"
+    parts = [t for s in slices for t in (s.values, tf.cast(s.indices, tf.int64))]
+    names = [f"{base}.{i}.{'values' if i % 2 == 0 else 'indices'}" for i in range(len(parts))]
+
+    def fn(arrays):
+        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, names)]
+        return [_ring.synchronize(h) for h in handles]
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in parts]
+    gathered = _call(fn, parts, [t.dtype for t in parts], shapes, process_set, "allgather")
     outs = []
-    values = grouped_allgather([s.values for s in slices], name=_suffix(names[0], "values"), process_set=process_set)
-    indices = grouped_allgather([s.indices for s in slices], name=_suffix(names[0], "indices"),
-                                process_set=process_set)
-    for s, v, i in zip(slices, values, indices):
+    for k, s in enumerate(slices):
+        values, indices = gathered[2 * k], gathered[2 * k + 1]
         if op == Average:
-            v = v / tf.cast(_set_size(process_set), v.dtype)
-        outs.append(tf.IndexedSlices(v, i, dense_shape=s.dense_shape))
+            values = values / tf.cast(n, values.dtype)
+        outs.append(tf.IndexedSlices(values, tf.cast(indices, s.indices.dtype), dense_shape=s.dense_shape))
     return outs
 
 
@@ -284,12 +299,6 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 
 # ------------------------------------------------------------------ allgather, broadcast, ...
-def _row_offsets(rows, process_set, name):
-    counts = allgather(tf.reshape(tf.cast(rows, tf.int64), [1]), name=name, process_set=process_set)
-    r = _set_rank(process_set)
-    return tf.reduce_sum(counts[:r]) if r else tf.constant(0, tf.int64)
-
-
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's tensors concatenated along dim 0, for each tensor of a list; differentiable."""
     if not tensors:
@@ -311,14 +320,20 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         outs = _call(fn, ts, [t.dtype for t in ts], shapes, process_set, where)
 
         def grad(*dys):
-            reduced = _allreduce_list([tf.convert_to_tensor(d) for d in dys], Average, 1.0, 1.0,
-                                      [_suffix(nm, "grad") for nm in names], process_set)
-            out = []
-            for i, (g, t) in enumerate(zip(reduced, ts)):
-                rows = tf.shape(t, out_type=tf.int64)[0]
-                offset = _row_offsets(rows, process_set, _suffix(names[i], "grad.rows"))
-                out.append(g[offset:offset + rows])
-            return out
+            # one op: average the gradients, learn every rank's rows, keep this rank's
+            dys = [tf.convert_to_tensor(d) for d in dys]
+            rows = tf.stack([tf.shape(t, out_type=tf.int64)[0] for t in ts])
+            grad_names = [_suffix(nm, "grad") for nm in names]
+            rank = _set_rank(process_set)
+
+            def grad_fn(arrays):
+                *grads, mine = arrays
+                handles = [_ring.allreduce_async(g, name=nm) for g, nm in zip(grads, grad_names)]
+                counts = _ring.allgather(mine.reshape(1, -1), name=_suffix(names[0], "grad.rows"))
+                starts = counts[:rank].sum(axis=0)
+                return [_ring.synchronize(h)[starts[i]:starts[i] + mine[i]] for i, h in enumerate(handles)]
+            shapes = [t.shape for t in ts]
+            return _call(grad_fn, dys + [rows], [d.dtype for d in dys], shapes, process_set, "allgather")
         return list(outs), grad
     return list(gather(*tensors))
 
