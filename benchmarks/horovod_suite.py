@@ -2,6 +2,7 @@
 
     python benchmarks/horovod_suite.py /path/to/horovod-checkout [--suite torch tensorflow ...]
                                        [-n 2] [-k SUBSTRING] [--jobs 1] [--json out.json]
+                                       [--rerun-failed previous.json]
 
 The checkout is a clone of horovod/horovod (0.28); this script fetches nothing. It writes a tiny
 ``horovod`` package into a temporary folder whose ``horovod.torch``, ``horovod.tensorflow``,
@@ -199,6 +200,8 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="tests run at once (default 1)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per test (default 300)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--rerun-failed", default=None, metavar="JSON",
+                   help="a previous --json: run only the tests that failed there, keep its other rows")
     args = p.parse_args()
     tests_dir = os.path.join(os.path.abspath(args.checkout), "test", "parallel")
     if not os.path.isdir(tests_dir):
@@ -215,10 +218,15 @@ def main():
     os.makedirs(home)
     write_alias(alias)
     env = child_env(alias, home)
+    previous = json.load(open(args.rerun_failed)) if args.rerun_failed else {}
     results = {}
     for suite in args.suite:
         path = os.path.join(tests_dir, f"test_{suite}.py")
         tests = [t for t in collect(path, env, workdir) if args.k is None or args.k in t]
+        kept = {}
+        if suite in previous:
+            kept = {row["test"]: row for row in previous[suite] if row["result"] != "fail"}
+            tests = [t for t in tests if t not in kept]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_one, path, t, args.n, env, args.timeout, workdir) for t in tests]
             rows = []
@@ -227,6 +235,7 @@ def main():
                 rows.append(row)
                 print(f"[{suite}] {row['result']:4} {row['seconds']:6.1f}s {row['test']} {row['reason'][:120]}",
                       file=sys.stderr, flush=True)
+        rows = sorted(rows + list(kept.values()), key=lambda row: row["test"])
         results[suite] = rows
         print(table(suite, rows) + "\n", flush=True)
     print(f"{args.n} ranks, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}\n")
