@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
 import sys
+import weakref
 import zlib
 
 import keras
@@ -152,17 +153,63 @@ def _run(fn, arrays, process_set, where, in_graph=False):
         raise _tf_error(exc, in_graph) from exc
 
 
+class _SessionOps:
+    """Names the collective ops built in TF1 session graphs, and checks that ranks run the same.
+
+    A session runs independent ops on several threads in any order, differently on each rank,
+    while the runtime needs every rank to call the same collective at the same time. Two ops
+    with equal shapes would then be paired silently; so each op gets a key when it is built
+    (graphs are built alike on every rank) and, when it runs, the ranks compare their keys first
+    and all raise if they differ. tf.function needs none of this: it runs py_functions in
+    program order.
+    """
+
+    def __init__(self):
+        self.built = weakref.WeakKeyDictionary()  # graph -> collective ops built in it
+
+    def key(self, where, process_set):
+        """The op's key, or None when it does not run in a TF1 session on every rank."""
+        if (tf.executing_eagerly() or tf.compat.v1.executing_eagerly_outside_functions()
+                or not _sets.is_global(process_set)):
+            return None
+        graph = tf.compat.v1.get_default_graph()
+        count = self.built.get(graph, 0)
+        self.built[graph] = count + 1
+        return f"{where} (graph op {count})"
+
+    @staticmethod
+    def check(key):
+        keys = _ring.allgather_object(key, name="jupyter_ring.session_op")
+        if len(set(keys)) > 1:
+            ops = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            raise CollectiveMismatchError(
+                f"ranks ran different collective ops of the graph at once ({ops}): a TF1 session ran "
+                "independent collective ops in a different order on each rank. Fetch them in separate "
+                "session.run calls, or order them with tf.control_dependencies.")
+
+
+_session_ops = _SessionOps()
+
+
 def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
     """Run ``fn(list of numpy arrays) -> list of numpy arrays`` eagerly or as one tf.py_function.
 
     In a graph the op runs when the session (or function) runs it; ``tf.function`` orders
-    py_functions as written, so every rank runs its collectives in the same order.
+    py_functions as written, so every rank runs its collectives in the same order; in a TF1
+    session the ranks check that they run the same op (_SessionOps).
     """
     tensors = list(tensors)
     if tf.executing_eagerly():
         outs = _run(fn, [_host(t) for t in tensors], process_set, where)
         return [tf.convert_to_tensor(np.asarray(o).astype(d.as_numpy_dtype) if d != tf.bfloat16 else o, dtype=d)
                 for o, d in zip(outs, out_dtypes)]
+    key = _session_ops.key(where, process_set)
+    if key is not None:
+        body = fn
+
+        def fn(arrays):  # noqa: F811 - the checked form of the same body
+            _session_ops.check(key)
+            return body(arrays)
 
     def py(*ts):
         outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
@@ -680,11 +727,14 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     groups = _layout(tensors)
     shapes = [tuple(t.shape.as_list()) for t in tensors]
     in_graph = not tf.executing_eagerly()
+    key = _session_ops.key(name, process_set)
 
     def fused(*ts):
         outs = [None] * len(ts)
         try:
             with _sets.on(process_set, name):
+                if key is not None:
+                    _session_ops.check(key)
                 for np_dtype, (entries, total) in groups.items():
                     flat = _buffers.flat(np_dtype, total * np_dtype.itemsize)
                     for i, offset, size in entries:
