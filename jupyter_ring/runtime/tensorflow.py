@@ -280,26 +280,31 @@ def _check_sparse_op(op, prescale, postscale, where):
         raise NotImplementedError(f"{where}: Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
-def _allreduce_slices(slices, op, names, process_set):
-    """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices (one graph
-    op for all of them, so that a session runs them in one order on every rank)."""
+def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, postscale=1.0):
+    """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices; ``dense``
+    tensors (with ``op`` and the factors) are allreduced in the same graph op, so that a TF1
+    session cannot run the parts in a different order on each rank. Returns (slices, dense)."""
     n = _set_size(process_set)
     base = names[0] or "indexed_slices"
     parts = [t for s in slices for t in (s.values, tf.cast(s.indices, tf.int64))]
-    names = [f"{base}.{i}.{'values' if i % 2 == 0 else 'indices'}" for i in range(len(parts))]
+    part_names = [f"{base}.{i}.{'values' if i % 2 == 0 else 'indices'}" for i in range(len(parts))]
+    dense = list(dense)
+    dense_names = [f"{base}.dense.{i}" for i in range(len(dense))]
 
     def fn(arrays):
-        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, names)]
-        return [_ring.synchronize(h) for h in handles]
-    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in parts]
-    gathered = _call(fn, parts, [t.dtype for t in parts], shapes, process_set, "allgather")
-    outs = []
+        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, part_names)]
+        reduced = _allreduce_arrays(arrays[len(parts):], op, prescale, postscale, dense_names, n)
+        return [_ring.synchronize(h) for h in handles] + reduced
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in parts] + [t.shape for t in dense]
+    outs = _call(fn, parts + dense, [t.dtype for t in parts + dense], shapes, process_set, "allgather")
+    gathered, reduced = outs[:len(parts)], outs[len(parts):]
+    result = []
     for k, s in enumerate(slices):
         values, indices = gathered[2 * k], gathered[2 * k + 1]
         if op == Average:
             values = values / tf.cast(n, values.dtype)
-        outs.append(tf.IndexedSlices(values, tf.cast(indices, s.indices.dtype), dense_shape=s.dense_shape))
-    return outs
+        result.append(tf.IndexedSlices(values, tf.cast(indices, s.indices.dtype), dense_shape=s.dense_shape))
+    return result, list(reduced)
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -313,7 +318,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     op = _api._op(op, average, where)
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse_op(op, prescale_factor, postscale_factor, where)
-        return _allreduce_slices([tensor], op, [name], process_set)[0]
+        return _allreduce_slices([tensor], op, [name], process_set)[0][0]
     tensor = _dense(tensor, where)
     compressed, ctx = compression.compress(tensor)
     out = _allreduce_list([compressed], op, prescale_factor, postscale_factor, [name], process_set)[0]
@@ -332,10 +337,17 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     out = [None] * len(tensors)
     if slices:
+        # slices and dense tensors in one op (not differentiable: sparse reductions have no gradient)
         _check_sparse_op(op, prescale_factor, postscale_factor, where)
-        reduced = _allreduce_slices([tensors[i] for i in slices], op, [_suffix(name, "slices")], process_set)
+        pairs = [compression.compress(_dense(tensors[i], f"{where} tensor {i}")) for i in dense]
+        reduced, reduced_dense = _allreduce_slices([tensors[i] for i in slices], op, [_suffix(name, "slices")],
+                                                   process_set, [c for c, _ in pairs], prescale_factor,
+                                                   postscale_factor)
         for i, r in zip(slices, reduced):
             out[i] = r
+        for i, r, (_, ctx) in zip(dense, reduced_dense, pairs):
+            out[i] = compression.decompress(r, ctx)
+        return out
     if dense:
         pairs = [compression.compress(_dense(tensors[i], f"{where} tensor {i}")) for i in dense]
         names = [_suffix(name, str(i)) for i in dense]
@@ -652,11 +664,16 @@ def _reduce_gradients(grads, sources, op, prescale, postscale, compression, name
             dense.append(i)
             grads[i] = tf.zeros(tuple(s.shape), s.dtype)
     if sparse:
+        # sparse and dense gradients in one op (see _allreduce_slices)
         _check_sparse_op(op, prescale, postscale, "gradient")
-        for i, r in zip(sparse, _allreduce_slices([grads[i] for i in sparse], op, [names[sparse[0]]],
-                                                  process_set)):
+        pairs = [compression.compress(_dense(grads[i], f"gradient '{names[i]}'")) for i in dense]
+        reduced, reduced_dense = _allreduce_slices([grads[i] for i in sparse], op, [names[sparse[0]]], process_set,
+                                                   [c for c, _ in pairs], prescale, postscale)
+        for i, r in zip(sparse, reduced):
             result[i] = r
-    if dense:
+        for i, r, (_, ctx) in zip(dense, reduced_dense, pairs):
+            result[i] = compression.decompress(r, ctx)
+    elif dense:
         pairs = [compression.compress(_dense(grads[i], f"gradient '{names[i]}'")) for i in dense]
         reduced = _reduce_dense([c for c, _ in pairs], op, prescale, postscale, [names[i] for i in dense],
                                 process_set)
