@@ -222,6 +222,11 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
     return outs
 
 
+def _ref(variable):
+    """A hashable handle of a variable: TF's ``ref()``, or the object's id (Keras 3 variables)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
 def _set_size(process_set):
     return _ring.size() if _sets.is_global(process_set) else process_set.size()
 
@@ -821,13 +826,13 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced over the ranks)."""
-        self._local_vars.add(var.ref())
+        self._local_vars.add(_ref(var))
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's gradients, reduced over the ranks (one fused collective op)."""
         gradients = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*gradients) if gradients else ((), ())
-        shared = [i for i, v in enumerate(variables) if v.ref() not in self._local_vars]
+        shared = [i for i, v in enumerate(variables) if _ref(v) not in self._local_vars]
         names = [f"{self._name}.{getattr(variables[i], 'name', i)}" for i in shared]
         reduced = _reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared], self._op,
                                     self._prescale, self._postscale, self._compression, names,
@@ -931,7 +936,7 @@ class DistributedGradientTape:
 
     def register_local_source(self, source):
         """Keep ``source``'s gradient local: not reduced over the ranks."""
-        self._local_sources.add(source.ref())
+        self._local_sources.add(_ref(source))
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
@@ -939,7 +944,7 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        shared = [i for i, s in enumerate(flat_sources) if not hasattr(s, "ref") or s.ref() not in self._local_sources]
+        shared = [i for i, s in enumerate(flat_sources) if _ref(s) not in self._local_sources]
         names = [f"gradient.{i}" for i in shared]
         reduced = _reduce_gradients([flat[i] for i in shared], [flat_sources[i] for i in shared], self._op,
                                     self._prescale, self._postscale, self._compression, names,
@@ -961,7 +966,7 @@ class DistributedGradientTape:
         grads = self.gradient(target, sources, output_gradients=output_gradients)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if s.ref() in self._local_sources else shared).append((s, g))
+            (local if _ref(s) in self._local_sources else shared).append((s, g))
         return local, shared
 
 
