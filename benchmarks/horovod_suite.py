@@ -79,7 +79,7 @@ def write_alias(folder):
 
 
 def child_env(alias, home):
-    from jupyter_ring._launch import mpi_env
+    from jupyter_ring.launch import mpi_env
 
     env = mpi_env()
     env.update(PYTHONPATH=os.pathsep.join([alias, os.path.dirname(HERE)]), PYTHONUNBUFFERED="1",
@@ -134,7 +134,7 @@ def _first_line(text, limit=220):
 
 
 def run_one(path, test, n, env, timeout, workdir):
-    from jupyter_ring._launch import find_mpiexec
+    from jupyter_ring.launch import find_mpiexec
 
     folder = tempfile.mkdtemp(prefix="case_", dir=workdir)
     script = (f'exec "{sys.executable}" -m pytest -q -p no:cacheprovider -c "{workdir}/pytest.ini" '
