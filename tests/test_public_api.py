@@ -26,14 +26,6 @@ def _public_modules():
 
 PUBLIC = _public_modules()
 
-# runtime/ is being rewritten for issues 17 and 18 (not this change's to edit): these modules
-# define compressor and handle classes they do not list. strict: once listed (or renamed _),
-# the case passes and this mark must go.
-_RUNTIME_UNLISTED = {
-    "jupyter_ring.runtime.torch": "FP16Compressor, Handle, NoneCompressor",
-    "jupyter_ring.runtime.tensorflow": "FP16Compressor, NoneCompressor",
-}
-
 
 def _defined_here(module):
     """Public names the module's own source binds at top level (def, class, assignment), but not
@@ -57,10 +49,7 @@ def test_the_public_modules_are_the_ones_meant():
             "jupyter_ring.widgets.live", "jupyter_ring.server", "jupyter_ring.runtime"} <= set(PUBLIC)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(
-        strict=True, reason=f"runtime/ (issues 17, 18) does not list {_RUNTIME_UNLISTED[name]}"))
-    if name in _RUNTIME_UNLISTED else name for name in PUBLIC])
+@pytest.mark.parametrize("name", PUBLIC)
 def test_all_is_exactly_what_the_module_exports(name):
     if name.startswith("jupyter_ring.runtime.") and name.rsplit(".", 1)[1] in ("tensorflow",
                                                                               "keras", "cupy"):
