@@ -17,6 +17,7 @@ PUBLIC = {
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
+    "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
     "progress", "log", "track",
 }

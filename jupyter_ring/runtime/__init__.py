@@ -14,6 +14,8 @@ This package never imports IPython, ipyparallel or ipywidgets, and imports MPI o
 """
 
 from ._api import (
+    ProcessSet,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -30,16 +32,19 @@ from ._api import (
     config,
     cross_rank,
     cross_size,
+    global_process_set,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     init,
+    join,
     is_initialized,
     local_rank,
     local_size,
     poll,
     rank,
     reducescatter,
+    remove_process_set,
     reset_stats,
     shutdown,
     size,
@@ -60,6 +65,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
+    "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
     "progress", "log", "track",
 ]

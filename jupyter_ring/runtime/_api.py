@@ -1,7 +1,9 @@
-"""Horovod's API over numpy arrays, backed by one ``Runtime`` per process."""
+"""Horovod's API over numpy arrays: argument checks, process sets and join, over one progress
+engine (``_progress.Engine``) per process set."""
 
 import atexit
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -13,6 +15,7 @@ from . import _collectives as C
 from ._config import Config
 from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
 from ._errors import NotInitializedError, RingError
+from ._progress import Call, Engine, Reduce
 from ._report import reporter
 
 __all__ = [
@@ -22,31 +25,83 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "timeline", "reset_stats",
+    "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 ]
 
 
+class ProcessSet:
+    """Ranks that run collectives together, as in Horovod: pass it as ``process_set=``.
+
+    Built from a list of (global) ranks, then registered on every rank with
+    :func:`add_process_set` (or ``init(process_sets=[...])``); ``process_set_id`` is set then.
+    Collectives on a set are called by its members only; ``root_rank`` stays a global rank.
+    """
+
+    def __init__(self, ranks):
+        try:
+            ranks = sorted(int(q) for q in ranks)
+        except TypeError:
+            raise TypeError(f"ProcessSet takes a list of ranks, got {type(ranks).__name__}") from None
+        self.ranks = ranks
+        self.process_set_id = None
+
+    def size(self):
+        """Number of ranks in the set (None before it is registered)."""
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self):
+        """This process's rank within the set (None if not registered or not a member)."""
+        if self.process_set_id is None or not self.included():
+            return None
+        return self.ranks.index(rank())
+
+    def included(self):
+        """Whether this process is a member of the set."""
+        return rank() in self.ranks
+
+    def _invalidate(self):
+        self.process_set_id = None
+
+    def __repr__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+class _Set:
+    """A registered process set's runtime (its own communicators) and engine, on a member."""
+
+    def __init__(self, ps, rt, engine):
+        self.ps = ps
+        self.rt = rt
+        self.engine = engine
+
+
 class _Process:
-    """This process's runtime and its queue of pending async collectives."""
+    """This process's runtime, its engines and the handles they owe results for."""
 
     def __init__(self):
         self.rt = None
-        self.queue = []        # (handle, entry) not yet executed, in submission order
-        self.results = {}      # handle -> result, or the exception to raise in synchronize()
-        self.queued_bytes = 0
-        self.next_handle = 1
-        self.unnamed = {}      # kind -> counter for auto names
-        self.fusion = None     # reusable fusion buffer (bytes)
+        self.engine = None
+        self.sets = {}           # process_set_id -> _Set on members, None on other ranks
+        self.set_ids = itertools.count(1)
+        self.owner = {}          # handle -> Engine that will hold its result
+        self.handles = itertools.count(1)
+        self.unnamed = {}        # kind -> counter for auto names
         self.atexit = False
-        self.epoch = 0         # +1 each time queued work is abandoned (a failed notebook cell)
+        self.epoch = 0           # +1 each time queued work is abandoned (a failed notebook cell)
 
 
 _proc = _Process()
 
 
-def init(comm=None, **config):
+def init(comm=None, process_sets=None, **config):
     """Start the runtime on ``comm`` (default MPI.COMM_WORLD); every rank must call it.
 
     Calling it again while initialised does nothing; ``shutdown()`` then ``init()`` starts anew.
+    ``process_sets`` (a list of :class:`ProcessSet`) are registered as by ``add_process_set``.
     Keyword arguments override :class:`Config` fields (``stall_timeout=...``).
     """
     if _proc.rt is not None:
@@ -57,16 +112,22 @@ def init(comm=None, **config):
         comm = MPI.COMM_WORLD
     elif isinstance(comm, (list, tuple)):
         raise TypeError("init(comm=...) takes an mpi4py communicator; build a sub-communicator with "
-                        "MPI.COMM_WORLD.Create_group(...) for a subset of ranks")
+                        "MPI.COMM_WORLD.Create_group(...) for a subset of ranks, or pass "
+                        "process_sets=[ProcessSet([...])]")
     elif not isinstance(comm, MPI.Comm):
         raise TypeError(f"init(comm=...) takes an mpi4py communicator, got {type(comm).__name__}")
-    _proc.rt = Runtime(comm, Config.from_env(**config))
-    reporter.rank = _proc.rt.rank
-    reporter.trace = _proc.rt.trace
+    rt = Runtime(comm, Config.from_env(**config))
+    _proc.rt = rt
+    _proc.engine = Engine(rt, _proc.handles)
+    global_process_set.ranks = list(range(rt.size))
+    reporter.rank = rt.rank
+    reporter.trace = rt.trace
     if not _proc.atexit:
         # Cancel our posted receives before mpi4py finalizes MPI (atexit runs last-in first-out).
-        atexit.register(_at_exit, _proc.rt.config.finalize_timeout)
+        atexit.register(_at_exit, rt.config.finalize_timeout)
         _proc.atexit = True
+    for ps in process_sets or ():
+        add_process_set(ps)
 
 
 def _at_exit(finalize_timeout):
@@ -87,10 +148,23 @@ def _at_exit(finalize_timeout):
 
 def shutdown():
     """Stop the runtime; pending async handles fail. Safe to call when not initialised."""
-    rt, _proc.rt = _proc.rt, None
-    _drop_queue(NotInitializedError("the runtime was shut down before this collective ran"))
-    if rt is not None:
-        rt.close()
+    rt, engine = _proc.rt, _proc.engine
+    _proc.rt = _proc.engine = None
+    error = NotInitializedError("the runtime was shut down before this collective ran")
+    stopping = [(s.engine, s.rt) for s in _proc.sets.values() if s is not None]
+    if engine is not None:
+        stopping.append((engine, rt))
+    for eng, _rt in stopping:
+        eng.fail_queued(error)
+        eng.close()
+    for _eng, _rt in stopping:
+        _rt.close()
+    for s in _proc.sets.values():
+        if s is not None:
+            s.ps._invalidate()
+    _proc.sets = {}
+    _proc.set_ids = itertools.count(1)
+    global_process_set.ranks = []
 
 
 def is_initialized():
@@ -141,6 +215,108 @@ def config():
     return _rt().config
 
 
+# ------------------------------------------------------------------ process sets
+def _engine(process_set, where):
+    """The engine of ``process_set`` (None or ``global_process_set``: every rank's)."""
+    if process_set is None or process_set is global_process_set:
+        engine = _proc.engine
+        if engine is None:
+            _rt()
+        return engine
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{where}: process_set= takes a ProcessSet, got {type(process_set).__name__}")
+    _rt()
+    if process_set.process_set_id == 0:
+        return _proc.engine
+    entry = _proc.sets.get(process_set.process_set_id, False)
+    if entry is False or process_set.process_set_id is None:
+        raise ValueError(f"{where}: {process_set!r} is not registered; call add_process_set() on every "
+                         "rank first (or pass it to init(process_sets=[...]))")
+    if entry is None:
+        raise ValueError(f"{where}: rank {_proc.rt.rank} is not in process set {process_set.ranks}; "
+                         "only its members call its collectives")
+    return entry.engine
+
+
+def add_process_set(process_set):
+    """Register a process set (a :class:`ProcessSet` or a list of ranks) on every rank; returns it.
+
+    Collective over every rank: all pass the same ranks (checked). Members get their own
+    communicators (a sub-communicator, shared-memory slots, a background thread), so collectives
+    on different sets run independently; errors and stalls inside a set name global ranks.
+    """
+    rt = _rt()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    where = f"add_process_set({ps.ranks})"
+    bad = [q for q in ps.ranks if not 0 <= q < rt.size]
+    problem = None
+    if bad:
+        problem = ValueError(f"{where}: rank(s) {bad} out of range for {rt.size} ranks (0..{rt.size - 1})")
+    elif not ps.ranks or len(set(ps.ranks)) != len(ps.ranks):
+        problem = ValueError(f"{where}: a process set needs distinct ranks, at least one")
+    elif ps.process_set_id is not None:
+        problem = ValueError(f"{where}: this ProcessSet is registered already ({ps!r})")
+    elif any(s is not None and s.ps.ranks == ps.ranks for s in _proc.sets.values()) or \
+            ps.ranks == list(range(rt.size)):
+        problem = ValueError(f"Attempted to add a duplicate process set: {ps!r}; the ranks of a process "
+                             "set must differ from every other's (the global set holds all ranks)")
+    everyone = allgather_object(None if problem else ps.ranks, name="jupyter_ring.add_process_set")
+    if problem is not None:
+        raise problem
+    differ = [q for q, ranks in enumerate(everyone) if ranks != ps.ranks]
+    if differ:
+        raise ValueError(f"{where}: every rank must pass the same ranks; rank(s) {differ} passed "
+                         f"{[everyone[q] for q in differ]}. Call add_process_set with the same list everywhere.")
+    member = rt.rank in ps.ranks
+    # Split is a blocking collective: every rank is known to be here (the exchange above), so it
+    # returns at once; the new set's own set-up is polled like init's.
+    sub = rt.ctl.Split(0 if member else rt.MPI.UNDEFINED, rt.rank)
+    set_id = next(_proc.set_ids)
+    if member:
+        set_rt = Runtime(sub, rt.config, world=ps.ranks)
+        _proc.sets[set_id] = _Set(ps, set_rt, Engine(set_rt, _proc.handles))
+    else:
+        _proc.sets[set_id] = None
+    ps.process_set_id = set_id
+    return ps
+
+
+def remove_process_set(process_set):
+    """Unregister a process set on every rank (collective); returns whether it was registered."""
+    _rt()
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"remove_process_set takes a ProcessSet, got {type(process_set).__name__}")
+    set_id = process_set.process_set_id
+    everyone = allgather_object(set_id, name="jupyter_ring.remove_process_set")
+    if any(other != set_id for other in everyone):
+        raise ValueError(f"remove_process_set: every rank must remove the same set; ids {everyone}")
+    if set_id is None or set_id == 0 or set_id not in _proc.sets:
+        return False
+    entry = _proc.sets.pop(set_id)
+    if entry is not None:
+        entry.engine.fail_queued(RingError(f"cancelled: process set {process_set.ranks} was removed"))
+        entry.engine.close()
+        entry.rt.close()
+    process_set._invalidate()
+    return True
+
+
+def _set_root(process_set, engine, root_rank, where):
+    """A global root rank as the set's own rank number (checked)."""
+    rt = engine.rt
+    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
+        raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
+    root = int(root_rank)
+    if engine is _proc.engine:
+        if not 0 <= root < rt.size:
+            raise ValueError(f"{where}: root_rank {root} is out of range for {rt.size} ranks (0..{rt.size - 1})")
+        return root
+    if root not in rt.world:
+        raise ValueError(f"{where}: root_rank {root} is not in process set {rt.world}; pass the global "
+                         "rank of one of its members")
+    return rt.world.index(root)
+
+
 # ------------------------------------------------------------------ argument checks
 def _auto_name(kind, name):
     if name is not None:
@@ -177,12 +353,16 @@ def _inplace(tensor, where):
     return arr
 
 
-def _op(op, average, where):
+def resolve_op(op, average, where):
+    """The reduce op from Horovod's ``op=`` / deprecated ``average=`` pair (default Average)."""
     if average is not None:
         if op is not None:
             raise ValueError(f"{where}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     return Average if op is None else op
+
+
+_op = resolve_op  # the name tensorflow.py and cupy.py used before resolve_op
 
 
 def _factor(value, label, where):
@@ -192,104 +372,105 @@ def _factor(value, label, where):
         raise TypeError(f"{where}: {label} must be a number, got {value!r}") from None
 
 
-def _root(root_rank, where):
-    rt = _rt()
-    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
-        raise TypeError(f"{where}: root_rank must be an int, got {type(root_rank).__name__}")
-    if not 0 <= root_rank < rt.size:
-        raise ValueError(f"{where}: root_rank {root_rank} is out of range for {rt.size} ranks (0..{rt.size - 1})")
-    return int(root_rank)
+def _plan(engine, dtype, op, average, prescale, postscale, where):
+    """The checked ``ReducePlan`` for these arguments, cached per engine (the hot path's lookup)."""
+    if type(prescale) is not float or type(postscale) is not float:
+        prescale = _factor(prescale, "prescale_factor", where)
+        postscale = _factor(postscale, "postscale_factor", where)
+    key = (dtype, op, average, prescale, postscale)
+    plans = engine.plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = C.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where)
+        if len(plans) > 1024:
+            plans.clear()
+        plans[key] = plan
+    return plan
 
 
 # ------------------------------------------------------------------ allreduce
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=None):
     """Reduce ``tensor`` over all ranks (default op: Average) and return a new array."""
-    entry = _allreduce_entry(tensor, False, average, name, op, prescale_factor, postscale_factor)
-    return _allreduce_now(entry)
+    engine, entry = _reduce(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
+    return engine.run_now(entry)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=None):
     """In-place allreduce: ``tensor`` (a C-contiguous writable array) receives the result."""
-    entry = _allreduce_entry(tensor, True, average, name, op, prescale_factor, postscale_factor)
-    return _allreduce_now(entry)
+    engine, entry = _reduce(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+    return engine.run_now(entry)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=None):
     """Queue an allreduce; returns a handle for ``synchronize()``/``poll()``. Small ones are fused."""
-    entry = _allreduce_entry(tensor, False, average, name, op, prescale_factor, postscale_factor)
-    return _enqueue(entry, entry[1].nbytes)
+    engine, entry = _reduce(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _submit(engine, entry, entry.src.nbytes)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=None):
     """Queue an in-place allreduce; returns a handle."""
-    entry = _allreduce_entry(tensor, True, average, name, op, prescale_factor, postscale_factor)
-    return _enqueue(entry, entry[1].nbytes)
+    engine, entry = _reduce(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _submit(engine, entry, entry.src.nbytes)
 
 
-def _allreduce_entry(tensor, in_place, average, name, op, prescale, postscale):
-    """Check the arguments once, on the caller's line; the queue and the ring trust the entry."""
-    rt = _rt()
-    given = name
-    try:  # the hot path of every gradient: a plain try, not a context manager
-        name, explicit = _auto_name("allreduce", name)
-        where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
-        arr = _inplace(tensor, where) if in_place else _array(tensor, where)
-        op = _op(op, average, where)
-        prescale = _factor(prescale, "prescale_factor", where)
-        postscale = _factor(postscale, "postscale_factor", where)
-        fn = C._reducer(op, arr.dtype)
-        scaled = C._scale_of(rt, arr, op, prescale, postscale, where)
-    except (TypeError, ValueError) as exc:
-        _poison("allreduce", given, exc)
-        raise
-    return ("allreduce", arr, in_place, op, prescale, postscale, name, explicit, fn, scaled)
+def _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set):
+    """Check the arguments once, on the caller's line; the engine and the transport trust the entry.
 
-
-@contextlib.contextmanager
-def _joining(kind, name):
-    """Bad arguments on this rank: tell the peers waiting in ``kind`` before raising here.
-
-    Without this the other ranks would wait for the stall timeout not knowing why.
+    The hot path of every gradient: a numpy array of a known dtype and a cached plan cost a few
+    attribute reads; messages (with the tensor's name) are built only when something is wrong.
     """
-    try:
-        yield
-    except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
-        _poison(kind, name, exc)
+    given = name
+    engine = None
+    try:  # a plain try, not a context manager: this runs for every tensor
+        engine = _engine(process_set, "allreduce")
+        if name is None:
+            name, explicit = _auto_name("allreduce", None)
+        elif type(name) is str:
+            explicit = name
+        else:
+            name, explicit = _auto_name("allreduce", name)
+        if type(tensor) is np.ndarray and tensor.dtype in DTYPE_CODE and (
+                not in_place or (tensor.flags.c_contiguous and tensor.flags.writeable)):
+            arr = tensor
+        else:
+            where = f"{'allreduce_' if in_place else 'allreduce'} '{name}'"
+            arr = _inplace(tensor, where) if in_place else _array(tensor, where)
+        plan = _plan(engine, arr.dtype, op, average, prescale, postscale,
+                     f"{'allreduce_' if in_place else 'allreduce'} '{name}'")
+    except (TypeError, ValueError) as exc:
+        _poison(engine, "allreduce", given, exc)
         raise
+    src = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
+    if in_place:
+        return engine, Reduce(next(_proc.handles), name, explicit, src, src, arr, arr.shape, plan)
+    return engine, Reduce(next(_proc.handles), name, explicit, src, None, None, arr.shape, plan)
 
 
-def _poison(kind, name, exc):
-    rt = _proc.rt
-    if rt is not None and not isinstance(exc, RingError):
-        _flush()  # queued work first, so the peers meet the poison where this call would be
-        rt.poison(kind, name if isinstance(name, str) else "?", exc)
+def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=None):
+    """Allreduce a list of arrays together (one fused pass); returns a list."""
+    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                               process_set))
 
 
-def _allreduce_now(entry):
-    """A blocking allreduce: straight to the ring unless async work is queued before it."""
-    if _proc.queue:
-        return synchronize(_enqueue(entry, entry[1].nbytes))
-    return _run_fused(_rt(), [entry])[0]
-
-
-def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
-    """Allreduce a list of arrays together (one fused ring pass); returns a list."""
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor))
-
-
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=None):
     """In-place grouped allreduce."""
-    return synchronize(_group(tensors, True, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(_group(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=None):
     """Queue a grouped allreduce; ``synchronize`` returns the list of results."""
-    return _group(tensors, False, average, name, op, prescale_factor, postscale_factor)
+    return _group(tensors, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def _group(tensors, in_place, average, name, op, prescale, postscale):
-    rt = _rt()
-    with _joining("allreduce", name):
+def _group(tensors, in_place, average, name, op, prescale, postscale, process_set):
+    with _joining("allreduce", name, process_set) as engine:
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(f"grouped_allreduce: expected a list of arrays, got {type(tensors).__name__}")
         name, explicit = _auto_name("grouped_allreduce", name)
@@ -298,78 +479,84 @@ def _group(tensors, in_place, average, name, op, prescale, postscale):
         dtypes = {a.dtype for a in arrays}
         if len(dtypes) > 1:
             raise TypeError(f"{where}: all tensors of a group must share one dtype, got {sorted(map(str, dtypes))}")
-        op = _op(op, average, where)
-        prescale = _factor(prescale, "prescale_factor", where)
-        postscale = _factor(postscale, "postscale_factor", where)
-        if arrays:
-            C._reducer(op, arrays[0].dtype)
-            C._scale_of(rt, arrays[0], op, prescale, postscale, where)
-    entry = ("group", arrays, in_place, op, prescale, postscale, name, explicit)
-    return _enqueue(entry, sum(a.nbytes for a in arrays))
+        dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
+        plan = _plan(engine, dtype, op, average, prescale, postscale, where)
+    members = [C.Member(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), None)
+               for a in arrays]
+    if in_place:
+        members = [C.Member(m.src, m.src) for m in members]
+    desc = C.allreduce_desc(None, (sum(m.src.size for m in members),), plan.prescale, plan.postscale,
+                            tuple((explicit, a.shape) for a in arrays))
+
+    def run(rt):
+        outs = C.allreduce(rt, members, plan, name, desc)
+        return list(arrays) if in_place else [out.reshape(a.shape) for out, a in zip(outs, arrays)]
+    return _submit(engine, Call(next(_proc.handles), "allreduce", name, run), sum(a.nbytes for a in arrays))
 
 
 # ------------------------------------------------------------------ other collectives
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's array along dim 0; dim 0 may differ between ranks."""
-    return synchronize(allgather_async(tensor, name))
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def allgather_async(tensor, name=None):
+def allgather_async(tensor, name=None, process_set=None):
     """Queue an allgather; returns a handle."""
-    _rt()
-    with _joining("allgather", name):
+    with _joining("allgather", name, process_set) as engine:
         name, explicit = _auto_name("allgather", name)
         arr = _array(tensor, f"allgather '{name}'")
-    return _enqueue(("allgather", arr, name, explicit), 0)
+    return _submit(engine, Call(next(_proc.handles), "allgather", name,
+                                lambda rt: C.allgather(rt, arr, name, explicit)[0]))
 
 
-def broadcast(tensor, root_rank=0, name=None):
+def broadcast(tensor, root_rank=0, name=None, process_set=None):
     """Return root's array on every rank (every rank passes an array of the same shape)."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor, root_rank=0, name=None):
+def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     """In-place broadcast into ``tensor``."""
-    _rt()
-    with _joining("broadcast", name):
+    with _joining("broadcast", name, process_set) as engine:
         name, explicit = _auto_name("broadcast", name)
         arr = _inplace(tensor, f"broadcast_ '{name}'")
-        root = _root(root_rank, f"broadcast_ '{name}'")
-    return synchronize(_enqueue(("broadcast", arr, arr, root, name, explicit), 0))
+        root = _set_root(process_set, engine, root_rank, f"broadcast_ '{name}'")
+    return engine.run_now(Call(next(_proc.handles), "broadcast", name,
+                               lambda rt: C.broadcast_into(rt, arr, arr, root, name, explicit)))
 
 
-def broadcast_async(tensor, root_rank=0, name=None):
+def broadcast_async(tensor, root_rank=0, name=None, process_set=None):
     """Queue a broadcast; returns a handle."""
-    _rt()
-    with _joining("broadcast", name):
+    with _joining("broadcast", name, process_set) as engine:
         name, explicit = _auto_name("broadcast", name)
         arr = np.require(_array(tensor, f"broadcast '{name}'"), requirements="C")  # keeps 0-d
-        root = _root(root_rank, f"broadcast '{name}'")
-    return _enqueue(("broadcast", arr, np.empty_like(arr), root, name, explicit), 0)
+        root = _set_root(process_set, engine, root_rank, f"broadcast '{name}'")
+    out = np.empty_like(arr)
+    return _submit(engine, Call(next(_proc.handles), "broadcast", name,
+                                lambda rt: C.broadcast_into(rt, arr, out, root, name, explicit)))
 
 
-def reducescatter(tensor, op=Average, name=None):
+def reducescatter(tensor, op=Average, name=None, process_set=None):
     """Reduce over ranks and return this rank's block of dim 0 (first ranks get the extra rows)."""
-    rt = _rt()
-    with _joining("reducescatter", name):
+    with _joining("reducescatter", name, process_set) as engine:
         name, explicit = _auto_name("reducescatter", name)
         where = f"reducescatter '{name}'"
         arr = np.ascontiguousarray(_array(tensor, where))
         if arr.ndim == 0:
             raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
         C._reducer(op, arr.dtype)
-    return _now(C.reducescatter, rt, arr, op, name, explicit)
+    return engine.run_now(Call(next(_proc.handles), "reducescatter", name,
+                               lambda rt: C.reducescatter(rt, arr, op, name, explicit)))
 
 
-def alltoall(tensor, splits=None, name=None):
+def alltoall(tensor, splits=None, name=None, process_set=None):
     """Scatter rows to every rank and gather theirs: returns (output, received_splits)."""
-    rt = _rt()
-    with _joining("alltoall", name):
+    with _joining("alltoall", name, process_set) as engine:
         name, explicit = _auto_name("alltoall", name)
         where = f"alltoall '{name}'"
         arr = np.ascontiguousarray(_array(tensor, where))
-        splits = _splits(arr, splits, rt.size, where)
-    return _now(C.alltoall, rt, arr, splits, name, explicit)
+        splits = _splits(arr, splits, engine.rt.size, where)
+    return engine.run_now(Call(next(_proc.handles), "alltoall", name,
+                               lambda rt: C.alltoall(rt, arr, splits, name, explicit)))
 
 
 def _splits(arr, splits, n, where):
@@ -390,21 +577,22 @@ def _splits(arr, splits, n, where):
     return splits
 
 
-def barrier():
+def barrier(process_set=None):
     """Wait until every rank arrives (interruptible, with the stall timeout)."""
-    rt = _rt()
-    _now(C.barrier, rt, "barrier")
+    engine = _engine(process_set, "barrier")
+    engine.run_now(Call(next(_proc.handles), "barrier", "barrier", lambda rt: C.barrier(rt, "barrier")))
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Root's picklable object, returned on every rank."""
-    rt = _rt()
-    with _joining("broadcast_object", name):
+    with _joining("broadcast_object", name, process_set) as engine:
         name, explicit = _auto_name("broadcast_object", name)
-        root = _root(root_rank, f"broadcast_object '{name}'")
-        data = _pickle(obj, f"broadcast_object '{name}'") if rt.rank == root else None
-    result = _now(C.broadcast_object, rt, data, root, name, explicit)
-    return obj if rt.rank == root else result
+        root = _set_root(process_set, engine, root_rank, f"broadcast_object '{name}'")
+        me = engine.rt.rank
+        data = _pickle(obj, f"broadcast_object '{name}'") if me == root else None
+    result = engine.run_now(Call(next(_proc.handles), "broadcast_object", name,
+                                 lambda rt: C.broadcast_object(rt, data, root, name, explicit)))
+    return obj if me == root else result
 
 
 def _pickle(obj, where):
@@ -415,72 +603,98 @@ def _pickle(obj, where):
                         "plain data (numbers, lists, dicts, arrays, a model's state_dict())") from exc
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """Every rank's picklable object, as a list in rank order."""
-    rt = _rt()
-    with _joining("allgather_object", name):
+    with _joining("allgather_object", name, process_set) as engine:
         name, explicit = _auto_name("allgather_object", name)
         data = _pickle(obj, f"allgather_object '{name}'")
-    return _now(C.allgather_object, rt, data, name, explicit)
+    return engine.run_now(Call(next(_proc.handles), "allgather_object", name,
+                               lambda rt: C.allgather_object(rt, data, name, explicit)))
 
 
-def _now(fn, rt, *args):
-    """Run a collective that has no async form, after whatever is queued (order is kept)."""
-    _flush()
-    return rt.run(fn, rt, *args)
+def join():
+    """This rank is out of data: take part in the others' allreduces with zeros until every rank
+    has called ``join()``; returns the rank that joined last (the same on every rank).
+
+    As in Horovod: a joined rank contributes zeros (``Average`` still divides by the number of
+    ranks); only allreduces may run while some rank has joined, other collectives raise.
+    Blocks (interruptibly) until every rank has joined.
+    """
+    engine = _engine(None, "join")
+    return engine.run_now(Call(next(_proc.handles), "join", "join", lambda rt: rt.join("join")))
 
 
-# ------------------------------------------------------------------ handles and fusion
-def _enqueue(entry, nbytes):
-    handle = _proc.next_handle
-    _proc.next_handle += 1
-    _proc.queue.append((handle, entry))
-    _proc.queued_bytes += nbytes
-    if _proc.queued_bytes >= _rt().config.fusion_threshold:
-        _flush()
+@contextlib.contextmanager
+def _joining(kind, name, process_set=None):
+    """Bad arguments on this rank: tell the peers waiting in ``kind`` before raising here.
+
+    Without this the other ranks would wait for the stall timeout not knowing why. Yields the
+    engine of ``process_set``.
+    """
+    engine = None
+    try:
+        engine = _engine(process_set, kind)
+        yield engine
+    except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
+        _poison(engine, kind, name, exc)
+        raise
+
+
+def _poison(engine, kind, name, exc):
+    """Send ``exc`` to the peers at this call's place in the order of collectives."""
+    if engine is not None and not isinstance(exc, RingError):
+        label = name if isinstance(name, str) else "?"
+        engine.run_now(Call(next(_proc.handles), "error", label,
+                            lambda rt: rt.poison(kind, label, exc)))
+
+
+# ------------------------------------------------------------------ handles
+def _submit(engine, entry, nbytes=0):
+    handle = engine.submit(entry, nbytes)
+    _proc.owner[handle] = engine
     return handle
 
 
 def poll(handle):
-    """True when ``handle``'s result is ready (runs the queued collectives if needed)."""
-    _check_handle(handle)
-    if handle not in _proc.results:
-        _flush()
-    return True
+    """True when ``handle``'s collective has finished (its result or error waits for synchronize).
+
+    Runs nothing: the engine's background thread makes progress while the caller computes.
+    """
+    return _owner(handle).poll(handle)
 
 
 def synchronize(handle):
     """Wait for ``handle`` and return its result (raises the collective's error, if any)."""
-    _check_handle(handle)
-    if handle not in _proc.results:
-        _flush()
-    result = _proc.results.pop(handle)
-    if isinstance(result, BaseException):
-        raise result
-    return result
+    engine = _owner(handle)
+    try:
+        return engine.wait(handle)
+    finally:
+        if handle not in engine.results:  # interrupted before it finished: synchronize it later
+            _proc.owner.pop(handle, None)
 
 
-def _check_handle(handle):
-    if handle not in _proc.results and all(h != handle for h, _ in _proc.queue):
+def _owner(handle):
+    engine = _proc.owner.get(handle) if isinstance(handle, int) else None
+    if engine is None:
         raise ValueError(f"unknown or already synchronized handle {handle!r}; each handle is synchronized once")
+    return engine
 
 
-def _drop_queue(error):
-    for handle, _entry in _proc.queue:
-        _proc.results[handle] = error
-    _proc.queue = []
-    _proc.queued_bytes = 0
-
-
+# ------------------------------------------------------------------ for the framework adapters
 def abandon_queued(reason):
-    """Fail every queued, not yet run collective with ``RingError(reason)`` and start a new epoch.
+    """Fail every queued collective with ``RingError("cancelled: reason")``, stop the one running,
+    and start a new epoch.
 
     Called on a rank whose notebook cell failed or was interrupted: what that cell queued must
     not run at the start of the next cell (the peers, interrupted elsewhere, did not queue the
     same calls). Stateful wrappers (DistributedOptimizer) compare :func:`epoch` to drop a step
     that began before.
     """
-    _drop_queue(RingError(f"cancelled: {reason}"))
+    engines = [s.engine for s in _proc.sets.values() if s is not None]
+    if _proc.engine is not None:
+        engines.append(_proc.engine)
+    for engine in engines:
+        engine.abandon(reason)
     _proc.epoch += 1
 
 
@@ -491,114 +705,19 @@ def epoch():
 
 def discard(handle):
     """Forget ``handle`` without waiting for it (its result, if any, is dropped)."""
-    _proc.results.pop(handle, None)
+    engine = _proc.owner.pop(handle, None)
+    if engine is not None:
+        engine.discard(handle)
 
 
-def _flush():
-    """Run every queued collective in submission order, fusing allreduces that can share a pass.
-
-    Grouping depends only on the order and arguments of the queued calls, so every rank that
-    queued the same calls makes the same fused groups.
-    """
-    if not _proc.queue:
-        return
-    rt = _rt()
-    queue, _proc.queue, _proc.queued_bytes = _proc.queue, [], 0
-    batches, open_batch = [], {}
-    limit = rt.config.fusion_threshold
-    for handle, entry in queue:
-        if entry[0] == "allreduce":
-            arr, op, pre, post = entry[1], entry[3], entry[4], entry[5]
-            key = (arr.dtype, op, pre, post)
-            batch = open_batch.get(key)
-            if batch is None or batch[1] + arr.nbytes > limit:
-                batch = open_batch[key] = [key, 0, []]
-                batches.append(batch)
-            batch[1] += arr.nbytes
-            batch[2].append((handle, entry))
-        else:
-            batches.append([None, 0, [(handle, entry)]])
-    for index, (key, _nbytes, items) in enumerate(batches):
-        try:
-            if key is None:
-                handle, entry = items[0]
-                _proc.results[handle] = _run_single(rt, entry)
-            else:
-                for handle, result in zip((h for h, _ in items), _run_fused(rt, [e for _, e in items])):
-                    _proc.results[handle] = result
-        except Exception as exc:
-            # The failed batch and everything queued after it fail with the same error; the
-            # caller sees it from synchronize() on any of those handles.
-            _fail(batches[index:], exc)
-            return
-        except BaseException:
-            _fail(batches[index:], RingError("cancelled: the collective was interrupted"))
-            raise
+def flush(process_set=None):
+    """Start what is queued now in the background, without waiting for more to fuse with it."""
+    _engine(process_set, "flush").flush()
 
 
-def _fail(batches, exc):
-    for _key, _nbytes, items in batches:
-        for handle, _entry in items:
-            _proc.results[handle] = exc
-
-
-def _run_single(rt, entry):
-    kind = entry[0]
-    if kind == "group":
-        _kind, arrays, in_place, op, pre, post, name, explicit = entry
-        return _run_group(rt, arrays, in_place, op, pre, post, name, explicit)
-    if kind == "allgather":
-        _kind, arr, name, explicit = entry
-        return rt.run(C.allgather, rt, arr, name, explicit)[0]
-    if kind == "broadcast":
-        _kind, arr, out, root, name, explicit = entry
-        return rt.run(C.broadcast_into, rt, arr, out, root, name, explicit)
-    raise AssertionError(kind)  # pragma: no cover - entries are built in this module
-
-
-def _run_fused(rt, entries):
-    """One allreduce pass over a batch of queued allreduces sharing dtype, op and scales."""
-    _kind, arr, in_place, op, pre, post, name, explicit, fn, scaled = entries[0]
-    if len(entries) == 1:
-        scale_pre, scale_post, divisor = scaled
-        src = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
-        dst = src if in_place else np.empty_like(src)
-        desc = C.allreduce_desc(explicit, arr.shape, pre, post)
-        rt.run(C.allreduce_into, rt, src, dst, fn, op, scale_pre, scale_post, divisor, name, desc)
-        return [arr if in_place else dst.reshape(arr.shape)]
-    members = tuple((e[7], e[1].shape) for e in entries)
-    name = f"fused[{name} +{len(entries) - 1}]"
-    return _fused_pass(rt, [e[1] for e in entries], op, pre, post, name, members, [e[2] for e in entries])
-
-
-def _run_group(rt, arrays, in_place, op, pre, post, name, explicit):
-    members = tuple((explicit, a.shape) for a in arrays)
-    return _fused_pass(rt, arrays, op, pre, post, name, members, [in_place] * len(arrays))
-
-
-def _fused_pass(rt, arrays, op, pre, post, name, members, in_place):
-    dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
-    total = sum(a.size for a in arrays)
-    need = total * dtype.itemsize
-    if _proc.fusion is None or _proc.fusion.nbytes < need:
-        _proc.fusion = np.empty(max(need, 1), np.uint8)
-    buf = _proc.fusion[:need].view(dtype)
-    if arrays:
-        np.concatenate([a.reshape(-1) for a in arrays], out=buf)  # one C loop, no temporary
-    desc = C.allreduce_desc(None, (total,), pre, post, members)
-    fn = C._reducer(op, dtype)
-    scale_pre, scale_post, divisor = C._scale_of(rt, buf, op, pre, post, name)
-    rt.run(C.allreduce_into, rt, buf, buf, fn, op, scale_pre, scale_post, divisor, name, desc)
-    out, offset = [], 0
-    for a, inp in zip(arrays, in_place):
-        part = buf[offset:offset + a.size].reshape(a.shape)
-        if inp:
-            a[...] = part
-            out.append(a)
-        else:
-            out.append(part.copy())
-        offset += a.size
-    return out
+def session():
+    """An object that identifies the running runtime (a new one after shutdown/init), or None."""
+    return _proc.rt
 
 
 # ------------------------------------------------------------------ trace

@@ -5,16 +5,19 @@ the data over point-to-point messages. Reductions that finish on the eager path 
 order on every rank, and the ring computes each segment once, so every rank ends bit-identical.
 """
 
+import bisect
 import pickle
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-from ._core import HEADER_BYTES, TAG_DATA, Average, _reducer
+from ._core import TAG_DATA, Average, Max, Min, Preset, Product, _reducer
 from ._errors import RingError
 
-__all__ = ["allreduce_into", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
-           "broadcast_object", "allgather_object", "allreduce_desc"]
+__all__ = ["allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
+           "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
+           "Flat"]
 
 TAG_AG = TAG_DATA + 10
 _SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
@@ -24,12 +27,39 @@ def _bytes(arr):
     return arr.view(np.uint8)
 
 
-def _scale_of(rt, arr, op, prescale, postscale, where):
-    """(prescale, postscale, integer divisor) for ``op`` on ``arr``; raises TypeError for ints."""
-    if arr.dtype.kind in "biu":
+class ReducePlan(NamedTuple):
+    """How allreduces of one (dtype, op, scale factors) reduce on one runtime; checked once."""
+
+    dtype: np.dtype
+    op: int
+    fn: object            # the elementwise numpy ufunc
+    prescale: float       # as passed: part of what the ranks agree on
+    postscale: float
+    scale_pre: float      # applied to the input (1.0: nothing to do)
+    scale_post: float     # applied to the result (float Average folds 1/size in)
+    divisor: int          # integer Average: floor division of the sum
+
+
+class Member(NamedTuple):
+    """One tensor of an allreduce pass."""
+
+    src: np.ndarray       # flat C-contiguous input
+    dst: object           # flat output: ``src`` itself in place, None for a new array
+
+
+def reduce_plan(rt, dtype, op, prescale, postscale, where):
+    """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
+    fn = _reducer(op, dtype)
+    scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
+    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, scale_post, divisor)
+
+
+def _scale_of(rt, dtype, op, prescale, postscale, where):
+    """(prescale, postscale, integer divisor) for ``op`` on ``dtype``; raises TypeError for ints."""
+    if dtype.kind in "biu":
         if prescale != 1.0 or postscale != 1.0:
             raise TypeError(f"{where}: prescale_factor/postscale_factor need a floating-point tensor, "
-                            f"got {arr.dtype}; cast it to float32 first")
+                            f"got {dtype}; cast it to float32 first")
         return 1.0, 1.0, (rt.size if op == Average and rt.size > 1 else 1)
     if op == Average:
         postscale = postscale / rt.size
@@ -46,51 +76,190 @@ def allreduce_desc(name, shape, prescale, postscale, members=None):
     return desc
 
 
-def allreduce_into(rt, src, dst, fn, op, prescale, postscale, divisor, name, desc):
-    """Reduce flat contiguous ``src`` over the ranks into flat ``dst`` (which may be ``src``).
+class Flat:
+    """Consecutive flat arrays read and written as one: a fused pass copies straight between its
+    members and the transport's buffers, with no fusion buffer in between."""
 
-    ``fn``, the scales and ``divisor`` come from ``_reducer``/``_scale_of``, checked by the caller.
+    __slots__ = ("arrays", "ends", "size")
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+        ends, end = [], 0
+        for a in arrays:
+            end += a.size
+            ends.append(end)
+        self.ends = ends
+        self.size = end
+
+    def _spans(self, lo, hi):
+        """(array, start in it, start in [lo, hi), count) covering elements [lo, hi)."""
+        i = bisect.bisect_right(self.ends, lo)
+        ends, arrays = self.ends, self.arrays
+        pos = lo
+        while pos < hi:
+            e = min(hi, ends[i])
+            if e > pos:
+                base = ends[i] - arrays[i].size
+                yield arrays[i], pos - base, pos - lo, e - pos
+            pos = e
+            i += 1
+
+    def read(self, lo, hi, out):
+        """Copy elements [lo, hi) into ``out``."""
+        for a, at, to, count in self._spans(lo, hi):
+            np.copyto(out[to:to + count], a[at:at + count])
+
+    def write(self, lo, hi, src):
+        """Copy ``src`` into elements [lo, hi)."""
+        for a, at, to, count in self._spans(lo, hi):
+            np.copyto(a[at:at + count], src[to:to + count])
+
+
+def _read(flat, lo, hi, out):
+    if type(flat) is Flat:
+        flat.read(lo, hi, out)
+    else:
+        np.copyto(out, flat[lo:hi])
+
+
+def _write(flat, lo, hi, src):
+    if type(flat) is Flat:
+        flat.write(lo, hi, src)
+    else:
+        np.copyto(flat[lo:hi], src)
+
+
+def allreduce(rt, members, plan, name, desc, pending=None, own=None):
+    """Reduce every member over the ranks (one pass, fused); returns the flat outputs.
+
+    ``plan`` comes from ``reduce_plan``; ``desc`` (or its packed agreement ``own``) is what the
+    ranks agree on. An in-place member's output is its input; a member whose ``dst`` is None gets
+    a new array. Every path reduces each element once, in rank order or on one rank, so every rank
+    ends bit-identical.
     """
     start = time.perf_counter()
-    # in place (also when prescaling copies src): once dst is written, a retry would read results
-    aliased = np.shares_memory(src, dst)
-    if prescale != 1.0:
-        src = src * src.dtype.type(prescale)
-    nbytes = src.nbytes
-    eager = rt.fits_eager(nbytes)
+    dtype = plan.dtype
+    single = len(members) == 1
+    if single:
+        src = members[0].src
+        total = src.size
+        dst = members[0].dst
+        if dst is None:
+            dst = np.empty(total, dtype)
+        outs = [dst]
+    else:
+        src = Flat([m.src for m in members])
+        total = src.size
+        outs = [np.empty(m.src.size, dtype) if m.dst is None else m.dst for m in members]
+        dst = Flat(outs)
+    nbytes = total * dtype.itemsize
+    phases = {}
+    if rt.fits_eager(nbytes):
+        _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases)
+    else:
+        _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single)
+    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), phases)
+    return outs
+
+
+def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):
+    """Payloads inside the agreement message; every rank reduces them in rank order."""
+    dtype = plan.dtype
+    payload = rt.payload_view(dtype, total)
+    if type(src) is Flat:
+        if total:
+            np.concatenate(src.arrays, out=payload)  # one C loop over the members
+        if plan.scale_pre != 1.0:
+            np.multiply(payload, dtype.type(plan.scale_pre), out=payload)
+    elif plan.scale_pre != 1.0:
+        np.multiply(src, dtype.type(plan.scale_pre), out=payload)
+    else:
+        np.copyto(payload, src)
+    peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc,
+                         payload=Preset(total * dtype.itemsize), pending=pending, own=own)
+    phases["negotiate"] = (start, time.perf_counter())
+    # Reduce in rank order so every rank gets the same bits; our own input is read from the copy
+    # that went out in the agreement message (in place, the input is also the output).
+    parts = rt.participants
+    me = rt.rank
+    out = dst if type(dst) is not Flat else rt.scratch(total * dtype.itemsize).view(dtype)
+    terms = [payload if q == me else np.frombuffer(peers[q].payload, dtype, total) for q in parts]
+    _reduce_into(out, terms, plan, rt.joined)
+    if out is not dst:
+        dst.write(0, total, out)
+
+
+def _reduce_into(out, terms, plan, joined):
+    """Reduce every participant's term, in rank order, into ``out``; then scale it."""
+    fn = plan.fn
+    if len(terms) == 1:
+        np.copyto(out, terms[0])
+    else:
+        fn(terms[0], terms[1], out=out)
+        for term in terms[2:]:
+            fn(out, term, out=out)
+    _finish(out, plan.scale_post, plan.divisor)
+    if joined:
+        _joined_zeros(out, plan)
+
+
+def _joined_zeros(out, plan):
+    """Ranks that called join() contribute zeros (Horovod): Sum/Average need nothing, the rest do."""
+    if plan.op in (Min, Max, Product):
+        plan.fn(out, plan.dtype.type(0), out=out)
+
+
+def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single):
+    """Above ``eager_bytes``: shared memory on one host, the pipelined ring otherwise."""
+    dtype = plan.dtype
+    nbytes = total * dtype.itemsize
+    # in place: once dst is written, a retry would read results (Runtime.run refuses to retry)
+    aliased = single and np.shares_memory(src, dst)
+    if single and plan.scale_pre != 1.0:
+        src = src * dtype.type(plan.scale_pre)
+        prescaled = True
+    else:
+        prescaled = type(src) is not Flat or plan.scale_pre == 1.0
     # Shared memory when every rank is on this host and the payload is above the threshold:
     # each rank offers its slot in the agreement message (aux), 0 meaning "ring, please", and
     # takes that path only if every rank offered one, so all ranks choose alike.
     threshold = rt.config.shm_threshold
-    offer = (rt.shm.advertise(nbytes, rt.config.shm_window_bytes)
-             if rt.shm is not None and not eager and 0 < threshold < nbytes else 0)
-    peers = rt.negotiate("allreduce", name, src, op, -1, src.size, desc, aux=offer,
-                         payload=_bytes(src) if eager else None)
-    t_agreed = time.perf_counter()
-    n = rt.size
-    phases = {"negotiate": (start, t_agreed)}
-    if n == 1 or src.size == 0:
-        if dst is not src:
-            dst[...] = src
-        _finish(dst, postscale, divisor)
-    elif eager:
-        # Reduce in rank order so every rank gets the same bits; in place, our own input must
-        # survive until its turn: read it from the copy that went out in the agreement message.
-        own = np.frombuffer(rt._sendbuf, src.dtype, src.size, HEADER_BYTES) if dst is src else src
-        bufs = [own if r == rt.rank else np.frombuffer(peers[r][1], src.dtype, src.size) for r in range(n)]
-        fn(bufs[0], bufs[1], out=dst)
-        for buf in bufs[2:]:
-            fn(dst, buf, out=dst)
-        _finish(dst, postscale, divisor)
-    elif offer and all(peers[p][0] for p in rt.peers):
-        _shared(rt, src, dst, fn, postscale, divisor, offer, {p: peers[p][0] for p in rt.peers}, name,
-                phases, aliased)
+    offer = rt.shm.advertise(nbytes, rt.config.shm_window_bytes) if rt.shm is not None and 0 < threshold < nbytes else 0
+    peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
+                         own=own)
+    phases["negotiate"] = (start, time.perf_counter())
+    if len(rt.participants) == 1 or total == 0:
+        if single:
+            if src is not dst:
+                np.copyto(dst, src)
+        else:
+            for m, out in zip(src.arrays, dst.arrays):
+                if out is not m:
+                    np.copyto(out, m)
+                if not prescaled:
+                    np.multiply(out, dtype.type(plan.scale_pre), out=out)
+        for out in (dst.arrays if type(dst) is Flat else [dst]):
+            _finish(out, plan.scale_post, plan.divisor)
+            if rt.joined:
+                _joined_zeros(out, plan)
+    elif offer and all(peers[p].aux for p in peers):
+        _shared(rt, src, dst, plan, offer, {p: peers[p].aux for p in peers}, name, phases, aliased, prescaled)
     else:
-        _ring(rt, src, dst, fn, postscale, divisor, _even_bounds(src.size, n), name, phases,
-              aliased=aliased)
-    end = time.perf_counter()
-    rt.trace.record("allreduce", name, nbytes, start, end, phases)
-    return dst
+        if type(src) is Flat or not prescaled:
+            staged = np.empty(total, dtype)
+            _read(src, 0, total, staged)
+            if not prescaled:
+                np.multiply(staged, dtype.type(plan.scale_pre), out=staged)
+            _ring(rt, staged, staged, plan.fn, plan.scale_post, plan.divisor, _even_bounds(total, len(rt.participants)),
+                  name, phases)
+            if rt.joined:
+                _joined_zeros(staged, plan)
+            _write(dst, 0, total, staged)
+        else:
+            _ring(rt, src, dst, plan.fn, plan.scale_post, plan.divisor, _even_bounds(total, len(rt.participants)),
+                  name, phases, aliased=aliased)
+            if rt.joined:
+                _joined_zeros(dst, plan)
 
 
 def _finish(arr, postscale, divisor):
@@ -125,7 +294,10 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     rank ``ring_order[j]``'s block of ``bounds``, so every rank still finishes its own block.
     Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
-    comm, n, r, order = rt.comm, rt.size, rt.ring_pos, rt.ring_order
+    order = rt.ring_order
+    if rt.joined:  # ranks that called join() are left out of the ring
+        order = [q for q in order if q not in rt.joined]
+    comm, n, r = rt.comm, len(order), order.index(rt.rank)
     left, right = order[(r - 1) % n], order[(r + 1) % n]
     seg = [(bounds[q], bounds[q + 1]) for q in order]
     hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
@@ -216,7 +388,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
 
-def _shared(rt, src, dst, fn, postscale, divisor, offer, offers, name, phases, aliased):
+def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled):
     """Allreduce through the ranks' shared-memory slots, in pieces of half the slot size wanted.
 
     Per piece: every rank copies its input into its slot, all but block r, its own; sync; rank r
@@ -228,51 +400,70 @@ def _shared(rt, src, dst, fn, postscale, divisor, offer, offers, name, phases, a
     second sync of the next piece, which every rank reaches only once it has copied that half
     out; after the last piece the next collective's agreement exchange (or resync) is the fence.
     Small pieces keep the slots in the cache between the copy in, the reduction and the copy out.
+    A fused pass (``src`` a ``Flat``) copies its members straight into the slot, own block too
+    (applying the prescale there), and its results straight out into the members.
+    Ranks that called join() take no part: blocks are split among the participants.
     """
     slots = rt.shm
-    n, me = rt.size, rt.rank
+    parts = rt.participants
+    n, me = len(parts), rt.rank
+    index = parts.index(me)
+    others = [q for q in parts if q != me]
     what = f"allreduce '{name}' (shared memory)"
     try:
         half = slots.attach(offer, offers) // 2
     except OSError as exc:
-        raise RingError(f"{what}: rank {me} cannot map a peer's shared-memory slot ({exc}); set "
+        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's shared-memory slot ({exc}); set "
                         "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
-    step = max(1, half // src.itemsize)
-    views = [slots.slot(q) for q in range(n)]
-    starts = range(0, src.size, step)
+    dtype = plan.dtype
+    total = src.size
+    step = max(1, half // dtype.itemsize)
+    views = {q: slots.slot(q) for q in parts}
+    starts = range(0, total, step)
+    direct = type(src) is not Flat  # own block read straight from the input
+    pre = None if prescaled else dtype.type(plan.scale_pre)
 
     def sync():
         value = slots.arrive(rt.gen)
-        rt.poll(lambda: slots.arrived(value), what, lambda: slots.missing(value),
+        rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
                 spin_yield=slots.oversubscribed)
 
     for k, a in enumerate(starts):
-        b = min(a + step, src.size)
+        b = min(a + step, total)
         base = (k % 2) * half
         t0 = time.perf_counter()
-        slot = [view[base:base + (b - a) * src.itemsize].view(src.dtype) for view in views]
-        piece = src[a:b]
-        lo, hi = (b - a) * me // n, (b - a) * (me + 1) // n
-        # this rank's own block is read straight from its input: only the peers need the rest
-        np.copyto(slot[me][:lo], piece[:lo])
-        np.copyto(slot[me][hi:], piece[hi:])
+        slot = {q: views[q][base:base + (b - a) * dtype.itemsize].view(dtype) for q in parts}
+        lo, hi = (b - a) * index // n, (b - a) * (index + 1) // n
+        mine = slot[me]
+        if direct:
+            # this rank's own block is read straight from its input: only the peers need the rest
+            piece = src[a:b]
+            np.copyto(mine[:lo], piece[:lo])
+            np.copyto(mine[hi:], piece[hi:])
+            own = piece[lo:hi]
+        else:
+            # own block into scratch: the reduction writes block r of the slot before reading
+            # this rank's term when it is not the first in rank order
+            own = rt.scratch((hi - lo) * dtype.itemsize).view(dtype)
+            src.read(a, a + lo, mine[:lo])
+            src.read(a + lo, a + hi, own)
+            src.read(a + hi, b, mine[hi:])
+            if pre is not None:
+                np.multiply(mine, pre, out=mine)
+                np.multiply(own, pre, out=own)
         sync()
         if k == 0:
             slots.synced()  # every peer has mapped this rank's slot by now
             first = t0
         t1 = time.perf_counter()
-        terms = [piece[lo:hi] if q == me else slot[q][lo:hi] for q in range(n)]
-        out = slot[me][lo:hi]  # the block of its own slot this rank did not copy in
-        fn(terms[0], terms[1], out=out)
-        for term in terms[2:]:
-            fn(out, term, out=out)
-        _finish(out, postscale, divisor)
+        # into the block of its own slot this rank did not copy in
+        _reduce_into(mine[lo:hi], [own if q == me else slot[q][lo:hi] for q in parts], plan, rt.joined)
         sync()
         t2 = time.perf_counter()
         rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
-        for q in range(n):
-            c, d = (b - a) * q // n, (b - a) * (q + 1) // n
-            np.copyto(dst[a + c:a + d], slot[q][c:d])
+        for i, q in enumerate(parts):
+            c, d = (b - a) * i // n, (b - a) * (i + 1) // n
+            _write(dst, a + c, a + d, slot[q][c:d])
         t3 = time.perf_counter()
         if k < _SHM_TRACED_PIECES:
             suffix = f" piece {k}" if len(starts) > 1 else ""
@@ -283,7 +474,7 @@ def _shared(rt, src, dst, fn, postscale, divisor, offer, offers, name, phases, a
             rest = t0
     if len(starts) > _SHM_TRACED_PIECES:
         phases[f"shm pieces {_SHM_TRACED_PIECES}..{len(starts) - 1}"] = (rest, t3)
-    phases[f"shm ({len(starts)} x {step * src.itemsize // 1024} KiB)"] = (first, t3)
+    phases[f"shm ({len(starts)} x {step * dtype.itemsize // 1024} KiB)"] = (first, t3)
 
 
 def _post_ag(rt, dst, pieces, j, left, inflight):
@@ -299,7 +490,7 @@ def reducescatter(rt, arr, op, name, explicit_name):
     """Reduce over the ranks and keep this rank's block of dim 0 (Horovod's split)."""
     start = time.perf_counter()
     fn = _reducer(op, arr.dtype)
-    _pre, postscale, divisor = _scale_of(rt, arr, op, 1.0, 1.0, f"reducescatter '{name}'")
+    _pre, postscale, divisor = _scale_of(rt, arr.dtype, op, 1.0, 1.0, f"reducescatter '{name}'")
     n, r = rt.size, rt.rank
     rows = arr.shape[0] if arr.ndim else 1
     rest = arr.shape[1:]
@@ -308,7 +499,7 @@ def reducescatter(rt, arr, op, name, explicit_name):
     bounds = _row_bounds(rows, row_elems, n)
     eager = rt.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("reducescatter", name, flat, op, -1, flat.size, desc,
+    peers = rt.negotiate("reducescatter", name, flat.dtype, op, -1, flat.size, desc,
                          payload=_bytes(flat) if eager else None)
     lo, hi = bounds[r], bounds[r + 1]
     phases = {"negotiate": (start, time.perf_counter())}
@@ -316,7 +507,7 @@ def reducescatter(rt, arr, op, name, explicit_name):
         out = flat.copy()
         _finish(out, postscale, divisor)
     elif eager:
-        bufs = [flat if q == r else np.frombuffer(peers[q][1], flat.dtype, flat.size) for q in range(n)]
+        bufs = [flat if q == r else np.frombuffer(peers[q].payload, flat.dtype, flat.size) for q in range(n)]
         out = np.empty(hi - lo, flat.dtype)
         fn(bufs[0][lo:hi], bufs[1][lo:hi], out=out)
         for buf in bufs[2:]:
@@ -344,9 +535,9 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
     row_elems = int(np.prod(rest, dtype=np.int64))
     eager = rt.fits_eager(arr.nbytes)
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate(kind, name, arr, 0, -1, row_elems, desc, aux=arr.shape[0],
+    peers = rt.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
                          payload=_bytes(arr.reshape(-1)) if eager else None)
-    rows = {q: (arr.shape[0] if q == rt.rank else peers[q][0]) for q in range(rt.size)}
+    rows = {q: (arr.shape[0] if q == rt.rank else peers[q].aux) for q in range(rt.size)}
     offsets = np.cumsum([0] + [rows[q] for q in range(rt.size)])
     out = np.empty((int(offsets[-1]),) + rest, arr.dtype)
     flat = out.reshape(-1)
@@ -355,8 +546,8 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
         lo, hi = int(offsets[q]) * row_elems, int(offsets[q + 1]) * row_elems
         if q == rt.rank:
             flat[lo:hi] = arr.reshape(-1)
-        elif peers[q][1] is not None:
-            flat[lo:hi] = np.frombuffer(peers[q][1], arr.dtype, hi - lo)
+        elif peers[q].payload is not None:
+            flat[lo:hi] = np.frombuffer(peers[q].payload, arr.dtype, hi - lo)
         else:
             reqs.append(rt.comm.Irecv(_bytes(flat[lo:hi]), q, TAG_DATA))
             peer_of.append(q)
@@ -377,7 +568,7 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
     is_root = rt.rank == root
     eager = rt.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("broadcast", name, flat, 0, root, flat.size, desc,
+    peers = rt.negotiate("broadcast", name, flat.dtype, 0, root, flat.size, desc,
                          payload=_bytes(flat) if (is_root and eager) else None)
     oflat = out.reshape(-1)
     if is_root:
@@ -388,7 +579,7 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
             rt._inflight = reqs
             rt._wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
     elif eager:
-        oflat[...] = np.frombuffer(peers[root][1], flat.dtype, flat.size)
+        oflat[...] = np.frombuffer(peers[root].payload, flat.dtype, flat.size)
     else:
         req = rt.comm.Irecv(_bytes(oflat), root, TAG_DATA)
         rt._inflight = [req]
@@ -411,8 +602,8 @@ def alltoall(rt, arr, splits, name, explicit_name):
     blocks = {q: flat[int(starts[q]):int(starts[q + 1])] for q in range(n)}
     per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate("alltoall", name, arr, 0, -1, row_elems, desc, per_peer=per_peer)
-    received = [splits[q] if q == rt.rank else peers[q][0] for q in range(n)]
+    peers = rt.negotiate("alltoall", name, arr.dtype, 0, -1, row_elems, desc, per_peer=per_peer)
+    received = [splits[q] if q == rt.rank else peers[q].aux for q in range(n)]
     offs = np.cumsum([0] + received) * row_elems
     out = np.empty((sum(received),) + rest, arr.dtype)
     oflat = out.reshape(-1)
@@ -421,8 +612,8 @@ def alltoall(rt, arr, splits, name, explicit_name):
         dst = oflat[int(offs[q]):int(offs[q + 1])]
         if q == rt.rank:
             dst[...] = blocks[q]
-        elif peers[q][1] is not None:
-            dst[...] = np.frombuffer(peers[q][1], arr.dtype, dst.size)
+        elif peers[q].payload is not None:
+            dst[...] = np.frombuffer(peers[q].payload, arr.dtype, dst.size)
         else:
             reqs.append(rt.comm.Irecv(_bytes(dst), q, TAG_DATA))
             peer_of.append(q)
@@ -458,7 +649,7 @@ def broadcast_object(rt, data, root, name, explicit_name):
             rt._inflight = reqs
             rt._wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
     else:
-        nbytes, payload = peers[root]
+        nbytes, payload = peers[root].aux, peers[root].payload
         if payload is not None:
             raw = bytes(payload[:nbytes])
         else:

@@ -36,6 +36,10 @@ class Config:
     """Seconds after which a waiting rank warns (on stderr) which ranks have not arrived."""
     fusion_threshold: int = 128 * MiB
     """Bytes of queued async allreduces packed into one fusion buffer (Horovod's default)."""
+    cycle_ms: float = 1.0
+    """Milliseconds the engine's background thread waits after the first queued async collective
+    for more to fuse with it (Horovod's cycle time); ``flush()``, ``synchronize()`` and a full
+    fusion buffer start at once."""
     chunk_bytes: int = 1 * MiB
     """Pipeline piece of the ring: reduction of one piece overlaps the transfer of the next."""
     eager_bytes: int = 64 * 1024
@@ -74,6 +78,8 @@ class Config:
             raise ValueError(f"chunk_bytes must be at least 1024, got {self.chunk_bytes}")
         if self.finalize_timeout < 0:
             raise ValueError(f"finalize_timeout must be >= 0 seconds, got {self.finalize_timeout}")
+        if self.cycle_ms < 0:
+            raise ValueError(f"cycle_ms must be >= 0 milliseconds, got {self.cycle_ms}")
         if self.eager_bytes < 0 or self.fusion_threshold < 0 or self.shm_threshold < 0:
             raise ValueError("eager_bytes, fusion_threshold and shm_threshold must be >= 0")
         if self.shm_window_bytes < 1 << 16:

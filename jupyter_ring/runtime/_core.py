@@ -29,6 +29,7 @@ import socket
 import struct
 import time
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,7 +39,8 @@ from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._report import reporter
 from ._trace import Trace
 
-__all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES"]
+__all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
+           "Abandoned", "PeerMsg", "JoinNote", "Preset"]
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,10 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 KINDS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier",
-         "broadcast_object", "allgather_object", "resync", "timeline", "error")
+         "broadcast_object", "allgather_object", "resync", "timeline", "error", "join",
+         "process_set")
 POISON = 10  # KIND_CODE["error"]: "I failed before I could join; here is why"
+JOIN = 11    # KIND_CODE["join"]: "I have called join(): leave me out until every rank has"
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 
 DTYPES = [np.dtype(t) for t in (
@@ -58,7 +62,9 @@ DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 # kind, dtype, op, pad, root, count, fingerprint: the region every rank must agree on ...
 _AGREE = struct.Struct("<BBBxiqQ")
-# ... then flags, generation, sequence number, aux (per-rank value: rows, bytes).
+# ... then flags, generation, pending (entries of the sender's round from this collective on:
+# the engine's cut, see Recut; a JOIN notice puts its shared-memory tick here) and aux (per-rank
+# value: rows, bytes, shared-memory offer; a JOIN notice: its collective count).
 _HEADER = struct.Struct("<BBBxiqQBxxxIqq")
 _TAIL = struct.Struct("<BxxxIqq")
 HEADER_BYTES = _HEADER.size
@@ -72,6 +78,46 @@ _DESC_BYTES = 1 << 16
 
 class _Restart(Exception):
     """A peer asked for a resync while this rank waited: retry the collective on a fresh comm."""
+
+
+class Recut(Exception):
+    """The ranks' engines proposed rounds of different lengths: every rank runs the first ``count``.
+
+    Raised on every rank by the same exchange (every rank sees every header), after it completed,
+    so nothing is in flight; the engine re-plans its round and runs the collective again.
+    """
+
+    def __init__(self, count):
+        super().__init__(count)
+        self.count = count
+
+
+class Abandoned(BaseException):
+    """The thread waiting for this collective gave it up (interrupt, abandoned cell): stop now.
+
+    A BaseException, as KeyboardInterrupt is: ``Runtime.run`` abandons the requests in flight and
+    marks the runtime for a resync, exactly as after an interrupt in the calling thread.
+    """
+
+
+class PeerMsg(NamedTuple):
+    """What a peer sent in the agreement exchange, besides the agreed fields."""
+
+    aux: int                 # per-rank value: rows (allgather), bytes, shared-memory offer
+    payload: object          # memoryview of the eager payload, or None
+
+
+class Preset(NamedTuple):
+    """An eager payload already written into ``Runtime.payload_view()``: only its size."""
+
+    nbytes: int
+
+
+class JoinNote(NamedTuple):
+    """A peer's join notice: how many collectives it had run, and its shared-memory tick."""
+
+    collectives: int
+    tick: int
 
 
 def _fingerprint(*parts):
@@ -101,7 +147,7 @@ def _reducer(op, dtype):
 class Runtime:
     """The communicators, topology, trace and pending work of one initialised runtime."""
 
-    def __init__(self, comm, config):
+    def __init__(self, comm, config, world=None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -109,6 +155,14 @@ class Runtime:
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
         self.peers = [p for p in range(self.size) if p != self.rank]
+        # Messages name ranks as the user knows them: a process set's rank q is global rank world[q].
+        self.world = list(world) if world is not None else list(range(self.size))
+        # Set by another thread to give up the collective in progress (its next poll raises).
+        self.abort = None
+        self.joined = {}          # peer -> JoinNote: peers that called join(), left out of allreduces
+        self.active = self.peers  # peers not joined: the ones headers are exchanged with
+        self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
+        self.pending = 1          # entries of the engine's round from the running collective on
         self.trace = Trace(self.rank, self.size, config.trace_records)
         self.seq = 0
         self.gen = 0
@@ -125,6 +179,7 @@ class Runtime:
         self._eager = None
         self._sendbuf = None
         self._header_recvs = []
+        self._header_recv = {}
         self._agree_cache = {}
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
@@ -209,10 +264,21 @@ class Runtime:
         self._sendbuf = bytearray(capacity)
         # Persistent receives for the headers: started by every collective, rebuilt at resync.
         self._free_persistent()
-        self._header_recvs = [self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers]
+        self._header_recv = {p: self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers}
+        self._header_recvs = [self._header_recv[p] for p in self.active]
+
+    def _set_participants(self):
+        """Peers that joined are left out of headers' replies and of allreduces' data."""
+        self.active = [p for p in self.peers if p not in self.joined]
+        self.participants = sorted(self.active + [self.rank])
+        self._header_recvs = [self._header_recv[p] for p in self.active]
+
+    def name_of(self, ranks):
+        """Ranks of this communicator as the user knows them (global ranks in a process set)."""
+        return [self.world[q] for q in ranks]
 
     def _free_persistent(self):
-        for req in getattr(self, "_header_recvs", ()):
+        for req in getattr(self, "_header_recv", {}).values():
             try:
                 if not req.Test():
                     req.Cancel()
@@ -221,6 +287,7 @@ class Runtime:
             except self.MPI.Exception:  # pragma: no cover - already freed with its communicator
                 pass
         self._header_recvs = []
+        self._header_recv = {}
 
     def close(self):
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
@@ -277,24 +344,26 @@ class Runtime:
                 if warned:
                     reporter.stalled(None, (), 0.0)
                 return
+            if self.abort is not None:
+                raise Abandoned(self.abort)
             if check_notices and self._poll_notices() > self.gen:
                 raise _Restart()
             waited = time.perf_counter() - start
             if waited > config.stall_warning and not warned:
                 warned = True
-                absent = missing()
+                absent = self.name_of(missing())
                 log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s",
-                            self.rank, waited, what, absent)
+                            self.world[self.rank], waited, what, absent)
                 reporter.stalled(what, absent, waited)
             if waited > config.stall_timeout:
-                absent = missing()
+                absent = self.name_of(missing())
                 reporter.stalled(None, (), 0.0)
                 raise StallError(
-                    f"{what}: rank {self.rank} waited {waited:.1f} s for rank(s) {absent}, which never "
-                    f"arrived (stall timeout {config.stall_timeout:g} s). Every rank must call the same "
-                    "collectives in the same order; a rank that raised, skipped a call or died leaves "
-                    "the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just slow.",
-                    absent)
+                    f"{what}: rank {self.world[self.rank]} waited {waited:.1f} s for rank(s) {absent}, "
+                    f"which never arrived (stall timeout {config.stall_timeout:g} s). Every rank must "
+                    "call the same collectives in the same order; a rank that raised, skipped a call or "
+                    "died leaves the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just "
+                    "slow.", absent)
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -344,11 +413,11 @@ class Runtime:
         except StallError:
             self._poll_notices()
             arrived = self._notices.get(target, set())
-            missing = [p for p in peers if p not in arrived]
+            missing = self.name_of(p for p in peers if p not in arrived)
             raise StallError(
-                f"resync: rank {self.rank} waited for rank(s) {missing} to recover from the previous "
-                "failed collective; they have not called a collective since. Call the next collective "
-                "on every rank (or restart the cluster with %ring restart).", missing) from None
+                f"resync: rank {self.world[self.rank]} waited for rank(s) {missing} to recover from the "
+                "previous failed collective; they have not called a collective since. Call the next "
+                "collective on every rank (or restart the cluster with %ring restart).", missing) from None
         self._pending_dup = None
         old = self.comm
         for reqs, _ in self._abandoned + [(self._drains, None)]:
@@ -361,7 +430,10 @@ class Runtime:
         self.gen = target
         self.dirty = False
         self._notices = {t: s for t, s in self._notices.items() if t > target}
+        # join notices were messages on the old communicator: a joined rank announces itself anew
+        self.joined = {}
         self._eager_buffers()
+        self._set_participants()
         try:
             old.Free()
         except MPI.Exception:  # pragma: no cover
@@ -389,7 +461,7 @@ class Runtime:
                         "cannot be retried: the tensor now holds partial results. Recompute it and "
                         "call the collective again on every rank.") from None
                 continue
-            except (CollectiveMismatchError, PeerError):
+            except (CollectiveMismatchError, PeerError, Recut):
                 self._inflight = []  # every header and description was consumed: nothing in flight
                 raise
             except BaseException:
@@ -401,29 +473,41 @@ class Runtime:
                         "calling the same collectives. Restart the cluster (%ring restart).")
 
     # ------------------------------------------------------------------ agreement
-    def negotiate(self, kind, name, array, op, root, count, desc, aux=0, payload=None, per_peer=None):
-        """Exchange headers (and eager payloads) with every peer and check agreement.
-
-        ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...).
-        ``payload`` is a byte view sent along when it fits ``eager_bytes``; ``per_peer`` maps a
-        peer to its own ``(aux, payload)`` (alltoall). Returns a dict peer -> (aux, payload view
-        or None) for every peer.
-        """
-        comm = self.comm
-        key = (kind, array.dtype if array is not None else None, op, root, count, desc)
+    def agreement(self, kind, dtype, op, root, count, desc):
+        """The 24 bytes every rank must send alike for this collective (cached per signature)."""
+        key = (kind, dtype, op, root, count, desc)
         own = self._agree_cache.get(key)
         if own is None:
             if len(self._agree_cache) > 4096:
                 self._agree_cache.clear()
-            dtype_code = DTYPE_CODE.get(array.dtype, 255) if array is not None else 255
+            dtype_code = DTYPE_CODE.get(dtype, 255) if dtype is not None else 255
             own = self._agree_cache[key] = _AGREE.pack(KIND_CODE[kind], dtype_code, op, root, count,
                                                        _fingerprint(*desc))
+        return own
+
+    def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
+                  pending=None, own=None):
+        """Exchange headers (and eager payloads) with every peer and check agreement.
+
+        ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...), or
+        ``own`` its packed agreement when the caller cached it. ``payload`` is a byte view sent
+        along when it fits ``eager_bytes``; ``per_peer`` maps a peer to its own ``(aux, payload)``
+        (alltoall). ``pending`` is the number of entries of the engine's round from this one on:
+        ranks whose rounds differ raise ``Recut`` with the shortest (every rank sees every
+        header, so every rank raises it). Returns a dict peer -> ``PeerMsg`` for every peer
+        taking part (peers that called ``join()`` are left out once their notice arrives).
+        """
+        comm = self.comm
+        if own is None:
+            own = self.agreement(kind, dtype, op, root, count, desc)
+        if pending is None:
+            pending = self.pending
         self.seq += 1
-        peers = self.peers
+        peers = self.active
         recvs = self._header_recvs
         self.MPI.Prequest.Startall(recvs)
         if per_peer is None:
-            message = self._message(self._sendbuf, own, aux, payload)
+            message = self._message(self._sendbuf, own, aux, payload, pending)
             sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
         else:
             sends = []
@@ -431,25 +515,103 @@ class Runtime:
                 peer_aux, data = per_peer[p]
                 buf = bytearray(HEADER_BYTES + (data.nbytes if data is not None else 0))
                 self._keep.append(buf)
-                sends.append(comm.Isend(self._message(buf, own, peer_aux, data), p, TAG_HEADER))
+                sends.append(comm.Isend(self._message(buf, own, peer_aux, data, pending), p, TAG_HEADER))
+            message = memoryview(self._keep[-1])[:HEADER_BYTES] if self._keep else None
+        if self.joined:
+            # joined ranks reply to nothing, but see that this rank still runs collectives
+            header = memoryview(self._sendbuf)[:HEADER_BYTES] if per_peer is None else message
+            sends += [comm.Isend(header, p, TAG_HEADER) for p in self.joined]
         reqs = recvs + sends
         self._inflight = sends  # the persistent receives are cancelled by resync, not _abandon
-        self._wait(reqs, f"{kind} '{name}'", peers + peers)
+        self._wait(reqs, f"{kind} '{name}'", peers + peers + list(self.joined))
         self._keep.clear()
 
         result = {}
         mismatch = False
-        for p in self.peers:
+        cut = pending            # every rank runs the shortest round proposed
+        recut = False
+        newly_joined = False
+        for p in peers:
             buf = self._eager[p]
+            code = buf[0]
+            if code == JOIN:
+                flags, _gen, tick, collectives = _TAIL.unpack_from(buf, _AGREE_END)
+                self.joined[p] = JoinNote(collectives, tick)
+                newly_joined = True
+                continue
             view = memoryview(buf)
             if view[:_AGREE_END] != own:
                 mismatch = True
-            flags, _gen, _seq, peer_aux = _TAIL.unpack_from(buf, _AGREE_END)
-            result[p] = (peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
+            flags, _gen, peer_pending, peer_aux = _TAIL.unpack_from(buf, _AGREE_END)
+            if code != POISON and peer_pending != pending:
+                recut = True
+                cut = min(cut, peer_pending)
+            result[p] = PeerMsg(peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
+        if newly_joined:
+            self._set_participants()
+        if recut:
+            # rounds of different lengths fuse different batches: not a mismatch; every rank
+            # (the one with the shortest round too) runs the exchange again for the shortest
+            raise Recut(cut)
         if mismatch:
             self._raise_poison(kind, name)
-            self._explain_mismatch(kind, name, array, op, root, desc)
+            self._explain_mismatch(kind, name, dtype, op, root, desc)
+        if self.joined and kind != "allreduce":
+            joined = self.name_of(sorted(self.joined))
+            raise RingError(
+                f"{kind} '{name}': rank(s) {joined} called join() and wait for the others to join; "
+                "only allreduce can run until every rank has joined (as in Horovod). Call join() on "
+                "this rank too, or run this collective before any rank joins.")
         return result
+
+    def join(self, name):
+        """This rank has no more data: serve as a left-out peer until every rank has joined.
+
+        Sends a JOIN notice (its collective count and shared-memory tick) to every peer: peers in a
+        collective take it as this rank's header and leave it out of the data; joined peers wait for
+        it. Then receives the headers of the peers still running collectives (ignored: they reduce
+        without this rank) until every peer's JOIN has arrived. Returns the last rank to join
+        (most collectives run; the highest rank among equals), the same on every rank.
+        """
+        MPI = self.MPI
+        comm = self.comm
+        tick = self.shm.tick if self.shm is not None else 0
+        self.seq += 1
+        own = _AGREE.pack(JOIN, 255, 0, -1, 0, 0)
+        message = self._message(self._sendbuf, own, self.seq, None, tick)
+        sends = [comm.Isend(message, p, TAG_HEADER) for p in self.peers]
+        waiting = [p for p in self.peers if p not in self.joined]
+        reqs = {p: self._header_recv[p] for p in waiting}
+        MPI.Prequest.Startall(list(reqs.values()))
+        self._inflight = sends
+        progress = [False]
+
+        def arrived():
+            for p in list(reqs):
+                if not reqs[p].Test():
+                    continue
+                progress[0] = True
+                buf = self._eager[p]
+                if buf[0] == JOIN:
+                    _flags, _gen, peer_tick, collectives = _TAIL.unpack_from(buf, _AGREE_END)
+                    self.joined[p] = JoinNote(collectives, peer_tick)
+                    del reqs[p]
+                else:  # a peer still running collectives: its header, sent to a joined rank
+                    reqs[p].Start()
+            return not reqs or progress[0]
+
+        while reqs:
+            progress[0] = False
+            self.poll(arrived, f"join '{name}' (waiting for every rank to join)", lambda: sorted(reqs))
+        self._wait(sends, f"join '{name}'", self.peers)
+        notes = dict(self.joined)
+        notes[self.rank] = JoinNote(self.seq, tick)
+        last = max(notes, key=lambda q: (notes[q].collectives, q))
+        if self.shm is not None:
+            self.shm.align(max(note.tick for note in notes.values()) + 1)
+        self.joined = {}
+        self._set_participants()
+        return self.world[last]
 
     def poison(self, kind, name, exc):
         """This rank cannot join ``kind`` (bad arguments): tell every peer why, without waiting.
@@ -466,57 +628,68 @@ class Runtime:
         own = _AGREE.pack(POISON, 255, 0, -1, 0, _fingerprint(kind, name))
         self.seq += 1
         buf = bytearray(HEADER_BYTES + len(text))
-        message = self._message(buf, own, len(text), np.frombuffer(text, np.uint8))
+        message = self._message(buf, own, len(text), np.frombuffer(text, np.uint8), -1)
         capacity = len(self._sendbuf)
-        for p in self.peers:
+        for p in self.active:
             self._drains.append(self.comm.Isend(message, p, TAG_HEADER))
             self._drains.append(self.comm.Irecv(bytearray(capacity), p, TAG_HEADER))
 
     def _raise_poison(self, kind, name):
-        for p in self.peers:
+        for p in self.active:
             buf = self._eager[p]
             if buf[0] == POISON:
-                flags, _gen, _seq, nbytes = _TAIL.unpack_from(buf, _AGREE_END)
+                _flags, _gen, _pending, nbytes = _TAIL.unpack_from(buf, _AGREE_END)
                 reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")
+                q = self.world[p]
                 raise PeerError(
-                    f"{kind} '{name}': rank {p} could not join this collective and raised {reason}. "
-                    f"Fix the call on rank {p}; every rank raises here so that none is left waiting.",
-                    p, reason)
+                    f"{kind} '{name}': rank {q} could not join this collective and raised {reason}. "
+                    f"Fix the call on rank {q}; every rank raises here so that none is left waiting.",
+                    q, reason)
 
     def fits_eager(self, nbytes):
         """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
         return HEADER_BYTES + nbytes <= len(self._sendbuf)
 
-    def _message(self, buf, own, aux, data):
-        """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send."""
+    def _message(self, buf, own, aux, data, pending=1):
+        """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send.
+
+        ``data`` is a byte array copied in, or ``Preset(nbytes)``: the caller wrote the payload
+        into ``payload_view()`` already (a fused batch gathers its members there, no extra copy).
+        """
         # capacity was fixed at init/resync, the same on every rank
         flags = FLAG_PAYLOAD if data is not None and self.fits_eager(data.nbytes) else 0
         buf[:_AGREE_END] = own
-        _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, self.seq, aux)
+        _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, pending, aux)
         if not flags:
             return memoryview(buf)[:HEADER_BYTES]
         end = HEADER_BYTES + data.nbytes
-        np.frombuffer(buf, np.uint8, data.nbytes, HEADER_BYTES)[:] = data
+        if type(data) is not Preset:
+            np.frombuffer(buf, np.uint8, data.nbytes, HEADER_BYTES)[:] = data
         return memoryview(buf)[:end]
 
-    def _explain_mismatch(self, kind, name, array, op, root, desc):
+    def payload_view(self, dtype, count):
+        """The send buffer's payload region as ``count`` items of ``dtype``, for a ``Preset``."""
+        return np.frombuffer(self._sendbuf, dtype, count, HEADER_BYTES)
+
+    def _explain_mismatch(self, kind, name, dtype, op, root, desc):
         """Slow path: exchange full descriptions so every rank raises the same precise error."""
         mine = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op), "root": root,
-                "dtype": str(array.dtype) if array is not None else None, "desc": desc}
+                "dtype": str(dtype) if dtype is not None else None, "desc": desc}
         comm = self.comm
         data = pickle.dumps(mine)
         if len(data) > _DESC_BYTES:  # a huge group: describe its first tensors only
             mine["desc"] = tuple((label, value if label != "tensors" else value[:100]) for label, value in desc)
             data = pickle.dumps(mine)[:_DESC_BYTES]
-        bufs = {p: bytearray(_DESC_BYTES) for p in self.peers}
-        recvs = [comm.Irecv(bufs[p], p, TAG_DESC) for p in self.peers]
-        sends = [comm.Isend(data, p, TAG_DESC) for p in self.peers]
+        peers = self.active
+        bufs = {p: bytearray(_DESC_BYTES) for p in peers}
+        recvs = [comm.Irecv(bufs[p], p, TAG_DESC) for p in peers]
+        sends = [comm.Isend(data, p, TAG_DESC) for p in peers]
         self._inflight = recvs + sends
         self._keep.append(data)
-        self._wait(recvs + sends, f"{kind} '{name}' (comparing descriptions)", self.peers + self.peers)
-        descs = {self.rank: mine}
-        for p in self.peers:
-            descs[p] = pickle.loads(bufs[p])  # pickle stops at its STOP opcode: padding is ignored
+        self._wait(recvs + sends, f"{kind} '{name}' (comparing descriptions)", peers + peers)
+        descs = {self.world[self.rank]: mine}
+        for p in peers:
+            descs[self.world[p]] = pickle.loads(bufs[p])  # pickle stops at its STOP opcode: padding is ignored
         raise CollectiveMismatchError(describe_mismatch(descs))
 
     # ------------------------------------------------------------------ waits on data

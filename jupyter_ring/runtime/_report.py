@@ -7,6 +7,7 @@ a few local fields, and nothing is printed.
 """
 
 import math
+import threading
 import time
 
 __all__ = ["Reporter", "progress", "log", "track", "set_publisher", "flush"]
@@ -32,6 +33,7 @@ class Reporter:
         self.last_publish = 0.0
         self.dirty = False
         self.stall = None
+        self.stall_unsent = False
         self.rate_mark = (time.perf_counter(), 0)
         self.rate = 0.0
         self.comm_mark = (time.perf_counter(), 0.0)
@@ -132,8 +134,21 @@ class Reporter:
         }
 
     def stalled(self, what, missing, waited):
-        """The runtime tells us who waits on what; published at once for the dashboard's banner."""
+        """The runtime tells us who waits on what; published at once for the dashboard's banner.
+
+        The engine's background thread waits too, but a publisher (the kernel's sockets) is the
+        main thread's alone: from another thread the state is kept for ``flush_stall``.
+        """
         self.stall = {"what": what, "missing": list(missing), "waited": waited, "rank": self.rank} if what else None
+        if self.publisher is not None:
+            if threading.current_thread() is threading.main_thread():
+                self.publish()
+            else:
+                self.stall_unsent = True
+
+    def flush_stall(self):
+        """Publish a stall state the background thread recorded (called from the main thread)."""
+        self.stall_unsent = False
         if self.publisher is not None:
             self.publish()
 

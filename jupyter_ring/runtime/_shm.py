@@ -178,14 +178,26 @@ class SharedSlots:
         self.own.counter[0] = value
         return value
 
-    def arrived(self, value):
-        for _value, segment in self.peers.values():
-            if segment.counter[0] < value:
+    def align(self, gen, tick):
+        """Continue counting syncs from ``tick`` (every rank passes the same, at least its own).
+
+        After ``join()`` the ranks left out of the allreduces in between counted fewer syncs; every
+        rank moves on from one value above every rank's count, so no counter of before can pass
+        for a later sync.
+        """
+        self.tick_gen, self.tick = gen, max(self.tick if self.tick_gen == gen else 0, tick)
+
+    def arrived(self, value, ranks=None):
+        """Whether every peer (of ``ranks``, when given) reached sync point ``value``."""
+        peers = self.peers
+        for q in (peers if ranks is None else ranks):
+            if peers[q][1].counter[0] < value:
                 return False
         return True
 
-    def missing(self, value):
-        return sorted(q for q, (_v, segment) in self.peers.items() if segment.counter[0] < value)
+    def missing(self, value, ranks=None):
+        peers = self.peers
+        return sorted(q for q in (peers if ranks is None else ranks) if peers[q][1].counter[0] < value)
 
     def synced(self):
         """Every peer passed a sync with this rank's file mapped: its name is no longer needed."""

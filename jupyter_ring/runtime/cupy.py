@@ -31,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .. import runtime as _ring
+from . import _api  # named helpers: session(), resolve_op()
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 
@@ -84,7 +85,7 @@ class _Nccl:
     def get(self):
         from cupy.cuda import nccl
 
-        session = _ring._api._proc.rt
+        session = _api.session()
         if self.comm is None or self.session is not session:
             uid = nccl.get_unique_id() if _ring.rank() == 0 else None
             uid = _ring.broadcast_object(uid, 0, name="jupyter_ring.cupy.nccl_id")
@@ -150,7 +151,7 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
     _check(arr, where)
     if not arr.flags.c_contiguous:
         raise ValueError(f"{where}: the in-place form needs a C-contiguous array; pass cupy.ascontiguousarray(x)")
-    op = _ring._api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
     if _use_nccl(arr) and (op not in (Average,) or arr.dtype.kind == "f"):

@@ -149,11 +149,10 @@ def _check_handle(handle):
 
 
 def poll(handle):
-    """True when ``handle``'s result is ready (runs the queued collectives if needed)."""
+    """True when ``handle``'s collective has finished; runs nothing (the engine works in the
+    background), so a caller may compute while it is False."""
     _check_handle(handle)
-    for h in handle._handles:
-        _ring.poll(h)
-    return True
+    return all(_ring.poll(h) for h in handle._handles)
 
 
 def synchronize(handle):

@@ -1,0 +1,407 @@
+"""The progress engine: a queue of typed entries, rounds of fused batches, a background thread.
+
+Every collective call becomes an entry in one ``Engine`` per process set, in call order:
+
+- ``Reduce``: one allreduce; neighbours with the same ``ReducePlan`` (dtype, op, scale factors)
+  are fused into one pass of at most ``fusion_threshold`` bytes;
+- ``Call``: any other collective (a grouped allreduce, allgather, broadcast, join ...), run alone.
+
+Whoever holds ``Engine.lock`` owns the communicators and runs *rounds*: a round takes every entry
+queued at its start, splits it into batches (fusion; grouping depends only on the entries, so
+ranks with the same entries build the same batches) and runs them in order. Three threads of
+control can hold the lock:
+
+- a blocking call on an idle engine runs its collective at once in the caller's thread (the short
+  path: no hand-off, no added latency);
+- ``synchronize()`` of a handle nobody is running yet runs the rounds itself;
+- the background thread, woken by the first entry queued, waits ``cycle_ms`` for more entries to
+  fuse (or less: ``flush()``, or when ``fusion_threshold`` bytes are queued), then runs rounds while
+  the caller computes. ``poll()`` reads the results table: it tells the truth and runs nothing.
+
+Ranks may cut rounds at different points (timing). Every header carries the number of entries of
+the sender's round from that collective on (``pending``); when those differ, every rank gets
+``Recut`` from the same exchange and all rerun it with the shortest round, so fused batches
+always match. Errors of a batch fail that batch and the rest of its round (every rank alike) and
+surface at ``synchronize()``. Giving up (an interrupt while waiting for the background thread,
+``abandon``) sets ``Runtime.abort``: the executor's next poll raises ``Abandoned``, its requests
+are abandoned and the runtime resyncs at the next collective, as after an interrupt in the
+caller's own thread; everything queued fails with "cancelled".
+"""
+
+import collections
+import ctypes
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from . import _collectives as C
+from ._core import Abandoned, Recut
+from ._errors import RingError
+from ._report import reporter
+
+__all__ = ["Engine", "Reduce", "Call"]
+
+log = logging.getLogger(__name__)
+
+
+class Reduce(NamedTuple):
+    """A queued allreduce of one tensor: fusable with neighbours of the same plan."""
+
+    handle: int
+    name: str                 # for messages and the trace (auto-named when not given)
+    explicit: object          # the name= the caller passed (str) or None: agreed between ranks
+    src: np.ndarray           # flat C-contiguous input
+    dst: object               # flat output: ``src`` in place, None for a new array
+    result: object            # in place: what synchronize() returns (the caller's array)
+    shape: tuple
+    plan: C.ReducePlan
+
+    @property
+    def nbytes(self):
+        return self.src.nbytes
+
+
+class Call(NamedTuple):
+    """A queued collective run alone: ``run(rt)`` returns its result."""
+
+    handle: int
+    kind: str
+    name: str
+    run: Callable
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Batch:
+    """Entries run as one collective: fused ``Reduce`` entries of one plan, or one ``Call``."""
+
+    entries: list
+    nbytes: int
+
+
+def plan_batches(entries, limit):
+    """Fuse each plan's allreduces into batches of at most ``limit`` bytes; calls run alone.
+
+    Batches are ordered by their first entry. Depends only on the entries, so every rank that
+    queued the same calls builds the same batches.
+    """
+    batches, open_batch = [], {}
+    for entry in entries:
+        if type(entry) is Reduce:
+            key = entry.plan
+            batch = open_batch.get(key)
+            nbytes = entry.src.nbytes
+            if batch is None or batch.nbytes + nbytes > limit:
+                batch = open_batch[key] = Batch([entry], nbytes)
+                batches.append(batch)
+            else:
+                batch.entries.append(entry)
+                batch.nbytes += nbytes
+        else:
+            batches.append(Batch([entry], 0))
+    return batches
+
+
+def _low_timer_slack():
+    """Let this thread's short sleeps be short (Linux rounds them up by 50 µs by default)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread only
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+class Engine:
+    """The queue, the executor lock and the background thread of one runtime (process set)."""
+
+    def __init__(self, rt, handles):
+        self.rt = rt
+        self.config = rt.config
+        self.handles = handles                 # shared handle counter (itertools.count)
+        self.queue = collections.deque()       # entries not yet run, in call order
+        self.qlock = threading.Lock()          # guards queue snapshots against appends
+        self.results = {}                      # handle -> result, or the exception to raise
+        self.lock = threading.Lock()           # the executor's: owns the communicators
+        self.wake = threading.Event()          # the background thread's doorbell
+        self.done = threading.Condition()      # notified when a background batch finishes
+        self.submitted = 0                     # bytes ever queued (caller) ...
+        self.taken = 0                         # ... and ever taken by rounds (executor)
+        self.flush_now = False
+        self.thread = None
+        self.closed = False
+        self.waiting = 0                       # threads waiting in wait_background
+        self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
+
+    # ------------------------------------------------------------------ caller side
+    def submit(self, entry, nbytes=0):
+        """Queue ``entry``; the background thread will run it (soon, or at ``flush()``)."""
+        with self.qlock:
+            self.queue.append(entry)
+            first = len(self.queue) == 1
+        self.submitted += nbytes
+        if self.thread is None:
+            self._start()
+        if self.submitted - self.taken >= self.config.fusion_threshold:
+            self.flush_now = True
+            self.wake.set()
+        elif first:
+            self.wake.set()
+        return entry.handle
+
+    def flush(self):
+        """Ask the background thread to run what is queued now, without waiting for more."""
+        if self.queue:
+            self.flush_now = True
+            self.wake.set()
+
+    def run_now(self, entry):
+        """Run a blocking call: at once in this thread when the engine is idle, else queued."""
+        if not self.queue and self.lock.acquire(False):
+            try:
+                if not self.queue:
+                    return self._alone(entry)
+            finally:
+                self.lock.release()
+        self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
+        return self.wait(entry.handle)
+
+    def poll(self, handle):
+        """Whether ``handle`` has finished (its result or error is waiting for synchronize)."""
+        return handle in self.results
+
+    def wait(self, handle):
+        """Wait for ``handle`` (running queued rounds in this thread if nobody is) and return its
+        result, or raise its error."""
+        results = self.results
+        while handle not in results:
+            if self.lock.acquire(False):
+                try:
+                    while handle not in results and self.queue:
+                        self._round()
+                finally:
+                    self.lock.release()
+                if handle not in results:  # pragma: no cover - a handle of no queued entry
+                    raise ValueError(f"handle {handle!r} is not queued on this engine")
+            else:
+                self._wait_background(handle)
+        result = results.pop(handle)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _wait_background(self, handle):
+        """The background thread runs a round: wait for it, interruptibly.
+
+        An interrupt here gives up the round (and everything queued) before it propagates: the
+        background thread must not go on with tensors the caller is about to reuse.
+        """
+        self.waiting += 1
+        try:
+            with self.done:
+                while handle not in self.results and self.lock.locked():
+                    self.done.wait(0.05)
+                    if reporter.stall_unsent:
+                        reporter.flush_stall()  # the background thread may not publish itself
+        except KeyboardInterrupt:
+            self.abandon("the collective was interrupted")
+            raise
+        finally:
+            self.waiting -= 1
+
+    def discard(self, handle):
+        """Forget ``handle``'s result (if any) without raising it."""
+        self.results.pop(handle, None)
+
+    def abandon(self, reason):
+        """Fail every queued entry with ``RingError("cancelled: ...")`` and stop the running round.
+
+        Called from the caller's thread, never while it holds the executor lock. The executor's
+        next poll raises ``Abandoned``; its requests are abandoned and the next collective
+        resyncs every rank, so nothing of the abandoned round reaches a later one.
+        """
+        error = RingError(f"cancelled: {reason}")
+        self.rt.abort = reason
+        with self.qlock:
+            dropped = list(self.queue)
+            self.queue.clear()
+        for entry in dropped:
+            self.results.setdefault(entry.handle, error)
+        self.taken = self.submitted
+        # The executor notices within a poll interval (or when its numpy call returns).
+        while not self.lock.acquire(timeout=0.5):
+            log.info("jupyter_ring: waiting for the background collective to stop (%s)", reason)
+        self.rt.abort = None
+        self.lock.release()
+        self._notify()
+
+    def close(self):
+        """Stop the background thread, giving up the round it runs (call ``fail_queued`` first)."""
+        self.closed = True
+        self.wake.set()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            self.rt.abort = "the runtime is shutting down"
+            thread.join(10.0)
+            self.rt.abort = None
+        self.thread = None
+
+    def fail_queued(self, error):
+        """Fail every queued entry with ``error`` (shutdown)."""
+        with self.qlock:
+            dropped = list(self.queue)
+            self.queue.clear()
+        for entry in dropped:
+            self.results.setdefault(entry.handle, error)
+
+    # ------------------------------------------------------------------ background thread
+    def _start(self):
+        self.thread = threading.Thread(target=self._loop, name="jupyter_ring-engine", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        _low_timer_slack()
+        cycle = self.config.cycle_ms / 1000.0
+        wake = self.wake
+        while not self.closed:
+            wake.wait()
+            wake.clear()
+            if self.closed:
+                break
+            if not self.queue:
+                continue
+            # Give the caller a cycle to queue more for fusion, unless told to go now.
+            deadline = time.perf_counter() + cycle
+            while not (self.flush_now or self.closed
+                       or self.submitted - self.taken >= self.config.fusion_threshold):
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                wake.wait(remaining)
+                wake.clear()
+            self.flush_now = False
+            with self.lock:
+                while self.queue and not self.closed:
+                    try:
+                        self._round()
+                    except BaseException:  # noqa: BLE001 - recorded in the results by _round
+                        pass
+                self._notify()
+
+    def _notify(self):
+        if self.waiting:
+            with self.done:
+                self.done.notify_all()
+
+    # ------------------------------------------------------------------ executor (lock held)
+    def _alone(self, entry):
+        """A blocking call on an idle engine, run in the caller's thread (the short path)."""
+        rt = self.rt
+        rt.pending = 1
+        while True:
+            try:
+                if type(entry) is Reduce:
+                    out = rt.run(C.allreduce, rt, [C.Member(entry.src, entry.dst)], entry.plan, entry.name,
+                                 C.allreduce_desc(entry.explicit, entry.shape, entry.plan.prescale,
+                                                  entry.plan.postscale))[0]
+                    return entry.result if entry.result is not None else out.reshape(entry.shape)
+                return rt.run(entry.run, rt)
+            except Recut:
+                continue  # a peer proposed a longer round; it reruns with this one alone
+
+    def _round(self):
+        """Run every entry queued now, fused into batches; their results land in ``results``."""
+        with self.qlock:
+            todo = list(self.queue)
+        if not todo:
+            return
+        rt = self.rt
+        finished = set()
+        limit = self.config.fusion_threshold
+        try:
+            while todo:
+                batches = plan_batches(todo, limit)
+                try:
+                    left = len(todo)
+                    for index, batch in enumerate(batches):
+                        if rt.abort is not None:
+                            raise Abandoned(rt.abort)
+                        rt.pending = left  # entries of this round from this batch on
+                        try:
+                            self._run_batch(batch)
+                        except (Recut, Abandoned, KeyboardInterrupt):
+                            raise
+                        except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
+                            # the batch and the rest of the round fail alike on every rank
+                            for rest in batches[index:]:
+                                for entry in rest.entries:
+                                    self.results.setdefault(entry.handle, exc)
+                                    finished.add(entry.handle)
+                            todo = []
+                            break
+                        for entry in batch.entries:
+                            finished.add(entry.handle)
+                        left -= len(batch.entries)
+                    else:
+                        todo = []
+                except Recut as recut:
+                    # every rank runs the shortest round proposed; the rest waits for the next
+                    todo = [e for e in todo if e.handle not in finished][:recut.count]
+        except BaseException as exc:
+            # interrupted (this thread) or abandoned (another): this round and the queue are gone
+            error = RingError(f"cancelled: {exc if isinstance(exc, Abandoned) else 'the collective was interrupted'}")
+            with self.qlock:
+                dropped = list(self.queue)
+                self.queue.clear()
+            for entry in todo + dropped:
+                self.results.setdefault(entry.handle, error)
+            self.taken = self.submitted
+            if isinstance(exc, Abandoned):
+                rt.abort = None
+            raise
+        finally:
+            if finished:
+                self._remove(finished)
+            self._notify()
+
+    def _remove(self, finished):
+        """Take the finished entries out of the queue (a prefix of it, unless a round was cut)."""
+        with self.qlock:
+            queue = self.queue
+            taken = 0
+            while queue and queue[0].handle in finished:
+                entry = queue.popleft()
+                if type(entry) is Reduce:
+                    taken += entry.src.nbytes
+            if any(entry.handle in finished for entry in queue):
+                kept = collections.deque()
+                for entry in queue:
+                    if entry.handle not in finished:
+                        kept.append(entry)
+                    elif type(entry) is Reduce:
+                        taken += entry.src.nbytes
+                self.queue = kept
+        self.taken += taken
+
+    def _run_batch(self, batch):
+        rt = self.rt
+        entries = batch.entries
+        results = self.results
+        first = entries[0]
+        if type(first) is Call:
+            results.setdefault(first.handle, rt.run(first.run, rt))
+            return
+        plan = first.plan
+        if len(entries) == 1:
+            desc = C.allreduce_desc(first.explicit, first.shape, plan.prescale, plan.postscale)
+            name = first.name
+        else:
+            members = tuple((e.explicit, e.shape) for e in entries)
+            desc = C.allreduce_desc(None, (sum(e.src.size for e in entries),), plan.prescale,
+                                    plan.postscale, members)
+            name = f"fused[{first.name} +{len(entries) - 1}]"
+        outs = rt.run(C.allreduce, rt, [C.Member(e.src, e.dst) for e in entries], plan, name, desc)
+        for entry, out in zip(entries, outs):
+            results.setdefault(entry.handle, entry.result if entry.result is not None else out.reshape(entry.shape))
