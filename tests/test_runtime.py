@@ -177,3 +177,22 @@ def test_a_peer_giving_up_after_an_in_place_result_was_partly_written_raises_not
     result = mpirun("rt_shm.py", n, "partial", env=SHM_ENV)
     all_ranks_ok(result)
     assert len(result.lines("GAVE_UP")) == 1 and len(result.lines("PARTIAL")) == n - 1
+
+
+# The progress engine, process sets and join (tests/mpi/rt_engine.py, one mode per run).
+@pytest.mark.parametrize("n", [2, 4])
+def test_engine_honest_poll_errors_at_synchronize_background_interrupt_and_stall(mpirun, n):
+    result = mpirun("rt_engine.py", n, "async", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120)
+    all_ranks_ok(result)
+    assert len(result.lines("INTERRUPTED")) == n
+    assert len(result.lines("STALL")) == n - 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_process_sets_of_odd_shapes_every_collective_and_failures_named_by_global_rank(mpirun, n):
+    all_ranks_ok(mpirun("rt_engine.py", n, "sets", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_join_with_ranks_out_of_data_at_different_steps(mpirun, n):
+    all_ranks_ok(mpirun("rt_engine.py", n, "join", timeout=120))

@@ -71,9 +71,10 @@ global_process_set.process_set_id = 0
 
 
 class _Set:
-    """A registered process set's runtime (its own communicators) and engine, on a member."""
+    """A registered process set: its runtime (own communicators) and engine on a member, None
+    elsewhere."""
 
-    def __init__(self, ps, rt, engine):
+    def __init__(self, ps, rt=None, engine=None):
         self.ps = ps
         self.rt = rt
         self.engine = engine
@@ -85,7 +86,7 @@ class _Process:
     def __init__(self):
         self.rt = None
         self.engine = None
-        self.sets = {}           # process_set_id -> _Set on members, None on other ranks
+        self.sets = {}           # process_set_id -> _Set, on every rank
         self.set_ids = itertools.count(1)
         self.owner = {}          # handle -> Engine that will hold its result
         self.handles = itertools.count(1)
@@ -151,7 +152,7 @@ def shutdown():
     rt, engine = _proc.rt, _proc.engine
     _proc.rt = _proc.engine = None
     error = NotInitializedError("the runtime was shut down before this collective ran")
-    stopping = [(s.engine, s.rt) for s in _proc.sets.values() if s is not None]
+    stopping = [(s.engine, s.rt) for s in _proc.sets.values() if s.engine is not None]
     if engine is not None:
         stopping.append((engine, rt))
     for eng, _rt in stopping:
@@ -160,8 +161,7 @@ def shutdown():
     for _eng, _rt in stopping:
         _rt.close()
     for s in _proc.sets.values():
-        if s is not None:
-            s.ps._invalidate()
+        s.ps._invalidate()
     _proc.sets = {}
     _proc.set_ids = itertools.count(1)
     global_process_set.ranks = []
@@ -228,11 +228,11 @@ def _engine(process_set, where):
     _rt()
     if process_set.process_set_id == 0:
         return _proc.engine
-    entry = _proc.sets.get(process_set.process_set_id, False)
-    if entry is False or process_set.process_set_id is None:
+    entry = _proc.sets.get(process_set.process_set_id)
+    if entry is None or entry.ps is not process_set:
         raise ValueError(f"{where}: {process_set!r} is not registered; call add_process_set() on every "
                          "rank first (or pass it to init(process_sets=[...]))")
-    if entry is None:
+    if entry.engine is None:
         raise ValueError(f"{where}: rank {_proc.rt.rank} is not in process set {process_set.ranks}; "
                          "only its members call its collectives")
     return entry.engine
@@ -256,27 +256,33 @@ def add_process_set(process_set):
         problem = ValueError(f"{where}: a process set needs distinct ranks, at least one")
     elif ps.process_set_id is not None:
         problem = ValueError(f"{where}: this ProcessSet is registered already ({ps!r})")
-    elif any(s is not None and s.ps.ranks == ps.ranks for s in _proc.sets.values()) or \
-            ps.ranks == list(range(rt.size)):
+    elif any(s.ps.ranks == ps.ranks for s in _proc.sets.values()) or ps.ranks == list(range(rt.size)):
         problem = ValueError(f"Attempted to add a duplicate process set: {ps!r}; the ranks of a process "
                              "set must differ from every other's (the global set holds all ranks)")
-    everyone = allgather_object(None if problem else ps.ranks, name="jupyter_ring.add_process_set")
+    member = rt.rank in ps.ranks
+    ranks = None if problem else ps.ranks
+
+    def split(rt):
+        everyone = C.allgather_object(rt, _pickle(ranks, where), "jupyter_ring.add_process_set", None)
+        if problem is not None or any(other != ranks for other in everyone):
+            return everyone
+        # Split is a blocking collective: every rank is known to be here (the exchange above), so
+        # it returns at once; the new set's own set-up is polled like init's.
+        return rt.ctl.Split(0 if member else rt.MPI.UNDEFINED, rt.rank)
+
+    sub = _proc.engine.run_now(Call(next(_proc.handles), "process_set", "add_process_set", split))
     if problem is not None:
         raise problem
-    differ = [q for q, ranks in enumerate(everyone) if ranks != ps.ranks]
-    if differ:
+    if isinstance(sub, list):
+        differ = [q for q, other in enumerate(sub) if other != ps.ranks]
         raise ValueError(f"{where}: every rank must pass the same ranks; rank(s) {differ} passed "
-                         f"{[everyone[q] for q in differ]}. Call add_process_set with the same list everywhere.")
-    member = rt.rank in ps.ranks
-    # Split is a blocking collective: every rank is known to be here (the exchange above), so it
-    # returns at once; the new set's own set-up is polled like init's.
-    sub = rt.ctl.Split(0 if member else rt.MPI.UNDEFINED, rt.rank)
+                         f"{[sub[q] for q in differ]}. Call add_process_set with the same list everywhere.")
     set_id = next(_proc.set_ids)
     if member:
         set_rt = Runtime(sub, rt.config, world=ps.ranks)
         _proc.sets[set_id] = _Set(ps, set_rt, Engine(set_rt, _proc.handles))
     else:
-        _proc.sets[set_id] = None
+        _proc.sets[set_id] = _Set(ps)
     ps.process_set_id = set_id
     return ps
 
@@ -293,7 +299,7 @@ def remove_process_set(process_set):
     if set_id is None or set_id == 0 or set_id not in _proc.sets:
         return False
     entry = _proc.sets.pop(set_id)
-    if entry is not None:
+    if entry.engine is not None:
         entry.engine.fail_queued(RingError(f"cancelled: process set {process_set.ranks} was removed"))
         entry.engine.close()
         entry.rt.close()
@@ -690,7 +696,7 @@ def abandon_queued(reason):
     same calls). Stateful wrappers (DistributedOptimizer) compare :func:`epoch` to drop a step
     that began before.
     """
-    engines = [s.engine for s in _proc.sets.values() if s is not None]
+    engines = [s.engine for s in _proc.sets.values() if s.engine is not None]
     if _proc.engine is not None:
         engines.append(_proc.engine)
     for engine in engines:

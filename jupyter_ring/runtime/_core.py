@@ -575,7 +575,7 @@ class Runtime:
         """
         MPI = self.MPI
         comm = self.comm
-        tick = self.shm.tick if self.shm is not None else 0
+        tick = self.shm.ticks(self.gen) if self.shm is not None else 0
         self.seq += 1
         own = _AGREE.pack(JOIN, 255, 0, -1, 0, 0)
         message = self._message(self._sendbuf, own, self.seq, None, tick)
@@ -608,7 +608,7 @@ class Runtime:
         notes[self.rank] = JoinNote(self.seq, tick)
         last = max(notes, key=lambda q: (notes[q].collectives, q))
         if self.shm is not None:
-            self.shm.align(max(note.tick for note in notes.values()) + 1)
+            self.shm.align(self.gen, max(note.tick for note in notes.values()) + 1)
         self.joined = {}
         self._set_participants()
         return self.world[last]

@@ -178,6 +178,10 @@ class SharedSlots:
         self.own.counter[0] = value
         return value
 
+    def ticks(self, gen):
+        """Syncs counted in generation ``gen`` so far."""
+        return self.tick if self.tick_gen == gen else 0
+
     def align(self, gen, tick):
         """Continue counting syncs from ``tick`` (every rank passes the same, at least its own).
 
@@ -185,7 +189,7 @@ class SharedSlots:
         rank moves on from one value above every rank's count, so no counter of before can pass
         for a later sync.
         """
-        self.tick_gen, self.tick = gen, max(self.tick if self.tick_gen == gen else 0, tick)
+        self.tick_gen, self.tick = gen, max(self.ticks(gen), tick)
 
     def arrived(self, value, ranks=None):
         """Whether every peer (of ``ranks``, when given) reached sync point ``value``."""
