@@ -196,3 +196,8 @@ def test_process_sets_of_odd_shapes_every_collective_and_failures_named_by_globa
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_join_with_ranks_out_of_data_at_different_steps(mpirun, n):
     all_ranks_ok(mpirun("rt_engine.py", n, "join", timeout=120))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_registered_buffers_are_reduced_in_place_without_copies_and_exactly(mpirun, n):
+    all_ranks_ok(mpirun("rt_shm.py", n, "registered", env=SHM_ENV, timeout=120))

@@ -96,3 +96,13 @@ def test_horovod_style_script_runs_unchanged(mpirun, tmp_path):
     result = mpirun(script, 2, "--epochs", "1", "--checkpoint-dir", ckpt, "--fp16-allreduce")
     assert "epoch 2:" in result.stdout
     _all_ranks(result, "HOROVOD_STYLE_DONE", 2)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_buckets_zero_copy_exact_averages_overlap_and_process_set(mpirun, n):
+    # grads are views of registered memory, exact means bit-identical across ranks (awkward
+    # sizes, an empty and an unused parameter, two dtypes, a parameter larger than a bucket);
+    # with backward emulated layer by layer, bucket allreduces start before backward ends
+    result = mpirun("torch_overlap.py", n, timeout=180)
+    _all_ranks(result, "TORCH_OVERLAP_OK", n)
+    assert len(result.lines("OVERLAP")) == n

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import weakref
 
 import numpy as np
 
@@ -432,7 +433,9 @@ def _reduce(tensor, in_place, average, name, op, prescale, postscale, process_se
     given = name
     engine = None
     try:  # a plain try, not a context manager: this runs for every tensor
-        engine = _engine(process_set, "allreduce")
+        engine = _proc.engine if process_set is None else _engine(process_set, "allreduce")
+        if engine is None:
+            _rt()
         if name is None:
             name, explicit = _auto_name("allreduce", None)
         elif type(name) is str:
@@ -719,6 +722,35 @@ def discard(handle):
 def flush(process_set=None):
     """Start what is queued now in the background, without waiting for more to fuse with it."""
     _engine(process_set, "flush").flush()
+
+
+def bucket_buffer(nbytes, process_set=None):
+    """A zeroed uint8 buffer of ``nbytes`` for a fused gradient bucket, in the transport's memory.
+
+    When every rank of the set is on this host the buffer lives in registered shared memory: an
+    in-place allreduce of it (or of a contiguous view of it) is reduced straight out of every
+    rank's buffer, with no copy in or out. Elsewhere it is ordinary memory. Views of the array
+    (``.view(dtype)``, ``torch.from_numpy``) keep it alive; its memory is reused once the last
+    one is gone.
+    """
+    engine = _engine(process_set, "bucket_buffer")
+    rt = engine.rt
+    nbytes = int(nbytes)
+    if nbytes > 0 and rt.shm is not None and rt.config.shm_threshold > 0:
+        view, region = rt.shm.register(nbytes)
+        if view is not None:
+            # a view of a memoryview: every numpy view of it keeps this array (its base) alive
+            arr = np.frombuffer(memoryview(view)[:nbytes], np.uint8)
+            arr[...] = 0
+            weakref.finalize(arr, rt.shm.unregister, region, nbytes)
+            return arr
+    return np.zeros(nbytes, np.uint8)
+
+
+def registered(array, process_set=None):
+    """Whether ``array`` lies in the registered memory of ``bucket_buffer`` (zero copy)."""
+    rt = _engine(process_set, "registered").rt
+    return bool(rt.shm is not None and rt.shm.locate(np.asarray(array).reshape(-1)))
 
 
 def session():

@@ -214,19 +214,23 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
     dtype = plan.dtype
     nbytes = total * dtype.itemsize
     # in place: once dst is written, a retry would read results (Runtime.run refuses to retry)
-    aliased = single and np.shares_memory(src, dst)
-    if single and plan.scale_pre != 1.0:
+    aliased = single and (src is dst or np.shares_memory(src, dst))
+    # Shared memory when every rank is on this host and the payload is above the threshold:
+    # each rank offers its slot in the agreement message (aux), 0 meaning "ring, please", and
+    # takes that path only if every rank offered one, so all ranks choose alike. An in-place
+    # tensor in registered memory (a gradient bucket) also names its region: when every rank's
+    # is, the peers reduce straight out of each other's buffers (no copy in).
+    threshold = rt.config.shm_threshold
+    shm = rt.shm is not None and 0 < threshold < nbytes
+    region = rt.shm.locate(src) if shm and src is dst else 0
+    if single and plan.scale_pre != 1.0 and not region:
         src = src * dtype.type(plan.scale_pre)
         prescaled = True
     else:
         prescaled = type(src) is not Flat or plan.scale_pre == 1.0
-    # Shared memory when every rank is on this host and the payload is above the threshold:
-    # each rank offers its slot in the agreement message (aux), 0 meaning "ring, please", and
-    # takes that path only if every rank offered one, so all ranks choose alike.
-    threshold = rt.config.shm_threshold
-    offer = rt.shm.advertise(nbytes, rt.config.shm_window_bytes) if rt.shm is not None and 0 < threshold < nbytes else 0
+    offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0
     peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
-                         own=own)
+                         own=own, region=region)
     phases["negotiate"] = (start, time.perf_counter())
     if len(rt.participants) == 1 or total == 0:
         if single:
@@ -243,7 +247,13 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
             if rt.joined:
                 _joined_zeros(out, plan)
     elif offer and all(peers[p].aux for p in peers):
-        _shared(rt, src, dst, plan, offer, {p: peers[p].aux for p in peers}, name, phases, aliased, prescaled)
+        if region and all(peers[p].region for p in peers):
+            _registered(rt, src, plan, offer, peers, name, phases)
+        else:
+            if region and plan.scale_pre != 1.0:  # a peer's tensor is not registered after all
+                src, prescaled = src * dtype.type(plan.scale_pre), True
+            _shared(rt, src, dst, plan, offer, {p: peers[p].aux for p in peers}, name, phases, aliased,
+                    prescaled)
     else:
         if type(src) is Flat or not prescaled:
             staged = np.empty(total, dtype)
@@ -475,6 +485,73 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     if len(starts) > _SHM_TRACED_PIECES:
         phases[f"shm pieces {_SHM_TRACED_PIECES}..{len(starts) - 1}"] = (rest, t3)
     phases[f"shm ({len(starts)} x {step * dtype.itemsize // 1024} KiB)"] = (first, t3)
+
+
+def _registered(rt, buf, plan, offer, peers, name, phases):
+    """In-place allreduce of tensors that live in registered memory, read where they lie.
+
+    Every rank's tensor is in a file every peer maps (``SharedSlots.register``: gradient buckets),
+    so nothing is copied in. Sync (every input is complete); then per piece: rank r reduces block
+    r over every rank's tensor, in rank order, into its own tensor; sync; copies block q of
+    every peer's tensor (its result) into its own. A last sync fences the caller's next writes
+    into its tensor from peers still copying out of it. Each element is computed once: every
+    rank ends bit-identical, with no extra copy of the tensor in or out.
+    """
+    slots = rt.shm
+    dtype = plan.dtype
+    parts = rt.participants
+    n, me = len(parts), rt.rank
+    index = parts.index(me)
+    others = [q for q in parts if q != me]
+    what = f"allreduce '{name}' (shared memory, registered)"
+    try:
+        slots.attach(offer, {p: peers[p].aux for p in peers})
+        views = {q: buf if q == me else
+                 slots.region(q, peers[q].aux >> 12, peers[q].region, buf.nbytes).view(dtype) for q in parts}
+    except OSError as exc:
+        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's registered buffer ({exc}); set "
+                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+    total = buf.size
+    step = max(1, rt.config.shm_window_bytes // dtype.itemsize)
+
+    def sync():
+        value = slots.arrive(rt.gen)
+        rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
+                spin_yield=slots.oversubscribed)
+
+    t0 = time.perf_counter()
+    if plan.scale_pre != 1.0:
+        rt.partial = True  # the input is scaled in place: a retry would scale it twice
+        np.multiply(buf, dtype.type(plan.scale_pre), out=buf)
+    sync()  # every rank's input is complete, and every peer has mapped this rank's files
+    slots.synced()
+    if not rt.joined:  # a rank that called join() has not mapped it yet
+        slots.mapped_by_every_peer(slots.locate(buf))
+    phases["shm-inputs-ready"] = (t0, time.perf_counter())
+    pieces = range(0, total, step)
+    for k, a in enumerate(pieces):
+        b = min(a + step, total)
+        t1 = time.perf_counter()
+        lo, hi = a + (b - a) * index // n, a + (b - a) * (index + 1) // n
+        terms = [views[q][lo:hi] for q in parts]
+        if index >= 2:  # its own term is read after the first terms are reduced into it
+            terms[index] = rt.scratch((hi - lo) * dtype.itemsize).view(dtype)
+            np.copyto(terms[index], buf[lo:hi])
+        rt.partial = True  # this rank's tensor is written from here on: no retry (Runtime.run)
+        _reduce_into(buf[lo:hi], terms, plan, rt.joined)
+        sync()
+        t2 = time.perf_counter()
+        for i, q in enumerate(parts):
+            if q != me:
+                c, d = a + (b - a) * i // n, a + (b - a) * (i + 1) // n
+                np.copyto(buf[c:d], views[q][c:d])
+        t3 = time.perf_counter()
+        if k < _SHM_TRACED_PIECES:
+            suffix = f" piece {k}" if len(pieces) > 1 else ""
+            phases[f"shm-reduce{suffix}"] = (t1, t2)
+            phases[f"shm-copy-out{suffix}"] = (t2, t3)
+    sync()  # no peer reads this rank's tensor any more: the caller may write into it
+    phases[f"shm registered ({len(pieces)} x {step * dtype.itemsize // 1024} KiB)"] = (t0, time.perf_counter())
 
 
 def _post_ag(rt, dst, pieces, j, left, inflight):

@@ -63,10 +63,11 @@ DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 # kind, dtype, op, pad, root, count, fingerprint: the region every rank must agree on ...
 _AGREE = struct.Struct("<BBBxiqQ")
 # ... then flags, generation, pending (entries of the sender's round from this collective on:
-# the engine's cut, see Recut; a JOIN notice puts its shared-memory tick here) and aux (per-rank
-# value: rows, bytes, shared-memory offer; a JOIN notice: its collective count).
-_HEADER = struct.Struct("<BBBxiqQBxxxIqq")
-_TAIL = struct.Struct("<BxxxIqq")
+# the engine's cut, see Recut; a JOIN notice puts its shared-memory tick here), aux (per-rank
+# value: rows, bytes, shared-memory offer; a JOIN notice: its collective count) and region (an
+# in-place allreduce of registered memory: where the tensor lies, for the peers to map; else 0).
+_HEADER = struct.Struct("<BBBxiqQBxxxIqqq")
+_TAIL = struct.Struct("<BxxxIqqq")
 HEADER_BYTES = _HEADER.size
 _AGREE_END = _AGREE.size
 FLAG_PAYLOAD = 1
@@ -105,6 +106,7 @@ class PeerMsg(NamedTuple):
 
     aux: int                 # per-rank value: rows (allgather), bytes, shared-memory offer
     payload: object          # memoryview of the eager payload, or None
+    region: int              # the tensor's registered memory (SharedSlots.locate), or 0
 
 
 class Preset(NamedTuple):
@@ -186,6 +188,8 @@ class Runtime:
         # can never be disturbed by an abandoned data collective.
         self.ctl = self._poll_dup(comm, "init")
         self._notice_buf = np.zeros(1, np.int64)
+        self._status = MPI.Status()
+        self._highest_notice = 0
         self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
         self.comm = self._poll_dup(self.ctl, "init")
         self.hosts = self._exchange_hostnames()
@@ -262,6 +266,7 @@ class Runtime:
         capacity = HEADER_BYTES + self.config.eager_bytes
         self._eager = {p: bytearray(capacity) for p in self.peers}
         self._sendbuf = bytearray(capacity)
+        self.eager_limit = self.config.eager_bytes
         # Persistent receives for the headers: started by every collective, rebuilt at resync.
         self._free_persistent()
         self._header_recv = {p: self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers}
@@ -373,12 +378,17 @@ class Runtime:
 
     def _poll_notices(self):
         """Collect RESYNC notices; return the highest generation any peer asked for."""
+        status = self._status
+        if not self._notice_req.Test(status):  # the common case, once per collective
+            return self._highest_notice
         MPI = self.MPI
-        status = MPI.Status()
-        while self._notice_req.Test(status):
+        while True:
             self._notices.setdefault(int(self._notice_buf[0]), set()).add(status.Get_source())
             self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
-        return max(self._notices, default=0)
+            if not self._notice_req.Test(status):
+                break
+        self._highest_notice = max(self._notices, default=0)
+        return self._highest_notice
 
     def _discard(self, req):
         MPI = self.MPI
@@ -430,6 +440,7 @@ class Runtime:
         self.gen = target
         self.dirty = False
         self._notices = {t: s for t, s in self._notices.items() if t > target}
+        self._highest_notice = max(self._notices, default=0)
         # join notices were messages on the old communicator: a joined rank announces itself anew
         self.joined = {}
         self._eager_buffers()
@@ -486,7 +497,7 @@ class Runtime:
         return own
 
     def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
-                  pending=None, own=None):
+                  pending=None, own=None, region=0):
         """Exchange headers (and eager payloads) with every peer and check agreement.
 
         ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...), or
@@ -507,7 +518,7 @@ class Runtime:
         recvs = self._header_recvs
         self.MPI.Prequest.Startall(recvs)
         if per_peer is None:
-            message = self._message(self._sendbuf, own, aux, payload, pending)
+            message = self._message(self._sendbuf, own, aux, payload, pending, region)
             sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
         else:
             sends = []
@@ -535,18 +546,18 @@ class Runtime:
             buf = self._eager[p]
             code = buf[0]
             if code == JOIN:
-                flags, _gen, tick, collectives = _TAIL.unpack_from(buf, _AGREE_END)
+                flags, _gen, tick, collectives, _region = _TAIL.unpack_from(buf, _AGREE_END)
                 self.joined[p] = JoinNote(collectives, tick)
                 newly_joined = True
                 continue
             view = memoryview(buf)
             if view[:_AGREE_END] != own:
                 mismatch = True
-            flags, _gen, peer_pending, peer_aux = _TAIL.unpack_from(buf, _AGREE_END)
+            flags, _gen, peer_pending, peer_aux, peer_region = _TAIL.unpack_from(buf, _AGREE_END)
             if code != POISON and peer_pending != pending:
                 recut = True
                 cut = min(cut, peer_pending)
-            result[p] = PeerMsg(peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None)
+            result[p] = PeerMsg(peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None, peer_region)
         if newly_joined:
             self._set_participants()
         if recut:
@@ -555,7 +566,7 @@ class Runtime:
             raise Recut(cut)
         if mismatch:
             self._raise_poison(kind, name)
-            self._explain_mismatch(kind, name, dtype, op, root, desc)
+            self._explain_mismatch(kind, name, dtype, op, root, desc() if callable(desc) else desc)
         if self.joined and kind != "allreduce":
             joined = self.name_of(sorted(self.joined))
             raise RingError(
@@ -593,7 +604,7 @@ class Runtime:
                 progress[0] = True
                 buf = self._eager[p]
                 if buf[0] == JOIN:
-                    _flags, _gen, peer_tick, collectives = _TAIL.unpack_from(buf, _AGREE_END)
+                    _flags, _gen, peer_tick, collectives, _region = _TAIL.unpack_from(buf, _AGREE_END)
                     self.joined[p] = JoinNote(collectives, peer_tick)
                     del reqs[p]
                 else:  # a peer still running collectives: its header, sent to a joined rank
@@ -638,7 +649,7 @@ class Runtime:
         for p in self.active:
             buf = self._eager[p]
             if buf[0] == POISON:
-                _flags, _gen, _pending, nbytes = _TAIL.unpack_from(buf, _AGREE_END)
+                _flags, _gen, _pending, nbytes, _region = _TAIL.unpack_from(buf, _AGREE_END)
                 reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")
                 q = self.world[p]
                 raise PeerError(
@@ -648,9 +659,9 @@ class Runtime:
 
     def fits_eager(self, nbytes):
         """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
-        return HEADER_BYTES + nbytes <= len(self._sendbuf)
+        return nbytes <= self.eager_limit
 
-    def _message(self, buf, own, aux, data, pending=1):
+    def _message(self, buf, own, aux, data, pending=1, region=0):
         """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send.
 
         ``data`` is a byte array copied in, or ``Preset(nbytes)``: the caller wrote the payload
@@ -659,7 +670,7 @@ class Runtime:
         # capacity was fixed at init/resync, the same on every rank
         flags = FLAG_PAYLOAD if data is not None and self.fits_eager(data.nbytes) else 0
         buf[:_AGREE_END] = own
-        _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, pending, aux)
+        _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, pending, aux, region)
         if not flags:
             return memoryview(buf)[:HEADER_BYTES]
         end = HEADER_BYTES + data.nbytes

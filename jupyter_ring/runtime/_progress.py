@@ -47,6 +47,8 @@ __all__ = ["Engine", "Reduce", "Call"]
 
 log = logging.getLogger(__name__)
 
+_IDLE = 0.2  # seconds without work after which the background thread sleeps until a doorbell
+
 
 class Reduce(NamedTuple):
     """A queued allreduce of one tensor: fusable with neighbours of the same plan."""
@@ -105,6 +107,11 @@ def plan_batches(entries, limit):
     return batches
 
 
+def _cancelled(exc):
+    """The error of entries given up because of ``exc`` (an interrupt, or ``Abandoned``)."""
+    return RingError(f"cancelled: {exc if isinstance(exc, Abandoned) else 'the collective was interrupted'}")
+
+
 def _low_timer_slack():
     """Let this thread's short sleeps be short (Linux rounds them up by 50 µs by default)."""
     try:
@@ -134,20 +141,26 @@ class Engine:
         self.closed = False
         self.waiting = 0                       # threads waiting in wait_background
         self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
+        self.agreements = {}                   # (name, shape, plan) -> packed agreement (the cache)
+        self.since = 0.0                       # when the oldest queued entry was queued
+        self.sleeping = True                   # the background thread waits for a doorbell
 
     # ------------------------------------------------------------------ caller side
     def submit(self, entry, nbytes=0):
-        """Queue ``entry``; the background thread will run it (soon, or at ``flush()``)."""
+        """Queue ``entry``; the background thread runs it once it has waited ``cycle_ms`` (or at
+        ``flush()``, or when ``fusion_threshold`` bytes are queued), unless a caller does first."""
         with self.qlock:
             self.queue.append(entry)
             first = len(self.queue) == 1
+        if first:
+            self.since = time.perf_counter()
         self.submitted += nbytes
         if self.thread is None:
             self._start()
         if self.submitted - self.taken >= self.config.fusion_threshold:
             self.flush_now = True
             self.wake.set()
-        elif first:
+        elif first and self.sleeping:  # awake, it looks at the queue every cycle by itself
             self.wake.set()
         return entry.handle
 
@@ -262,33 +275,48 @@ class Engine:
         self.thread.start()
 
     def _loop(self):
+        """Every cycle while there is work, run what has waited a cycle; sleep when idle.
+
+        An entry runs here once it is ``cycle_ms`` old (a caller that synchronizes at once runs it
+        itself, without a hand-off), or at once after ``flush()`` or a full fusion buffer. After
+        ``_IDLE`` seconds without work the thread blocks until the next ``submit`` rings.
+        """
         _low_timer_slack()
-        cycle = self.config.cycle_ms / 1000.0
         wake = self.wake
+        idle_since = time.perf_counter()
         while not self.closed:
-            wake.wait()
+            cycle = self.config.cycle_ms / 1000.0
+            if self.sleeping:
+                wake.wait()
+            else:
+                wake.wait(cycle)
             wake.clear()
+            self.sleeping = False
             if self.closed:
                 break
+            now = time.perf_counter()
             if not self.queue:
+                if now - idle_since > _IDLE:
+                    self.sleeping = True
+                    if self.queue:  # queued before it could see sleeping: do not block
+                        self.sleeping = False
                 continue
-            # Give the caller a cycle to queue more for fusion, unless told to go now.
-            deadline = time.perf_counter() + cycle
-            while not (self.flush_now or self.closed
-                       or self.submitted - self.taken >= self.config.fusion_threshold):
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    break
-                wake.wait(remaining)
-                wake.clear()
+            idle_since = now
+            if not (self.flush_now or now - self.since >= cycle
+                    or self.submitted - self.taken >= self.config.fusion_threshold):
+                continue
             self.flush_now = False
-            with self.lock:
+            if not self.lock.acquire(False):  # a caller runs the rounds itself
+                continue
+            try:
                 while self.queue and not self.closed:
                     try:
                         self._round()
                     except BaseException:  # noqa: BLE001 - recorded in the results by _round
                         pass
-                self._notify()
+            finally:
+                self.lock.release()
+            self._notify()
 
     def _notify(self):
         if self.waiting:
@@ -297,19 +325,34 @@ class Engine:
 
     # ------------------------------------------------------------------ executor (lock held)
     def _alone(self, entry):
-        """A blocking call on an idle engine, run in the caller's thread (the short path)."""
+        """One entry as a round of its own: a blocking call on an idle engine runs it at once in
+        the caller's thread (the short path), and so does a round of one entry."""
         rt = self.rt
         rt.pending = 1
+        if type(entry) is Reduce:
+            plan = entry.plan
+            key = (entry.explicit, entry.shape, plan)
+            own = self.agreements.get(key)
+            if own is None:  # the response cache: a signature's agreement is packed once
+                if len(self.agreements) > 4096:
+                    self.agreements.clear()
+                own = self.agreements[key] = rt.agreement(
+                    "allreduce", plan.dtype, plan.op, -1, entry.src.size,
+                    C.allreduce_desc(entry.explicit, entry.shape, plan.prescale, plan.postscale))
+
+            def desc():  # for a mismatch's explanation only
+                return C.allreduce_desc(entry.explicit, entry.shape, plan.prescale, plan.postscale)
+            run, args = C.allreduce, (rt, [C.Member(entry.src, entry.dst)], plan, entry.name, desc, None, own)
+        else:
+            run, args = entry.run, (rt,)
         while True:
             try:
-                if type(entry) is Reduce:
-                    out = rt.run(C.allreduce, rt, [C.Member(entry.src, entry.dst)], entry.plan, entry.name,
-                                 C.allreduce_desc(entry.explicit, entry.shape, entry.plan.prescale,
-                                                  entry.plan.postscale))[0]
-                    return entry.result if entry.result is not None else out.reshape(entry.shape)
-                return rt.run(entry.run, rt)
+                out = rt.run(run, *args)
             except Recut:
                 continue  # a peer proposed a longer round; it reruns with this one alone
+            if type(entry) is Reduce:
+                return entry.result if entry.result is not None else out[0].reshape(entry.shape)
+            return out
 
     def _round(self):
         """Run every entry queued now, fused into batches; their results land in ``results``."""
@@ -317,6 +360,8 @@ class Engine:
             todo = list(self.queue)
         if not todo:
             return
+        if len(todo) == 1:
+            return self._round_of_one(todo[0])
         rt = self.rt
         finished = set()
         limit = self.config.fusion_threshold
@@ -350,21 +395,43 @@ class Engine:
                     # every rank runs the shortest round proposed; the rest waits for the next
                     todo = [e for e in todo if e.handle not in finished][:recut.count]
         except BaseException as exc:
-            # interrupted (this thread) or abandoned (another): this round and the queue are gone
-            error = RingError(f"cancelled: {exc if isinstance(exc, Abandoned) else 'the collective was interrupted'}")
-            with self.qlock:
-                dropped = list(self.queue)
-                self.queue.clear()
-            for entry in todo + dropped:
-                self.results.setdefault(entry.handle, error)
-            self.taken = self.submitted
-            if isinstance(exc, Abandoned):
-                rt.abort = None
+            for entry in todo:
+                self.results.setdefault(entry.handle, _cancelled(exc))
+            self._drop_queue(exc)
             raise
         finally:
             if finished:
                 self._remove(finished)
             self._notify()
+
+    def _round_of_one(self, entry):
+        handle = entry.handle
+        try:
+            if self.rt.abort is not None:
+                raise Abandoned(self.rt.abort)
+            result = self._alone(entry)
+        except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
+            result = exc
+        except BaseException as exc:
+            self.results.setdefault(handle, _cancelled(exc))
+            self._drop_queue(exc)
+            raise
+        self.results.setdefault(handle, result)
+        self._remove({handle})
+        self._notify()
+
+    def _drop_queue(self, exc):
+        """Interrupted (this thread) or abandoned (another): the queue is gone, the rest cancelled."""
+        error = _cancelled(exc)
+        with self.qlock:
+            dropped = list(self.queue)
+            self.queue.clear()
+        for entry in dropped:
+            self.results.setdefault(entry.handle, error)
+        self.taken = self.submitted
+        if isinstance(exc, Abandoned):
+            self.rt.abort = None
+        self._notify()
 
     def _remove(self, finished):
         """Take the finished entries out of the queue (a prefix of it, unless a round was cut)."""

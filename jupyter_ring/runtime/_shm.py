@@ -31,6 +31,8 @@ __all__ = ["SharedSlots", "supported", "slot_log2"]
 SHM_DIR = "/dev/shm"
 _HEADER = 4096  # the counter, then the slot from a page boundary
 _MIN_LOG2 = 16
+_CHUNK_BYTES = 32 << 20  # registered memory comes in files of at least this size
+_ALIGN = 64              # registered buffers start on a cache line
 
 
 def supported():
@@ -84,8 +86,43 @@ class _Segment:
             pass
 
 
+class _Chunk:
+    """A file of registered memory that buffers (fused gradient buckets) are carved out of."""
+
+    def __init__(self, path, nbytes):
+        self.segment = _Segment(path, _HEADER + nbytes)
+        self.path = path
+        self.linked = True     # unlinked once every peer has mapped it
+        self.base = self.segment.slot.__array_interface__["data"][0]
+        self.size = self.segment.slot.nbytes
+        self.free = [[0, self.size]]  # [offset, bytes], sorted, merged
+
+    def take(self, nbytes):
+        for hole in self.free:
+            if hole[1] >= nbytes:
+                offset = hole[0]
+                hole[0] += nbytes
+                hole[1] -= nbytes
+                if not hole[1]:
+                    self.free.remove(hole)
+                return offset
+        return None
+
+    def give(self, offset, nbytes):
+        self.free.append([offset, nbytes])
+        self.free.sort()
+        merged = [self.free[0]]
+        for hole in self.free[1:]:
+            if merged[-1][0] + merged[-1][1] == hole[0]:
+                merged[-1][1] += hole[1]
+            else:
+                merged.append(hole)
+        self.free = merged
+
+
 class SharedSlots:
-    """This rank's slot, the peers' slots it has mapped, and the sync counters."""
+    """This rank's slot, the peers' slots it has mapped, and the sync counters; and registered
+    memory: buffers in files the peers map too, reduced in place with no copy in."""
 
     def __init__(self, rank, size):
         self.rank = rank
@@ -97,6 +134,8 @@ class SharedSlots:
         self.unlink_when_synced = []
         self.tick = 0
         self.tick_gen = -1
+        self.chunks = []           # this rank's registered memory; a region names (index + 1, offset)
+        self.peer_chunks = {}      # (rank, chunk index) -> the peer's _Segment
         self._fence = threading.Lock()
         # more ranks than cores: a waiting rank yields its core to the rank it waits for
         self.oversubscribed = size > len(os.sched_getaffinity(0))
@@ -208,6 +247,57 @@ class SharedSlots:
         while self.unlink_when_synced:
             _unlink(self.unlink_when_synced.pop())
 
+    # ------------------------------------------------------------------ registered memory
+    def register(self, nbytes):
+        """A buffer of ``nbytes`` in registered memory (uint8, a view of a chunk); None when
+        /dev/shm cannot hold it. Give it back with ``unregister``."""
+        nbytes = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
+        for index, chunk in enumerate(self.chunks):
+            offset = chunk.take(nbytes)
+            if offset is not None:
+                return chunk.segment.slot[offset:offset + nbytes], (index + 1) << 40 | offset
+        index = len(self.chunks)
+        try:
+            chunk = _Chunk(_path(self.token, f"r{index}"), max(nbytes, _CHUNK_BYTES))
+        except OSError:
+            return None, 0
+        self.chunks.append(chunk)
+        offset = chunk.take(nbytes)
+        return chunk.segment.slot[offset:offset + nbytes], (index + 1) << 40 | offset
+
+    def unregister(self, region, nbytes):
+        """Give back a buffer from ``register`` (its memory is reused by later ones)."""
+        if 0 < region >> 40 <= len(self.chunks):
+            self.chunks[(region >> 40) - 1].give(region & ((1 << 40) - 1),
+                                                 max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN))
+
+    def locate(self, array):
+        """The region of ``array`` (flat, contiguous) when it lies in registered memory, else 0."""
+        if not self.chunks:
+            return 0
+        start = array.__array_interface__["data"][0]
+        end = start + array.nbytes
+        for index, chunk in enumerate(self.chunks):
+            if chunk.base <= start and end <= chunk.base + chunk.size:
+                return (index + 1) << 40 | (start - chunk.base)
+        return 0
+
+    def region(self, q, token, region, nbytes):
+        """Peer ``q``'s registered ``region`` (named by its ``token``) as ``nbytes`` of uint8."""
+        key = (q, region >> 40)
+        segment = self.peer_chunks.get(key)
+        if segment is None:
+            segment = self.peer_chunks[key] = _Segment(_path(token, f"r{(region >> 40) - 1}"))
+        offset = region & ((1 << 40) - 1)
+        return segment.slot[offset:offset + nbytes]
+
+    def mapped_by_every_peer(self, region):
+        """Every peer has mapped this region's file (a sync passed with it in use): unlink it."""
+        chunk = self.chunks[(region >> 40) - 1]
+        if chunk.linked:
+            _unlink(chunk.path)
+            chunk.linked = False
+
     def close(self):
         self.remove_probe()
         for path in self.unlink_when_synced:
@@ -217,3 +307,11 @@ class SharedSlots:
         for _value, segment in self.peers.values():
             segment.close()
         self.peers = {}
+        for chunk in self.chunks:
+            if chunk.linked:
+                _unlink(chunk.path)
+            chunk.segment.close()
+        self.chunks = []
+        for segment in self.peer_chunks.values():
+            segment.close()
+        self.peer_chunks = {}

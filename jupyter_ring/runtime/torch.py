@@ -19,7 +19,6 @@ which uses NCCL when it is available.
 """
 
 import contextlib
-import warnings
 import weakref
 
 try:
@@ -451,6 +450,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         if op == Average:
             vals = vals / _set_size(process_set)
         return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
+    handle.handles = (h_values, h_indices)   # for a DistributedOptimizer that drops a stale step
     return handle
 
 
@@ -888,15 +888,63 @@ def _collect_slots(obj, out):
 
 
 # ------------------------------------------------------------------ DistributedOptimizer
+# Gradient buckets of about this many bytes. Measured on 2 CPU ranks (docs/benchmarks.md): small
+# enough that the first buckets of a 10M-parameter MLP are reduced while backward still computes
+# the early layers, large enough that each bucket's fixed cost (one engine round, three
+# shared-memory syncs) stays small against its copies.
+BUCKET_BYTES = 8 << 20
+
+
+class _Bucket:
+    """Consecutive gradients (in backward order) reduced by one in-place allreduce of ``flat``.
+
+    Zero copy (``views`` is True): ``flat`` lives in the transport's memory (``bucket_buffer``)
+    and each parameter's ``.grad`` is a view of it, so backward accumulates into the bucket and
+    the optimizer reads the result where the allreduce wrote it. Otherwise (compression, dtypes
+    numpy lacks, CUDA tensors) gradients are copied in and the results copied back.
+
+    A sparse gradient (``nn.Embedding(sparse=True)``) keeps its slot in ``flat``: with
+    ``sparse_as_dense`` its dense form travels there; otherwise the slot carries zeros and the
+    gradient goes by Horovod's two allgathers (``sparse``: parameter index -> that wait, or None).
+    """
+
+    __slots__ = ("index", "params", "offsets", "flat", "array", "views", "ready", "handle", "name", "contexts",
+                 "sparse")
+
+    def __init__(self, index, params, offsets, flat, array, views):
+        self.index = index
+        self.params = params       # parameter indices
+        self.offsets = offsets     # element offset of each parameter in flat
+        self.flat = flat           # 1-D torch tensor (the wire dtype)
+        self.array = array         # the same memory as a numpy array, for the runtime
+        self.views = views
+        self.ready = 0
+        self.handle = None
+        self.name = f"DistributedOptimizer.bucket{index}"
+        self.contexts = {}         # parameter index -> the compressor's context (copied buckets)
+        self.sparse = {}           # parameter index -> sparse_allreduce_async's wait, or None (as dense)
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer: gradients are allreduced (averaged) over the ranks before ``step()``.
 
-    Gradient hooks queue one async allreduce per parameter during ``backward()``; the runtime
-    fuses them and runs them at ``synchronize()`` (called by ``step()``), or earlier whenever the
-    queued bytes pass the runtime's ``fusion_threshold``. Every rank queues the parameters in one
-    canonical order (learned from rank 0's first backward pass), so ranks whose hooks fire in a
-    different order, or that leave some parameters without a gradient (zeros are sent for those,
-    as Horovod does), still agree and never hang.
+    Gradients are grouped into buckets of about ``bucket_bytes`` (default ``BUCKET_BYTES``,
+    8 MiB) in the order backward produces them. As soon as a bucket's last gradient is ready
+    (a gradient hook), its in-place allreduce starts on the runtime's background engine, so
+    communication overlaps the rest of ``backward()``; ``step()`` waits only for the tail. On one
+    host each bucket lives in the transport's shared memory and each parameter's ``.grad`` is a
+    view of it (as DDP's ``gradient_as_bucket_view``): the allreduce reads every rank's bucket
+    where it lies and writes the result there, with no copy in or out (a gradient autograd
+    produced afresh, after ``zero_grad()`` set it to None, is copied into its bucket once).
+
+    Every rank launches buckets in one canonical order (learned from rank 0's first backward
+    pass), so ranks whose hooks fire in a different order, or that leave some parameters without
+    a gradient (zeros are sent for those, as Horovod does), still agree and never hang.
+
+    Horovod's options: ``sparse_as_dense`` (sparse gradients travel dense and come back sparse),
+    ``process_set`` (ranks outside it train locally), ``backward_passes_per_step``,
+    ``compression``, ``gradient_predivide_factor``; ``num_groups``/``groups`` are accepted and
+    change nothing (buckets of ``bucket_bytes`` take the place of Horovod's fusion groups).
 
     The class subclasses ``torch.optim.Optimizer`` statically so LR schedulers accept it; the
     wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` are shared, not copied.
@@ -904,7 +952,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
                  backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                 groups=None, sparse_as_dense=False, process_set=global_process_set):
+                 groups=None, sparse_as_dense=False, process_set=global_process_set, bucket_bytes=None):
         # Optimizer.__init__ is not called: it would build new param_groups; we share the wrapped
         # optimizer's. These are the attributes the base class methods (hooks) rely on.
         self._optimizer_step_pre_hooks = {}
@@ -930,19 +978,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             "compress(tensor) and decompress(tensor, ctx)")
         if not _sets.is_global(process_set) and not isinstance(process_set, ProcessSet):
             raise TypeError(f"process_set= takes a ProcessSet, got {type(process_set).__name__}")
+        if bucket_bytes is None:
+            bucket_bytes = BUCKET_BYTES
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int (bytes per gradient bucket), got {bucket_bytes!r}")
         self._opt = optimizer
         self._sparse_as_dense = bool(sparse_as_dense)
         self._process_set = process_set
+        # the runtime's name for the set (None: every rank)
+        self._ring_set = None if _sets.is_global(process_set) else process_set
         # a rank outside the optimizer's process set trains locally (Horovod): no hooks, no reduction
         self._local_only = not _sets.is_global(process_set) and not process_set.included()
-        # num_groups/groups split Horovod's fusion into fixed groups; here the runtime fuses what
-        # is queued up to fusion_threshold, so they are accepted and change nothing
+        # num_groups/groups split Horovod's fusion into fixed groups; here buckets of bucket_bytes
+        # do that work, so they are accepted and change nothing
         self._groups = groups if groups is not None else num_groups
         self._compression = compression
         self._bpps = backward_passes_per_step
         self._op = op
         self._prescale = 1.0 / gradient_predivide_factor
         self._postscale = gradient_predivide_factor
+        self._bucket_bytes = bucket_bytes
         self._should_synchronize = True
         self._synchronized = False
         self._params = []          # parameters that need a gradient, in param_groups order
@@ -954,6 +1009,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._register(group["params"])
         self._order = list(range(len(self._params)))[::-1]  # backward runs roughly last-to-first
         self._order_learned = False
+        self._buckets = []
+        self._bucket_of = []
+        self._make_buckets()
         self._reset_step()
 
     # -- the wrapped optimizer's state, shared
@@ -1007,10 +1065,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         """Add a parameter group to the wrapped optimizer; its parameters get gradient hooks too."""
+        self._drop_stale_step()
+        if any(self._counts):
+            raise RingError("add_param_group() between loss.backward() and optimizer.step(): call it "
+                            "before backward() or after step()")
         self._opt.add_param_group(param_group)
         self._register(self._opt.param_groups[-1]["params"])
         new = list(range(len(self._order), len(self._params)))
         self._order = new[::-1] + self._order
+        self._make_buckets()
         self._reset_step()
 
     # -- set-up
@@ -1059,23 +1122,74 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _HOOKS[id(p)] = (weakref.ref(p), handle)
             self._hooks.append(handle)
 
+    def _wire_dtype(self, p):
+        """The dtype a parameter's gradient travels in (compression decides; bfloat16 as float32)."""
+        probe = torch.empty(0, dtype=p.dtype, device="cpu")
+        dtype = self._compression.compress(probe)[0].dtype
+        return torch.float32 if dtype == torch.bfloat16 else dtype
+
+    def _zero_copy(self, p, dtype):
+        return (self._compression is NoneCompressor and p.device.type == "cpu" and dtype == p.dtype
+                and dtype in _NUMPY_DTYPES)
+
+    def _make_buckets(self):
+        """Cut ``self._order`` into buckets of about ``bucket_bytes`` of one wire dtype each."""
+        groups, current, current_bytes, current_key = [], [], 0, None
+        for i in self._order:
+            p = self._params[i]
+            dtype = self._wire_dtype(p)
+            key = (dtype, self._zero_copy(p, dtype))
+            nbytes = p.numel() * torch.empty(0, dtype=dtype).element_size()
+            if current and (key != current_key or current_bytes + nbytes > self._bucket_bytes):
+                groups.append((current, current_key))
+                current, current_bytes = [], 0
+            current.append(i)
+            current_bytes += nbytes
+            current_key = key
+        if current:
+            groups.append((current, current_key))
+        self._buckets = []
+        self._bucket_of = [0] * len(self._params)
+        for index, (members, (dtype, views)) in enumerate(groups):
+            offsets, total = [], 0
+            for i in members:
+                offsets.append(total)
+                total += self._params[i].numel()
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            if not total:  # only empty parameters
+                flat = torch.empty(0, dtype=dtype)
+            else:
+                raw = (_api.bucket_buffer(total * itemsize, self._ring_set) if views
+                       else np.zeros(total * itemsize, np.uint8))
+                flat = torch.from_numpy(raw).view(dtype)
+            array = flat.numpy()
+            self._buckets.append(_Bucket(index, members, offsets, flat, array, views))
+            for i in members:
+                self._bucket_of[i] = index
+
     def _reset_step(self):
         self._epoch = _api.epoch()
         self._counts = [0] * len(self._params)
-        self._ready = set()
-        self._next = 0             # position in self._order of the next parameter to queue
-        self._pending = []         # (index, handle, compression ctx, staged tensor)
+        self._next = 0             # index of the next bucket to launch
         self._fired = []           # hook order of this step (rank 0's becomes the canonical order)
+        for bucket in self._buckets:
+            bucket.ready = 0
+            bucket.handle = None
+            bucket.sparse = {}
 
     def _drop_stale_step(self):
         # A notebook cell failed or was interrupted on this rank after backward() and before
         # step(): its queued allreduces were abandoned (every rank drops its own), so the half
         # step is dropped too and the next cell starts a clean one.
         if self._epoch != _api.epoch():
-            for _i, handle, _ctx, _compressed in self._pending:
-                handle._done = True
-                for h in handle._handles:
-                    _api.discard(h)
+            for bucket in self._buckets:
+                if bucket.handle is not None:
+                    _api.discard(bucket.handle)
+                for gathered in bucket.sparse.values():
+                    for handle in getattr(gathered, "handles", ()):
+                        handle._done = True
+                        for h in handle._handles:
+                            _api.discard(h)
             self._reset_step()
 
     # -- hooks
@@ -1090,53 +1204,53 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.step() (or synchronize()) after every backward_passes_per_step backward passes")
         if self._counts[i] == self._bpps:
             self._fired.append(i)
-            self._ready.add(i)
-            # queue in the canonical order only: a parameter waits for those before it, so every
-            # rank's queue is the same sequence and the runtime fuses identically everywhere
-            order = self._order
-            while self._next < len(order) and order[self._next] in self._ready:
-                self._queue(order[self._next])
+            bucket = self._buckets[self._bucket_of[i]]
+            bucket.ready += 1
+            # launch in the canonical order only: a bucket waits for those before it, so every
+            # rank's queue is the same sequence and every rank's engine runs the same batches
+            buckets = self._buckets
+            while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
+                self._launch(buckets[self._next])
                 self._next += 1
 
-    def _queue(self, i):
-        p = self._params[i]
-        if p.grad is None:
-            # no gradient on this rank (unused branch): contribute zeros, as Horovod does
-            p.grad = torch.zeros_like(p)
-        grad = p.grad
-        if grad.is_sparse:
-            self._pending.append((i, self._sparse_handle(p, i), None, grad))
-            return
-        compressed, ctx = self._compression.compress(grad)
-        handle = allreduce_async_(compressed, name=self._names[i], op=self._op,
-                                  prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                  process_set=self._process_set)
-        self._pending.append((i, handle, ctx, compressed))
+    def _launch(self, bucket):
+        """Put the bucket's gradients in place and start its allreduce in the background."""
+        flat = bucket.flat
+        with torch.no_grad():
+            for i, offset in zip(bucket.params, bucket.offsets):
+                p = self._params[i]
+                grad = p.grad
+                view = flat[offset:offset + p.numel()].view(p.shape)
+                if grad is not None and grad.is_sparse:
+                    if not self._sparse_as_dense:
+                        bucket.sparse[i] = self._sparse_allreduce(p, i)
+                        view.zero_()   # the slot carries nothing; the allgathers carry the gradient
+                        continue
+                    bucket.sparse[i] = None
+                    grad = grad.to_dense()
+                if grad is None:
+                    # no gradient on this rank (unused branch): contribute zeros, as Horovod does
+                    view.zero_()
+                    p.grad = view if bucket.views else torch.zeros_like(p)
+                elif bucket.views:
+                    if grad.data_ptr() != view.data_ptr():  # autograd made it afresh: move it in
+                        view.copy_(grad)
+                        if i not in bucket.sparse:
+                            p.grad = view
+                else:
+                    compressed, bucket.contexts[i] = self._compression.compress(grad)
+                    view.copy_(compressed)
+        bucket.handle = _ring.allreduce_async_(bucket.array, name=bucket.name, op=self._op,
+                                               prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                               process_set=self._ring_set)
+        _api.flush(self._ring_set)
 
-    def _sparse_handle(self, p, i):
-        """A sparse gradient (nn.Embedding(sparse=True)): Horovod's two allgathers, or with
-        sparse_as_dense=True a dense allreduce; either way p.grad ends sparse, as the optimizer
-        (SparseAdam) expects. The handle's result is the new p.grad, set by synchronize."""
-        name = self._names[i]
-        if self._sparse_as_dense:
-            dense = p.grad.to_dense()
-            handle = allreduce_async_(dense, name=name, op=self._op, prescale_factor=self._prescale,
-                                      postscale_factor=self._postscale, process_set=self._process_set)
-            inner = handle._finish
-        else:
-            if self._op not in (Average, Sum):
-                raise ValueError(f"parameter '{name}' has a sparse gradient, which op={self._op} cannot reduce; "
-                                 "use op=Average/Sum or sparse_as_dense=True")
-            gathered = sparse_allreduce_async(p.grad, name=name, op=self._op, process_set=self._process_set)
-            handle = _completed([], None, lambda _res: gathered())
-            inner = handle._finish
-
-        def finish(res):
-            out = inner(res)
-            p.grad = out.to_sparse() if not out.is_sparse else out
-            return p.grad
-        handle._finish = finish
-        return handle
+    def _sparse_allreduce(self, p, i):
+        """A sparse gradient without sparse_as_dense: Horovod's two allgathers (Average or Sum)."""
+        if self._op not in (Average, Sum):
+            raise ValueError(f"parameter '{self._names[i]}' has a sparse gradient, which op={self._op} cannot "
+                             "reduce; use op=Average/Sum or sparse_as_dense=True")
+        return sparse_allreduce_async(p.grad, name=self._names[i], op=self._op, process_set=self._process_set)
 
     # -- public
     def synchronize(self):
@@ -1145,21 +1259,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         try:
-            for i in self._order[self._next:]:
-                self._queue(i)
-            self._next = len(self._order)
+            buckets = self._buckets
+            while self._next < len(buckets):
+                self._launch(buckets[self._next])
+                self._next += 1
             error = None
-            for i, handle, ctx, compressed in self._pending:
+            for bucket in buckets:
                 try:
-                    out = synchronize(handle)
+                    _ring.synchronize(bucket.handle)
+                except CollectiveMismatchError as exc:
+                    error = error or self._explain(bucket, exc)
+                    continue
                 except BaseException as exc:  # noqa: BLE001 - first error re-raised below
                     error = error or exc
                     continue
-                if out is self._params[i].grad:
-                    continue  # a sparse gradient, replaced by its handle
-                if compressed is not self._params[i].grad:
-                    with torch.no_grad():
-                        self._params[i].grad.copy_(self._compression.decompress(out, ctx))
+                try:
+                    self._unpack(bucket)
+                except BaseException as exc:  # noqa: BLE001 - first error re-raised below
+                    error = error or exc
             if error is not None:
                 raise error
             if not self._order_learned:
@@ -1168,16 +1285,60 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
         self._synchronized = True
 
+    def _unpack(self, bucket):
+        """Results into ``.grad`` where they are not there already (copied buckets, sparse gradients)."""
+        with torch.no_grad():
+            for i, offset in zip(bucket.params, bucket.offsets):
+                p = self._params[i]
+                if i in bucket.sparse:
+                    continue
+                if not bucket.views:
+                    out = bucket.flat[offset:offset + p.numel()].view(p.shape)
+                    p.grad.copy_(self._compression.decompress(out, bucket.contexts.pop(i, None)))
+            for i, gathered in bucket.sparse.items():
+                p = self._params[i]
+                if gathered is not None:
+                    p.grad = gathered()
+                    continue
+                # sparse_as_dense: the reduced dense form goes back to the sparse .grad the
+                # optimizer (SparseAdam) expects, as Horovod does
+                offset = bucket.offsets[bucket.params.index(i)]
+                out = bucket.flat[offset:offset + p.numel()].view(p.shape)
+                if not bucket.views:
+                    out = self._compression.decompress(out, bucket.contexts.pop(i, None))
+                p.grad = out.to(p.dtype).to_sparse()
+
+    def _explain(self, bucket, exc):
+        """A bucket's mismatch names the parameter whose shape or dtype differs between ranks."""
+        mine = [(self._names[i], tuple(self._params[i].shape), str(self._params[i].dtype)) for i in bucket.params]
+        try:
+            everyone = _ring.allgather_object(mine, name=f"{bucket.name}.explain", process_set=self._ring_set)
+        except RingError:
+            return exc
+        ranks = self._ring_set.ranks if self._ring_set is not None else list(range(len(everyone)))
+        for pos in range(max(len(e) for e in everyone)):
+            values = {ranks[q]: e[pos] if pos < len(e) else None for q, e in enumerate(everyone)}
+            if len(set(values.values())) > 1:
+                parts = "; ".join(f"rank {q}: {v[0]} {v[1]} {v[2]}" if v else f"rank {q}: (none)"
+                                  for q, v in values.items())
+                return CollectiveMismatchError(
+                    f"DistributedOptimizer: the ranks' parameters differ ({parts}); every rank must "
+                    "wrap the same model (same parameter names, shapes and dtypes)")
+        return exc
+
     def _learn_order(self):
-        # Rank 0's hook order of its first step becomes everyone's queue order, so that later
-        # steps queue each gradient as soon as it is ready (overlap with the rest of backward).
-        ps = self._process_set
-        root = 0 if _sets.is_global(ps) else ps.ranks[0]
-        fired = self._fired if _ring.rank() == root else None
-        fired = broadcast_object(fired, root, name="DistributedOptimizer.order", process_set=ps)
+        # Rank 0's hook order of its first step becomes everyone's bucket order, so that later
+        # steps launch each bucket as soon as it is ready (overlap with the rest of backward).
+        root = 0 if self._ring_set is None else self._ring_set.ranks[0]
+        fired = _ring.broadcast_object(self._fired if _ring.rank() == root else None, root,
+                                       name="DistributedOptimizer.order", process_set=self._ring_set)
         seen = set(fired)
-        self._order = list(fired) + [i for i in self._order if i not in seen]
+        order = list(fired) + [i for i in self._order if i not in seen]
         self._order_learned = True
+        if order != self._order:
+            # grads of the old buckets stay valid views until their next launch moves them in
+            self._order = order
+            self._make_buckets()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
