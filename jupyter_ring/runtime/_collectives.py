@@ -434,9 +434,7 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     pre = None if prescaled else dtype.type(plan.scale_pre)
 
     def sync():
-        value = slots.arrive(rt.gen)
-        rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
-                spin_yield=slots.oversubscribed)
+        _sync(rt, others, what)
 
     for k, a in enumerate(starts):
         b = min(a + step, total)
@@ -487,6 +485,14 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     phases[f"shm ({len(starts)} x {step * dtype.itemsize // 1024} KiB)"] = (first, t3)
 
 
+def _sync(rt, others, what):
+    """Announce this rank's next shared-memory sync point and wait until ``others`` reach it."""
+    slots = rt.shm
+    value = slots.arrive(rt.gen)
+    rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
+            spin_yield=slots.oversubscribed)
+
+
 def _registered(rt, buf, plan, offer, peers, name, phases):
     """In-place allreduce of tensors that live in registered memory, read where they lie.
 
@@ -515,9 +521,7 @@ def _registered(rt, buf, plan, offer, peers, name, phases):
     step = max(1, rt.config.shm_window_bytes // dtype.itemsize)
 
     def sync():
-        value = slots.arrive(rt.gen)
-        rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
-                spin_yield=slots.oversubscribed)
+        _sync(rt, others, what)
 
     t0 = time.perf_counter()
     if plan.scale_pre != 1.0:

@@ -235,14 +235,8 @@ class Engine:
         next poll raises ``Abandoned``; its requests are abandoned and the next collective
         resyncs every rank, so nothing of the abandoned round reaches a later one.
         """
-        error = RingError(f"cancelled: {reason}")
         self.rt.abort = reason
-        with self.qlock:
-            dropped = list(self.queue)
-            self.queue.clear()
-        for entry in dropped:
-            self.results.setdefault(entry.handle, error)
-        self.taken = self.submitted
+        self.fail_queued(RingError(f"cancelled: {reason}"))
         # The executor notices within a poll interval (or when its numpy call returns).
         while not self.lock.acquire(timeout=0.5):
             log.info("jupyter_ring: waiting for the background collective to stop (%s)", reason)
@@ -262,12 +256,13 @@ class Engine:
         self.thread = None
 
     def fail_queued(self, error):
-        """Fail every queued entry with ``error`` (shutdown)."""
+        """Fail every queued entry with ``error`` (shutdown, abandon, interrupt)."""
         with self.qlock:
             dropped = list(self.queue)
             self.queue.clear()
         for entry in dropped:
             self.results.setdefault(entry.handle, error)
+        self.taken = self.submitted
 
     # ------------------------------------------------------------------ background thread
     def _start(self):
@@ -422,13 +417,7 @@ class Engine:
 
     def _drop_queue(self, exc):
         """Interrupted (this thread) or abandoned (another): the queue is gone, the rest cancelled."""
-        error = _cancelled(exc)
-        with self.qlock:
-            dropped = list(self.queue)
-            self.queue.clear()
-        for entry in dropped:
-            self.results.setdefault(entry.handle, error)
-        self.taken = self.submitted
+        self.fail_queued(_cancelled(exc))
         if isinstance(exc, Abandoned):
             self.rt.abort = None
         self._notify()
