@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/allreduce.py [--ranks 2] [--max-mib 256] [--json out.json]
 
 Launches itself under the environment's mpiexec. For float32 sizes 4 KiB .. 256 MiB, in one run,
-interleaved per size: median time, busbw (nccl-tests: algbw * 2(n-1)/n) and jupyter_ring's ratios,
-plus single-process memcpy bandwidth and a fusion line (100 async 40 KiB vs one 4 MiB).
-All three reduce in place on the same buffer sizes.
+calls interleaved per size: median time, busbw (nccl-tests: algbw * 2(n-1)/n) and jupyter_ring's
+ratios for MPI_Allreduce (in place), jupyter_ring in place (``allreduce_``), out of place
+(``allreduce``, a new array each call) and on a gradient bucket (``bucket_buffer``: registered
+memory, zero copy), gloo when torch is there; plus single-process memcpy bandwidth and a fusion line
+(100 async 40 KiB vs one 4 MiB).
 """
 
 import argparse
@@ -37,21 +39,25 @@ def reps_for(nbytes):
     return 7
 
 
-def median_time(fn, reps, barrier):
-    times = []
-    fn()  # warm-up: page faults, buffer allocation
-    for _ in range(reps):
-        barrier()
-        start = time.perf_counter()
+def interleaved(fns, reps, barrier):
+    """Median seconds of each function, called round-robin (a disturbance hits them alike)."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: page faults, buffer allocation, the response cache
         fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    for _ in range(reps):
+        for key, fn in fns.items():
+            barrier()
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def worker(args):
     from mpi4py import MPI
 
     import jupyter_ring.runtime as ring
+    from jupyter_ring.runtime import _api
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -72,42 +78,45 @@ def worker(args):
     nbytes = 4 * KiB
     while nbytes <= args.max_mib * MiB:
         count = nbytes // 4
+        # Max keeps repeated in-place reductions finite (Sum would overflow to inf after ~128)
         buf = np.random.default_rng(rank).standard_normal(count).astype(np.float32)
-        reps = reps_for(nbytes)
-        row = {"bytes": nbytes}
-        row["ring"] = median_time(lambda: ring.allreduce_(buf, op=ring.Sum, name="bench"), reps, barrier)
-        row["mpi"] = median_time(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), reps, barrier)
+        fns = {
+            "ring": lambda: ring.allreduce_(buf, op=ring.Max, name="bench"),
+            "ring_out": lambda: ring.allreduce(buf, op=ring.Max, name="bench.out"),
+            "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX),
+        }
+        if nbytes > 64 * KiB:  # a gradient bucket: registered memory, reduced where it lies
+            bucket = _api.bucket_buffer(nbytes).view(np.float32)
+            bucket[...] = buf
+            fns["bucket"] = lambda: ring.allreduce_(bucket, op=ring.Max, name="bench.bucket")
         if dist is not None:
             tbuf = torch.from_numpy(buf)
-            row["gloo"] = median_time(lambda: dist.all_reduce(tbuf), reps, barrier)
-        for key in ("ring", "mpi", "gloo"):
-            if key in row:
-                row[key + "_busbw"] = nbytes / row[key] * factor
+            fns["gloo"] = lambda: dist.all_reduce(tbuf, op=dist.ReduceOp.MAX)
+        row = {"bytes": nbytes, **interleaved(fns, reps_for(nbytes), barrier)}
+        for key in fns:
+            row[key + "_busbw"] = nbytes / row[key] * factor
         rows.append(row)
-        del buf
+        del buf, fns
         nbytes *= 4
     # fusion: 100 async 40 KiB allreduces against one 4 MiB allreduce
     small = [np.random.default_rng(i).standard_normal(10 * KiB).astype(np.float32) for i in range(100)]
     big = np.concatenate(small)
 
     def batch():
-        handles = [ring.allreduce_async_(t, op=ring.Sum, name=f"f{i}") for i, t in enumerate(small)]
+        handles = [ring.allreduce_async_(t, op=ring.Max, name=f"f{i}") for i, t in enumerate(small)]
         for h in handles:
             ring.synchronize(h)
 
     def unfused():
         for i, t in enumerate(small):
-            ring.allreduce_(t, op=ring.Sum, name=f"u{i}")
+            ring.allreduce_(t, op=ring.Max, name=f"u{i}")
 
-    fusion = {
-        "batch": median_time(batch, 30, barrier),
-        "one": median_time(lambda: ring.allreduce_(big, op=ring.Sum, name="one"), 30, barrier),
-        "unfused": median_time(unfused, 10, barrier),
-    }
+    fusion = interleaved({"batch": batch, "one": lambda: ring.allreduce_(big, op=ring.Max, name="one"),
+                          "unfused": unfused}, 30, barrier)
     if rank == 0:
         src = np.ones(256 * MiB // 4, np.float32)
         dst = np.empty_like(src)
-        memcpy = src.nbytes / median_time(lambda: np.copyto(dst, src), 7, lambda: None)
+        memcpy = src.nbytes / interleaved({"copy": lambda: np.copyto(dst, src)}, 7, lambda: None)["copy"]
         print("RESULT " + json.dumps({"rows": rows, "fusion": fusion, "memcpy": memcpy, "size": size}), flush=True)
     if dist is not None:
         dist.destroy_process_group()
@@ -121,20 +130,24 @@ def report(result):
     rows, fusion, memcpy = result["rows"], result["fusion"], result["memcpy"]
     gb = 1e9
     has_gloo = "gloo" in rows[0]
-    head = "| size | ring µs | ring busbw GB/s | MPI µs | MPI busbw GB/s |"
-    head += " gloo µs | gloo busbw GB/s |" if has_gloo else ""
-    head += " ring/MPI time | ring/MPI busbw |" + (" ring/gloo busbw |" if has_gloo else "") + " ring busbw / memcpy |"
-    lines = [f"{result['size']} ranks, float32, in place, medians. memcpy (1 process): {memcpy / gb:.2f} GB/s", "", head,
-             "|" + "---|" * (head.count("|") - 1)]
+    head = ("| size | MPI µs | ring in place µs | ring out of place µs | bucket µs | ring/MPI time | "
+            "busbw GB/s MPI / in / out / bucket | in/MPI busbw | out/MPI busbw | bucket/MPI busbw | "
+            "in / out / bucket busbw ÷ memcpy |" + (" gloo µs |" if has_gloo else ""))
+    lines = [f"{result['size']} ranks, float32, op Max, medians of interleaved calls. memcpy (1 process): "
+             f"{memcpy / gb:.2f} GB/s", "", head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(row, key, fmt):
+        return fmt(row[key]) if key in row else "-"
+
     for row in rows:
-        cells = [human(row["bytes"]), f"{row['ring'] * 1e6:.1f}", f"{row['ring_busbw'] / gb:.2f}",
-                 f"{row['mpi'] * 1e6:.1f}", f"{row['mpi_busbw'] / gb:.2f}"]
+        us = lambda v: f"{v * 1e6:.1f}"  # noqa: E731
+        ratio = lambda key: cell(row, key + "_busbw", lambda v: f"{v / row['mpi_busbw']:.2f}")  # noqa: E731
+        bw = " / ".join(cell(row, k + "_busbw", lambda v: f"{v / gb:.2f}") for k in ("mpi", "ring", "ring_out", "bucket"))
+        mem = " / ".join(cell(row, k + "_busbw", lambda v: f"{v / memcpy:.2f}") for k in ("ring", "ring_out", "bucket"))
+        cells = [human(row["bytes"]), us(row["mpi"]), us(row["ring"]), us(row["ring_out"]), cell(row, "bucket", us),
+                 f"{row['ring'] / row['mpi']:.2f}", bw, ratio("ring"), ratio("ring_out"), ratio("bucket"), mem]
         if has_gloo:
-            cells += [f"{row['gloo'] * 1e6:.1f}", f"{row['gloo_busbw'] / gb:.2f}"]
-        cells += [f"{row['ring'] / row['mpi']:.2f}", f"{row['ring_busbw'] / row['mpi_busbw']:.2f}"]
-        if has_gloo:
-            cells += [f"{row['ring_busbw'] / row['gloo_busbw']:.2f}"]
-        cells += [f"{row['ring_busbw'] / memcpy:.2f}"]
+            cells.append(us(row["gloo"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Fusion: 100 async 40 KiB allreduces {fusion['batch'] * 1e3:.2f} ms, one 4 MiB allreduce "
                   f"{fusion['one'] * 1e3:.2f} ms (ratio {fusion['batch'] / fusion['one']:.2f}); the same 100 "

@@ -145,12 +145,12 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None):
         total = src.size
         dst = members[0].dst
         if dst is None:
-            dst = np.empty(total, dtype)
+            dst = rt.pool.empty(total, dtype)
         outs = [dst]
     else:
         src = Flat([m.src for m in members])
         total = src.size
-        outs = [np.empty(m.src.size, dtype) if m.dst is None else m.dst for m in members]
+        outs = [rt.pool.empty(m.src.size, dtype) if m.dst is None else m.dst for m in members]
         dst = Flat(outs)
     nbytes = total * dtype.itemsize
     phases = {}

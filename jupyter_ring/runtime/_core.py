@@ -36,6 +36,7 @@ import numpy as np
 from . import _shm
 from ._config import Config
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
+from ._pool import ResultPool
 from ._report import reporter
 from ._trace import Trace
 
@@ -165,6 +166,7 @@ class Runtime:
         self.active = self.peers  # peers not joined: the ones headers are exchanged with
         self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
         self.pending = 1          # entries of the engine's round from the running collective on
+        self.pool = ResultPool()  # memory for out-of-place results, recycled
         self.trace = Trace(self.rank, self.size, config.trace_records)
         self.seq = 0
         self.gen = 0

@@ -931,7 +931,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Gradients are grouped into buckets of about ``bucket_bytes`` (default ``BUCKET_BYTES``,
     8 MiB) in the order backward produces them. As soon as a bucket's last gradient is ready
     (a gradient hook), its in-place allreduce starts on the runtime's background engine, so
-    communication overlaps the rest of ``backward()``; ``step()`` waits only for the tail. On one
+    communication overlaps the rest of ``backward()``; ``step()`` starts the last bucket and waits
+    only for that tail. Holding the last bucket until ``step()`` keeps the ranks in step: no rank
+    updates its parameters before every rank has called ``step()``. On one
     host each bucket lives in the transport's shared memory and each parameter's ``.grad`` is a
     view of it (as DDP's ``gradient_as_bucket_view``): the allreduce reads every rank's bucket
     where it lies and writes the result there, with no copy in or out (a gradient autograd
@@ -1207,9 +1209,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._bucket_of[i]]
             bucket.ready += 1
             # launch in the canonical order only: a bucket waits for those before it, so every
-            # rank's queue is the same sequence and every rank's engine runs the same batches
+            # rank's queue is the same sequence and every rank's engine runs the same batches.
+            # The last bucket waits for step(): no rank can finish a step (and update its
+            # parameters) before every rank has called step(), so an interrupt, a rank that
+            # raises or sleeps before step() leaves every rank's parameters alike.
             buckets = self._buckets
-            while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
+            while self._next < len(buckets) - 1 and buckets[self._next].ready == len(buckets[self._next].params):
                 self._launch(buckets[self._next])
                 self._next += 1
 

@@ -1,0 +1,57 @@
+"""Recycled memory for the results of out-of-place collectives.
+
+A fresh 64 MiB ``np.empty`` costs as much as the allreduce that fills it: the kernel zeroes and
+maps every page on first touch. ``ResultPool`` hands out arrays over buffers that earlier results
+gave back when the caller dropped them (``grad = allreduce(grad)`` in a loop drops the previous
+one), so out-of-place allreduces write into memory that is already mapped, as in-place ones do.
+"""
+
+import threading
+import weakref
+
+import numpy as np
+
+__all__ = ["ResultPool"]
+
+MiB = 1 << 20
+
+
+class ResultPool:
+    """Free buffers by size (rounded up to whole MiB), at most ``limit`` bytes kept."""
+
+    min_bytes = MiB          # smaller results come from np.empty (malloc reuses those anyway)
+
+    def __init__(self, limit=512 * MiB):
+        self.limit = limit
+        self.free = {}       # rounded size -> list of uint8 arrays
+        self.kept = 0
+        self.lock = threading.Lock()  # results are dropped in any thread
+
+    def empty(self, count, dtype):
+        """A new array of ``count`` items of ``dtype`` (uninitialised), recycled when possible."""
+        nbytes = count * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return np.empty(count, dtype)
+        size = -(-nbytes // MiB) * MiB
+        with self.lock:
+            stack = self.free.get(size)
+            raw = stack.pop() if stack else None
+            if raw is not None:
+                self.kept -= size
+        if raw is None:
+            raw = np.empty(size, np.uint8)
+        # an array over a memoryview: every numpy view of it keeps this array (its base) alive
+        arr = np.frombuffer(memoryview(raw)[:nbytes], dtype)
+        weakref.finalize(arr, self._give, raw, size)
+        return arr
+
+    def _give(self, raw, size):
+        with self.lock:
+            if self.kept + size <= self.limit:
+                self.free.setdefault(size, []).append(raw)
+                self.kept += size
+
+    def clear(self):
+        with self.lock:
+            self.free = {}
+            self.kept = 0
