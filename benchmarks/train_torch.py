@@ -32,7 +32,7 @@ def model_and_data(batch, seed=0):
     return model, x, y
 
 
-def worker(mode, steps, batch, warmup, fusion):
+def worker(mode, steps, batch, warmup, fusion, bucket_mib):
     import torch
 
     torch.set_num_threads(1)
@@ -49,7 +49,8 @@ def worker(mode, steps, batch, warmup, fusion):
 
         hvd.init(fusion_threshold=fusion) if fusion else hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        bucket = int(bucket_mib * (1 << 20)) or None
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), bucket_bytes=bucket)
         ring = hvd
     elif mode == "ddp":
         import socket
@@ -104,6 +105,8 @@ def launch(mode, n, args):
            "--steps", str(args.steps), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     if args.fusion:
         cmd += ["--fusion", str(args.fusion)]
+    if args.bucket_mib:
+        cmd += ["--bucket-mib", str(args.bucket_mib)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stdout}\n{out.stderr}")
@@ -125,9 +128,11 @@ def main():
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fusion", type=int, default=0, help="fusion_threshold bytes for the ring (0: default)")
+    p.add_argument("--bucket-mib", type=float, default=0,
+                   help="DistributedOptimizer bucket size in MiB (0: its default)")
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.batch, args.warmup, args.fusion)
+        worker(args.worker, args.steps, args.batch, args.warmup, args.fusion, args.bucket_mib)
         return
     configs = [("single", 1), ("ring", 2), ("ddp", 2)]
     runs = {c: [] for c in configs}

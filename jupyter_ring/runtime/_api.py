@@ -281,7 +281,9 @@ def add_process_set(process_set):
     set_id = next(_proc.set_ids)
     if member:
         set_rt = Runtime(sub, rt.config, world=ps.ranks)
-        _proc.sets[set_id] = _Set(ps, set_rt, Engine(set_rt, _proc.handles))
+        # without MPI_THREAD_MULTIPLE the sets' engines take turns with the global one
+        shared = None if rt.MPI.Query_thread() == rt.MPI.THREAD_MULTIPLE else _proc.engine.lock
+        _proc.sets[set_id] = _Set(ps, set_rt, Engine(set_rt, _proc.handles, shared))
     else:
         _proc.sets[set_id] = _Set(ps)
     ps.process_set_id = set_id

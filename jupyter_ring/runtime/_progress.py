@@ -124,14 +124,16 @@ def _low_timer_slack():
 class Engine:
     """The queue, the executor lock and the background thread of one runtime (process set)."""
 
-    def __init__(self, rt, handles):
+    def __init__(self, rt, handles, lock=None):
         self.rt = rt
         self.config = rt.config
         self.handles = handles                 # shared handle counter (itertools.count)
         self.queue = collections.deque()       # entries not yet run, in call order
         self.qlock = threading.Lock()          # guards queue snapshots against appends
         self.results = {}                      # handle -> result, or the exception to raise
-        self.lock = threading.Lock()           # the executor's: owns the communicators
+        # the executor's: owns the communicators. Engines share one when MPI does not allow
+        # calls from several threads at once (MPI_THREAD_MULTIPLE; MPICH and Open MPI give it).
+        self.lock = lock if lock is not None else threading.Lock()
         self.wake = threading.Event()          # the background thread's doorbell
         self.done = threading.Condition()      # notified when a background batch finishes
         self.submitted = 0                     # bytes ever queued (caller) ...
