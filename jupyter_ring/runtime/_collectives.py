@@ -51,7 +51,8 @@ def reduce_plan(rt, dtype, op, prescale, postscale, where):
     """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
     fn = _reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
-    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, scale_post, divisor)
+    # the scale as a scalar of the tensor's dtype: the hot path multiplies without converting
+    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor)
 
 
 def _scale_of(rt, dtype, op, prescale, postscale, where):
@@ -274,7 +275,7 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
 
 def _finish(arr, postscale, divisor):
     if postscale != 1.0:
-        np.multiply(arr, arr.dtype.type(postscale), out=arr)
+        np.multiply(arr, postscale if type(postscale) is arr.dtype.type else arr.dtype.type(postscale), out=arr)
     if divisor != 1:
         np.floor_divide(arr, divisor, out=arr)
 

@@ -164,6 +164,7 @@ class Runtime:
         self.abort = None
         self.joined = {}          # peer -> JoinNote: peers that called join(), left out of allreduces
         self.active = self.peers  # peers not joined: the ones headers are exchanged with
+        self._waits_on = self.peers + self.peers
         self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
         self.pending = 1          # entries of the engine's round from the running collective on
         self.pool = ResultPool()  # memory for out-of-place results, recycled
@@ -277,6 +278,7 @@ class Runtime:
     def _set_participants(self):
         """Peers that joined are left out of headers' replies and of allreduces' data."""
         self.active = [p for p in self.peers if p not in self.joined]
+        self._waits_on = self.active + self.active + list(self.joined)  # negotiate's requests' peers
         self.participants = sorted(self.active + [self.rank])
         self._header_recvs = [self._header_recv[p] for p in self.active]
 
@@ -536,7 +538,7 @@ class Runtime:
             sends += [comm.Isend(header, p, TAG_HEADER) for p in self.joined]
         reqs = recvs + sends
         self._inflight = sends  # the persistent receives are cancelled by resync, not _abandon
-        self._wait(reqs, f"{kind} '{name}'", peers + peers + list(self.joined))
+        self._wait(reqs, f"{kind} '{name}'", self._waits_on)
         self._keep.clear()
 
         result = {}
