@@ -85,7 +85,7 @@ def worker(args):
             "ring_out": lambda: ring.allreduce(buf, op=ring.Max, name="bench.out"),
             "mpi": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX),
         }
-        if nbytes > 64 * KiB:  # a gradient bucket: registered memory, reduced where it lies
+        if nbytes > 64 * KiB and hasattr(_api, "bucket_buffer"):  # a gradient bucket: registered memory
             bucket = _api.bucket_buffer(nbytes).view(np.float32)
             bucket[...] = buf
             fns["bucket"] = lambda: ring.allreduce_(bucket, op=ring.Max, name="bench.bucket")

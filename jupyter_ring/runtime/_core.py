@@ -27,6 +27,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import time
 import zlib
 from typing import NamedTuple
@@ -75,6 +76,7 @@ FLAG_PAYLOAD = 1
 
 TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
 _SPIN_SECONDS = 0.002
+_MAIN_THREAD = threading.main_thread().ident
 _DESC_BYTES = 1 << 16
 
 
@@ -340,6 +342,9 @@ class Runtime:
         """
         start = time.perf_counter()
         spin_until = start + _SPIN_SECONDS
+        # Off the main thread (the engine's background thread) every spin lets go of the GIL, so
+        # the caller's Python (backward's gradient hooks) never waits a switch interval for it.
+        spin_yield = spin_yield or threading.get_ident() != _MAIN_THREAD
         while time.perf_counter() < spin_until:
             if done():
                 return

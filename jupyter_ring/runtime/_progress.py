@@ -108,8 +108,15 @@ def plan_batches(entries, limit):
 
 
 def _cancelled(exc):
-    """The error of entries given up because of ``exc`` (an interrupt, or ``Abandoned``)."""
-    return RingError(f"cancelled: {exc if isinstance(exc, Abandoned) else 'the collective was interrupted'}")
+    """The error of entries given up because of ``exc`` (an interrupt, ``Abandoned``, a failure of
+    the engine itself: then the entries say so rather than wait forever)."""
+    if isinstance(exc, Abandoned):
+        return RingError(f"cancelled: {exc}")
+    if isinstance(exc, KeyboardInterrupt):
+        return RingError("cancelled: the collective was interrupted")
+    error = RingError(f"cancelled: the engine failed ({type(exc).__name__}: {exc})")
+    error.__cause__ = exc
+    return error
 
 
 def _low_timer_slack():
