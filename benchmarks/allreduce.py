@@ -120,6 +120,7 @@ def worker(args):
         print("RESULT " + json.dumps({"rows": rows, "fusion": fusion, "memcpy": memcpy, "size": size}), flush=True)
     if dist is not None:
         dist.destroy_process_group()
+    comm.Barrier()  # rank 0's memcpy can take seconds: finalize together (finalize_timeout)
 
 
 def human(nbytes):

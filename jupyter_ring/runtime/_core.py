@@ -169,6 +169,7 @@ class Runtime:
         self._waits_on = self.peers + self.peers
         self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
         self.pending = 1          # entries of the engine's round from the running collective on
+        self.nap = 0.0            # seconds a background wait sleeps between polls (see poll)
         self.pool = ResultPool()  # memory for out-of-place results, recycled
         self.trace = Trace(self.rank, self.size, config.trace_records)
         self.seq = 0
@@ -342,13 +343,16 @@ class Runtime:
         """
         start = time.perf_counter()
         spin_until = start + _SPIN_SECONDS
-        # Off the main thread (the engine's background thread) every spin lets go of the GIL, so
-        # the caller's Python (backward's gradient hooks) never waits a switch interval for it.
-        spin_yield = spin_yield or threading.get_ident() != _MAIN_THREAD
+        # The engine's background thread, while the caller computes, naps between polls instead of
+        # spinning: a thread spinning in Python keeps the GIL, and the caller (whose torch and
+        # numpy calls let go of it) would wait a whole switch interval (5 ms) to get it back.
+        nap = self.nap if threading.get_ident() != _MAIN_THREAD else 0.0
         while time.perf_counter() < spin_until:
             if done():
                 return
-            if spin_yield:
+            if nap:
+                time.sleep(nap)
+            elif spin_yield:
                 os.sched_yield()
         config = self.config
         warned = False

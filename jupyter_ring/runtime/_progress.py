@@ -48,6 +48,7 @@ __all__ = ["Engine", "Reduce", "Call"]
 log = logging.getLogger(__name__)
 
 _IDLE = 0.2  # seconds without work after which the background thread sleeps until a doorbell
+_NAP = 20e-6  # seconds the background thread sleeps between polls while the caller computes
 
 
 class Reduce(NamedTuple):
@@ -221,6 +222,7 @@ class Engine:
         background thread must not go on with tensors the caller is about to reuse.
         """
         self.waiting += 1
+        self.rt.nap = 0.0  # the caller only waits now: the background thread may spin
         try:
             with self.done:
                 while handle not in self.results and self.lock.locked():
@@ -312,6 +314,7 @@ class Engine:
             self.flush_now = False
             if not self.lock.acquire(False):  # a caller runs the rounds itself
                 continue
+            self.rt.nap = 0.0 if self.waiting else _NAP
             try:
                 while self.queue and not self.closed:
                     try:
