@@ -49,8 +49,8 @@ def worker(mode, steps, batch, warmup, fusion, bucket_mib):
 
         hvd.init(fusion_threshold=fusion) if fusion else hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        bucket = int(bucket_mib * (1 << 20)) or None
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), bucket_bytes=bucket)
+        extra = {"bucket_bytes": int(bucket_mib * (1 << 20))} if bucket_mib else {}
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **extra)
         ring = hvd
     elif mode == "ddp":
         import socket
