@@ -390,9 +390,13 @@ def _plan(engine, dtype, op, average, prescale, postscale, where):
     plans = engine.plans
     plan = plans.get(key)
     if plan is None:
-        plan = C.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where)
         if len(plans) > 1024:
             plans.clear()
+            engine.agreements.clear()
+        # equal arguments give the same plan object and serial on every rank that made the same
+        # calls (the cache clears at the same call everywhere): batches are keyed by the serial
+        plan = C.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where,
+                             next(engine.serials))
         plans[key] = plan
     return plan
 

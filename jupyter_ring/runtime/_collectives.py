@@ -38,6 +38,7 @@ class ReducePlan(NamedTuple):
     scale_pre: float      # applied to the input (1.0: nothing to do)
     scale_post: float     # applied to the result (float Average folds 1/size in)
     divisor: int          # integer Average: floor division of the sum
+    serial: int = 0       # the engine's number for this plan: a cheap key (hashing a dtype is not)
 
 
 class Member(NamedTuple):
@@ -47,12 +48,12 @@ class Member(NamedTuple):
     dst: object           # flat output: ``src`` itself in place, None for a new array
 
 
-def reduce_plan(rt, dtype, op, prescale, postscale, where):
+def reduce_plan(rt, dtype, op, prescale, postscale, where, serial=0):
     """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
     fn = _reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
     # the scale as a scalar of the tensor's dtype: the hot path multiplies without converting
-    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor)
+    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor, serial)
 
 
 def _scale_of(rt, dtype, op, prescale, postscale, where):

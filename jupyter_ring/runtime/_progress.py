@@ -31,6 +31,7 @@ caller's own thread; everything queued fails with "cancelled".
 import collections
 import ctypes
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -94,7 +95,7 @@ def plan_batches(entries, limit):
     batches, open_batch = [], {}
     for entry in entries:
         if type(entry) is Reduce:
-            key = entry.plan
+            key = entry.plan.serial
             batch = open_batch.get(key)
             nbytes = entry.src.nbytes
             if batch is None or batch.nbytes + nbytes > limit:
@@ -151,7 +152,8 @@ class Engine:
         self.closed = False
         self.waiting = 0                       # threads waiting in wait_background
         self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
-        self.agreements = {}                   # (name, shape, plan) -> packed agreement (the cache)
+        self.agreements = {}                   # (name, shape, plan serial) -> packed agreement (the cache)
+        self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
         self.sleeping = True                   # the background thread waits for a doorbell
 
@@ -338,7 +340,7 @@ class Engine:
         rt.pending = 1
         if type(entry) is Reduce:
             plan = entry.plan
-            key = (entry.explicit, entry.shape, plan)
+            key = (entry.explicit, entry.shape, plan.serial)
             own = self.agreements.get(key)
             if own is None:  # the response cache: a signature's agreement is packed once
                 if len(self.agreements) > 4096:
