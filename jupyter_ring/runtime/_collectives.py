@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._core import TAG_DATA, Average, Max, Min, Preset, Product, _reducer
+from ._core import TAG_DATA, Average, Max, Min, Product, _reducer
 from ._errors import RingError
 
 __all__ = ["allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
@@ -177,15 +177,15 @@ def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):
         np.multiply(src, dtype.type(plan.scale_pre), out=payload)
     else:
         np.copyto(payload, src)
-    peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc,
-                         payload=Preset(total * dtype.itemsize), pending=pending, own=own)
+    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=total * dtype.itemsize,
+                 pending=pending, own=own)
     phases["negotiate"] = (start, time.perf_counter())
     # Reduce in rank order so every rank gets the same bits; our own input is read from the copy
     # that went out in the agreement message (in place, the input is also the output).
     parts = rt.participants
     me = rt.rank
     out = dst if type(dst) is not Flat else rt.scratch(total * dtype.itemsize).view(dtype)
-    terms = [payload if q == me else np.frombuffer(peers[q].payload, dtype, total) for q in parts]
+    terms = [payload if q == me else rt.peer_payload(q, dtype, total) for q in parts]
     _reduce_into(out, terms, plan, rt.joined)
     if out is not dst:
         dst.write(0, total, out)

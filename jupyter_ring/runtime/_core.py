@@ -42,7 +42,7 @@ from ._report import reporter
 from ._trace import Trace
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
-           "Abandoned", "PeerMsg", "JoinNote", "Preset"]
+           "Abandoned", "PeerMsg", "JoinNote"]
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,6 @@ class PeerMsg(NamedTuple):
     aux: int                 # per-rank value: rows (allgather), bytes, shared-memory offer
     payload: object          # memoryview of the eager payload, or None
     region: int              # the tensor's registered memory (SharedSlots.locate), or 0
-
-
-class Preset(NamedTuple):
-    """An eager payload already written into ``Runtime.payload_view()``: only its size."""
-
-    nbytes: int
 
 
 class JoinNote(NamedTuple):
@@ -273,6 +267,7 @@ class Runtime:
         self._eager = {p: bytearray(capacity) for p in self.peers}
         self._sendbuf = bytearray(capacity)
         self.eager_limit = self.config.eager_bytes
+        self._views = {}  # numpy views of these buffers (payload_view, peer_payload)
         # Persistent receives for the headers: started by every collective, rebuilt at resync.
         self._free_persistent()
         self._header_recv = {p: self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers}
@@ -333,7 +328,7 @@ class Runtime:
             return
         if missing is None:
             missing = lambda: self._missing(reqs, peers_of)  # noqa: E731
-        self.poll(lambda: Testall(reqs), what, missing, check_notices)
+        self.poll(lambda: Testall(reqs), what() if callable(what) else what, missing, check_notices)
 
     def poll(self, done, what, missing, check_notices=True, spin_yield=False):
         """Call ``done()`` until it is true: spin briefly, then back off (signals are handled).
@@ -510,12 +505,13 @@ class Runtime:
         return own
 
     def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
-                  pending=None, own=None, region=0):
+                  pending=None, own=None, region=0, preset=None):
         """Exchange headers (and eager payloads) with every peer and check agreement.
 
         ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...), or
         ``own`` its packed agreement when the caller cached it. ``payload`` is a byte view sent
-        along when it fits ``eager_bytes``; ``per_peer`` maps a peer to its own ``(aux, payload)``
+        along when it fits ``eager_bytes`` (or ``preset`` the size of one the caller wrote into
+        ``payload_view()`` already); ``per_peer`` maps a peer to its own ``(aux, payload)``
         (alltoall). ``pending`` is the number of entries of the engine's round from this one on:
         ranks whose rounds differ raise ``Recut`` with the shortest (every rank sees every
         header, so every rank raises it). Returns a dict peer -> ``PeerMsg`` for every peer
@@ -531,7 +527,7 @@ class Runtime:
         recvs = self._header_recvs
         self.MPI.Prequest.Startall(recvs)
         if per_peer is None:
-            message = self._message(self._sendbuf, own, aux, payload, pending, region)
+            message = self._message(self._sendbuf, own, aux, payload, pending, region, preset)
             sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
         else:
             sends = []
@@ -547,8 +543,9 @@ class Runtime:
             sends += [comm.Isend(header, p, TAG_HEADER) for p in self.joined]
         reqs = recvs + sends
         self._inflight = sends  # the persistent receives are cancelled by resync, not _abandon
-        self._wait(reqs, f"{kind} '{name}'", self._waits_on)
-        self._keep.clear()
+        self._wait(reqs, lambda: f"{kind} '{name}'", self._waits_on)
+        if self._keep:
+            self._keep.clear()
 
         result = {}
         mismatch = False
@@ -674,26 +671,46 @@ class Runtime:
         """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
         return nbytes <= self.eager_limit
 
-    def _message(self, buf, own, aux, data, pending=1, region=0):
+    def _message(self, buf, own, aux, data, pending=1, region=0, preset=None):
         """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send.
 
-        ``data`` is a byte array copied in, or ``Preset(nbytes)``: the caller wrote the payload
+        ``data`` is a byte array copied in; or ``preset`` is the size of a payload the caller wrote
         into ``payload_view()`` already (a fused batch gathers its members there, no extra copy).
         """
+        nbytes = preset if preset is not None else (data.nbytes if data is not None else -1)
         # capacity was fixed at init/resync, the same on every rank
-        flags = FLAG_PAYLOAD if data is not None and self.fits_eager(data.nbytes) else 0
+        flags = FLAG_PAYLOAD if 0 <= nbytes <= self.eager_limit else 0
         buf[:_AGREE_END] = own
         _TAIL.pack_into(buf, _AGREE_END, flags, self.gen, pending, aux, region)
         if not flags:
             return memoryview(buf)[:HEADER_BYTES]
-        end = HEADER_BYTES + data.nbytes
-        if type(data) is not Preset:
-            np.frombuffer(buf, np.uint8, data.nbytes, HEADER_BYTES)[:] = data
-        return memoryview(buf)[:end]
+        if preset is None:
+            np.frombuffer(buf, np.uint8, nbytes, HEADER_BYTES)[:] = data
+        return memoryview(buf)[:HEADER_BYTES + nbytes]
 
     def payload_view(self, dtype, count):
-        """The send buffer's payload region as ``count`` items of ``dtype``, for a ``Preset``."""
-        return np.frombuffer(self._sendbuf, dtype, count, HEADER_BYTES)
+        """The send buffer's payload region as ``count`` items of ``dtype`` (for ``preset``).
+
+        Views are kept per (dtype, count) until the buffers change (resync): an allreduce made in
+        a loop does not build its views again.
+        """
+        key = (dtype, count)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[key] = np.frombuffer(self._sendbuf, dtype, count, HEADER_BYTES)
+        return view
+
+    def peer_payload(self, peer, dtype, count):
+        """Peer ``peer``'s eager payload as ``count`` items of ``dtype`` (kept like payload_view)."""
+        key = (peer, dtype, count)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[key] = np.frombuffer(self._eager[peer], dtype, count, HEADER_BYTES)
+        return view
 
     def _explain_mismatch(self, kind, name, dtype, op, root, desc):
         """Slow path: exchange full descriptions so every rank raises the same precise error."""

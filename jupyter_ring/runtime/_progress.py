@@ -68,6 +68,10 @@ class Reduce(NamedTuple):
     def nbytes(self):
         return self.src.nbytes
 
+    def describe(self):
+        """What the ranks agree on (built only to explain a mismatch)."""
+        return C.allreduce_desc(self.explicit, self.shape, self.plan.prescale, self.plan.postscale)
+
 
 class Call(NamedTuple):
     """A queued collective run alone: ``run(rt)`` returns its result."""
@@ -338,30 +342,27 @@ class Engine:
         the caller's thread (the short path), and so does a round of one entry."""
         rt = self.rt
         rt.pending = 1
-        if type(entry) is Reduce:
-            plan = entry.plan
-            key = (entry.explicit, entry.shape, plan.serial)
-            own = self.agreements.get(key)
-            if own is None:  # the response cache: a signature's agreement is packed once
-                if len(self.agreements) > 4096:
-                    self.agreements.clear()
-                own = self.agreements[key] = rt.agreement(
-                    "allreduce", plan.dtype, plan.op, -1, entry.src.size,
-                    C.allreduce_desc(entry.explicit, entry.shape, plan.prescale, plan.postscale))
-
-            def desc():  # for a mismatch's explanation only
-                return C.allreduce_desc(entry.explicit, entry.shape, plan.prescale, plan.postscale)
-            run, args = C.allreduce, (rt, [C.Member(entry.src, entry.dst)], plan, entry.name, desc, None, own)
-        else:
-            run, args = entry.run, (rt,)
+        if type(entry) is not Reduce:
+            while True:
+                try:
+                    return rt.run(entry.run, rt)
+                except Recut:
+                    continue  # a peer proposed a longer round; it reruns with this one alone
+        plan = entry.plan
+        key = (entry.explicit, entry.shape, plan.serial)
+        own = self.agreements.get(key)
+        if own is None:  # the response cache: a signature's agreement is packed once
+            if len(self.agreements) > 4096:
+                self.agreements.clear()
+            own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, entry.src.size,
+                                                      entry.describe())
+        members = [C.Member(entry.src, entry.dst)]
         while True:
             try:
-                out = rt.run(run, *args)
+                out = rt.run(C.allreduce, rt, members, plan, entry.name, entry.describe, None, own)[0]
             except Recut:
-                continue  # a peer proposed a longer round; it reruns with this one alone
-            if type(entry) is Reduce:
-                return entry.result if entry.result is not None else out[0].reshape(entry.shape)
-            return out
+                continue
+            return entry.result if entry.result is not None else out.reshape(entry.shape)
 
     def _round(self):
         """Run every entry queued now, fused into batches; their results land in ``results``."""
