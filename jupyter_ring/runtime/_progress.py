@@ -297,15 +297,15 @@ class Engine:
         wake = self.wake
         idle_since = time.perf_counter()
         while not self.closed:
-            cycle = self.config.cycle_ms / 1000.0
             if self.sleeping:
                 wake.wait()
-            else:
-                wake.wait(cycle)
+            else:  # at most _IDLE: a cycle_ms changed meanwhile takes effect by then
+                wake.wait(min(self.config.cycle_ms / 1000.0, _IDLE))
             wake.clear()
             self.sleeping = False
             if self.closed:
                 break
+            cycle = self.config.cycle_ms / 1000.0  # read after the wait: the value set now counts
             now = time.perf_counter()
             if not self.queue:
                 if now - idle_since > _IDLE:

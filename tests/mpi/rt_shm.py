@@ -176,8 +176,15 @@ if mode == "values":
     count = 3 * THRESHOLD // (4 * 500) + 1
     seed += 1
     batch = [inputs(seed * 100 + i, 500, np.dtype(np.float32), ring.Sum) for i in range(count)]
-    handles = [ring.allreduce_async(xs[r], op=ring.Sum, name=f"fused.{i}") for i, xs in enumerate(batch)]
-    results = [ring.synchronize(h) for h in handles]
+    # members alone (2000 bytes) would take the ring, which adds in another order for 3+ ranks:
+    # the background thread must not take the first before the last is queued (a 1 ms cycle
+    # under load), so it waits; synchronize() runs the whole round in this thread
+    cycle_ms, config.cycle_ms = config.cycle_ms, 60_000.0
+    try:
+        handles = [ring.allreduce_async(xs[r], op=ring.Sum, name=f"fused.{i}") for i, xs in enumerate(batch)]
+        results = [ring.synchronize(h) for h in handles]
+    finally:
+        config.cycle_ms = cycle_ms
     record = rt.trace.records[-1]
     if n > 1 and (not record[1].startswith("fused[") or last_algorithm() != "shm"):
         failures.append(f"fused batch: last record {record[1]!r} went through {last_algorithm()}")
