@@ -20,6 +20,7 @@ communication that the overlapped step does not add to the compute. One bucket p
 """
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -73,8 +74,10 @@ def worker(args):
     bucket = int(args.bucket_mib * (1 << 20)) or args.width * args.width * 4
     local, shared = model(), model()  # the wrapper's gradient hooks live on shared's parameters
     plain = (local, torch.optim.SGD(local.parameters(), lr=0.0))
+    # a tree without buckets (a baseline such as main before the engine) reduces at step()
+    extra = {"bucket_bytes": bucket} if "bucket_bytes" in inspect.signature(hvd.DistributedOptimizer).parameters else {}
     dist = (shared, hvd.DistributedOptimizer(torch.optim.SGD(shared.parameters(), lr=0.0),
-                                             named_parameters=shared.named_parameters(), bucket_bytes=bucket))
+                                             named_parameters=shared.named_parameters(), **extra))
 
     def step(pair, compute):
         layers, opt = pair
