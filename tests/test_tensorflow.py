@@ -22,7 +22,7 @@ TF_PUBLIC = {
     "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op", "reducescatter",
     "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stats",
-    "stop_timeline", "timeline",
+    "stop_timeline", "timeline", "FP16Compressor", "NoneCompressor",
 }
 KERAS_PUBLIC = {
     "Adasum", "Average", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "CollectiveMismatchError",

@@ -24,6 +24,7 @@ PUBLIC = {
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "rank",
     "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_timeline", "stats", "stop_timeline", "synchronize", "timeline",
+    "FP16Compressor", "Handle", "NoneCompressor",
 }
 
 

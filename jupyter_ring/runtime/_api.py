@@ -36,35 +36,50 @@ class ProcessSet:
     Built from a list of (global) ranks, then registered on every rank with
     :func:`add_process_set` (or ``init(process_sets=[...])``); ``process_set_id`` is set then.
     Collectives on a set are called by its members only; ``root_rank`` stays a global rank.
+    Horovod's form ``ProcessSet(mpi_comm)`` is accepted and refused by ``add_process_set``.
     """
 
-    def __init__(self, ranks):
-        try:
-            ranks = sorted(int(q) for q in ranks)
-        except TypeError:
-            raise TypeError(f"ProcessSet takes a list of ranks, got {type(ranks).__name__}") from None
-        self.ranks = ranks
+    def __init__(self, ranks_or_comm):
         self.process_set_id = None
+        self.mpi_comm = None
+        if type(ranks_or_comm).__module__.startswith("mpi4py"):
+            self.mpi_comm = ranks_or_comm
+            self.ranks = None
+            return
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise TypeError(f"ProcessSet takes a list of ranks, got {type(ranks_or_comm).__name__}") from None
+        if any(not isinstance(q, (int, np.integer)) or isinstance(q, bool) for q in ranks):
+            raise ValueError(f"ProcessSet takes a list of int ranks, got {ranks_or_comm!r}")
+        self.ranks = [int(q) for q in ranks]
 
     def size(self):
         """Number of ranks in the set (None before it is registered)."""
         return None if self.process_set_id is None else len(self.ranks)
 
     def rank(self):
-        """This process's rank within the set (None if not registered or not a member)."""
-        if self.process_set_id is None or not self.included():
+        """This process's rank within the set (None before it is registered; ValueError if this
+        process is not a member)."""
+        if self.process_set_id is None:
             return None
-        return self.ranks.index(rank())
+        me = rank()
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not in process set {self.ranks}; only its members have a rank in it")
+        return self.ranks.index(me)
 
     def included(self):
-        """Whether this process is a member of the set."""
+        """Whether this process is a member of the set (None for a set without ranks yet)."""
+        if self.ranks is None:
+            return None
         return rank() in self.ranks
 
     def _invalidate(self):
         self.process_set_id = None
 
     def __repr__(self):
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        comm = "" if self.mpi_comm is None else f", mpi_comm={self.mpi_comm}"
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}{comm})"
 
 
 global_process_set = ProcessSet([])
@@ -248,6 +263,9 @@ def add_process_set(process_set):
     """
     rt = _rt()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise NotImplementedError("add_process_set: a process set made from an mpi4py communicator is not "
+                                  "supported; build it from a list of global ranks: ProcessSet([0, 2])")
     where = f"add_process_set({ps.ranks})"
     bad = [q for q in ps.ranks if not 0 <= q < rt.size]
     problem = None
@@ -310,6 +328,31 @@ def remove_process_set(process_set):
     return True
 
 
+def is_global(process_set):
+    """Whether ``process_set`` means every rank (None, ``global_process_set`` or id 0)."""
+    return process_set is None or process_set is global_process_set or process_set.process_set_id == 0
+
+
+def set_size(process_set, where):
+    """Number of ranks of ``process_set``; raises as a collective on it would (not registered,
+    not a member)."""
+    return _engine(process_set, where).rt.size
+
+
+def set_rank(process_set, where):
+    """This rank's number within ``process_set`` (checked as :func:`set_size`)."""
+    return _engine(process_set, where).rt.rank
+
+
+def process_set_by_id(process_set_id):
+    """The registered :class:`ProcessSet` with this id (0: the global set), or None."""
+    _rt()
+    if process_set_id == 0:
+        return global_process_set
+    entry = _proc.sets.get(process_set_id)
+    return None if entry is None else entry.ps
+
+
 def _set_root(process_set, engine, root_rank, where):
     """A global root rank as the set's own rank number (checked)."""
     rt = engine.rt
@@ -369,9 +412,6 @@ def resolve_op(op, average, where):
             raise ValueError(f"{where}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     return Average if op is None else op
-
-
-_op = resolve_op  # the name tensorflow.py and cupy.py used before resolve_op
 
 
 def _factor(value, label, where):
@@ -790,25 +830,3 @@ def timeline(path):
             json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, fh)
         os.replace(tmp, path)
     return path
-
-
-# ------------------------------------------------------------------ process sets (adapter hook)
-def _new_process(rt):
-    """A separate API state (queue, handles, auto names) over ``rt``: one per process set."""
-    process = _Process()
-    process.rt = rt
-    return process
-
-
-@contextlib.contextmanager
-def _using(process):
-    """Inside, the API's calls run on ``process`` (a process set's runtime), not this process's.
-
-    Callers hold the adapters' lock: the swap is of one module global.
-    """
-    global _proc
-    saved, _proc = _proc, process
-    try:
-        yield
-    finally:
-        _proc = saved

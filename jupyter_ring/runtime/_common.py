@@ -1,7 +1,7 @@
 """The names every framework adapter shares with the numpy runtime, unchanged.
 
 Horovod's framework modules (``horovod.torch``, ``horovod.tensorflow``) each offer the topology
-calls, the reduce ops, ``barrier``, the object collectives and the errors; ours re-export them
+calls, the reduce ops, ``barrier``, the object collectives, process sets and the errors; ours re-export them
 from here with ``from ._common import *`` and add their own tensor collectives.
 """
 
@@ -21,6 +21,10 @@ cross_rank = _ring.cross_rank
 barrier = _ring.barrier
 broadcast_object = _ring.broadcast_object
 allgather_object = _ring.allgather_object
+ProcessSet = _ring.ProcessSet
+global_process_set = _ring.global_process_set
+add_process_set = _ring.add_process_set
+remove_process_set = _ring.remove_process_set
 stats = _ring.stats
 timeline = _ring.timeline
 
@@ -28,5 +32,6 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
     "cross_rank", "Sum", "Average", "Min", "Max", "Product", "Adasum", "barrier",
     "broadcast_object", "allgather_object", "stats", "timeline",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError",
 ]

@@ -1,8 +1,8 @@
 """Horovod's module-level names that every framework adapter shares (torch, tensorflow, keras).
 
 Capability questions answered truthfully for this runtime (MPI through mpi4py, no Gloo, no NCCL
-for framework tensors, no CCL/DDL, no CUDA/ROCm kernels), process sets, the Horovod-format
-timeline, ``join`` and ``HorovodInternalError``.
+for framework tensors, no CCL/DDL, no CUDA/ROCm kernels), the Horovod-format timeline, ``join``
+and ``HorovodInternalError``. Process sets are the runtime's own (``jupyter_ring.runtime``).
 """
 
 import json
@@ -16,19 +16,11 @@ from .. import runtime as _ring
 from . import _api
 from ._core import Average, Sum
 from ._errors import RingError
-from ._process_sets import (
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    init_process_sets,
-    remove_process_set,
-)
 
 __all__ = [
     "init", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported", "is_homogeneous",
     "start_timeline", "stop_timeline", "join", "HorovodInternalError",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
 ]
 
 
@@ -38,8 +30,7 @@ class HorovodInternalError(RingError):
 
 def init(comm=None, process_sets=None, **config):
     """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``."""
-    _ring.init(comm, **config)
-    init_process_sets(process_sets)
+    _ring.init(comm, process_sets=process_sets, **config)
 
 
 def mpi_built():
@@ -116,7 +107,7 @@ def start_timeline(file_path, mark_cycles=False):
     """Start recording collectives for a Horovod-format timeline written by ``stop_timeline``.
 
     Every rank calls it. ``mark_cycles`` adds a CYCLE_START mark where each collective begins
-    (this runtime has no background cycle: a collective is its own cycle).
+    (the engine's rounds are not marked: a collective is its own cycle here).
     """
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"start_timeline: file_path must be a path, got {type(file_path).__name__}")
@@ -169,17 +160,12 @@ def stop_timeline():
 
 
 def join(device=-1):
-    """Wait until every rank has called ``join``; returns the rank that joined last.
+    """This rank is out of data: it takes part in the other ranks' allreduces with zeros until
+    every rank has called ``join``; returns the rank that joined last (the runtime's join).
 
-    Differs from Horovod: a rank that joined does not yet stand in (with zeros) for the
-    allreduces the other ranks still run. Every rank must call ``join`` at the same point in
-    its sequence of collectives; otherwise the ranks still reducing get a
-    ``CollectiveMismatchError`` naming ``join`` (never a hang). ``device`` is accepted for
-    Horovod's signature and not used.
+    ``device`` is accepted for Horovod's signature and not used (no device transport here).
     """
-    arrived = time.time()
-    stamps = _ring.allgather_object((arrived, _ring.rank()), name="jupyter_ring.join")
-    return max(stamps)[1]
+    return _ring.join()
 
 
 # ------------------------------------------------------------------ numpy helpers for the adapters

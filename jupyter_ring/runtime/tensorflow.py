@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
 import sys
+import threading
 import weakref
 import zlib
 
@@ -38,7 +39,6 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _api
-from . import _process_sets as _sets
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 from ._errors import PeerError
@@ -145,7 +145,7 @@ def _tf_error(exc, in_graph=False):
 def _run(fn, arrays, process_set, where, in_graph=False):
     """``fn(arrays)`` on ``process_set``'s runtime, one collective at a time, errors as TF's."""
     try:
-        with _sets.on(process_set, where):
+        with _lock:
             return fn(arrays)
     except tf.errors.OpError:
         raise
@@ -167,10 +167,9 @@ class _SessionOps:
     def __init__(self):
         self.built = weakref.WeakKeyDictionary()  # graph -> collective ops built in it
 
-    def key(self, where, process_set):
-        """The op's key, or None when it does not run in a TF1 session on every rank."""
-        if (tf.executing_eagerly() or tf.compat.v1.executing_eagerly_outside_functions()
-                or not _sets.is_global(process_set)):
+    def key(self, where):
+        """The op's key, or None when it does not run in a TF1 session."""
+        if tf.executing_eagerly() or tf.compat.v1.executing_eagerly_outside_functions():
             return None
         graph = tf.compat.v1.get_default_graph()
         count = self.built.get(graph, 0)
@@ -178,10 +177,12 @@ class _SessionOps:
         return f"{where} (graph op {count})"
 
     @staticmethod
-    def check(key):
-        keys = _ring.allgather_object(key, name="jupyter_ring.session_op")
+    def check(key, process_set):
+        """Every rank of ``process_set`` runs the op with ``key`` now, or all raise."""
+        keys = _ring.allgather_object(key, name="jupyter_ring.session_op", process_set=process_set)
         if len(set(keys)) > 1:
-            ops = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
+            ranks = list(range(len(keys))) if _api.is_global(process_set) else process_set.ranks
+            ops = "; ".join(f"rank {r}: {k}" for r, k in zip(ranks, keys))
             raise CollectiveMismatchError(
                 f"ranks ran different collective ops of the graph at once ({ops}): a TF1 session ran "
                 "independent collective ops in a different order on each rank. Fetch them in separate "
@@ -189,6 +190,10 @@ class _SessionOps:
 
 
 _session_ops = _SessionOps()
+
+# TensorFlow runs independent graph ops on several threads: each op's collectives (and a TF1
+# session's key check before them) go to the runtime as one unit, one op at a time.
+_lock = threading.RLock()
 
 
 def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
@@ -203,12 +208,12 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
         outs = _run(fn, [_host(t) for t in tensors], process_set, where)
         return [tf.convert_to_tensor(np.asarray(o).astype(d.as_numpy_dtype) if d != tf.bfloat16 else o, dtype=d)
                 for o, d in zip(outs, out_dtypes)]
-    key = _session_ops.key(where, process_set)
+    key = _session_ops.key(where)
     if key is not None:
         body = fn
 
         def fn(arrays):  # noqa: F811 - the checked form of the same body
-            _session_ops.check(key)
+            _session_ops.check(key, process_set)
             return body(arrays)
 
     def py(*ts):
@@ -228,11 +233,11 @@ def _ref(variable):
 
 
 def _set_size(process_set):
-    return _ring.size() if _sets.is_global(process_set) else process_set.size()
+    return _api.set_size(process_set, "process_set")
 
 
 def _set_rank(process_set):
-    return _ring.rank() if _sets.is_global(process_set) else process_set.rank()
+    return _api.set_rank(process_set, "process_set")
 
 
 def _suffix(name, suffix):
@@ -240,16 +245,18 @@ def _suffix(name, suffix):
 
 
 # ------------------------------------------------------------------ allreduce
-def _allreduce_arrays(arrays, op, prescale, postscale, names, n):
+def _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set):
     """Allreduce numpy arrays, queued together so that the runtime fuses them (Horovod's scaling
     of integer tensors: in float64, truncated, done around the runtime's sum)."""
     if op == Adasum:
         if n & (n - 1):
             raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet ({n} ranks)")
-        return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=nm)).astype(a.dtype).reshape(a.shape)
+        return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=nm, process_set=process_set))
+                .astype(a.dtype).reshape(a.shape)
                 for a, nm in zip(arrays, names)]
     plans = [reduce_plan(a, op, prescale, postscale, n) for a in arrays]
-    handles = [_ring.allreduce_async(p.staged, op=p.op, name=nm, prescale_factor=p.pre, postscale_factor=p.post)
+    handles = [_ring.allreduce_async(p.staged, op=p.op, name=nm, prescale_factor=p.pre, postscale_factor=p.post,
+                                     process_set=process_set)
                for p, nm in zip(plans, names)]
     return [p.finish(_ring.synchronize(h)) for p, h in zip(plans, handles)]
 
@@ -261,13 +268,13 @@ def _allreduce_list(tensors, op, prescale, postscale, names, process_set=global_
 
     @tf.custom_gradient
     def reduce(*ts):
-        outs = _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n), ts,
+        outs = _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set), ts,
                      [t.dtype for t in ts], [t.shape for t in ts], process_set, where)
 
         def grad(*dys):
             dys = [tf.convert_to_tensor(d) for d in dys]
             return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale,
-                                                          [_suffix(nm, "grad") for nm in names], n),
+                                                          [_suffix(nm, "grad") for nm in names], n, process_set),
                          dys, [d.dtype for d in dys], [d.shape for d in dys], process_set, where)
         return list(outs), grad
     if not tensors:
@@ -297,8 +304,8 @@ def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, po
     dense_names = [f"{base}.dense.{i}" for i in range(len(dense))]
 
     def fn(arrays):
-        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, part_names)]
-        reduced = _allreduce_arrays(arrays[len(parts):], op, prescale, postscale, dense_names, n)
+        handles = [_ring.allgather_async(a, nm, process_set) for a, nm in zip(arrays, part_names)]
+        reduced = _allreduce_arrays(arrays[len(parts):], op, prescale, postscale, dense_names, n, process_set)
         return [_ring.synchronize(h) for h in handles] + reduced
     shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in parts] + [t.shape for t in dense]
     outs = _call(fn, parts + dense, [t.dtype for t in parts + dense], shapes, process_set, "allgather")
@@ -320,7 +327,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     A ``tf.IndexedSlices`` is reduced by allgathering its values and indices (Sum or Average).
     """
     where = f"allreduce '{name}'"
-    op = _api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse_op(op, prescale_factor, postscale_factor, where)
         return _allreduce_slices([tensor], op, [name], process_set)[0][0]
@@ -337,7 +344,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if not tensors:
         return tensors
     where = f"grouped_allreduce '{name}'"
-    op = _api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     slices = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     out = [None] * len(tensors)
@@ -375,7 +382,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     names = [name if len(tensors) == 1 else _suffix(name, str(i)) for i in range(len(tensors))]
 
     def fn(arrays):
-        handles = [_ring.allgather_async(a, nm) for a, nm in zip(arrays, names)]
+        handles = [_ring.allgather_async(a, nm, process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h) for h in handles]
 
     @tf.custom_gradient
@@ -392,8 +399,10 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
             def grad_fn(arrays):
                 *grads, mine = arrays
-                handles = [_ring.allreduce_async(g, name=nm) for g, nm in zip(grads, grad_names)]
-                counts = _ring.allgather(mine.reshape(1, -1), name=_suffix(names[0], "grad.rows"))
+                handles = [_ring.allreduce_async(g, name=nm, process_set=process_set)
+                           for g, nm in zip(grads, grad_names)]
+                counts = _ring.allgather(mine.reshape(1, -1), name=_suffix(names[0], "grad.rows"),
+                                         process_set=process_set)
                 starts = counts[:rank].sum(axis=0)
                 return [_ring.synchronize(h)[starts[i]:starts[i] + mine[i]] for i, h in enumerate(handles)]
             shapes = [t.shape for t in ts]
@@ -412,12 +421,11 @@ def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_s
     (the root's gradient is the average of every rank's, the others' zero)."""
     where = f"broadcast '{name}'"
     tensor = _dense(tensor, where)
-    root = _sets.set_rank(process_set, root_rank, where) if _ring.is_initialized() else root_rank
 
     @tf.custom_gradient
     def bcast(t):
-        out = _call(lambda a: [_ring.broadcast(a[0], root, name).reshape(a[0].shape)], [t], [t.dtype], [t.shape],
-                    process_set, where)[0]
+        out = _call(lambda a: [_ring.broadcast(a[0], root_rank, name, process_set).reshape(a[0].shape)], [t],
+                    [t.dtype], [t.shape], process_set, where)[0]
 
         def grad(dy):
             g = _allreduce_list([tf.convert_to_tensor(dy)], Average, 1.0, 1.0, [_suffix(name, "grad")],
@@ -434,11 +442,10 @@ def _read(variable):
 def _broadcast_values(values, root_rank, name, process_set):
     """Root's values of a list of tensors, in one collective op (queued broadcasts, fused order)."""
     where = f"broadcast '{name}'"
-    root = _sets.set_rank(process_set, root_rank, where)
     names = [_suffix(name, str(i)) for i in range(len(values))]
 
     def fn(arrays):
-        handles = [_ring.broadcast_async(a, root, nm) for a, nm in zip(arrays, names)]
+        handles = [_ring.broadcast_async(a, root_rank, nm, process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h).reshape(a.shape) for a, h in zip(arrays, handles)]
     return _call(fn, values, [v.dtype for v in values], [v.shape for v in values], process_set, where)
 
@@ -469,7 +476,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
 
     def fn(arrays):
-        out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], name)
+        out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], name, process_set)
         return [out, np.asarray(received, np.int32)]
 
     @tf.custom_gradient
@@ -506,7 +513,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         out = []
         for a, nm in zip(arrays, names):
             plan = reduce_plan(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
-            out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=nm)))
+            out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=nm, process_set=process_set)))
         return out
 
     @tf.custom_gradient
@@ -566,9 +573,7 @@ def process_set_included_op(process_set_id=0, name=None):
 
 
 def _process_set_of(process_set_id):
-    if process_set_id == 0:
-        return global_process_set
-    found = _sets.registered(process_set_id)
+    found = _api.process_set_by_id(process_set_id)
     if found is None:
         raise ValueError(f"process set {process_set_id} is not registered; call hvd.add_process_set([...]) first")
     return found
@@ -605,18 +610,20 @@ def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Root's picklable object, returned on every rank of ``process_set``."""
-    root = _sets.set_rank(process_set, root_rank, f"broadcast_object '{name}'")
-    return _sets.run_on(process_set, "broadcast_object", _ring.broadcast_object, obj, root, name)
+    with _lock:
+        return _ring.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's picklable object, as a list in rank order."""
-    return _sets.run_on(process_set, "allgather_object", _ring.allgather_object, obj, name)
+    with _lock:
+        return _ring.allgather_object(obj, name, process_set)
 
 
 def barrier(process_set=global_process_set):
     """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
-    _sets.run_on(process_set, "barrier", _ring.barrier)
+    with _lock:
+        _ring.barrier(process_set)
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
@@ -687,12 +694,13 @@ def _reduce_gradients(grads, sources, op, prescale, postscale, compression, name
     if eager and not all(present):
         # every rank runs this when any gradient is missing anywhere: the flags say which
         flags = np.array([float(p) for p in present], np.float32)
-        seen = _sets.run_on(process_set, "gradient.present", _ring.allreduce, flags, None, "gradient.present",
-                            Max)
+        with _lock:
+            seen = _ring.allreduce(flags, None, "gradient.present", Max, process_set=process_set)
         result = [r if seen[i] > 0 else None for i, r in enumerate(result)]
     elif eager:
         flags = np.ones(len(present), np.float32)
-        _sets.run_on(process_set, "gradient.present", _ring.allreduce, flags, None, "gradient.present", Max)
+        with _lock:
+            _ring.allreduce(flags, None, "gradient.present", Max, process_set=process_set)
     return result
 
 
@@ -749,20 +757,20 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     groups = _layout(tensors)
     shapes = [tuple(t.shape.as_list()) for t in tensors]
     in_graph = not tf.executing_eagerly()
-    key = _session_ops.key(name, process_set)
+    key = _session_ops.key(name)
 
     def fused(*ts):
         outs = [None] * len(ts)
         try:
-            with _sets.on(process_set, name):
+            with _lock:
                 if key is not None:
-                    _session_ops.check(key)
+                    _session_ops.check(key, process_set)
                 for np_dtype, (entries, total) in groups.items():
                     flat = _buffers.flat(np_dtype, total * np_dtype.itemsize)
                     for i, offset, size in entries:
                         flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
                     _ring.allreduce_(flat, name=f"{name}.{np_dtype}", op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale)
+                                     postscale_factor=postscale, process_set=process_set)
                     for i, offset, size in entries:
                         view = flat[offset:offset + size].reshape(shapes[i])
                         outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())

@@ -30,7 +30,6 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _api, _report  # _api: the epoch of queued work; _report: the dashboard's steps
-from . import _process_sets as _sets
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
@@ -171,33 +170,13 @@ def synchronize(handle):
 
 
 # ------------------------------------------------------------------ process sets, handles made here
-def _launch(process_set, where, start, finish):
-    """A Handle for the runtime handles ``start()`` queues, on ``process_set``'s ranks.
-
-    On the global set the work stays queued (fused, run by synchronize); on a smaller set it runs
-    now on the set's runtime and the handle holds the result, or the collective's error, which
-    synchronize() raises. Bad arguments raise here, at the call.
-    """
-    if _sets.is_global(process_set):
-        return Handle(start(), finish)
-    with _sets.on(process_set, where):
-        handles = start()
-        results, error = [], None
-        for h in handles:
-            try:
-                results.append(_ring.synchronize(h))
-            except RingError as exc:
-                error = error or exc
-    return _completed(results, error, finish)
-
-
-def _blocking(process_set, where, fn, finish):
-    """A completed Handle for a collective the runtime runs only blocking (alltoall, reducescatter)."""
-    with _sets.on(process_set, where):
-        try:
-            results, error = [fn()], None
-        except RingError as exc:
-            results, error = [], exc
+def _blocking(where, fn, finish):
+    """A completed Handle for a collective the runtime runs only blocking (alltoall, reducescatter):
+    its error, if any, is raised by synchronize() as an async op's would be."""
+    try:
+        results, error = [fn()], None
+    except RingError as exc:
+        results, error = [], exc
     return _completed(results, error, finish)
 
 
@@ -209,12 +188,12 @@ def _completed(results, error, finish):
     return Handle([], done)
 
 
-def _set_size(process_set):
-    return _ring.size() if _sets.is_global(process_set) else process_set.size()
+def _set_size(process_set, where="process_set"):
+    return _api.set_size(process_set, where)
 
 
 def _set_rank(process_set):
-    return _ring.rank() if _sets.is_global(process_set) else process_set.rank()
+    return _api.set_rank(process_set, "process_set")
 
 
 def _grad_name(name, suffix="grad"):
@@ -273,15 +252,14 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """Queue an allreduce of ``tensor``; ``synchronize(handle)`` returns a new tensor."""
     where = f"allreduce '{name}'"
     _check_tensor(tensor, where)
-    op = _api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     if op == Adasum:
         return _adasum_async(tensor, name, process_set, where)
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
     arr = _to_numpy(plan.stage(tensor))
     pre, post = plan.runtime_scales(tensor)
-    return _launch(process_set, where,
-                   lambda: [_ring.allreduce_async(arr, None, name, plan.op, pre, post)],
-                   lambda res: plan.finish(_from_numpy(res[0], tensor)))
+    return Handle([_ring.allreduce_async(arr, None, name, plan.op, pre, post, process_set)],
+                  lambda res: plan.finish(_from_numpy(res[0], tensor)))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -289,15 +267,14 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Queue an in-place allreduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     where = f"allreduce_ '{name}'"
     _check_tensor(tensor, where)
-    op = _api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     t = tensor.detach()
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where) if op != Adasum else None
     if op != Adasum and not plan.integer and _shares_numpy(t):
         # zero-copy: the runtime reduces straight into the tensor's memory
         arr = t.numpy()
-        return _launch(process_set, where,
-                       lambda: [_ring.allreduce_async_(arr, None, name, op, prescale_factor, postscale_factor)],
-                       lambda res: tensor)
+        return Handle([_ring.allreduce_async_(arr, None, name, op, prescale_factor, postscale_factor, process_set)],
+                      lambda res: tensor)
     handle = allreduce_async(t, None, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
@@ -357,7 +334,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     """Queue an allreduce of a list of tensors (one fused pass); synchronize returns a list."""
     where = f"grouped_allreduce '{name}'"
     _group_check(tensors, where)
-    op = _api._op(op, average, where)
+    op = _api.resolve_op(op, average, where)
     if op == Adasum:
         handles = [_adasum_async(t, _grad_name(name, str(i)), process_set, where) for i, t in enumerate(tensors)]
         return _completed([], None, lambda _res: [synchronize(h) for h in handles])
@@ -368,10 +345,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                                    process_set) for i, t in enumerate(tensors)]
         return _completed([], None, lambda _res: [synchronize(h) for h in handles])
     arrays = [_to_numpy(t) for t in tensors]
-    return _launch(process_set, where,
-                   lambda: [_ring.grouped_allreduce_async(arrays, None, name, op, prescale_factor,
-                                                          postscale_factor)],
-                   lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
+    return Handle([_ring.grouped_allreduce_async(arrays, None, name, op, prescale_factor, postscale_factor,
+                                                 process_set)],
+                  lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -480,8 +456,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     if tensor.dim() == 0:
         raise ValueError(f"{where}: needs a tensor with at least one dimension; pass tensor.reshape(1)")
     arr = _to_numpy(tensor)
-    return _launch(process_set, where, lambda: [_ring.allgather_async(arr, name)],
-                   lambda res: _from_numpy(res[0], tensor))
+    return Handle([_ring.allgather_async(arr, name, process_set)], lambda res: _from_numpy(res[0], tensor))
 
 
 def _row_offset(rows, process_set, name):
@@ -555,11 +530,10 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_s
     """Queue a broadcast of root's tensor (root_rank: a global rank); synchronize returns a new tensor."""
     where = f"broadcast '{name}'"
     _check_tensor(tensor, where)
-    root = _sets.set_rank(process_set, root_rank, where)
     arr = _to_numpy(tensor)
     # reshape: the runtime returns 0-d arrays as shape (1,) (np.ascontiguousarray promotes them)
-    return _launch(process_set, where, lambda: [_ring.broadcast_async(arr, root, name)],
-                   lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
+    return Handle([_ring.broadcast_async(arr, root_rank, name, process_set)],
+                  lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
 
 
 def broadcast_async_(tensor, root_rank=0, name=None, process_set=global_process_set):
@@ -618,7 +592,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         splits = splits.detach().cpu().numpy()
     arr = _to_numpy(tensor)
     # without splits, dim 0 must divide evenly (ValueError here otherwise, as Horovod)
-    return _blocking(process_set, where, lambda: _ring.alltoall(arr, splits, name),
+    return _blocking(where, lambda: _ring.alltoall(arr, splits, name, process_set),
                      lambda res: (_from_numpy(res[0][0], tensor),
                                   torch.from_numpy(np.asarray(res[0][1], np.int32))))
 
@@ -679,7 +653,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         if post != 1.0:
             out = out * post
         return plan.finish(out)
-    return _blocking(process_set, where, lambda: _ring.reducescatter(arr, op=plan.op, name=name), finish)
+    return _blocking(where, lambda: _ring.reducescatter(arr, op=plan.op, name=name, process_set=process_set),
+                     finish)
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -754,18 +729,17 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 # ------------------------------------------------------------------ barrier, objects
 def barrier(process_set=global_process_set):
     """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
-    _sets.run_on(process_set, "barrier", _ring.barrier)
+    _ring.barrier(process_set)
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Root's picklable object, returned on every rank of ``process_set``."""
-    root = _sets.set_rank(process_set, root_rank, f"broadcast_object '{name}'")
-    return _sets.run_on(process_set, "broadcast_object", _ring.broadcast_object, obj, root, name)
+    return _ring.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's picklable object, as a list in rank order."""
-    return _sets.run_on(process_set, "allgather_object", _ring.allgather_object, obj, name)
+    return _ring.allgather_object(obj, name, process_set)
 
 
 # ------------------------------------------------------------------ model and optimizer state
@@ -892,7 +866,7 @@ def _collect_slots(obj, out):
 # enough that the first buckets of a 10M-parameter MLP are reduced while backward still computes
 # the early layers, large enough that each bucket's fixed cost (one engine round, three
 # shared-memory syncs) stays small against its copies.
-BUCKET_BYTES = 8 << 20
+_BUCKET_BYTES = 8 << 20
 
 
 class _Bucket:
@@ -928,7 +902,7 @@ class _Bucket:
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer: gradients are allreduced (averaged) over the ranks before ``step()``.
 
-    Gradients are grouped into buckets of about ``bucket_bytes`` (default ``BUCKET_BYTES``,
+    Gradients are grouped into buckets of about ``bucket_bytes`` (default
     8 MiB) in the order backward produces them. As soon as a bucket's last gradient is ready
     (a gradient hook), its in-place allreduce starts on the runtime's background engine, so
     communication overlaps the rest of ``backward()``; ``step()`` starts the last bucket and waits
@@ -978,19 +952,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
             raise TypeError("compression must be Compression.none, Compression.fp16 or an object with "
                             "compress(tensor) and decompress(tensor, ctx)")
-        if not _sets.is_global(process_set) and not isinstance(process_set, ProcessSet):
+        if not _api.is_global(process_set) and not isinstance(process_set, ProcessSet):
             raise TypeError(f"process_set= takes a ProcessSet, got {type(process_set).__name__}")
         if bucket_bytes is None:
-            bucket_bytes = BUCKET_BYTES
+            bucket_bytes = _BUCKET_BYTES
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int (bytes per gradient bucket), got {bucket_bytes!r}")
         self._opt = optimizer
         self._sparse_as_dense = bool(sparse_as_dense)
         self._process_set = process_set
-        # the runtime's name for the set (None: every rank)
-        self._ring_set = None if _sets.is_global(process_set) else process_set
         # a rank outside the optimizer's process set trains locally (Horovod): no hooks, no reduction
-        self._local_only = not _sets.is_global(process_set) and not process_set.included()
+        self._local_only = not _api.is_global(process_set) and not process_set.included()
         # num_groups/groups split Horovod's fusion into fixed groups; here buckets of bucket_bytes
         # do that work, so they are accepted and change nothing
         self._groups = groups if groups is not None else num_groups
@@ -1161,7 +1133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not total:  # only empty parameters
                 flat = torch.empty(0, dtype=dtype)
             else:
-                raw = (_api.bucket_buffer(total * itemsize, self._ring_set) if views
+                raw = (_api.bucket_buffer(total * itemsize, self._process_set) if views
                        else np.zeros(total * itemsize, np.uint8))
                 flat = torch.from_numpy(raw).view(dtype)
             array = flat.numpy()
@@ -1247,8 +1219,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(compressed)
         bucket.handle = _ring.allreduce_async_(bucket.array, name=bucket.name, op=self._op,
                                                prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                               process_set=self._ring_set)
-        _api.flush(self._ring_set)
+                                               process_set=self._process_set)
+        _api.flush(self._process_set)
 
     def _sparse_allreduce(self, p, i):
         """A sparse gradient without sparse_as_dense: Horovod's two allgathers (Average or Sum)."""
@@ -1317,10 +1289,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """A bucket's mismatch names the parameter whose shape or dtype differs between ranks."""
         mine = [(self._names[i], tuple(self._params[i].shape), str(self._params[i].dtype)) for i in bucket.params]
         try:
-            everyone = _ring.allgather_object(mine, name=f"{bucket.name}.explain", process_set=self._ring_set)
+            everyone = _ring.allgather_object(mine, name=f"{bucket.name}.explain", process_set=self._process_set)
         except RingError:
             return exc
-        ranks = self._ring_set.ranks if self._ring_set is not None else list(range(len(everyone)))
+        ranks = list(range(len(everyone))) if _api.is_global(self._process_set) else self._process_set.ranks
         for pos in range(max(len(e) for e in everyone)):
             values = {ranks[q]: e[pos] if pos < len(e) else None for q, e in enumerate(everyone)}
             if len(set(values.values())) > 1:
@@ -1334,9 +1306,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _learn_order(self):
         # Rank 0's hook order of its first step becomes everyone's bucket order, so that later
         # steps launch each bucket as soon as it is ready (overlap with the rest of backward).
-        root = 0 if self._ring_set is None else self._ring_set.ranks[0]
+        root = 0 if _api.is_global(self._process_set) else self._process_set.ranks[0]
         fired = _ring.broadcast_object(self._fired if _ring.rank() == root else None, root,
-                                       name="DistributedOptimizer.order", process_set=self._ring_set)
+                                       name="DistributedOptimizer.order", process_set=self._process_set)
         seen = set(fired)
         order = list(fired) + [i for i in self._order if i not in seen]
         self._order_learned = True
