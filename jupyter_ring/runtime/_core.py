@@ -113,7 +113,7 @@ class PeerMsg(NamedTuple):
 
 
 class JoinNote(NamedTuple):
-    """A peer's join notice: how many collectives it had run, and its shared-memory tick."""
+    """A peer's join notice: how many collectives it had run since the last join, and its shared-memory tick."""
 
     collectives: int
     tick: int
@@ -167,6 +167,8 @@ class Runtime:
         self.pool = ResultPool()  # memory for out-of-place results, recycled
         self.trace = Trace(self.rank, self.size, config.trace_records)
         self.seq = 0
+        # seq when the last join (or resync) completed: ranks compare collectives run since then
+        self.join_base = 0
         self.gen = 0
         self.dirty = False
         self.partial = False      # the collective in progress has written into its caller's input
@@ -451,6 +453,7 @@ class Runtime:
         self._highest_notice = max(self._notices, default=0)
         # join notices were messages on the old communicator: a joined rank announces itself anew
         self.joined = {}
+        self.join_base = self.seq
         self._eager_buffers()
         self._set_participants()
         try:
@@ -592,14 +595,18 @@ class Runtime:
         collective take it as this rank's header and leave it out of the data; joined peers wait for
         it. Then receives the headers of the peers still running collectives (ignored: they reduce
         without this rank) until every peer's JOIN has arrived. Returns the last rank to join
-        (most collectives run; the highest rank among equals), the same on every rank.
+        (most collectives run since the previous join; the highest rank among equals), the same
+        on every rank.
         """
         MPI = self.MPI
         comm = self.comm
         tick = self.shm.ticks(self.gen) if self.shm is not None else 0
         self.seq += 1
+        # collectives since the last join completed, the same starting point on every rank (seq
+        # itself differs by the collectives some ranks ran while others had joined)
+        count = self.seq - self.join_base
         own = _AGREE.pack(JOIN, 255, 0, -1, 0, 0)
-        message = self._message(self._sendbuf, own, self.seq, None, tick)
+        message = self._message(self._sendbuf, own, count, None, tick)
         sends = [comm.Isend(message, p, TAG_HEADER) for p in self.peers]
         waiting = [p for p in self.peers if p not in self.joined]
         reqs = {p: self._header_recv[p] for p in waiting}
@@ -626,11 +633,12 @@ class Runtime:
             self.poll(arrived, f"join '{name}' (waiting for every rank to join)", lambda: sorted(reqs))
         self._wait(sends, f"join '{name}'", self.peers)
         notes = dict(self.joined)
-        notes[self.rank] = JoinNote(self.seq, tick)
+        notes[self.rank] = JoinNote(count, tick)
         last = max(notes, key=lambda q: (notes[q].collectives, q))
         if self.shm is not None:
             self.shm.align(self.gen, max(note.tick for note in notes.values()) + 1)
         self.joined = {}
+        self.join_base = self.seq
         self._set_participants()
         return self.world[last]
 

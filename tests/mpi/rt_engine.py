@@ -9,7 +9,7 @@ expected result from ``rank`` and ``size`` and asserts it; each prints ``RANK_OK
   a rank that skips a collective run in the background leaves the others a StallError naming it.
 - sets: process sets of odd shapes ({0,2} of 3, {1} of 2, ...): every collective inside a set,
   non-members refused, mismatch and stall inside a set name global ranks, remove/re-add.
-- join: ranks run out of data at different steps (rank r after 2 + r steps) and call join();
+- join: ranks run out of data at different steps (rank r after 2 + r steps, then 2 + n-1-r) and call join();
   the others' allreduces (fused, eager and shared memory, Average/Sum/Max) count the joined ranks
   as zeros; join() returns the last rank on every rank; collectives are exact afterwards.
 """
@@ -246,14 +246,16 @@ elif mode == "sets":
           np.full(2, n * (n + 1) / 2))
 
 elif mode == "join":
-    def steps(q):
-        return 2 + q  # rank q runs out of data after 2 + q steps: rank 0 joins first
-
-    def active(step):
-        return [q for q in range(n) if step < steps(q)]
+    def steps(q, rnd):
+        # round 0: rank q runs out of data after 2 + q steps (rank 0 joins first); round 1 the
+        # other way round, after round 0 left the last rank with the most collectives run
+        return 2 + (q if rnd == 0 else n - 1 - q)
 
     for rnd in range(2):  # join twice: the joined state resets between
-        for step in range(steps(r)):
+        def active(step):
+            return [q for q in range(n) if step < steps(q, rnd)]
+
+        for step in range(steps(r, rnd)):
             seed = 100 * rnd + step
             a = {q: data(seed, q, 5) for q in range(n)}
             b = {q: data(seed + 50, q, 17) for q in range(n)}
@@ -269,14 +271,14 @@ elif mode == "join":
             ints = {q: data(seed, q, 9, np.int64) for q in range(n)}
             close(f"join {rnd} step {step} int average",
                   ring.allreduce(ints[r], name="ints"), sum(ints[q] for q in active(step)) // n)
-            if n >= 3 and rnd == 0 and step == steps(0):  # rank 0 has joined: only allreduce may run
+            if n >= 3 and rnd == 0 and step == steps(0, rnd):  # rank 0 has joined: only allreduce may run
                 expect("broadcast while a rank joined", ring.RingError, ["rank(s) [0] called join()"],
                        lambda: ring.broadcast(np.zeros(3), root_rank=1, name="bc"))
-        last = ring.join()
-        if last != n - 1:
-            failures.append(f"join round {rnd}: returned {last}, want {n - 1}")
+        last, want = ring.join(), (n - 1 if rnd == 0 else 0)
+        if last != want:
+            failures.append(f"join round {rnd}: returned {last}, want {want}")
         everyone = ring.allgather_object(last)
-        if everyone != [n - 1] * n:
+        if everyone != [want] * n:
             failures.append(f"join round {rnd}: ranks returned {everyone}")
         exact_after(f"after join round {rnd}", 7 + rnd)
 else:
