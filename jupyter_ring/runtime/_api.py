@@ -592,6 +592,17 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=None):
 
 def reducescatter(tensor, op=Average, name=None, process_set=None):
     """Reduce over ranks and return this rank's block of dim 0 (first ranks get the extra rows)."""
+    engine, entry = _reducescatter(tensor, op, name, process_set)
+    return engine.run_now(entry)
+
+
+def reducescatter_async(tensor, op=Average, name=None, process_set=None):
+    """Queue a reducescatter; returns a handle (``synchronize`` gives this rank's block)."""
+    engine, entry = _reducescatter(tensor, op, name, process_set)
+    return _submit(engine, entry)
+
+
+def _reducescatter(tensor, op, name, process_set):
     with _joining("reducescatter", name, process_set) as engine:
         name, explicit = _auto_name("reducescatter", name)
         where = f"reducescatter '{name}'"
@@ -599,19 +610,30 @@ def reducescatter(tensor, op=Average, name=None, process_set=None):
         if arr.ndim == 0:
             raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
         C._reducer(op, arr.dtype)
-    return engine.run_now(Call(next(_proc.handles), "reducescatter", name,
-                               lambda rt: C.reducescatter(rt, arr, op, name, explicit)))
+    return engine, Call(next(_proc.handles), "reducescatter", name,
+                        lambda rt: C.reducescatter(rt, arr, op, name, explicit))
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """Scatter rows to every rank and gather theirs: returns (output, received_splits)."""
+    engine, entry = _alltoall(tensor, splits, name, process_set)
+    return engine.run_now(entry)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """Queue an alltoall; returns a handle (``synchronize`` gives (output, received_splits))."""
+    engine, entry = _alltoall(tensor, splits, name, process_set)
+    return _submit(engine, entry)
+
+
+def _alltoall(tensor, splits, name, process_set):
     with _joining("alltoall", name, process_set) as engine:
         name, explicit = _auto_name("alltoall", name)
         where = f"alltoall '{name}'"
         arr = np.ascontiguousarray(_array(tensor, where))
         splits = _splits(arr, splits, engine.rt.size, where)
-    return engine.run_now(Call(next(_proc.handles), "alltoall", name,
-                               lambda rt: C.alltoall(rt, arr, splits, name, explicit)))
+    return engine, Call(next(_proc.handles), "alltoall", name,
+                        lambda rt: C.alltoall(rt, arr, splits, name, explicit))
 
 
 def _splits(arr, splits, n, where):

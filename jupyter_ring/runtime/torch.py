@@ -170,16 +170,6 @@ def synchronize(handle):
 
 
 # ------------------------------------------------------------------ process sets, handles made here
-def _blocking(where, fn, finish):
-    """A completed Handle for a collective the runtime runs only blocking (alltoall, reducescatter):
-    its error, if any, is raised by synchronize() as an async op's would be."""
-    try:
-        results, error = [fn()], None
-    except RingError as exc:
-        results, error = [], exc
-    return _completed(results, error, finish)
-
-
 def _completed(results, error, finish):
     def done(_nothing):
         if error is not None:
@@ -592,9 +582,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         splits = splits.detach().cpu().numpy()
     arr = _to_numpy(tensor)
     # without splits, dim 0 must divide evenly (ValueError here otherwise, as Horovod)
-    return _blocking(where, lambda: _ring.alltoall(arr, splits, name, process_set),
-                     lambda res: (_from_numpy(res[0][0], tensor),
-                                  torch.from_numpy(np.asarray(res[0][1], np.int32))))
+    return Handle([_ring.alltoall_async(arr, splits, name, process_set)],
+                  lambda res: (_from_numpy(res[0][0], tensor), torch.from_numpy(np.asarray(res[0][1], np.int32))))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -653,8 +642,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         if post != 1.0:
             out = out * post
         return plan.finish(out)
-    return _blocking(where, lambda: _ring.reducescatter(arr, op=plan.op, name=name, process_set=process_set),
-                     finish)
+    return Handle([_ring.reducescatter_async(arr, op=plan.op, name=name, process_set=process_set)], finish)
 
 
 class _Reducescatter(torch.autograd.Function):

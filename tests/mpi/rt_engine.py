@@ -99,6 +99,27 @@ if mode == "async":
             failures.append(f"poll len={length}: True while rank 0 had not called the collective")
         until(f"poll len={length} turns True without synchronize", lambda: ring.poll(h))
         close(f"late allreduce len={length}", ring.synchronize(h), sum(xs))
+    # reducescatter and alltoall run in the background too (rank 0 late again); rows not
+    # divisible by n: the first ranks get the extra row
+    rows = 2 * n + 1
+    blocks = [data(4, q, rows * 3).reshape(rows, 3) for q in range(n)]
+    if r == 0:
+        time.sleep(0.5)
+    hr = ring.reducescatter_async(blocks[r], op=ring.Sum, name="late.rs")
+    counts = [1 + (q + 1) % 3 for q in range(n)]                  # rows rank r sends to q
+    sent = data(5, r, sum(counts) * 2).reshape(-1, 2)
+    ha = ring.alltoall_async(sent, splits=counts, name="late.a2a")
+    if r != 0 and (ring.poll(hr) or ring.poll(ha)):
+        failures.append("poll of reducescatter/alltoall: True while rank 0 had not called them")
+    until("reducescatter/alltoall turn True without synchronize", lambda: ring.poll(hr) and ring.poll(ha))
+    start = sum(rows // n + (q < rows % n) for q in range(r))
+    close("late reducescatter", ring.synchronize(hr), sum(blocks)[start:start + rows // n + (r < rows % n)])
+    got, received = ring.synchronize(ha)
+    offset = sum(counts[:r])   # every rank sends counts[r] rows to rank r, from its own offset
+    want = np.concatenate([data(5, q, sum(counts) * 2).reshape(-1, 2)[offset:offset + counts[r]] for q in range(n)])
+    close("late alltoall", got, want)
+    if list(received) != [counts[r]] * n:
+        failures.append(f"alltoall received splits {list(received)}, want {[counts[r]] * n}")
     # many small async ones fused in the background, then polled to completion
     parts = [[data(2, q, k) for k in LENGTHS[:4]] for q in range(n)]
     handles = [ring.allreduce_async(parts[r][i], op=ring.Average, name=f"bg.{i}") for i in range(4)]
