@@ -180,6 +180,9 @@ class RingMagics(Magics):
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
     def _ring_start(self, args, argv):
+        stopped = self._stopped_outside()
+        if stopped:
+            print(f"({stopped}; starting a new one)")
         if self.cluster is not None and self.cluster.running:
             raise UsageError(
                 f"a cluster of {self.cluster.size} ranks is already running (started with "
@@ -232,9 +235,11 @@ class RingMagics(Magics):
         return True
 
     def _ring_status(self, args, argv):
+        stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
-            print("no cluster is running; start one with %ring start")
+            print(f"no cluster is running{': ' + stopped if stopped else ''}; start one with "
+                  f"{self._start_hint()}")
             return
         dead = cluster.dead_ranks()
         rows = [dict(row, device=row["device"] + ("  DEAD" if row["rank"] in dead else ""))
@@ -247,8 +252,9 @@ class RingMagics(Magics):
         print(self._auto_status())
 
     def _ring_stop(self, args, argv):
+        stopped = self._stopped_outside()
         if self.cluster is None or not self.cluster.running:
-            print("no cluster is running")
+            print(f"no cluster is running{': ' + stopped if stopped else ''}")
             return
         size = self.cluster.size
         self.cluster.stop()
@@ -258,6 +264,9 @@ class RingMagics(Magics):
         if self._start_argv is None:
             raise UsageError("%ring restart: no cluster was started in this session; "
                              "use %ring start")
+        stopped = self._stopped_outside()
+        if stopped:
+            print(f"({stopped})")
         if self.cluster is not None:
             self.cluster.stop()
         return self.ring(shlex.join(self._start_argv))
@@ -419,10 +428,26 @@ class RingMagics(Magics):
             self._widgets_ok = False
 
     # --------------------------------------------------------------------------- internals
+    def _stopped_outside(self):
+        """If the cluster was stopped from outside this kernel (the Ring panel's Stop), let go
+        of it (the next %ring start just works) and return a note naming who; else ""."""
+        cluster = self.cluster
+        by = cluster.stopped_by() if cluster is not None else None
+        if by is None:
+            return ""
+        size = cluster.size
+        cluster.forget()
+        return f"the cluster of {size} ranks was stopped by {by}"
+
+    def _start_hint(self):
+        return f"%ring {shlex.join(self._start_argv)}" if self._start_argv else "%ring start -n N"
+
     def _alive_cluster(self):
+        stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
-            raise UsageError("no cluster is running; start one with %ring start -n N")
+            raise UsageError(f"no cluster is running{': ' + stopped if stopped else ''}; start "
+                             f"one with {self._start_hint()}")
         cluster.check_alive()  # DeadRankError names the dead ranks and says: %ring restart
         return cluster
 

@@ -16,9 +16,9 @@ from ..errors import ClusterError, DeadRankError
 from ._death import describe_death
 from ._launchers import curve_client, ipp_cluster
 from ._plan import plan_launch
-from ._procs import (Watchdog, kill_processes, process_trees, remove_shm_files, shm_files,
-                     wait_exit)
-from ._sidecar import remove_sidecar, write_sidecar
+from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
+                     process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
+from ._sidecar import read_sidecar, remove_sidecar, write_sidecar
 from ._signals import signal_engines
 
 __all__ = ["RingCluster", "format_table"]
@@ -219,32 +219,58 @@ class RingCluster(LoggingConfigurable):
         Shared-memory files that the ranks had mapped and that are still there at the end (ranks
         that died never ran MPI_Finalize, which unlinks them) are removed.
         """
+        self._release(stop_processes=True)
+
+    def _release(self, stop_processes):
+        """Let go of the cluster: its processes (``stop_processes``), client, files, watchdog,
+        shared memory and rank rows; ``running`` is False after it."""
         shm = self._shm | shm_files(self._local_rank_pids())
         cluster, self.ipp_cluster = self.ipp_cluster, None
         client, self.client = self.client, None
         self.view = None
         if client is not None:
             try:
-                # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
-                client.shutdown(targets="all", hub=False, block=False)
-                wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
+                if stop_processes:
+                    # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
+                    client.shutdown(targets="all", hub=False, block=False)
+                    wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
             except Exception:
                 log.debug("asking the engines to shut down failed", exc_info=True)
             try:
                 client.close()
             except Exception:  # a closed or broken client must not stop the shutdown
                 log.debug("closing the client failed", exc_info=True)
-        if cluster is not None:
+        if cluster is not None and stop_processes:
             for what, step in (("engines", cluster.stop_engines_sync),
                                ("controller", cluster.stop_controller_sync)):
                 try:
                     step()
                 except Exception:
                     log.warning("stopping the %s failed", what, exc_info=True)
+        if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
+            remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
         self._stop_watchdog()
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
+
+    def stopped_by(self):
+        """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while
+        it is this kernel's to stop. Stopped from outside: its cluster file is gone and its
+        controller has exited (a rank that died leaves both: that is a dead rank)."""
+        cluster = self.ipp_cluster
+        if cluster is None or os.path.exists(cluster.cluster_file):
+            return None
+        if live_process(getattr(cluster.controller, "pid", None)) is not None:
+            return None
+        side = read_sidecar(cluster.profile_dir, cluster.cluster_id) or {}
+        return side.get("stopped_by") or "a process outside this kernel"
+
+    def forget(self):
+        """Let go of a cluster stopped from outside (see ``stopped_by``): close the client, remove
+        what is left of its files and shared memory, stop the watchdog; ``running`` is then
+        False and ``start()`` starts a new cluster."""
+        self._release(stop_processes=False)
 
     def kill(self):
         """SIGKILL every process of the cluster now (used at interpreter exit)."""
@@ -253,6 +279,7 @@ class RingCluster(LoggingConfigurable):
         kill_processes(procs)
         self._stop_watchdog()
         remove_shm_files(shm)
+        remove_files(cluster_files(self.ipp_cluster))
 
     # ------------------------------------------------------------------------------- status
     def processes(self):
@@ -305,9 +332,10 @@ class RingCluster(LoggingConfigurable):
 
     # ---------------------------------------------------------------------------- watchdog
     def _watch(self):
-        """Tell the watchdog the cluster's current root pids and shared-memory files."""
+        """Tell the watchdog the cluster's current root pids, shared-memory files and files."""
         if self._watchdog is not None:
-            self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm)
+            self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm,
+                                 cluster_files(self.ipp_cluster))
 
     def _stop_watchdog(self):
         watchdog, self._watchdog = self._watchdog, None
@@ -326,6 +354,13 @@ def _root_pids(cluster):
         if pid and pid > 0:
             pids.append(pid)
     return pids
+
+
+def cluster_files(cluster):
+    """Glob patterns of the files of an ipyparallel Cluster (``_procs.cluster_file_patterns``)."""
+    if cluster is None:
+        return []
+    return cluster_file_patterns(cluster.profile_dir, cluster.cluster_id)
 
 
 def _read(path):

@@ -18,8 +18,9 @@ import socket
 
 import psutil
 
-from ..cluster._procs import kill_processes, live_process, process_trees, wait_exit
-from ..cluster._sidecar import read_sidecar, remove_sidecar
+from ..cluster._procs import (cluster_file_patterns, kill_processes, live_process, process_trees,
+                             remove_files, wait_exit)
+from ..cluster._sidecar import mark_stopped, read_sidecar, remove_sidecar
 from ..cluster._signals import signal_cluster
 from ..errors import ClusterNotFound
 
@@ -332,19 +333,21 @@ async def stop_cluster(path, grace=5.0):
     alive = wait_exit(tree.values(), 0.5)
     kill_processes(alive)
     wait_exit(alive, 2)
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
     profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
-    remove_sidecar(profile_dir, info.get("cluster_id", ""))
+    cluster_id = info.get("cluster_id", "")
+    remove_files([path] + cluster_file_patterns(profile_dir, cluster_id, sidecar=False))
+    # the owner kernel still holds the cluster: the sidecar stays, marked, to tell it who
+    # stopped it (it removes the file when it notices; its watchdog if it dies first)
+    owner = live_process((read_sidecar(profile_dir, cluster_id) or {}).get("kernel_pid"))
+    if owner is None or not mark_stopped(profile_dir, cluster_id, "the Ring panel"):
+        remove_sidecar(profile_dir, cluster_id)
     return {"stopped": True, "killed": sorted(p.pid for p in alive)}
 
 
 def _load(path):
-    from ipyparallel import Cluster
+    from ..cluster._launchers import atomic_cluster_class
 
-    return Cluster.from_file(path, log=log)
+    return atomic_cluster_class().from_file(path, log=log)
 
 
 def _all_pids(data):
