@@ -15,7 +15,8 @@ import sys
 import time
 
 from ._ipp import CellExecution
-from .errors import DeadRankError, DistributedError, _ename
+from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
+                     trim_traceback)
 
 __all__ = ["CellRun", "routes_to_ranks"]
 
@@ -99,8 +100,9 @@ class CellRun:
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
         except KeyboardInterrupt:
-            self._interrupt_all()
-            raise
+            unstopped = self._interrupt_all()
+            errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
+            raise CellInterrupted("you", errors, unstopped) from None
         self._wait_for_output()
         self._deliver(final=True)
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
@@ -167,6 +169,7 @@ class CellRun:
             print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
+        return pending
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):
@@ -248,6 +251,12 @@ class CellRun:
             # a dead engine is the story, not the errors it caused: report it by rank
             self._raise_dead(dead)
 
+        if not dead and not self.interrupted and all(
+                _ename(e) == "KeyboardInterrupt" for _, _, e in failures):
+            # every failed rank was interrupted, and not by this kernel: the Ring panel's Interrupt
+            raise CellInterrupted("the Ring panel's Interrupt (a SIGINT from outside the notebook)",
+                                  {r: execution.error(r) for r in self.ranks})
+
         def order(item):
             rank, completed, exc = item
             secondary = _ename(exc) in _SECONDARY or rank in self.interrupted or rank in dead
@@ -255,13 +264,21 @@ class CellRun:
 
         failures.sort(key=order)
         host = {row["rank"]: row["host"] for row in self.cluster.ranks}
+        rank, _, exc = failures[0]
+        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
+        full = self.magics.full_traceback
+        headline = DistributedError(rank, host.get(rank, "?"), exc, others, full_traceback=full)
+        below = {r for r, _ in headline.same}
         for r, _, e in sorted(failures, key=lambda item: item[0]):
             why = self.interrupted.get(r)
-            self.sink.error(r, e, f"interrupted: {why}" if why else "")
+            if r in below:  # one traceback per rank: this one is in the error below the tabs
+                lines = [f"{_ename(e)}: {_first_line(getattr(e, 'evalue', e))}",
+                         "(the traceback is below the tabs)"]
+            else:
+                lines = trim_traceback(str(getattr(e, "traceback", "") or ""), full) or None
+            self.sink.error(r, e, f"interrupted: {why}" if why else "", lines=lines)
             self.sink.fail(r)
-        rank, _, exc = failures[0]
         self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
-        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
         notes = []
         if self.interrupted:
             by_why = {}
@@ -271,7 +288,7 @@ class CellRun:
         if dead:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
-                               reasons=self.interrupted)
+                               reasons=self.interrupted, full_traceback=full)
 
 
 def routes_to_ranks(lines):

@@ -10,6 +10,7 @@ import argparse
 import ast
 import atexit
 import inspect
+import os
 import shlex
 import sys
 import threading
@@ -18,7 +19,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float
+from traitlets import Bool, Enum, Float, default
 
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
@@ -120,6 +121,15 @@ class RingMagics(Magics):
     output_grace = Float(2.0, config=True,
                          help="Seconds to wait for more output from the ranks after their cell "
                               "finished and nothing more arrived, before giving the notebook back.")
+    full_traceback = Bool(config=True,
+                          help="Show the ranks' tracebacks in full, jupyter_ring's own frames "
+                               "below the user's call included (default: hidden, one line "
+                               "says how many; JUPYTER_RING_FULL_TRACEBACK=1 sets it).")
+
+    @default("full_traceback")
+    def _full_traceback_default(self):
+        return os.environ.get("JUPYTER_RING_FULL_TRACEBACK", "") not in ("", "0")
+
     health_interval = Float(0.25, config=True,
                             help="Seconds between checks for dead ranks while a cell runs.")
 

@@ -176,3 +176,15 @@ def test_a_peer_giving_up_after_an_in_place_result_was_partly_written_raises_not
     result = mpirun("rt_shm.py", n, "partial", env=SHM_ENV)
     all_ranks_ok(result)
     assert len(result.lines("GAVE_UP")) == 1 and len(result.lines("PARTIAL")) == n - 1
+
+
+def test_an_unnamed_collective_is_called_unnamed_in_errors():
+    """Issue 21, item 6: the runtime's made-up name ('allreduce.noname.0') is noise in a message."""
+    from jupyter_ring.runtime._core import collective_title, describe_mismatch
+
+    assert collective_title("allreduce", "allreduce.noname.7") == "allreduce (unnamed)"
+    assert collective_title("allreduce", "fc1.weight") == "allreduce 'fc1.weight'"
+    descs = {r: {"kind": "allreduce", "name": "allreduce.noname.0", "dtype": "float64",
+                 "op": "sum", "root": -1, "desc": (("shape", (3 + r,)),)} for r in (0, 1)}
+    text = describe_mismatch(descs)
+    assert text.startswith("allreduce (unnamed): shape (3,) on rank 0 but (4,) on rank 1"), text

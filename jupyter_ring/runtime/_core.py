@@ -479,7 +479,7 @@ class Runtime:
                 flags, _gen, _seq, nbytes = _TAIL.unpack_from(buf, _AGREE_END)
                 reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")
                 raise PeerError(
-                    f"{kind} '{name}': rank {p} could not join this collective and raised {reason}. "
+                    f"{collective_title(kind, name)}: rank {p} could not join this collective and raised {reason}. "
                     f"Fix the call on rank {p}; every rank raises here so that none is left waiting.",
                     p, reason)
 
@@ -529,11 +529,19 @@ class Runtime:
         return self._scratch[:nbytes]
 
 
+def collective_title(kind, name):
+    """``allreduce 'fc1.weight'`` for a user's name; ``allreduce (unnamed)`` for the name the
+    runtime made up (``allreduce.noname.3``), which only adds noise to a message."""
+    if name.startswith(f"{kind}.noname."):
+        return f"{kind} (unnamed)"
+    return f"{kind} '{name}'"
+
+
 def describe_mismatch(descs):
     """One message naming the op, the ranks and the values that differ."""
     ranks = sorted(descs)
     ref = descs[ranks[0]]
-    title = f"{ref['kind']} '{ref['name']}'"
+    title = collective_title(ref["kind"], ref["name"])
     for field, label in (("kind", "called"), ("name", "name"), ("dtype", "dtype"), ("op", "reduce op"),
                          ("root", "root rank")):
         values = {r: descs[r][field] for r in ranks}
