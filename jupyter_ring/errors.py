@@ -69,10 +69,10 @@ class DistributedError(JupyterRingError):
         self.ename = _ename(error)
         self.evalue = getattr(error, "evalue", str(error))
         self.errors = {rank: error, **{r: e for r, _, e in others}}
-        # the ranks that raised the headline's error themselves (not interrupted by us)
+        # the ranks that raised the headline's very error themselves (an interrupt that came
+        # too late to stop that does not make it theirs any less)
         alike = [(r, h) for r, h, e in others
-                 if r not in self.reasons and (_ename(e), str(getattr(e, "evalue", e)))
-                 == (self.ename, str(self.evalue))]
+                 if (_ename(e), str(getattr(e, "evalue", e))) == (self.ename, str(self.evalue))]
         self.same = sorted([(rank, host)] + alike)
         self.others = [item for item in others if (item[0], item[1]) not in alike]
         super().__init__(self._summary())
