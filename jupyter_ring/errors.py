@@ -20,7 +20,7 @@ code written against earlier releases working.
 import re
 
 __all__ = ["JupyterRingError", "ClusterError", "DeadRankError", "ClusterNotFound",
-           "DistributedError", "CellInterrupted", "trim_traceback"]
+           "DistributedError", "CellInterrupted", "trim_traceback", "where_stopped"]
 
 
 class JupyterRingError(Exception):
