@@ -43,7 +43,7 @@ def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,stop,restart,push,pull,auto}")
+                                metavar="{start,status,where,stop,restart,push,pull,auto}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -67,6 +67,13 @@ def _ring_parser():
                             "(default: this host's address on the route to them)")
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
     sub.add_parser("stop", add_help=False, help="stop every rank and the controller")
+    where = sub.add_parser("where", add_help=False,
+                           help="every rank's Python stack and collective, read from outside")
+    where.add_argument("--all-threads", action="store_true",
+                       help="every thread with every frame (default: the main thread and "
+                            "threads running user code, engine frames hidden)")
+    where.add_argument("--timeout", type=float, default=3.0,
+                       help="seconds to wait for each rank's dump (default 3)")
     sub.add_parser("restart", add_help=False, help="stop, then start with the same arguments")
     push = sub.add_parser("push", add_help=False, help="send notebook variables to every rank")
     push.add_argument("names", nargs="+", metavar="NAME")
@@ -154,6 +161,7 @@ class RingMagics(Magics):
                        [--hostfile FILE] [--ip ADDR] [--nodes N --ntasks-per-node K
                        --partition P --time T]   # the last four with --launcher slurm
             %ring status
+            %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
             %ring stop
             %ring restart            # stop, then start with the same arguments
             %ring push NAME [NAME ...]
@@ -184,7 +192,7 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, stop, restart, push, pull "
+            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull "
                              "or auto (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
@@ -260,6 +268,15 @@ class RingMagics(Magics):
         else:
             print(f"{cluster.size} ranks alive (started with %ring {' '.join(self._start_argv)})")
         print(self._auto_status())
+
+    def _ring_where(self, args, argv):
+        from .cluster import format_where
+
+        cluster = self.cluster
+        if cluster is None or not cluster.running:
+            raise UsageError("no cluster is running; start one with %ring start -n N")
+        # no check_alive(): the living ranks' stacks matter most when one has died
+        print(format_where(cluster.where(timeout=args.timeout), all_threads=args.all_threads))
 
     def _ring_stop(self, args, argv):
         stopped = self._stopped_outside()

@@ -7,6 +7,7 @@ other modules.
 
 import logging
 import os
+import shutil
 import socket
 
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
@@ -20,6 +21,7 @@ from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_proce
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
 from ._sidecar import read_sidecar, remove_sidecar, write_sidecar
 from ._signals import signal_engines
+from ._where import collect_where, where_dir
 
 __all__ = ["RingCluster", "format_table"]
 
@@ -36,7 +38,8 @@ import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
 _jr_info = _jr_engine.describe(ring, _jr_device)
-del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask
+_jr_engine.arm_where(_jr_where, ring.rank())
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where
 """
 
 
@@ -181,7 +184,7 @@ class RingCluster(LoggingConfigurable):
         ids = sorted(client.ids)
         view = client[ids]
         view.push({"_jr_gpus": None if gpus is None else list(gpus),
-                   "_jr_umask": self._user_umask}, block=False)
+                   "_jr_umask": self._user_umask, "_jr_where": self.where_dir}, block=False)
         ar = view.execute(_SETUP_CODE, block=False)
         if not ar.wait(self.setup_timeout):
             raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
@@ -198,6 +201,11 @@ class RingCluster(LoggingConfigurable):
         self._shm = shm_files(self._local_rank_pids())
         self._watch()
         self._write_sidecar()
+
+    @property
+    def where_dir(self):
+        """The folder where the ranks keep their stacks and collective for ``%ring where``."""
+        return where_dir(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
 
     def _write_sidecar(self):
         """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
@@ -250,6 +258,7 @@ class RingCluster(LoggingConfigurable):
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
             remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
+            shutil.rmtree(where_dir(cluster.profile_dir, cluster.cluster_id), ignore_errors=True)
         self._stop_watchdog()
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
@@ -331,6 +340,12 @@ class RingCluster(LoggingConfigurable):
         signal_engines(self.client, sig, [self.engine_ids[r] for r in ranks])
 
     # ---------------------------------------------------------------------------- watchdog
+    def where(self, ranks=None, timeout=3.0):
+        """Every rank's (or ``ranks``') stack and collective, read from outside the ranks: a list
+        of :class:`RankWhere` (see ``_where``); works while a cell runs and on a stuck rank."""
+        return collect_where(self.where_dir, self.ranks,
+                             lambda rs, sig: self.signal_ranks(sig, rs), ranks, timeout)
+
     def _watch(self):
         """Tell the watchdog the cluster's current root pids, shared-memory files and files."""
         if self._watchdog is not None:

@@ -50,6 +50,7 @@ from ._api import (
 from ._config import Config
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._report import log, progress, track
+from ._where import Doing, doing
 from ._errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
 
 __all__ = [
@@ -61,5 +62,5 @@ __all__ = [
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
-    "progress", "log", "track",
+    "progress", "log", "track", "doing", "Doing",
 ]

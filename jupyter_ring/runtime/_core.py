@@ -37,6 +37,7 @@ from ._config import Config
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._report import reporter
 from ._trace import Trace
+from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES"]
 
@@ -272,14 +273,19 @@ class Runtime:
         config = self.config
         warned = False
         delay = 1e-5
+        named = -1.0  # when the ranks waited on were last told to the activity record (%ring where)
         while True:
             if done():
                 if warned:
                     reporter.stalled(None, (), 0.0)
+                activity.waiting(())
                 return
             if check_notices and self._poll_notices() > self.gen:
                 raise _Restart()
             waited = time.perf_counter() - start
+            if waited - named >= 0.25:
+                named = waited
+                activity.waiting(missing())
             if waited > config.stall_warning and not warned:
                 warned = True
                 absent = missing()
@@ -374,6 +380,12 @@ class Runtime:
 
     def run(self, fn, *args):
         """Run one collective with agreement, recovery and retries after a peer's resync."""
+        try:
+            return self._run(fn, *args)
+        finally:
+            activity.end()
+
+    def _run(self, fn, *args):
         for _attempt in range(5):
             if self.dirty or self._poll_notices() > self.gen:
                 self.resync()
@@ -409,6 +421,7 @@ class Runtime:
         peer to its own ``(aux, payload)`` (alltoall). Returns a dict peer -> (aux, payload view
         or None) for every peer.
         """
+        activity.begin(kind, name)
         comm = self.comm
         key = (kind, array.dtype if array is not None else None, op, root, count, desc)
         own = self._agree_cache.get(key)
