@@ -30,12 +30,21 @@ __all__ = ["WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "Activity", "activit
 
 WHERE_SIGNAL = signal.SIGUSR2
 
-# seq, since (time.time(), 0 = not in a collective), waiting since, main thread id, pid,
-# number of ranks waited on, those ranks (at most _MAX_WAIT), length of "kind\tname" (utf-8)
-_RECORD = struct.Struct("<QddQii32iH")
+# The record, at fixed offsets so that each change rewrites only its own fields (a few
+# pack_into calls, no allocation): seq, since (time.time(), 0 = not in a collective), waiting
+# since | main thread id, pid | ranks waited on: count, then up to _MAX_WAIT | "kind\tname".
+_TIMES = struct.Struct("<Qdd")
+_IDS = struct.Struct("<Qi")
+_IDS_AT = _TIMES.size
+_COUNT = struct.Struct("<i")
+_COUNT_AT = _IDS_AT + _IDS.size
 _MAX_WAIT = 32
-_TEXT = 512 - _RECORD.size
+_RANKS_AT = _COUNT_AT + _COUNT.size
+_LENGTH = struct.Struct("<H")
+_LENGTH_AT = _RANKS_AT + 4 * _MAX_WAIT
+_TEXT_AT = _LENGTH_AT + _LENGTH.size
 _SIZE = 512
+_TEXT = _SIZE - _TEXT_AT
 
 
 class Doing(NamedTuple):
@@ -87,20 +96,32 @@ class Activity:
         self.kind, self.name, self.since = kind, name, time.time()
         self.waiting_for, self.waiting_since = (), 0.0
         if self._map is not None:
-            self._write()
+            text = f"{kind}\t{name}".encode("utf-8", "replace")[:_TEXT]
+            _LENGTH.pack_into(self._map, _LENGTH_AT, len(text))
+            self._map[_TEXT_AT:_TEXT_AT + len(text)] = text
+            _COUNT.pack_into(self._map, _COUNT_AT, 0)
+            self._stamp()
 
     def waiting(self, ranks):
         ranks = tuple(ranks)
         if ranks != self.waiting_for:
             self.waiting_for, self.waiting_since = ranks, time.time()
             if self._map is not None:
-                self._write()
+                shown = ranks[:_MAX_WAIT]
+                struct.pack_into(f"<{len(shown)}i", self._map, _RANKS_AT, *shown)
+                _COUNT.pack_into(self._map, _COUNT_AT, len(shown))
+                self._stamp()
 
     def end(self):
         if self.since:
             self.kind, self.name, self.since, self.waiting_for = "", "", 0.0, ()
             if self._map is not None:
-                self._write()
+                self._stamp()
+
+    def _stamp(self):
+        # written last: a reader compares two reads of the record to skip a torn one
+        self._seq += 1
+        _TIMES.pack_into(self._map, 0, self._seq, self.since, self.waiting_since)
 
     def doing(self):
         """The :class:`Doing` record of this process, now."""
@@ -108,15 +129,6 @@ class Activity:
             return Doing("running", pid=self._pid, main_thread=self._main)
         return Doing("waiting" if self.waiting_for else "collective", self.kind, self.name,
                      self.since, self.waiting_for, self.waiting_since, self._pid, self._main)
-
-    def _write(self):
-        # one pack_into: the reader compares two reads to skip a torn one
-        self._seq += 1
-        text = f"{self.kind}\t{self.name}".encode("utf-8", "replace")[:_TEXT]
-        ranks = self.waiting_for[:_MAX_WAIT]
-        self._map[:_RECORD.size + len(text)] = _RECORD.pack(
-            self._seq, self.since, self.waiting_since, self._main, self._pid, len(ranks),
-            *ranks, *([0] * (_MAX_WAIT - len(ranks))), len(text)) + text
 
     # ------------------------------------------------------------------ arming
     def arm(self, directory, rank):
@@ -131,7 +143,14 @@ class Activity:
             self._map = mmap.mmap(fd, _SIZE)
         finally:
             os.close(fd)
-        self._write()
+        _IDS.pack_into(self._map, _IDS_AT, self._main, self._pid)
+        kind, name, since = self.kind, self.name, self.since
+        self.waiting_for, waiting = (), self.waiting_for
+        if since:  # armed mid-collective: write what is known
+            self.begin(kind, name)
+            self.since = since
+            self.waiting(waiting)
+        self._stamp()
         fd = os.open(stack_path(directory, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
                      0o600)
         self._stacks = os.fdopen(fd, "wb", buffering=0)
@@ -189,14 +208,18 @@ def read_doing(path):
                     break
     except OSError:
         return None
-    if len(first) < _RECORD.size:
+    if len(first) < _SIZE:
         return None
-    seq, since, waiting_since, main, pid, nwait, *rest = _RECORD.unpack_from(first)
-    ranks, length = tuple(rest[:min(nwait, _MAX_WAIT)]), rest[-1]
+    _seq, since, waiting_since = _TIMES.unpack_from(first)
+    main, pid = _IDS.unpack_from(first, _IDS_AT)
     if not since:
         return Doing("running", pid=pid, main_thread=main)
-    kind, _, name = first[_RECORD.size:_RECORD.size + length].decode("utf-8", "replace").partition("\t")
-    return Doing("waiting" if ranks else "collective", kind, name, since, ranks, waiting_since, pid, main)
+    count = min(max(_COUNT.unpack_from(first, _COUNT_AT)[0], 0), _MAX_WAIT)
+    ranks = struct.unpack_from(f"<{count}i", first, _RANKS_AT)
+    length = min(_LENGTH.unpack_from(first, _LENGTH_AT)[0], _TEXT)
+    kind, _, name = first[_TEXT_AT:_TEXT_AT + length].decode("utf-8", "replace").partition("\t")
+    return Doing("waiting" if ranks else "collective", kind, name, since, ranks, waiting_since, pid,
+                 main)
 
 
 class Frame(NamedTuple):
