@@ -43,7 +43,7 @@ def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,where,stop,restart,push,pull,auto}")
+                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -66,6 +66,10 @@ def _ring_parser():
                        help="address the controller listens on for the other hosts "
                             "(default: this host's address on the route to them)")
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
+    timeline = sub.add_parser("timeline", add_help=False,
+                              help="draw every rank's recent collectives (a track per rank)")
+    timeline.add_argument("--last", type=float, default=10.0,
+                          help="seconds of history to draw (default 10)")
     sub.add_parser("stop", add_help=False, help="stop every rank and the controller")
     where = sub.add_parser("where", add_help=False,
                            help="every rank's Python stack and collective, read from outside")
@@ -162,6 +166,7 @@ class RingMagics(Magics):
                        --partition P --time T]   # the last four with --launcher slurm
             %ring status
             %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
+            %ring timeline [--last S]    # every rank's collectives of the last S s, drawn
             %ring stop
             %ring restart            # stop, then start with the same arguments
             %ring push NAME [NAME ...]
@@ -277,6 +282,20 @@ class RingMagics(Magics):
             raise UsageError("no cluster is running; start one with %ring start -n N")
         # no check_alive(): the living ranks' stacks matter most when one has died
         print(format_where(cluster.where(timeout=args.timeout), all_threads=args.all_threads))
+
+    def _ring_timeline(self, args, argv):
+        from IPython.display import display
+
+        from .engines._timeline import recent_collectives
+        from .widgets._timeline import timeline_html, timeline_text
+
+        if args.last <= 0:
+            raise UsageError(f"%ring timeline --last takes a positive number of seconds, got {args.last:g}")
+        cluster = self._alive_cluster()
+        replies = cluster.view.apply_async(recent_collectives, args.last).get(self.remote_timeout * 3)
+        ranks = {r: reply["records"] for r, reply in enumerate(replies)}
+        display({"text/html": timeline_html(ranks, args.last),
+                 "text/plain": timeline_text(ranks, args.last)}, raw=True)
 
     def _ring_stop(self, args, argv):
         stopped = self._stopped_outside()
