@@ -134,7 +134,8 @@ def cluster_file_patterns(profile_dir, cluster_id, sidecar=True):
     patterns = [os.path.join(security, f"cluster-{cid}.json"),
                 os.path.join(security, f"ipcontroller-{cid}-*.json"),
                 os.path.join(glob.escape(profile_dir), "log", f"*{cid}*"),
-                os.path.join(security, f"jupyter_ring-{cid}-where", "rank*")]
+                os.path.join(security, f"jupyter_ring-{cid}-where", "rank*"),
+                os.path.join(security, f"jupyter_ring-{cid}-where")]  # emptied by the line above
     if sidecar:
         patterns.append(os.path.join(security, f"jupyter_ring-{cid}.json"))
     return patterns
@@ -147,7 +148,10 @@ def remove_files(patterns):
     for pattern in patterns:
         for path in glob.glob(pattern):
             try:
-                os.remove(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)  # only an emptied folder of the cluster's (its where folder)
+                else:
+                    os.remove(path)
                 removed.append(path)
             except OSError:
                 pass

@@ -7,7 +7,6 @@ other modules.
 
 import logging
 import os
-import shutil
 import socket
 
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
@@ -258,7 +257,6 @@ class RingCluster(LoggingConfigurable):
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
             remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
-            shutil.rmtree(where_dir(cluster.profile_dir, cluster.cluster_id), ignore_errors=True)
         self._stop_watchdog()
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
