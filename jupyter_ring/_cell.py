@@ -15,7 +15,8 @@ import sys
 import time
 
 from ._ipp import CellExecution
-from .errors import DeadRankError, DistributedError, _ename
+from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
+                     trim_traceback)
 
 __all__ = ["CellRun", "routes_to_ranks"]
 
@@ -25,6 +26,12 @@ _SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
 # Seconds between the loop's wake-ups when nothing arrives: output wakes it at once; this is for
 # redraws that were throttled (rank tabs every 0.1 s) and for the clock's deadlines.
 _TICK = 0.1
+
+# Seconds an interrupted rank may keep running before the cell shows where every rank is.
+_WHERE_AFTER = 1.0
+
+# StallError's message names the ranks that never arrived: "... waited 2.0 s for rank(s) [1, 3]"
+_STALL_RANKS = re.compile(r"for rank\(s\) \[([0-9, ]*)\]")
 
 # Line magics that keep an auto-mode cell in the notebook kernel when they open it.
 _LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
@@ -53,6 +60,8 @@ class CellRun:
         self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
         self.results = {}     # rank -> execute_result content (shown after the output)
         self.interrupted = {}  # rank -> why it was interrupted
+        self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
+        self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
 
     def run(self):
         try:
@@ -98,9 +107,11 @@ class CellRun:
                     self._interrupt(pending, "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
+                self._where_if_stuck(pending, now)
         except KeyboardInterrupt:
-            self._interrupt_all()
-            raise
+            unstopped = self._interrupt_all()
+            errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
+            raise CellInterrupted("you", errors, unstopped) from None
         self._wait_for_output()
         self._deliver(final=True)
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
@@ -148,15 +159,57 @@ class CellRun:
         todo = [r for r in ranks if r not in self.interrupted]
         if not todo:
             return
+        now = time.monotonic()
         for r in todo:
             self.interrupted[r] = why
+            self.interrupted_at[r] = now
         self.cluster.signal_ranks(signal.SIGINT, todo)
+
+    def _where_if_stuck(self, pending, now):
+        """Show where the ranks are, once, when a collective stalled (the missing ranks first)
+        or an interrupted rank still runs a second later: which line each one is on."""
+        if self.where_shown or not pending:
+            return
+        missing = []
+        for rank in self.ranks:
+            error = self.execution.error(rank)
+            if error is not None and _ename(error) == "StallError":
+                missing += [r for r in _stall_ranks(error) if r not in missing]
+        late = [r for r in pending if now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
+        if missing:
+            why = (f"a collective stalled waiting for rank(s) {_join(missing)}; where the ranks "
+                   "are (innermost frame first):")
+        elif late:
+            why = (f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s after SIGINT; where "
+                   "the ranks are (innermost frame first):")
+        else:
+            return
+        self._show_where(missing or late, why)
+
+    def _show_where(self, first, why):
+        self.where_shown = True
+        from .cluster import format_where
+
+        order = list(first) + [r for r in self.ranks if r not in first]
+        try:
+            text = format_where(self.cluster.where(order, timeout=2.0))
+        except Exception as exc:  # never hide the cell's own outcome
+            text = f"(the ranks' stacks could not be read: {type(exc).__name__}: {exc})"
+        print(f"{why}\n{text}", file=sys.stderr)
 
     def _interrupt_all(self):
         """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
         ar = self.execution.ar
         self.cluster.signal_ranks(signal.SIGINT)
-        finished = ar.wait(self.magics.interrupt_grace)
+        grace = self.magics.interrupt_grace
+        finished = ar.wait(min(_WHERE_AFTER, grace))
+        if not finished:
+            late = self.execution.pending()
+            if late and not self.where_shown:
+                self._show_where(late, f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s "
+                                       "after the interrupt; where the ranks are (innermost frame "
+                                       "first):")
+            finished = ar.wait(max(0.0, grace - _WHERE_AFTER))
         try:
             ar.wait_for_output(1.0)
         except Exception:
@@ -167,6 +220,7 @@ class CellRun:
             print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
+        return pending
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):
@@ -248,6 +302,12 @@ class CellRun:
             # a dead engine is the story, not the errors it caused: report it by rank
             self._raise_dead(dead)
 
+        if not dead and not self.interrupted and all(
+                _ename(e) == "KeyboardInterrupt" for _, _, e in failures):
+            # every failed rank was interrupted, and not by this kernel: the Ring panel's Interrupt
+            raise CellInterrupted("the Ring panel's Interrupt (a SIGINT from outside the notebook)",
+                                  {r: execution.error(r) for r in self.ranks})
+
         def order(item):
             rank, completed, exc = item
             secondary = _ename(exc) in _SECONDARY or rank in self.interrupted or rank in dead
@@ -255,13 +315,21 @@ class CellRun:
 
         failures.sort(key=order)
         host = {row["rank"]: row["host"] for row in self.cluster.ranks}
+        rank, _, exc = failures[0]
+        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
+        full = self.magics.full_traceback
+        headline = DistributedError(rank, host.get(rank, "?"), exc, others, full_traceback=full)
+        below = {r for r, _ in headline.same}
         for r, _, e in sorted(failures, key=lambda item: item[0]):
             why = self.interrupted.get(r)
-            self.sink.error(r, e, f"interrupted: {why}" if why else "")
+            if r in below:  # one traceback per rank: this one is in the error below the tabs
+                lines = [f"{_ename(e)}: {_first_line(getattr(e, 'evalue', e))}",
+                         "(the traceback is below the tabs)"]
+            else:
+                lines = trim_traceback(str(getattr(e, "traceback", "") or ""), full) or None
+            self.sink.error(r, e, f"interrupted: {why}" if why else "", lines=lines)
             self.sink.fail(r)
-        rank, _, exc = failures[0]
         self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
-        others = [(r, host.get(r, "?"), e) for r, _, e in failures[1:]]
         notes = []
         if self.interrupted:
             by_why = {}
@@ -271,7 +339,16 @@ class CellRun:
         if dead:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
-                               reasons=self.interrupted)
+                               reasons=self.interrupted, full_traceback=full)
+
+
+def _stall_ranks(error):
+    match = _STALL_RANKS.search(str(getattr(error, "evalue", "") or error))
+    return [int(r) for r in match.group(1).split(",") if r.strip()] if match else []
+
+
+def _join(ranks):
+    return ", ".join(map(str, ranks))
 
 
 def routes_to_ranks(lines):

@@ -13,11 +13,14 @@ code written against earlier releases working.
     ├── ClusterError          the cluster could not start, or cannot do what was asked
     │   └── DeadRankError     ranks' engines died; ``%ring restart`` brings the cluster back
     ├── ClusterNotFound       the Ring panel asked for a cluster that has no cluster file
-    └── DistributedError      a ``%%distributed`` cell failed on one or more ranks
+    ├── DistributedError      a ``%%distributed`` cell failed on one or more ranks
+    └── CellInterrupted       the user interrupted a ``%%distributed`` cell (a KeyboardInterrupt)
 """
 
+import re
+
 __all__ = ["JupyterRingError", "ClusterError", "DeadRankError", "ClusterNotFound",
-           "DistributedError"]
+           "DistributedError", "CellInterrupted", "trim_traceback", "where_stopped"]
 
 
 class JupyterRingError(Exception):
@@ -50,33 +53,48 @@ class DistributedError(JupyterRingError):
     """A ``%%distributed`` cell failed on one or more ranks.
 
     Shows the first failing rank's traceback (label ``[rank r @ host]``, original exception type
-    kept in ``ename``), then one line per other failed rank. ``errors`` maps rank -> the remote
-    error; ``rank`` is the headline rank.
+    kept in ``ename``), then one line per other failed rank. An error every failed rank raised
+    alike (a collective's mismatch) is everybody's: one headline names them all
+    (``[ranks 0, 1 @ host]``). ``errors`` maps rank -> the remote error; ``rank`` is the
+    headline rank. ``full_traceback`` False hides the runtime's own frames below the user's call.
     """
 
-    def __init__(self, rank, host, error, others, note="", reasons=None):
+    def __init__(self, rank, host, error, others, note="", reasons=None, full_traceback=True):
         self.reasons = dict(reasons or {})  # rank -> why the front end interrupted it
         self.rank = rank
         self.host = host
         self.error = error
-        self.others = others          # [(rank, host, error)] in order of failure
         self.note = note
+        self.full_traceback = full_traceback
         self.ename = _ename(error)
         self.evalue = getattr(error, "evalue", str(error))
         self.errors = {rank: error, **{r: e for r, _, e in others}}
+        # the ranks that raised the headline's very error themselves (an interrupt that came
+        # too late to stop that does not make it theirs any less)
+        alike = [(r, h) for r, h, e in others
+                 if (_ename(e), str(getattr(e, "evalue", e))) == (self.ename, str(self.evalue))]
+        self.same = sorted([(rank, host)] + alike)
+        self.others = [item for item in others if (item[0], item[1]) not in alike]
         super().__init__(self._summary())
 
+    def _where(self):
+        ranks = [r for r, _ in self.same]
+        hosts = sorted({h for _, h in self.same})
+        if len(ranks) == 1:
+            return f"[rank {self.rank} @ {self.host}]"
+        return f"[ranks {', '.join(map(str, ranks))} @ {', '.join(hosts)}]"
+
     def _summary(self):
-        text = f"[rank {self.rank} @ {self.host}] {self.ename}: {self.evalue}"
+        text = f"{self._where()} {self.ename}: {self.evalue}"
         if self.others:
             text += "; also " + ", ".join(f"rank {r}: {_ename(e)}" for r, _, e in self.others)
         return text
 
     def _render_traceback_(self):
-        lines = [f"[rank {self.rank} @ {self.host}] {self.ename}: {self.evalue}"]
+        lines = [f"{self._where()} {self.ename}: {_first_line(self.evalue)}"]
         remote_tb = getattr(self.error, "traceback", None)
         if remote_tb:
-            lines.extend(str(remote_tb).splitlines())
+            lines.extend(trim_traceback(str(remote_tb), self.full_traceback))
         if self.others:
             lines.append("")
             lines.append(f"other ranks ({len(self.others)}), probably as a consequence:")
@@ -91,6 +109,97 @@ class DistributedError(JupyterRingError):
         if self.note:
             lines.append(self.note)
         return lines
+
+
+class CellInterrupted(JupyterRingError, KeyboardInterrupt):
+    """A ``%%distributed`` cell interrupted by the user (the notebook's Interrupt, or the Ring
+    panel's): every rank stopped, and the message says where each one was. Still a
+    ``KeyboardInterrupt``, so that code interrupting a loop of cells stops as it did.
+
+    ``errors`` maps rank -> the rank's remote error (or None when it had finished).
+    """
+
+    def __init__(self, by, errors, unstopped=()):
+        self.by = by
+        self.errors = dict(errors)
+        self.unstopped = list(unstopped)
+        places = [f"rank {r} {where_stopped(e)}" for r, e in sorted(self.errors.items())]
+        text = f"interrupted by {by}; "
+        text += "every rank stopped" if not self.unstopped else (
+            f"rank(s) {', '.join(map(str, self.unstopped))} did not stop")
+        super().__init__(text + (": " + ", ".join(places) if places else ""))
+
+    def _render_traceback_(self):
+        return [f"KeyboardInterrupt: {self}"]
+
+
+def where_stopped(error):
+    """Where a rank was when an interrupt stopped it, from its traceback: ``at line 5:
+    time.sleep(1)``, ``in allreduce, line 3: ring.allreduce(x, name='x')``; ``finished``
+    for a rank without an error."""
+    if error is None:
+        return "had finished"
+    text = _ANSI.sub("", str(getattr(error, "traceback", "") or ""))
+    frames = re.split(r"\n\s*\n", text)
+    cell = None
+    call = None
+    for index, frame in enumerate(frames):
+        head = re.search(r"(?:Cell In\[\d+\]|<string>|Input In \[\d+\]), line (\d+)", frame)
+        if head:
+            arrow = re.search(r"^-+>\s*\d+\s?(.*)$", frame, re.M)
+            cell = (head.group(1), arrow.group(1).strip() if arrow else "")
+            call = None
+            library = frames[index + 1] if index + 1 < len(frames) else ""
+            match = re.match(r"\s*File .*[/\\]jupyter_ring[/\\]\w+[/\\]\w+\.py:\d+, in (\w+)",
+                             library)
+            call = match.group(1) if match else None
+    if cell is None:
+        return "(where: unknown)"
+    line, code = cell
+    where = f"in {call}, line {line}" if call else f"at line {line}"
+    return f"{where}: {code}" if code else where
+
+
+# Frames of these packages below the user's last frame are the library's own (as numpy and
+# torch users expect, a traceback ends at the user's call); JUPYTER_RING_FULL_TRACEBACK=1 or
+# %config RingMagics.full_traceback = True shows them.
+_LIBRARY_FRAME = re.compile(r"^File .*[/\\]jupyter_ring[/\\](runtime|engines)[/\\]")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def trim_traceback(text, full=False):
+    """A remote traceback's lines, without the trailing run of jupyter_ring's own frames below
+    the user's last frame (one line says how many were hidden and how to see them)."""
+    lines = text.splitlines()
+    if full:
+        return lines
+    # IPython's frames are blocks separated by blank lines; the last block is "Ename: value"
+    blocks, block = [], []
+    for line in lines:
+        if _ANSI.sub("", line).strip():
+            block.append(line)
+        elif block:
+            blocks.append(block)
+            block = []
+    if block:
+        blocks.append(block)
+    hidden = 0
+    while len(blocks) > 2 and _LIBRARY_FRAME.match(_ANSI.sub("", blocks[-2][0]).strip()):
+        blocks.pop(-2)
+        hidden += 1
+    if not hidden:
+        return lines
+    out = []
+    for index, block in enumerate(blocks):
+        if index == len(blocks) - 1:
+            out.append("")
+            out.append(f"({hidden} frame{'s' * (hidden > 1)} inside jupyter_ring hidden; "
+                       "JUPYTER_RING_FULL_TRACEBACK=1 shows them)")
+            out.append("")
+        out.extend(block)
+        if index < len(blocks) - 2:
+            out.append("")
+    return out
 
 
 def _ename(error):

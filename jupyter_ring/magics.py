@@ -10,6 +10,7 @@ import argparse
 import ast
 import atexit
 import inspect
+import os
 import shlex
 import sys
 import threading
@@ -18,7 +19,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float
+from traitlets import Bool, Enum, Float, default
 
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
@@ -42,7 +43,7 @@ def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,stop,restart,push,pull,auto}")
+                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -65,7 +66,18 @@ def _ring_parser():
                        help="address the controller listens on for the other hosts "
                             "(default: this host's address on the route to them)")
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
+    timeline = sub.add_parser("timeline", add_help=False,
+                              help="draw every rank's recent collectives (a track per rank)")
+    timeline.add_argument("--last", type=float, default=10.0,
+                          help="seconds of history to draw (default 10)")
     sub.add_parser("stop", add_help=False, help="stop every rank and the controller")
+    where = sub.add_parser("where", add_help=False,
+                           help="every rank's Python stack and collective, read from outside")
+    where.add_argument("--all-threads", action="store_true",
+                       help="every thread with every frame (default: the main thread and "
+                            "threads running user code, engine frames hidden)")
+    where.add_argument("--timeout", type=float, default=3.0,
+                       help="seconds to wait for each rank's dump (default 3)")
     sub.add_parser("restart", add_help=False, help="stop, then start with the same arguments")
     push = sub.add_parser("push", add_help=False, help="send notebook variables to every rank")
     push.add_argument("names", nargs="+", metavar="NAME")
@@ -120,6 +132,15 @@ class RingMagics(Magics):
     output_grace = Float(2.0, config=True,
                          help="Seconds to wait for more output from the ranks after their cell "
                               "finished and nothing more arrived, before giving the notebook back.")
+    full_traceback = Bool(config=True,
+                          help="Show the ranks' tracebacks in full, jupyter_ring's own frames "
+                               "below the user's call included (default: hidden, one line "
+                               "says how many; JUPYTER_RING_FULL_TRACEBACK=1 sets it).")
+
+    @default("full_traceback")
+    def _full_traceback_default(self):
+        return os.environ.get("JUPYTER_RING_FULL_TRACEBACK", "") not in ("", "0")
+
     health_interval = Float(0.25, config=True,
                             help="Seconds between checks for dead ranks while a cell runs.")
 
@@ -144,6 +165,8 @@ class RingMagics(Magics):
                        [--hostfile FILE] [--ip ADDR] [--nodes N --ntasks-per-node K
                        --partition P --time T]   # the last four with --launcher slurm
             %ring status
+            %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
+            %ring timeline [--last S]    # every rank's collectives of the last S s, drawn
             %ring stop
             %ring restart            # stop, then start with the same arguments
             %ring push NAME [NAME ...]
@@ -174,12 +197,15 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, stop, restart, push, pull "
+            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull "
                              "or auto (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
     def _ring_start(self, args, argv):
+        stopped = self._stopped_outside()
+        if stopped:
+            print(f"({stopped}; starting a new one)")
         if self.cluster is not None and self.cluster.running:
             raise UsageError(
                 f"a cluster of {self.cluster.size} ranks is already running (started with "
@@ -232,9 +258,11 @@ class RingMagics(Magics):
         return True
 
     def _ring_status(self, args, argv):
+        stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
-            print("no cluster is running; start one with %ring start")
+            print(f"no cluster is running{': ' + stopped if stopped else ''}; start one with "
+                  f"{self._start_hint()}")
             return
         dead = cluster.dead_ranks()
         rows = [dict(row, device=row["device"] + ("  DEAD" if row["rank"] in dead else ""))
@@ -246,9 +274,33 @@ class RingMagics(Magics):
             print(f"{cluster.size} ranks alive (started with %ring {' '.join(self._start_argv)})")
         print(self._auto_status())
 
+    def _ring_where(self, args, argv):
+        from .cluster import format_where
+
+        cluster = self.cluster
+        if cluster is None or not cluster.running:
+            raise UsageError("no cluster is running; start one with %ring start -n N")
+        # no check_alive(): the living ranks' stacks matter most when one has died
+        print(format_where(cluster.where(timeout=args.timeout), all_threads=args.all_threads))
+
+    def _ring_timeline(self, args, argv):
+        from IPython.display import display
+
+        from .engines._timeline import recent_collectives
+        from .widgets._timeline import timeline_html, timeline_text
+
+        if args.last <= 0:
+            raise UsageError(f"%ring timeline --last takes a positive number of seconds, got {args.last:g}")
+        cluster = self._alive_cluster()
+        replies = cluster.view.apply_async(recent_collectives, args.last).get(self.remote_timeout * 3)
+        ranks = {r: reply["records"] for r, reply in enumerate(replies)}
+        display({"text/html": timeline_html(ranks, args.last),
+                 "text/plain": timeline_text(ranks, args.last)}, raw=True)
+
     def _ring_stop(self, args, argv):
+        stopped = self._stopped_outside()
         if self.cluster is None or not self.cluster.running:
-            print("no cluster is running")
+            print(f"no cluster is running{': ' + stopped if stopped else ''}")
             return
         size = self.cluster.size
         self.cluster.stop()
@@ -258,6 +310,9 @@ class RingMagics(Magics):
         if self._start_argv is None:
             raise UsageError("%ring restart: no cluster was started in this session; "
                              "use %ring start")
+        stopped = self._stopped_outside()
+        if stopped:
+            print(f"({stopped})")
         if self.cluster is not None:
             self.cluster.stop()
         return self.ring(shlex.join(self._start_argv))
@@ -419,10 +474,26 @@ class RingMagics(Magics):
             self._widgets_ok = False
 
     # --------------------------------------------------------------------------- internals
+    def _stopped_outside(self):
+        """If the cluster was stopped from outside this kernel (the Ring panel's Stop), let go
+        of it (the next %ring start just works) and return a note naming who; else ""."""
+        cluster = self.cluster
+        by = cluster.stopped_by() if cluster is not None else None
+        if by is None:
+            return ""
+        size = cluster.size
+        cluster.forget()
+        return f"the cluster of {size} ranks was stopped by {by}"
+
+    def _start_hint(self):
+        return f"%ring {shlex.join(self._start_argv)}" if self._start_argv else "%ring start -n N"
+
     def _alive_cluster(self):
+        stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
-            raise UsageError("no cluster is running; start one with %ring start -n N")
+            raise UsageError(f"no cluster is running{': ' + stopped if stopped else ''}; start "
+                             f"one with {self._start_hint()}")
         cluster.check_alive()  # DeadRankError names the dead ranks and says: %ring restart
         return cluster
 

@@ -7,6 +7,7 @@ import queue
 import time
 
 import psutil
+from jupyter_client import BlockingKernelClient
 from jupyter_client.manager import start_new_kernel
 
 
@@ -26,8 +27,17 @@ def alive(pids):
 class Kernel:
     """A real IPython kernel (jupyter_client) with helpers to run code and collect output."""
 
-    def __init__(self):
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
+    def __init__(self, connection_file=None):
+        """A new kernel, or (``connection_file``) a client of one started elsewhere (a Jupyter
+        server's: ``self.km`` is then None, and the server shuts it down)."""
+        if connection_file is None:
+            self.km, self.kc = start_new_kernel(kernel_name="python3")
+            return
+        self.km, self.kc = None, BlockingKernelClient(connection_file=connection_file)
+        self.kc.load_connection_file()
+        self.kc.start_channels()
+        # not wait_for_ready: without a manager it reads a heartbeat not yet beating as death
+        self.kc.kernel_info(reply=True, timeout=60)
 
     def execute(self, code, timeout=60, interrupt_after=None, messages=None, interrupt_when=None):
         """Run ``code``; return (text, error). The text is what a reader of the saved notebook
@@ -81,7 +91,8 @@ class Kernel:
 
     def close(self):
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        if self.km is not None:
+            self.km.shutdown_kernel(now=True)
 
 
 @contextlib.contextmanager

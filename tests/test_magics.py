@@ -167,13 +167,15 @@ def test_error_shows_first_failing_rank_first_and_peers_are_interrupted(ip):
     assert [v.tolist() for v in ip.user_ns["y"]] == [[3.0] * 4, [3.0] * 4]
 
 
-def test_same_error_everywhere_is_headed_by_one_rank(ip):
+def test_same_error_everywhere_is_one_headline_naming_every_rank(ip):
+    # issue 21: an error every rank raised alike is everybody's, shown once, blaming no rank
     err = raises_in_cell(ip, "undefined_name_123")
     assert err.ename == "NameError" and err.rank in (0, 1)
-    assert [r for r, _, _ in err.others] == [1 - err.rank]
+    assert err.others == [] and [r for r, _ in err.same] == [0, 1]
     lines = plain(err._render_traceback_())
-    assert lines[0].startswith(f"[rank {err.rank} @ ") and "NameError" in lines[0]
-    assert any(f"[rank {1 - err.rank} @ " in line and "NameError" in line for line in lines[1:])
+    assert lines[0].startswith("[ranks 0, 1 @ ") and "NameError" in lines[0]
+    assert not any("probably as a consequence" in line for line in lines)
+    assert sum("Traceback (most recent call last)" in line for line in lines) == 1, lines
 
 
 def test_interrupt_during_collective_keeps_state(ip):

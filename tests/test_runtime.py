@@ -201,3 +201,15 @@ def test_join_with_ranks_out_of_data_at_different_steps(mpirun, n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_registered_buffers_are_reduced_in_place_without_copies_and_exactly(mpirun, n):
     all_ranks_ok(mpirun("rt_shm.py", n, "registered", env=SHM_ENV, timeout=120))
+
+
+def test_an_unnamed_collective_is_called_unnamed_in_errors():
+    """Issue 21, item 6: the runtime's made-up name ('allreduce.noname.0') is noise in a message."""
+    from jupyter_ring.runtime._core import collective_title, describe_mismatch
+
+    assert collective_title("allreduce", "allreduce.noname.7") == "allreduce (unnamed)"
+    assert collective_title("allreduce", "fc1.weight") == "allreduce 'fc1.weight'"
+    descs = {r: {"kind": "allreduce", "name": "allreduce.noname.0", "dtype": "float64",
+                 "op": "sum", "root": -1, "desc": (("shape", (3 + r,)),)} for r in (0, 1)}
+    text = describe_mismatch(descs)
+    assert text.startswith("allreduce (unnamed): shape (3,) on rank 0 but (4,) on rank 1"), text

@@ -22,7 +22,8 @@ Where each part lives (one place each):
 - interrupted: ``_signals`` (through the engines' nannies, for the kernel and the Ring panel);
 - cleaned up: ``_procs`` (process trees, kill, /dev/shm), ``_watchdog`` (a killed kernel);
 - diagnosed: ``_death`` (which rank died first, and how);
-- described to the Ring panel: ``_sidecar``.
+- described to the Ring panel: ``_sidecar``;
+- looked into (``%ring where``: every rank's stack and collective, from outside): ``_where``.
 
 This package never imports torch, tensorflow or cupy: the engines do, after their GPU is bound.
 """
@@ -43,6 +44,7 @@ _EXPORTS = {
     "THREAD_VARS": "_sizing", "HostSlot": "_sizing", "visible_gpus": "_sizing",
     "default_size": "_sizing", "threads_per_rank": "_sizing", "share_note": "_sizing",
     "parse_ranks": "_sizing", "host_slots": "_sizing",
+    "RankWhere": "_where", "collect_where": "_where", "format_where": "_where",
 }
 
 __all__ = ["ClusterError", "DeadRankError", *_EXPORTS]

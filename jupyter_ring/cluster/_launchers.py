@@ -7,11 +7,14 @@ ipyparallel only when a cluster is made.
 """
 
 import contextlib
+import functools
+import json
 import logging
+import os
 
 from ._machine import ensure_profile
 
-__all__ = ["ipp_cluster", "curve_client"]
+__all__ = ["ipp_cluster", "atomic_cluster_class", "curve_client"]
 
 
 class _GoneLogFilter(logging.Filter):
@@ -61,12 +64,34 @@ def ipp_cluster(plan, log=None):
         section.batch_file_name = job.batch_file
     # shutdown_atexit=False: RingCluster.stop stops engines before the controller (0.5 s
     # instead of ipyparallel's concurrent 3+ s), and the watchdog covers a killed kernel.
-    return ipp.Cluster(engines=plan.engine_launcher, parent=None, config=config,
+    return atomic_cluster_class()(engines=plan.engine_launcher, parent=None, config=config,
                        shutdown_atexit=False, log=log, n=plan.n, delay=0,
                        profile_dir=plan.profile_dir, controller_ip=plan.controller_ip,
                        controller_args=list(plan.controller_args),
                        engine_timeout=int(plan.engine_timeout),
                        send_engines_connection_env=plan.send_engines_connection_env)
+
+
+@functools.cache
+def atomic_cluster_class():
+    """``ipyparallel.Cluster`` whose cluster file is replaced atomically.
+
+    ipyparallel rewrites ``cluster-<id>.json`` in place (open "w", then dump) at every start and
+    stop step: a reader in between (the Jupyter server's ipyparallel extension, the Ring panel)
+    finds an empty file and logs "Failed to load cluster ...: Expecting value", and a kernel
+    killed in between leaves that empty file behind for good. A rename never shows half a file.
+    """
+    import ipyparallel as ipp
+
+    class AtomicCluster(ipp.Cluster):
+        def write_cluster_file(self):
+            os.makedirs(os.path.dirname(self.cluster_file), exist_ok=True)
+            tmp = f"{self.cluster_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, self.cluster_file)
+
+    return AtomicCluster
 
 
 class _NoSigningWarning(logging.Filter):

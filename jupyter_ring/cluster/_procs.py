@@ -9,6 +9,7 @@ has recycled for an unrelated process is never signalled. MPICH's shared-memory 
 :class:`Watchdog` starts the process that does all this when the kernel is killed (``_watchdog``).
 """
 
+import glob
 import json
 import os
 import stat
@@ -20,7 +21,7 @@ from typing import TypedDict
 import psutil
 
 __all__ = ["SHM_DIR", "live_process", "process_trees", "kill_processes", "wait_exit",
-           "shm_files", "remove_shm_files", "Watchdog", "PidFile"]
+           "shm_files", "remove_shm_files", "cluster_file_patterns", "remove_files", "Watchdog", "PidFile"]
 
 SHM_DIR = "/dev/shm"
 
@@ -124,12 +125,46 @@ def remove_shm_files(paths):
     return removed
 
 
+def cluster_file_patterns(profile_dir, cluster_id, sidecar=True):
+    """Glob patterns of every file a cluster leaves in its profile: ipyparallel's cluster file,
+    the controller's connection files, the processes' logs, the ranks' ``%ring where`` files
+    (``_where.where_dir``), and (``sidecar``) the Ring panel's sidecar (``_sidecar.sidecar_path``)."""
+    cid = glob.escape(cluster_id)
+    security = os.path.join(glob.escape(profile_dir), "security")
+    patterns = [os.path.join(security, f"cluster-{cid}.json"),
+                os.path.join(security, f"ipcontroller-{cid}-*.json"),
+                os.path.join(glob.escape(profile_dir), "log", f"*{cid}*"),
+                os.path.join(security, f"jupyter_ring-{cid}-where", "rank*"),
+                os.path.join(security, f"jupyter_ring-{cid}-where")]  # emptied by the line above
+    if sidecar:
+        patterns.append(os.path.join(security, f"jupyter_ring-{cid}.json"))
+    return patterns
+
+
+def remove_files(patterns):
+    """Remove the files matching the glob ``patterns`` (a cluster's files once its processes are
+    gone: no reader may find a cluster file whose processes are dead). Returns those removed."""
+    removed = []
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    os.rmdir(path)  # only an emptied folder of the cluster's (its where folder)
+                else:
+                    os.remove(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 # ----------------------------------------------------------------- the watchdog, kernel side
 class PidFile(TypedDict):
     """The watchdog's pid file, written by :meth:`Watchdog.watch`."""
 
     pids: list[int]   # roots of the cluster's process trees
     shm: list[str]    # /dev/shm files the ranks had mapped
+    files: list[str]  # glob patterns of the cluster's files (cluster, connection, sidecar, logs)
 
 
 class Watchdog:
@@ -145,18 +180,19 @@ class Watchdog:
         fd, self.path = tempfile.mkstemp(prefix="jupyter_ring_watch_", suffix=".json",
                                          dir=self.folder)
         with os.fdopen(fd, "w") as f:
-            json.dump(PidFile(pids=[], shm=[]), f)
+            json.dump(PidFile(pids=[], shm=[], files=[]), f)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_ring.cluster._watchdog", str(os.getpid()), self.path],
             stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def watch(self, pids, shm=()):
-        """Tell the watchdog the current root pids (atomic rename: it never reads half a file)."""
+    def watch(self, pids, shm=(), files=()):
+        """Tell the watchdog the current root pids, shared-memory files and the cluster's file
+        patterns (atomic rename: it never reads half a file)."""
         if self.path is None:
             return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(PidFile(pids=list(pids), shm=sorted(shm)), f)
+            json.dump(PidFile(pids=list(pids), shm=sorted(shm), files=list(files)), f)
         os.replace(tmp, self.path)
 
     def stop(self):

@@ -16,10 +16,11 @@ from ..errors import ClusterError, DeadRankError
 from ._death import describe_death
 from ._launchers import curve_client, ipp_cluster
 from ._plan import plan_launch
-from ._procs import (Watchdog, kill_processes, process_trees, remove_shm_files, shm_files,
-                     wait_exit)
-from ._sidecar import remove_sidecar, write_sidecar
+from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
+                     process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
+from ._sidecar import read_sidecar, remove_sidecar, write_sidecar
 from ._signals import signal_engines
+from ._where import collect_where, where_dir
 
 __all__ = ["RingCluster", "format_table"]
 
@@ -36,7 +37,8 @@ import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
 _jr_info = _jr_engine.describe(ring, _jr_device)
-del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask
+_jr_engine.arm_where(_jr_where, ring.rank())
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where
 """
 
 
@@ -181,7 +183,7 @@ class RingCluster(LoggingConfigurable):
         ids = sorted(client.ids)
         view = client[ids]
         view.push({"_jr_gpus": None if gpus is None else list(gpus),
-                   "_jr_umask": self._user_umask}, block=False)
+                   "_jr_umask": self._user_umask, "_jr_where": self.where_dir}, block=False)
         ar = view.execute(_SETUP_CODE, block=False)
         if not ar.wait(self.setup_timeout):
             raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
@@ -198,6 +200,11 @@ class RingCluster(LoggingConfigurable):
         self._shm = shm_files(self._local_rank_pids())
         self._watch()
         self._write_sidecar()
+
+    @property
+    def where_dir(self):
+        """The folder where the ranks keep their stacks and collective for ``%ring where``."""
+        return where_dir(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
 
     def _write_sidecar(self):
         """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
@@ -219,32 +226,58 @@ class RingCluster(LoggingConfigurable):
         Shared-memory files that the ranks had mapped and that are still there at the end (ranks
         that died never ran MPI_Finalize, which unlinks them) are removed.
         """
+        self._release(stop_processes=True)
+
+    def _release(self, stop_processes):
+        """Let go of the cluster: its processes (``stop_processes``), client, files, watchdog,
+        shared memory and rank rows; ``running`` is False after it."""
         shm = self._shm | shm_files(self._local_rank_pids())
         cluster, self.ipp_cluster = self.ipp_cluster, None
         client, self.client = self.client, None
         self.view = None
         if client is not None:
             try:
-                # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
-                client.shutdown(targets="all", hub=False, block=False)
-                wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
+                if stop_processes:
+                    # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
+                    client.shutdown(targets="all", hub=False, block=False)
+                    wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
             except Exception:
                 log.debug("asking the engines to shut down failed", exc_info=True)
             try:
                 client.close()
             except Exception:  # a closed or broken client must not stop the shutdown
                 log.debug("closing the client failed", exc_info=True)
-        if cluster is not None:
+        if cluster is not None and stop_processes:
             for what, step in (("engines", cluster.stop_engines_sync),
                                ("controller", cluster.stop_controller_sync)):
                 try:
                     step()
                 except Exception:
                     log.warning("stopping the %s failed", what, exc_info=True)
+        if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
+            remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
         self._stop_watchdog()
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
+
+    def stopped_by(self):
+        """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while
+        it is this kernel's to stop. Stopped from outside: its cluster file is gone and its
+        controller has exited (a rank that died leaves both: that is a dead rank)."""
+        cluster = self.ipp_cluster
+        if cluster is None or os.path.exists(cluster.cluster_file):
+            return None
+        if live_process(getattr(cluster.controller, "pid", None)) is not None:
+            return None
+        side = read_sidecar(cluster.profile_dir, cluster.cluster_id) or {}
+        return side.get("stopped_by") or "a process outside this kernel"
+
+    def forget(self):
+        """Let go of a cluster stopped from outside (see ``stopped_by``): close the client, remove
+        what is left of its files and shared memory, stop the watchdog; ``running`` is then
+        False and ``start()`` starts a new cluster."""
+        self._release(stop_processes=False)
 
     def kill(self):
         """SIGKILL every process of the cluster now (used at interpreter exit)."""
@@ -253,6 +286,7 @@ class RingCluster(LoggingConfigurable):
         kill_processes(procs)
         self._stop_watchdog()
         remove_shm_files(shm)
+        remove_files(cluster_files(self.ipp_cluster))
 
     # ------------------------------------------------------------------------------- status
     def processes(self):
@@ -304,10 +338,17 @@ class RingCluster(LoggingConfigurable):
         signal_engines(self.client, sig, [self.engine_ids[r] for r in ranks])
 
     # ---------------------------------------------------------------------------- watchdog
+    def where(self, ranks=None, timeout=3.0):
+        """Every rank's (or ``ranks``') stack and collective, read from outside the ranks: a list
+        of :class:`RankWhere` (see ``_where``); works while a cell runs and on a stuck rank."""
+        return collect_where(self.where_dir, self.ranks,
+                             lambda rs, sig: self.signal_ranks(sig, rs), ranks, timeout)
+
     def _watch(self):
-        """Tell the watchdog the cluster's current root pids and shared-memory files."""
+        """Tell the watchdog the cluster's current root pids, shared-memory files and files."""
         if self._watchdog is not None:
-            self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm)
+            self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm,
+                                 cluster_files(self.ipp_cluster))
 
     def _stop_watchdog(self):
         watchdog, self._watchdog = self._watchdog, None
@@ -326,6 +367,13 @@ def _root_pids(cluster):
         if pid and pid > 0:
             pids.append(pid)
     return pids
+
+
+def cluster_files(cluster):
+    """Glob patterns of the files of an ipyparallel Cluster (``_procs.cluster_file_patterns``)."""
+    if cluster is None:
+        return []
+    return cluster_file_patterns(cluster.profile_dir, cluster.cluster_id)
 
 
 def _read(path):

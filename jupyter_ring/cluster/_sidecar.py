@@ -15,16 +15,21 @@ Format (one JSON object)::
 ``step``/``total``: the rank's last ``ring.progress()`` as the kernel's dashboard saw it (rewritten
 at most once a second while a cell reports, and when it ends); null before any report.
 
+When the Ring panel stops a cluster whose kernel still runs, the server leaves the sidecar with
+``"stopped_by": "the Ring panel"`` (:func:`mark_stopped`) and removes everything else: the kernel
+reads it to say who stopped its cluster, then removes it (its watchdog does, if the kernel dies
+first).
+
 The format is :class:`Sidecar` (its rows :class:`SidecarRank`). This module imports nothing
 from Jupyter or ipyparallel, so the kernel and the server use it cheaply.
 """
 
 import json
 import os
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 __all__ = ["Sidecar", "SidecarRank", "VERSION", "sidecar_path", "write_sidecar", "read_sidecar",
-           "remove_sidecar"]
+           "remove_sidecar", "mark_stopped"]
 
 VERSION = 1
 
@@ -48,6 +53,7 @@ class Sidecar(TypedDict):
     kernel_pid: int
     connection_file: str | None
     ranks: list[SidecarRank]
+    stopped_by: NotRequired[str]  # who stopped the cluster from outside the kernel
 
 
 def sidecar_path(profile_dir, cluster_id):
@@ -71,6 +77,21 @@ def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_fi
                                       pid=row.get("pid"), device=row.get("device"),
                                       step=row.get("step"), total=row.get("total"))
                           for row in ranks])
+    return _write(profile_dir, cluster_id, data)
+
+
+def mark_stopped(profile_dir, cluster_id, by):
+    """Note in the sidecar that ``by`` stopped the cluster (the kernel reads it, then removes
+    it). False when there is no sidecar to mark."""
+    data = read_sidecar(profile_dir, cluster_id)
+    if data is None:
+        return False
+    data["stopped_by"] = by
+    _write(profile_dir, cluster_id, data)
+    return True
+
+
+def _write(profile_dir, cluster_id, data):
     path = sidecar_path(profile_dir, cluster_id)
     tmp = path + ".tmp"
     # 0o600: the connection-file path and pids are nobody else's business on a shared host.

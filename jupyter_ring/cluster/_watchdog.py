@@ -6,10 +6,14 @@ watchdog, a small process started by :class:`RingCluster` in a session of its ow
 parent pid; when the parent is gone it SIGKILLs every process tree listed in its pid file, then
 removes the shared-memory files (``/dev/shm``) those processes had mapped: MPI's own segments,
 which MPICH unlinks only in ``MPI_Finalize`` (2 MB per cluster was left for every killed
-kernel). It exits on its own when every listed process has exited (a normal ``%ring stop``).
+kernel), and the cluster's files (its cluster file, connection files, the Ring panel's sidecar,
+ipyparallel's logs) and its own pid file: a killed kernel leaves no process and no file. It
+lives as long as the kernel, or until the kernel stops it (``%ring stop``); a cluster stopped
+from outside (the Ring panel's Stop) leaves it watching nothing but the files, which the kernel
+removes when it notices, or the watchdog when the kernel dies first.
 
-The pid file is JSON: ``{"pids": [...], "shm": [...]}`` (the files the ranks had mapped when the
-kernel last looked: ``_procs.PidFile``). ``_procs.Watchdog`` is the kernel's handle on the
+The pid file is JSON: ``{"pids": [...], "shm": [...], "files": [...]}`` (the files the ranks had
+mapped when the kernel last looked, and glob patterns of the cluster's files: ``_procs.PidFile``). ``_procs.Watchdog`` is the kernel's handle on the
 process; this module is only ever run, never imported by the package.
 
 Usage (internal): ``python -m jupyter_ring.cluster._watchdog PARENT_PID PID_FILE``
@@ -23,7 +27,7 @@ import time
 
 import psutil
 
-from ._procs import kill_processes, process_trees, remove_shm_files, shm_files
+from ._procs import kill_processes, process_trees, remove_files, remove_shm_files, shm_files
 
 __all__ = ["main"]
 
@@ -43,6 +47,7 @@ def _read_roots(path, cache):
                 data = json.load(f)
             cache["pids"] = [int(p) for p in data["pids"]]
             cache["shm"] = [str(p) for p in data["shm"]]
+            cache["files"] = [str(p) for p in data.get("files", [])]
             cache["mtime"] = mtime
         except (OSError, ValueError, KeyError):
             pass  # half-written: the writer renames atomically, so retry on the next poll
@@ -56,16 +61,12 @@ def main(argv=None):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for us
     cache, known = {}, {}
     last_refresh = 0.0
-    seen_any = False
     while True:
         roots = _read_roots(path, cache)
         now = time.monotonic()
         if now - last_refresh >= REFRESH_S:
             known = {pid: p for pid, p in process_trees(roots, known).items() if p.is_running()}
             last_refresh = now
-            seen_any = seen_any or bool(known)
-            if seen_any and not known:
-                return 0  # the cluster stopped normally
         if os.getppid() != parent or not psutil.pid_exists(parent):
             # Parent gone: take the trees as they are now (the roots outlive the kernel), plus what
             # we saw before, and kill them all at once so no survivor restarts anything.
@@ -77,6 +78,9 @@ def main(argv=None):
             time.sleep(POLL_S)
             kill_processes(process_trees(roots, known).values())
             remove_shm_files(files)
+            # the processes are dead: their files go too (a cluster file left behind reads as a
+            # cluster to ipyparallel and the Ring panel), then the watchdog's own
+            remove_files(cache.get("files", []) + [path, path + ".tmp"])
             return 0
         time.sleep(POLL_S)
 

@@ -9,7 +9,7 @@ import os
 import socket
 from typing import TypedDict
 
-__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells"]
+__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "arm_where"]
 
 
 class RankRow(TypedDict):
@@ -86,3 +86,18 @@ def _after_cell(result):
 
         _api.abandon_queued("the cell that queued this collective failed or was interrupted "
                             f"on this rank ({type(result.error_in_exec).__name__})")
+
+
+def arm_where(directory, rank):
+    """Make this rank's stacks and collective readable by ``%ring where`` (runtime/_where.py).
+
+    ``directory`` is the kernel's folder for the cluster; a rank on another host without that
+    folder on a shared file system makes its own, which ``%ring where`` cannot read: it says so.
+    Never fails the setup: where it cannot arm, ``%ring where`` finds no file and says so.
+    """
+    from ..runtime import _where
+
+    try:
+        _where.arm(directory, rank)
+    except OSError:
+        pass

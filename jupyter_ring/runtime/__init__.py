@@ -57,6 +57,7 @@ from ._api import (
 from ._config import Config
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._report import log, progress, track
+from ._where import Doing, doing
 from ._errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
 
 __all__ = [
@@ -70,5 +71,5 @@ __all__ = [
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
-    "progress", "log", "track",
+    "progress", "log", "track", "doing", "Doing",
 ]

@@ -40,6 +40,7 @@ from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._pool import ResultPool
 from ._report import reporter
 from ._trace import Trace
+from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
            "Abandoned", "PeerMsg", "JoinNote"]
@@ -354,16 +355,21 @@ class Runtime:
         config = self.config
         warned = False
         delay = 1e-5
+        named = -1.0  # when the ranks waited on were last told to the activity record (%ring where)
         while True:
             if done():
                 if warned:
                     reporter.stalled(None, (), 0.0)
+                activity.waiting(())
                 return
             if self.abort is not None:
                 raise Abandoned(self.abort)
             if check_notices and self._poll_notices() > self.gen:
                 raise _Restart()
             waited = time.perf_counter() - start
+            if waited - named >= 0.25:
+                named = waited
+                activity.waiting(missing())
             if waited > config.stall_warning and not warned:
                 warned = True
                 absent = self.name_of(missing())
@@ -468,6 +474,12 @@ class Runtime:
 
     def run(self, fn, *args):
         """Run one collective with agreement, recovery and retries after a peer's resync."""
+        try:
+            return self._run(fn, *args)
+        finally:
+            activity.end()
+
+    def _run(self, fn, *args):
         for _attempt in range(5):
             if self.dirty or self._poll_notices() > self.gen:
                 self.resync()
@@ -520,6 +532,7 @@ class Runtime:
         header, so every rank raises it). Returns a dict peer -> ``PeerMsg`` for every peer
         taking part (peers that called ``join()`` are left out once their notice arrives).
         """
+        activity.begin(kind, name)
         comm = self.comm
         if own is None:
             own = self.agreement(kind, dtype, op, root, count, desc)
@@ -671,9 +684,9 @@ class Runtime:
                 reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")
                 q = self.world[p]
                 raise PeerError(
-                    f"{kind} '{name}': rank {q} could not join this collective and raised {reason}. "
-                    f"Fix the call on rank {q}; every rank raises here so that none is left waiting.",
-                    q, reason)
+                    f"{collective_title(kind, name)}: rank {q} could not join this collective and "
+                    f"raised {reason}. Fix the call on rank {q}; every rank raises here so that none "
+                    "is left waiting.", q, reason)
 
     def fits_eager(self, nbytes):
         """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
@@ -751,11 +764,19 @@ class Runtime:
         return self._scratch[:nbytes]
 
 
+def collective_title(kind, name):
+    """``allreduce 'fc1.weight'`` for a user's name; ``allreduce (unnamed)`` for the name the
+    runtime made up (``allreduce.noname.3``), which only adds noise to a message."""
+    if name.startswith(f"{kind}.noname."):
+        return f"{kind} (unnamed)"
+    return f"{kind} '{name}'"
+
+
 def describe_mismatch(descs):
     """One message naming the op, the ranks and the values that differ."""
     ranks = sorted(descs)
     ref = descs[ranks[0]]
-    title = f"{ref['kind']} '{ref['name']}'"
+    title = collective_title(ref["kind"], ref["name"])
     for field, label in (("kind", "called"), ("name", "name"), ("dtype", "dtype"), ("op", "reduce op"),
                          ("root", "root rank")):
         values = {r: descs[r][field] for r in ranks}

@@ -55,6 +55,17 @@ class Trace:
             }
         return out
 
+    def recent(self, seconds):
+        """This rank's collectives that ended in the last ``seconds`` (wall-clock times, for
+        ``%ring timeline``): a list of dicts kind, name, bytes, start, end, phases {name: [s, e]}."""
+        now = time.perf_counter()
+        anchor = self.anchor
+        return [{"kind": kind, "name": name, "bytes": nbytes, "start": anchor + start,
+                 "end": anchor + end,
+                 "phases": {p: [anchor + a, anchor + b] for p, (a, b) in phases.items()}}
+                for kind, name, nbytes, start, end, phases in list(self.records)
+                if now - end <= seconds]
+
     def reset(self):
         self.records.clear()
         self.totals.clear()

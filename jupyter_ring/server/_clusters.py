@@ -18,13 +18,14 @@ import socket
 
 import psutil
 
-from ..cluster._procs import kill_processes, live_process, process_trees, wait_exit
-from ..cluster._sidecar import read_sidecar, remove_sidecar
+from ..cluster._procs import (cluster_file_patterns, kill_processes, live_process, process_trees,
+                             remove_files, wait_exit)
+from ..cluster._sidecar import mark_stopped, read_sidecar, remove_sidecar
 from ..cluster._signals import signal_cluster
-from ..errors import ClusterNotFound
+from ..errors import ClusterError, ClusterNotFound
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
-           "interrupt_cluster", "stop_cluster", "kernel_pids", "kernel_sessions"]
+           "interrupt_cluster", "where_cluster", "stop_cluster", "kernel_pids", "kernel_sessions"]
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,31 @@ async def interrupt_cluster(path):
     return {"signal": "SIGINT", "engines": engines}
 
 
+async def where_cluster(path, timeout=3.0):
+    """Every rank's stack and collective (``cluster._where``), also while a cell is busy: the
+    ranks' where signal goes through the nannies, as an interrupt does; their dumps are read
+    from the cluster's where folder. ``{"ranks": [...], "text": ...}``."""
+    from ..cluster._where import collect_where, format_where, where_dir, where_json
+
+    info = _read_cluster_file(path).get("cluster", {})
+    profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
+    cluster_id = info.get("cluster_id", "")
+    sidecar = read_sidecar(profile_dir, cluster_id) or {}
+    rows = [r for r in sidecar.get("ranks") or [] if isinstance(r, dict) and "rank" in r]
+    if not rows:
+        raise ClusterError(f"cluster {cluster_id!r} has no rank table (its kernel has not finished "
+                           "starting it, or it was not started by %ring start)")
+
+    def collect():
+        items = collect_where(where_dir(profile_dir, cluster_id), rows,
+                              lambda ranks, sig: signal_cluster(profile_dir, cluster_id, sig),
+                              timeout=timeout)
+        return {"ranks": where_json(items), "text": format_where(items)}
+
+    # connecting a client and waiting for the dumps block: not on the server's event loop
+    return await asyncio.to_thread(collect)
+
+
 async def stop_cluster(path, grace=5.0):
     """Stop engines then controller with ipyparallel; SIGKILL whatever still runs after ``grace`` s.
 
@@ -332,19 +358,21 @@ async def stop_cluster(path, grace=5.0):
     alive = wait_exit(tree.values(), 0.5)
     kill_processes(alive)
     wait_exit(alive, 2)
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
     profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
-    remove_sidecar(profile_dir, info.get("cluster_id", ""))
+    cluster_id = info.get("cluster_id", "")
+    remove_files([path] + cluster_file_patterns(profile_dir, cluster_id, sidecar=False))
+    # the owner kernel still holds the cluster: the sidecar stays, marked, to tell it who
+    # stopped it (it removes the file when it notices; its watchdog if it dies first)
+    owner = live_process((read_sidecar(profile_dir, cluster_id) or {}).get("kernel_pid"))
+    if owner is None or not mark_stopped(profile_dir, cluster_id, "the Ring panel"):
+        remove_sidecar(profile_dir, cluster_id)
     return {"stopped": True, "killed": sorted(p.pid for p in alive)}
 
 
 def _load(path):
-    from ipyparallel import Cluster
+    from ..cluster._launchers import atomic_cluster_class
 
-    return Cluster.from_file(path, log=log)
+    return atomic_cluster_class().from_file(path, log=log)
 
 
 def _all_pids(data):

@@ -71,7 +71,7 @@ class TextSink:
             print(f"[rank {rank}] Out:")
             display(data, raw=True, metadata=metadata)
 
-    def error(self, rank, error, label=""):
+    def error(self, rank, error, label="", lines=None):
         pass  # the DistributedError below the output names every failed rank
 
     def fail(self, rank, label="✗"):
@@ -199,12 +199,15 @@ class RankTabs:
                                    "text": f"Out: {_short_repr(data)}\n"})
         self._changed()
 
-    def error(self, rank, error, label=""):
-        """Put a rank's remote error (ipyparallel RemoteError or any exception) in its tab."""
+    def error(self, rank, error, label="", lines=None):
+        """Put a rank's remote error (ipyparallel RemoteError or any exception) in its tab;
+        ``lines``: what to show instead of its whole traceback."""
         ename = getattr(error, "ename", None) or type(error).__name__
         evalue = str(getattr(error, "evalue", error))
         tb = getattr(error, "traceback", None)
-        lines = str(tb).splitlines() if tb else [f"{ename}: {evalue}"]
+        if lines is None:
+            lines = str(tb).splitlines() if tb else [f"{ename}: {evalue}"]
+        lines = list(lines)
         if label:
             lines.append(label)
         error_item = {"output_type": "error", "ename": ename, "evalue": evalue,

@@ -1,0 +1,201 @@
+"""``%ring where``: every rank's Python stack and collective, read from outside the ranks.
+
+Each rank keeps two files in the cluster's where folder (``runtime/_where.py`` arms them at
+``%ring start``): ``rank<r>.doing``, a record of its collective in progress rewritten by the
+runtime, and ``rank<r>.stacks``, to which faulthandler appends every thread's stack when the rank
+gets ``WHERE_SIGNAL``. This module sends the signal (through the nannies, like an interrupt),
+waits for each rank's dump to land, and reads both: no rank's main thread has to run a line of
+Python, so a rank stuck in C code that holds the GIL or blocks SIGINT answers too.
+
+A rank on another host writes its files on that host: they reach this kernel when the folder is on
+a shared file system (the profile under a shared home, as on most Slurm clusters); otherwise the
+rank is reported as unreadable, with the ``py-spy dump`` command that reads it on its host.
+"""
+
+import linecache
+import os
+import time
+from typing import NamedTuple
+
+from ..runtime._where import WHERE_SIGNAL, Doing, doing_path, parse_stacks, read_doing, stack_path
+
+__all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json"]
+
+# Frames of the engine's plumbing (the kernel's event loop, ipyparallel, IPython running the
+# cell): hidden below the user's frames, counted in one line.
+_PLUMBING = ("/IPython/", "/ipykernel/", "/ipyparallel/", "/tornado/", "/asyncio/", "/zmq/",
+             "/traitlets/", "/jupyter_client/", "<frozen runpy>", "/threading.py",
+             "/concurrent/futures/", "/selectors.py")
+
+# How long a dump must stay the same size to count as complete: faulthandler writes it from one
+# signal handler, in well under a millisecond unless the process is descheduled.
+_SETTLE = 0.015
+
+
+class RankWhere(NamedTuple):
+    """One rank's answer: its record, its threads (main thread first) or why there is none."""
+
+    rank: int
+    host: str
+    pid: int
+    doing: Doing | None
+    threads: tuple      # of runtime._where.ThreadStack, the rank's main thread first
+    problem: str        # "" when the stacks were read
+    seconds: float      # from the signal to the dump read
+
+
+def where_dir(profile_dir, cluster_id):
+    """The folder of cluster ``cluster_id``'s where files (owner-only, beside its sidecar)."""
+    return os.path.join(profile_dir, "security", f"jupyter_ring-{cluster_id}-where")
+
+
+def _size(path):
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def collect_where(directory, rows, send, ranks=None, timeout=3.0):
+    """Signal ``ranks`` (default: every row's) with ``send(ranks, WHERE_SIGNAL)`` and read their
+    stacks and records; a :class:`RankWhere` per rank, in the order of ``ranks``.
+
+    ``rows`` are the ranks' start rows (rank, host, pid). A rank whose dump has not landed within
+    ``timeout`` seconds (stopped, dead, its signal blocked in every thread) says so.
+    """
+    by_rank = {row["rank"]: row for row in rows}
+    ranks = list(by_rank) if ranks is None else [r for r in ranks if r in by_rank]
+    before = {r: _size(stack_path(directory, r)) for r in ranks}
+    # read as the signal leaves, so that each record and its stack describe the same moment
+    records = {r: read_doing(doing_path(directory, r)) for r in ranks}
+    sent = time.monotonic()
+    send([r for r in ranks if before[r] is not None], WHERE_SIGNAL)
+    seen, done = {}, {}
+    waiting = [r for r in ranks if before[r] is not None]
+    deadline = sent + timeout
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.003)
+        now = time.monotonic()
+        for r in list(waiting):
+            size = _size(stack_path(directory, r))
+            if size is None or size <= before[r]:
+                continue
+            last = seen.get(r)
+            if last is None or last[0] != size:
+                seen[r] = (size, now)
+            elif now - last[1] >= _SETTLE:
+                done[r] = now - sent
+                waiting.remove(r)
+    out = []
+    for r in ranks:
+        row = by_rank[r]
+        doing = records[r]
+        problem, threads = "", ()
+        if before[r] is None:
+            problem = (f"no stack file {stack_path(directory, r)} here" +
+                       (f": rank {r} runs on {row['host']}, whose files reach this host only "
+                        f"through a shared file system; on {row['host']} run "
+                        f"`py-spy dump --pid {row['pid']}`" if _remote(row) else
+                        ": the rank was not armed (started before %ring where existed?); "
+                        "%ring restart arms it"))
+        elif r not in done:
+            if r in seen:  # it grew but kept growing: read what is there
+                done[r] = time.monotonic() - sent
+            else:
+                problem = (f"no stack dump within {timeout:g} s of {WHERE_SIGNAL.name}: the process "
+                           "is stopped, dead, or blocks the signal in every thread; "
+                           f"`py-spy dump --pid {row['pid']}` on {row['host']} reads it from outside")
+        if not problem:
+            with open(stack_path(directory, r), "rb") as fh:
+                fh.seek(before[r])
+                text = fh.read().decode("utf-8", "replace")
+            threads = _main_first(parse_stacks(text), doing)
+        out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
+                             done.get(r, 0.0)))
+    return out
+
+
+def _remote(row):
+    import socket
+
+    return row["host"] not in (socket.gethostname(), "localhost")
+
+
+def _main_first(threads, doing):
+    main = doing.main_thread if doing is not None else 0
+    return sorted(threads, key=lambda t: t.thread != main)
+
+
+def _plumbing(frame):
+    return any(part in frame.file for part in _PLUMBING)
+
+
+def _user_frames(thread):
+    """The thread's frames without the engine's plumbing (innermost first), and how many hid."""
+    kept = [f for f in thread.frames if not _plumbing(f)]
+    return kept, len(thread.frames) - len(kept)
+
+
+def _state_line(item, now):
+    head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
+    if item.doing is None:
+        return f"{head}: (no collective record)"
+    return f"{head}: {item.doing.describe(now)}"
+
+
+def format_where(items, all_threads=False, now=None):
+    """Plain text: a block per rank, its state line then its main thread's frames, innermost
+    first, each with its source line where this host can read the file."""
+    now = time.time() if now is None else now
+    blocks = []
+    for item in items:
+        lines = [_state_line(item, now)]
+        if item.problem:
+            lines.append(f"    {item.problem}")
+        for index, thread in enumerate(item.threads):
+            frames, hidden = _user_frames(thread)
+            main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
+            if not main and not all_threads and not frames:
+                continue  # a plumbing thread (heartbeat, IO loop): only with --all-threads
+            if all_threads:
+                frames, hidden = list(thread.frames), 0
+            label = "main thread" if main else f"thread 0x{thread.thread:x}"
+            if not frames:
+                lines.append(f"  {label}: idle (waiting for a cell)")
+                continue
+            lines.append(f"  {label}, innermost frame first:")
+            for frame in frames:
+                lines.append(f'    File "{frame.file}", line {frame.line}, in {frame.function}')
+                source = linecache.getline(frame.file, frame.line).strip() if frame.line else ""
+                if source:
+                    lines.append(f"      {source}")
+            if hidden:
+                lines.append(f"    ... {hidden} frame(s) of the engine (IPython, ipyparallel) below")
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
+
+
+def where_json(items, now=None):
+    """The same for the Ring panel's route: a dict per rank (frames innermost first)."""
+    now = time.time() if now is None else now
+    out = []
+    for item in items:
+        threads = []
+        for index, thread in enumerate(item.threads):
+            frames, hidden = _user_frames(thread)
+            main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
+            if not main and not frames:
+                continue
+            threads.append({"thread": f"0x{thread.thread:x}", "main": main, "hidden": hidden,
+                            "frames": [{"file": f.file, "line": f.line, "function": f.function,
+                                        "source": linecache.getline(f.file, f.line).strip()
+                                        if f.line else ""} for f in frames]})
+        doing = item.doing
+        out.append({"rank": item.rank, "host": item.host, "pid": item.pid,
+                    "state": doing.state if doing else "unknown",
+                    "doing": doing.describe(now) if doing else "",
+                    "kind": doing.kind if doing else "", "name": doing.name if doing else "",
+                    "waiting_for": list(doing.waiting_for) if doing else [],
+                    "problem": item.problem, "threads": threads,
+                    "seconds": round(item.seconds, 4)})
+    return out

@@ -1,0 +1,173 @@
+"""``%ring where`` and the stacks in stall/interrupt reports, on a real kernel and a real cluster
+(issue 22): a rank stuck in C code that holds the GIL with SIGINT blocked, inside a named
+function, while the other rank waits for it in an allreduce."""
+
+import asyncio
+import json
+import time
+
+import pytest
+from real_kernel import cluster_pids, ring_kernel
+
+from jupyter_ring.runtime._where import Activity, parse_stacks, read_doing
+
+pytestmark = pytest.mark.slow
+
+# Rank 1 blocks SIGINT (as a rank inside a blocking MPI or NCCL call does) and sits in C code that
+# holds the GIL (libc's sleep called through PyDLL); rank 0 waits for it in an allreduce.
+STUCK = """%%distributed
+import ctypes, signal
+import numpy as np
+ring.config().stall_timeout = {stall}
+def stuck_in_native_code(seconds):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
+    try:
+        ctypes.PyDLL(None).sleep(seconds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+if ring.rank() == 1:
+    stuck_in_native_code({sleep})
+total = ring.allreduce(np.ones(7) * (ring.rank() + 1), op=ring.Sum, name="grads")
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with ring_kernel(2) as k:
+        cluster_pids(k)
+        yield k
+
+
+def _cluster_file(kernel):
+    out = kernel.ok("print(get_ipython().magics_manager.registry['RingMagics'].cluster"
+                    ".ipp_cluster.cluster_file)")
+    return out.strip().splitlines()[-1]
+
+
+def test_where_on_an_idle_cluster_names_every_rank(kernel):
+    out = kernel.ok("%ring where")
+    for rank in (0, 1):
+        assert f"rank {rank} @ " in out, out
+    assert out.count("running (not in a collective)") == 2, out
+    assert out.count("main thread: idle (waiting for a cell)") == 2, out
+
+
+def test_where_from_a_second_client_while_a_cell_is_stuck(kernel):
+    """The Ring panel's route (server._clusters.where_cluster) run from this process while the
+    kernel is busy: rank 1's stack shows the function it is stuck in, rank 0 the allreduce it
+    waits in and for whom."""
+    from jupyter_ring.server._clusters import where_cluster
+
+    path = _cluster_file(kernel)
+    msg_id = kernel.kc.execute(STUCK.format(stall=30, sleep=6))
+    try:
+        time.sleep(2.5)  # rank 1 is in its sleep, rank 0 in the allreduce
+        started = time.monotonic()
+        result = asyncio.run(where_cluster(path))
+        took = time.monotonic() - started
+    finally:
+        _wait_idle(kernel, msg_id, 60)
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert set(ranks) == {0, 1}, json.dumps(result, indent=1)
+    stuck, waiting = ranks[1], ranks[0]
+    assert not stuck["problem"] and not waiting["problem"], result["text"]
+    main = stuck["threads"][0]
+    assert main["main"] and main["frames"][0]["function"] == "stuck_in_native_code", result["text"]
+    assert stuck["state"] == "running", result["text"]
+    assert waiting["state"] == "waiting" and waiting["kind"] == "allreduce", result["text"]
+    assert waiting["name"] == "grads" and waiting["waiting_for"] == [1], result["text"]
+    assert "waiting for rank(s) 1" in result["text"] and "stuck_in_native_code" in result["text"]
+    assert took < 10, took
+    # the cell then finishes normally: the allreduce is exact on both ranks
+    out = kernel.ok("%%distributed\nprint(total.tolist())")
+    assert out.count("[3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]") == 2, out
+
+
+def test_a_stall_shows_where_the_missing_rank_is_without_being_asked(kernel):
+    """Rank 0's allreduce stalls after 2 s; the cell interrupts rank 1, which cannot stop: the
+    output names rank 1 and shows stuck_in_native_code within 15 s of the stall."""
+    messages = []
+    started = time.monotonic()
+    msg_id = kernel.kc.execute(STUCK.format(stall=2, sleep=12))
+    shown_at = None
+    deadline = started + 60
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=0.1)
+        except Exception:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "stream":
+            text += msg["content"]["text"]
+            if shown_at is None and "stuck_in_native_code" in text:
+                shown_at = time.monotonic()
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    assert shown_at is not None, text
+    # the stall fires 2 s after rank 0 entered the allreduce, right after the cell started
+    assert shown_at - started < 2 + 15, shown_at - started
+    report = text[text.index("a collective stalled"):]
+    assert report.index("rank 1 @ ") < report.index("rank 0 @ "), report  # the missing rank first
+    assert "stuck_in_native_code" in report.split("rank 0 @ ")[0], report
+    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+    assert errors and "StallError" in errors[0]["ename"] + errors[0]["evalue"], errors
+    print(f"stall -> stacks shown: {shown_at - started - 2:.2f} s after the 2 s stall timeout")
+
+
+def test_restart_after_a_stuck_rank_gives_a_working_cluster(kernel):
+    kernel.ok("%ring restart", timeout=120)
+    cluster_pids(kernel)
+    out = kernel.ok("%%distributed\nimport numpy as np\n"
+                    "v = ring.allreduce(np.arange(13.0) * (ring.rank() + 1), op=ring.Sum, name='after')\n"
+                    "print(bool((v == np.arange(13.0) * 3).all()))")
+    assert out.count("True") == 2, out
+    assert "running (not in a collective)" in kernel.ok("%ring where")
+
+
+def _wait_idle(kernel, msg_id, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=0.2)
+        except Exception:
+            continue
+        if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                and msg["content"]["execution_state"] == "idle"):
+            return
+    raise TimeoutError(f"the cell {msg_id} did not end in {timeout} s")
+
+
+# ---------------------------------------------------------------- the record and the dump format
+def test_activity_record_round_trips_through_the_file(tmp_path):
+    activity = Activity()
+    activity.arm(str(tmp_path), 3)
+    try:
+        path = str(tmp_path / "rank3.doing")
+        assert read_doing(path).state == "running"
+        activity.begin("allreduce", "fc1.weight.grad ✓")
+        activity.waiting([0, 2])
+        record = read_doing(path)
+        assert record == activity.doing()
+        assert record.waiting_for == (0, 2) and record.name == "fc1.weight.grad ✓"
+        assert "waiting for rank(s) 0, 2" in record.describe()
+        activity.end()
+        assert read_doing(path).state == "running"
+    finally:
+        activity.disarm()
+    assert read_doing(str(tmp_path / "rank9.doing")) is None
+
+
+def test_parse_stacks_reads_faulthandlers_all_threads_dump():
+    text = ('Thread 0x00007f0000000001 (most recent call first):\n'
+            '  File "/x/threading.py", line 320 in wait\n\n'
+            'Current thread 0x00007f0000000002 (most recent call first):\n'
+            '  File "/tmp/cell.py", line 6 in stuck_in_native_code\n'
+            '  File "/tmp/cell.py", line ??? in <module>\n')
+    threads = parse_stacks(text)
+    assert [t.thread for t in threads] == [0x7f0000000001, 0x7f0000000002]
+    assert [t.current for t in threads] == [False, True]
+    assert threads[1].frames[0].function == "stuck_in_native_code"
+    assert threads[1].frames[1].line == 0
