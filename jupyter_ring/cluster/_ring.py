@@ -36,6 +36,7 @@ _jr_device = _jr_engine.bind_device(_jr_gpus)
 import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
+_jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where
