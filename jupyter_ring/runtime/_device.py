@@ -227,8 +227,7 @@ class DeviceTransport:
             # a gloo group made outside jupyter_ring's guard: its sockets are unknown, so it
             # could not be aborted; use a group of our own
             return None
-        return PG.registry.record(PG.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(),
-                                                        set(), "the default process group"))
+        return PG.registry.record(PG.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(), set()))
 
     def _new_private(self, device_type):
         import datetime
@@ -240,7 +239,8 @@ class DeviceTransport:
         timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
         prefix = dist.PrefixStore(f"jupyter_ring/device/{kind}/", store)
         backend, sockets = PG.new_backend(kind, prefix, _ring.rank(), _ring.size(), timeout)
-        return PG.ManagedGroup(f"jupyter_ring's {kind} device group", None, {device_type: backend},
+        return PG.ManagedGroup(f"jupyter_ring's {kind} device group", f"jupyter_ring.device.{kind}", None,
+                               {device_type: backend},
                                {device_type: kind}, prefix, _ring.rank(), _ring.size(), timeout,
                                sockets, {kind.upper()})
 

@@ -150,7 +150,9 @@ def new_backend(kind, store, rank, size, timeout):
     if kind == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        return capture_sockets(ProcessGroupGloo, store, rank, size, timeout)
+        backend, sockets = capture_sockets(ProcessGroupGloo, store, rank, size, timeout)
+        backend._set_sequence_number_for_group()  # as torch does: the guard's stall report reads it
+        return backend, sockets
     if kind == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
@@ -180,6 +182,7 @@ class ManagedGroup:
     """
 
     label: str
+    key: str                     # the same on every rank: torch's group name, or ours
     pg: object
     backends: dict
     kinds: dict
@@ -193,7 +196,7 @@ class ManagedGroup:
     aborted: str = ""            # why it was aborted; "" while its connections are intact
 
     @classmethod
-    def adopt(cls, pg, store, sockets, label):
+    def adopt(cls, pg, store, sockets):
         """Manage ``pg`` (made by torch.distributed) whose backends opened ``sockets``."""
         import torch
 
@@ -208,7 +211,9 @@ class ManagedGroup:
         timeout = getattr(getattr(next(iter(backends.values()), None), "options", None), "_timeout", None)
         if not isinstance(timeout, datetime.timedelta):
             timeout = datetime.timedelta(minutes=30)
-        return cls(label, pg, backends, kinds, store, pg.rank(), pg.size(), timeout, set(sockets), used)
+        key = str(getattr(pg, "group_name", "?"))
+        label = f"torch.distributed process group '{key}' ({'/'.join(sorted(set(kinds.values())))})"
+        return cls(label, key, pg, backends, kinds, store, pg.rank(), pg.size(), timeout, set(sockets), used)
 
     @property
     def store_ports(self):
@@ -335,9 +340,7 @@ def _recording(helper):
         from torch.distributed import GroupMember, ProcessGroup
 
         if isinstance(pg, ProcessGroup) and pg is not GroupMember.NON_GROUP_MEMBER:
-            name = getattr(pg, "group_name", "?")
-            registry.record(ManagedGroup.adopt(pg, prefix_store, sockets,
-                                               f"torch.distributed process group '{name}'"))
+            registry.record(ManagedGroup.adopt(pg, prefix_store, sockets))
         return pg, prefix_store
 
     new_process_group._jupyter_ring_records = True
@@ -356,20 +359,21 @@ def abort_all(reason):
 
 
 def rebuild_all():
-    """Re-create (in place) every managed user group that any rank aborted; collective: every
-    rank calls it. Returns ``[(label, ranks that had aborted it), ...]``."""
+    """Re-create (in place) every managed user group that any rank aborted; collective over the
+    ring: every rank calls it, also one without torch or groups. Returns ``[(label, ranks that
+    had aborted it), ...]`` for the groups this rank re-created.
+
+    Groups are matched across ranks by torch's group name; a rank re-creates, in creation order,
+    each group it is a member of that some rank reported aborted (the members of a group all
+    hold it, so each re-creation is entered by exactly its members, in the same order)."""
     from .. import runtime as ring
 
     groups = [g for g in registry.groups() if g.pg is not None]
-    states = ring.allgather_object([(g.label, bool(g.aborted)) for g in groups],
+    states = ring.allgather_object({g.key: bool(g.aborted) for g in groups},
                                    name="jupyter_ring.process_groups.state")
-    labels = [[label for label, _ in state] for state in states]
-    if any(other != labels[0] for other in labels):
-        raise RuntimeError("the ranks hold different torch.distributed process groups "
-                           f"({labels}); every rank must create the same groups in the same order")
     rebuilt = []
-    for index, group in enumerate(groups):
-        on = [rank for rank, state in enumerate(states) if state[index][1]]
+    for group in groups:
+        on = [rank for rank, state in enumerate(states) if state.get(group.key)]
         if on:
             group.rebuild()
             rebuilt.append((group.label, on))
