@@ -15,9 +15,11 @@ interruptible, the next collective is right) needs two things torch 2.13 does no
   ``ProcessGroup`` object. Re-creating builds a new backend on a fresh prefix of the group's store
   and registers it for the device under a ``BackendType`` the group has not used yet
   (``ProcessGroup::setBackend`` keeps the first backend registered per type, so each re-creation
-  needs a new type: a group can be re-created in place a few times, then the error says to
-  restart). DDP modules over the group get their reducer reset
-  (``DistributedDataParallel._update_process_group``), as torch does when a group changes.
+  needs a new type: a group can be re-created in place five times). After that a new
+  ``ProcessGroup`` object takes the old one's place in torch.distributed's tables (the default
+  group, its name, so device meshes follow). DDP modules over the group get their reducer reset
+  and pointed at it (``DistributedDataParallel._update_process_group``), as torch does when a
+  group changes.
 
 Used by the device transport (:mod:`._device`) for its own groups and for the user's default
 group it shares, and by the notebook engines' guard (``jupyter_ring._torch_guard``) for every
@@ -194,6 +196,7 @@ class ManagedGroup:
     used_types: set = dataclasses.field(default_factory=set)
     generation: int = 0
     aborted: str = ""            # why it was aborted; "" while its connections are intact
+    desc: str = ""               # torch's group description, given to re-created backends
 
     @classmethod
     def adopt(cls, pg, store, sockets):
@@ -213,7 +216,8 @@ class ManagedGroup:
             timeout = datetime.timedelta(minutes=30)
         key = str(getattr(pg, "group_name", "?"))
         label = f"torch.distributed process group '{key}' ({'/'.join(sorted(set(kinds.values())))})"
-        return cls(label, key, pg, backends, kinds, store, pg.rank(), pg.size(), timeout, set(sockets), used)
+        return cls(label, key, pg, backends, kinds, store, pg.rank(), pg.size(), timeout, set(sockets), used,
+                   desc=str(getattr(pg, "group_desc", "")))
 
     @property
     def store_ports(self):
@@ -255,18 +259,64 @@ class ManagedGroup:
             backends[device], new_sockets = built[kind]
             sockets |= new_sockets
         if self.pg is not None:
-            for device, backend in backends.items():
-                spare = next((t for t in _SPARE_TYPES if t not in self.used_types), None)
-                if spare is None:
-                    raise RuntimeError(
-                        f"{self.label} was re-created {self.generation - 1} times in place, the most "
-                        "torch allows (one backend type each); destroy it and create it again "
-                        "(dist.destroy_process_group(); dist.init_process_group()), or %ring restart")
-                self.used_types.add(spare)
-                self.pg._register_backend(torch.device(device), getattr(dist.ProcessGroup.BackendType, spare),
-                                          backend)
-            _reset_ddp_modules(self.pg)
+            spares = [t for t in _SPARE_TYPES if t not in self.used_types]
+            distinct = list({id(b): b for b in backends.values()}.values())
+            if len(spares) >= len(distinct):
+                # in place: every holder of the ProcessGroup object keeps working. One type per
+                # backend object (a gloo backend serving cpu and cuda is registered for both)
+                types = {id(b): spare for b, spare in zip(distinct, spares)}
+                for device, backend in backends.items():
+                    spare = types[id(backend)]
+                    self.used_types.add(spare)
+                    self.pg._register_backend(torch.device(device), getattr(dist.ProcessGroup.BackendType, spare),
+                                              backend)
+                self._name(self.pg)
+                _reset_ddp_modules(self.pg, self.pg)
+            else:
+                self._new_object(backends)
         self.backends, self.sockets, self.aborted = backends, sockets, ""
+
+    def _name(self, pg):
+        """The group's name and description (ProcessGroup reads them from its backends: new
+        backends have none, and device meshes and functional collectives look groups up by name)."""
+        pg._set_group_name(self.key)
+        pg._set_group_desc(self.desc)
+
+    def _new_object(self, backends):
+        """No backend type left to re-create in place: a new ProcessGroup object takes the old one's
+        place in torch.distributed's tables (default group, name, tag) and DDP modules move to
+        it; device meshes resolve the group by name, so they follow. Only code holding the old
+        object itself (a variable) keeps the old, closed one."""
+        import torch
+        import torch.distributed as dist
+        from torch._C import _distributed_c10d as C
+        from torch.distributed import distributed_c10d as c10d
+
+        old = self.pg
+        new = dist.ProcessGroup(self.store, self.rank, self.size)
+        for device, backend in backends.items():
+            new._register_backend(torch.device(device), getattr(dist.ProcessGroup.BackendType,
+                                                                self.kinds[device].upper()), backend)
+        new._set_default_backend(getattr(dist.ProcessGroup.BackendType, next(iter(self.kinds.values())).upper()))
+        name = self.key
+        self._name(new)
+        world = c10d._world
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                      world.pg_to_tag):
+            if old in table:
+                table[new] = table.pop(old)
+        for members in world.tags_to_pg.values():
+            members[:] = [new if pg is old else pg for pg in members]
+        world.pg_coalesce_state.pop(old, None)
+        if world.default_pg is old:
+            c10d._update_default_pg(new)
+        C._unregister_process_group(name)
+        C._register_process_group(name, new)
+        _reset_ddp_modules(old, new)
+        self.pg = new
+        self.used_types = {kind.upper() for kind in self.kinds.values()}
+        log.warning("jupyter_ring: %s is a new ProcessGroup object after %d re-creations in place",
+                    self.label, self.generation - 1)
 
     @property
     def alive(self):
@@ -278,8 +328,9 @@ class ManagedGroup:
         return self.pg in dist.distributed_c10d._world.pg_map
 
 
-def _reset_ddp_modules(pg):
-    """DDP modules over ``pg``: reset the reducer (a backward cut short leaves it mid-step).
+def _reset_ddp_modules(pg, new):
+    """DDP modules over ``pg``: reset the reducer (a backward cut short leaves it mid-step) and
+    point it to ``new`` (``pg`` itself when it was re-created in place).
 
     Found through the garbage collector's referrers of ``pg`` (a module's ``__dict__`` holds it
     as ``process_group``), not by scanning every object."""
@@ -290,7 +341,7 @@ def _reset_ddp_modules(pg):
             continue
         for owner in gc.get_referrers(ref):
             if isinstance(owner, DistributedDataParallel) and getattr(owner, "__dict__", None) is ref:
-                owner._update_process_group(pg)
+                owner._update_process_group(new)
 
 
 class Registry:
