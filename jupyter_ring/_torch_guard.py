@@ -36,11 +36,14 @@ import sys
 import threading
 import time
 
-__all__ = ["torchrun_env", "start", "repair", "TorchGuard"]
+__all__ = ["torchrun_env", "start", "repair", "TorchGuard", "ABORT_NOTE"]
 
 log = logging.getLogger(__name__)
 
 _WATCHED = "torch.distributed.distributed_c10d"
+# how the guard's note on stderr starts: the notebook re-creates the groups after a cell whose
+# output has it (and only then: a failed cell that touched no torch group costs nothing more)
+ABORT_NOTE = "[jupyter_ring] torch.distributed:"
 _STUCK_AFTER = 0.3      # seconds after SIGINT a main thread that has not moved counts as stuck
 _TICK = 0.5             # the monitor's period (sequence numbers, stall check)
 
@@ -165,6 +168,7 @@ class TorchGuard:
                                    multi_tenant=True, master_listen_fd=self.listener.fileno())
 
     def _cell_starts(self, _info):
+        self._position = None     # the stall clock starts with the cell
         self.executing = True
 
     def _cell_ends(self, _result):
@@ -175,7 +179,9 @@ class TorchGuard:
     def _monitor(self):
         while True:
             try:
-                readable, _, _ = select.select([self._wake_r], [], [], _TICK / 5)
+                # a tenth of a tick while torch groups exist; else only SIGINT needs waking for
+                period = _TICK / 5 if _WATCHED in sys.modules else _TICK * 2
+                readable, _, _ = select.select([self._wake_r], [], [], period)
                 if readable:
                     self._on_signals(self._wake_r.recv(256))
                 self._tick()
@@ -197,13 +203,13 @@ class TorchGuard:
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_code.co_name)
 
     def _tick(self):
+        groups = self._groups()
+        if not groups or not self.executing:
+            return
         now = time.monotonic()
         position = self._main_position()
         if position != self._position:
             self._position, self._still_since = position, now
-        groups = self._groups()
-        if not groups or not self.executing:
-            return
         if self._sigint_at is not None and now - self._sigint_at[0] >= _STUCK_AFTER:
             at, where = self._sigint_at
             self._sigint_at = None
@@ -265,7 +271,7 @@ class TorchGuard:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), ctypes.py_object(error))
         for group in groups:
             group.abort(why)
-        note = (f"[jupyter_ring] torch.distributed: {why}; closed the connections of "
+        note = (f"{ABORT_NOTE} {why}; closed the connections of "
                 f"{', '.join(g.label for g in groups)} so that the cell can end. "
                 "They are re-created on every rank when the cell has failed.")
         self.notes.append(note)

@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _process_groups as PG
-from ._core import OP_NAMES, Average, Max, Min, Product, Sum, describe_mismatch
+from ._core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._report import reporter
 
@@ -368,7 +368,7 @@ class DeviceTransport:
         error, device = None, None
         try:
             device = _check(tensors, where)
-            if op not in OP_NAMES or op == 2:
+            if op not in OP_NAMES or op == Adasum:
                 raise ValueError(f"{where}: op {OP_NAMES.get(op, op)!r} is not supported here; use Sum, Average, "
                                  "Min, Max or Product")
             dtypes = {t.dtype for t in tensors}

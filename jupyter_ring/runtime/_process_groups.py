@@ -92,8 +92,13 @@ def shutdown_sockets(inodes, exclude_ports=()):
         if inode not in inodes:
             continue
         try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
+            dup = os.dup(fd)
+        except OSError:  # closed meanwhile
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # the number now names something else (gloo closed it, it was reused)
+            os.close(dup)
             continue
         try:
             local, peer = _ports(sock)
