@@ -4,7 +4,7 @@
 
 One cluster of ``-n`` ranks (``RingCluster``, as ``%ring start``; ``init_process_group()`` with
 no arguments in a cell, as a user would) and ``torch.distributed.run --nproc-per-node n`` running
-this file with ``--worker``, alternated round by round (torchrun first in even rounds). Each round
+this file with ``--worker``, alternated round by round (torchrun first in even rounds), after one untimed round of each. Each round
 trains the same ~10M-parameter MLP with DDP for ``--steps`` timed steps after 3 warm-up steps,
 one torch thread per rank, and reports global samples/s (timed between two barriers). Prints a
 markdown table: the median of each, their ratio, every round's figure and the load average.
@@ -94,6 +94,10 @@ def main(argv=None):
     loads = []
     try:
         cluster.view.execute(TRAIN + "\ndist.init_process_group()\n", block=True).get()
+        # one untimed round of each first: the cluster's ranks live on, so their first DDP
+        # (allocator, gloo buffers) would otherwise count against them alone
+        cluster_round(cluster, args.steps, args.batch)
+        torchrun_round(args.n, args.steps, args.batch)
         for rnd in range(args.rounds):
             order = ("torchrun", "cluster") if rnd % 2 == 0 else ("cluster", "torchrun")
             for mode in order:

@@ -367,10 +367,13 @@ class Registry:
             return next((g for g in self._groups if g.pg is pg), None)
 
     def groups(self):
-        """Live managed groups (destroyed ones are forgotten)."""
+        """Live managed groups: those torch.distributed has not destroyed.
+
+        Filtered, never dropped: the engine's monitor thread asks while a re-creation on the main
+        thread may be moving a group to a new ProcessGroup object (for a moment in neither
+        table); dropping it then lost the group for good."""
         with self._lock:
-            self._groups = [g for g in self._groups if g.alive]
-            return list(self._groups)
+            return [g for g in self._groups if g.alive]
 
 
 registry = Registry()
