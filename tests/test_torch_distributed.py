@@ -435,19 +435,3 @@ def test_lightning_callback_public_names():
     import jupyter_ring.runtime.lightning as rl
 
     assert rl.__all__ == ["RingProgress"] and rl.RingProgress.__doc__
-
-
-def test_torchrun_environment_of_a_multi_host_placement():
-    # Hydra's -hosts a,b deals ranks round-robin: RANK stays the ring's rank, nodes are counted
-    # in order of their first rank, LOCAL_RANK within each host
-    from jupyter_ring._torch_guard import torchrun_env
-
-    hosts = ["a", "b", "a", "b", "b"]
-    envs = [torchrun_env(r, 5, hosts, "10.0.0.1", 29500, "run") for r in range(5)]
-    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3", "4"]
-    assert [e["GROUP_RANK"] for e in envs] == ["0", "1", "0", "1", "1"]
-    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1", "1", "2"]
-    assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["2", "3", "2", "3", "3"]
-    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"} and {e["WORLD_SIZE"] for e in envs} == {"5"}
-    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs} == \
-        {("10.0.0.1", "29500", "run")}

@@ -38,7 +38,7 @@ from ..errors import ClusterError, DeadRankError
 _EXPORTS = {
     "RingCluster": "_ring", "format_table": "_ring",
     "LaunchPlan": "_plan", "SlurmJob": "_plan", "Shape": "_plan", "plan_launch": "_plan",
-    "ENVIRONMENT_LAYERS": "_plan",
+    "ENVIRONMENT_LAYERS": "_plan", "TorchWorld": "_plan", "torchrun_environment": "_plan",
     "Machine": "_machine", "routable_address": "_machine",
     "signal_engines": "_signals", "signal_cluster": "_signals",
     "THREAD_VARS": "_sizing", "HostSlot": "_sizing", "visible_gpus": "_sizing",

@@ -22,7 +22,7 @@ interruptible, the next collective is right) needs two things torch 2.13 does no
   group changes.
 
 Used by the device transport (:mod:`._device`) for its own groups and for the user's default
-group it shares, and by the notebook engines' guard (``jupyter_ring._torch_guard``) for every
+group it shares, and by the notebook engines' guard (``jupyter_ring.engines._torch``) for every
 group user code creates.
 """
 

@@ -1,16 +1,20 @@
 """torch.distributed on the ranks: a torchrun world, and the failure contract inside its collectives.
 
-Engine side: ``%ring start`` runs :func:`start` on every rank after ``ring.init()``. Nothing here
-imports torch before user code does (an import hook waits for torch.distributed), so a cluster
-that never uses torch pays nothing but one socket on rank 0.
+Engine side, in two steps of ``%ring start``'s rank setup (``cluster._ring``): :func:`reserve`
+in the setup code after ``ring.init()``, then :func:`start` with this rank's torchrun environment,
+which the notebook computes from the launch plan and the ranks' hosts
+(``cluster._plan.torchrun_environment``). Nothing here imports torch before user code does (an
+import hook waits for torch.distributed), so a cluster that never uses torch pays nothing but one
+socket on rank 0.
 
 **The world.** Every rank gets torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` ...) with the ring's rank
 numbers, so ``dist.init_process_group()`` with no arguments works in a cell. Rank 0 reserves the
-rendezvous port now (a listening socket on loopback, or on the address the other hosts reach) and
-serves torch's TCPStore on it as soon as torch.distributed is imported, multi-tenant, so that the
-store ``init_process_group`` makes on rank 0 is this one: no port race, nothing listening on
-0.0.0.0, and re-running ``init_process_group`` after ``destroy_process_group`` works.
+rendezvous port in :func:`reserve` (a listening socket on loopback, or on the address the other
+hosts reach) and serves torch's TCPStore on it as soon as torch.distributed is imported,
+multi-tenant, so that the store ``init_process_group`` makes on rank 0 is this one: no port race,
+nothing listening on 0.0.0.0, and re-running ``init_process_group`` after
+``destroy_process_group`` works.
 
 **The failure contract.** A rank blocked inside a torch.distributed collective is blocked in C++
 (gloo's ``all_reduce`` ignores SIGINT; DDP waits inside ``backward()``). Every group user code
@@ -36,7 +40,7 @@ import sys
 import threading
 import time
 
-__all__ = ["torchrun_env", "start", "repair", "TorchGuard", "ABORT_NOTE"]
+__all__ = ["reserve", "start", "repair", "TorchGuard", "ABORT_NOTE"]
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +50,6 @@ _WATCHED = "torch.distributed.distributed_c10d"
 ABORT_NOTE = "[jupyter_ring] torch.distributed:"
 _STUCK_AFTER = 0.3      # seconds after SIGINT a main thread that has not moved counts as stuck
 _TICK = 0.5             # the monitor's period (sequence numbers, stall check)
-
-
-def torchrun_env(rank, size, hosts, master_addr, master_port, run_id):
-    """torchrun's environment for ``rank`` of ``size`` ranks on ``hosts`` (one host name a rank).
-
-    Node ranks follow the hosts' first appearance; RANK is the ring's rank whatever the placement
-    (one world: the runtime's rank numbers are torch.distributed's).
-    """
-    nodes = list(dict.fromkeys(hosts))
-    me = hosts[rank]
-    local = [r for r in range(size) if hosts[r] == me]
-    return {
-        "RANK": str(rank), "WORLD_SIZE": str(size),
-        "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local)),
-        "GROUP_RANK": str(nodes.index(me)), "GROUP_WORLD_SIZE": str(len(nodes)),
-        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "default",
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-    }
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -111,11 +95,10 @@ class _ThenCall(importlib.abc.Loader):
 class TorchGuard:
     """This rank's torch.distributed set-up: the rendezvous store (rank 0) and the monitor."""
 
-    def __init__(self, ring, hosts, address, listener):
+    def __init__(self, ring, address, listener):
         self.ring = ring
         self.rank = ring.rank()
         self.size = ring.size()
-        self.hosts = hosts
         self.address = address
         self.listener = listener      # rank 0: the reserved rendezvous socket
         self.server = None            # rank 0: the TCPStore served on it
@@ -155,7 +138,7 @@ class TorchGuard:
 
     def on_torch_distributed(self, _module):
         """torch.distributed was imported: record its groups; rank 0 serves the rendezvous store."""
-        from .runtime import _process_groups as PG
+        from ..runtime import _process_groups as PG
 
         PG.install_recording()
         if self.listener is not None and self.server is None:
@@ -225,7 +208,7 @@ class TorchGuard:
     def _groups():
         if _WATCHED not in sys.modules:
             return []
-        from .runtime import _process_groups as PG
+        from ..runtime import _process_groups as PG
 
         return [g for g in PG.registry.groups() if g.pg is not None and not g.aborted]
 
@@ -280,7 +263,7 @@ class TorchGuard:
 
 def _stall_error(message, missing):
     """A StallError class raising ``message``: PyThreadState_SetAsyncExc takes a class."""
-    from .runtime import StallError
+    from ..runtime import StallError
 
     class _Stalled(StallError):
         def __init__(self, *_args):
@@ -292,36 +275,49 @@ def _stall_error(message, missing):
 
 
 class _Holder:
-    """The engine's guard (one per rank process)."""
+    """The engine's guard, and rank 0's reserved rendezvous socket (one per rank process)."""
 
     def __init__(self):
         self.guard = None
+        self.listener = None
 
 
 _holder = _Holder()
 
 
-def start(ring, run_id, init_backend=None):
-    """Every rank, once, after ``ring.init()``: torchrun's environment, the guard; with
-    ``init_backend`` ("auto", "gloo" or "nccl") the default process group too. Returns the backend
-    of the default process group made, or None."""
-    from .runtime import _process_groups as PG
+def reserve(ring, master_addr):
+    """Every rank, in the setup code after ``ring.init()`` (collective when ``master_addr`` is "").
 
-    hosts = ring.allgather_object(socket.gethostname(), name="jupyter_ring.torch.hosts")
-    listener = address = port = None
-    if ring.rank() == 0:
-        address = PG.rendezvous_address(hosts, 0)
-        listener = socket.create_server((address, 0), backlog=1024)
-        port = listener.getsockname()[1]
-    address, port = ring.broadcast_object((address, port), 0, name="jupyter_ring.torch.master")
-    os.environ.update(torchrun_env(ring.rank(), ring.size(), hosts, address, port, run_id))
+    Rank 0 reserves the rendezvous port: a listening socket on ``master_addr`` (the plan's:
+    127.0.0.1 on one host), or with "" on its own address on the route to the other ranks' hosts.
+    Returns ``(address, port)`` on rank 0, None on the others.
+    """
+    from ..runtime import _process_groups as PG
+
+    hosts = None
+    if not master_addr:
+        hosts = ring.allgather_object(socket.gethostname(), name="jupyter_ring.torch.hosts")
+    if ring.rank() != 0:
+        return None
+    address = master_addr or PG.rendezvous_address(hosts, 0)
+    _holder.listener = socket.create_server((address, 0), backlog=1024)
+    return address, _holder.listener.getsockname()[1]
+
+
+def start(environment, init_backend=None):
+    """Every rank, once, after :func:`reserve`: this rank's torchrun ``environment`` (computed by
+    the notebook from the plan), the guard; with ``init_backend`` ("auto", "gloo" or "nccl") the
+    default process group too (collective). Returns its backend, or None."""
+    from .. import runtime as ring
+
+    os.environ.update(environment)
     # A rank is a process of a torchrun world, not an interactive session: IPython's sys.ps1
     # ("so that scripts can decide if they are running interactively") makes Lightning refuse
     # strategy="ddp" (or want to spawn processes of its own) on the ranks.
     for prompt in ("ps1", "ps2"):
         if hasattr(sys, prompt):
             delattr(sys, prompt)
-    guard = _holder.guard = TorchGuard(ring, hosts, address, listener)
+    guard = _holder.guard = TorchGuard(ring, environment["MASTER_ADDR"], _holder.listener)
     guard.install()
     if not init_backend:
         return None
@@ -346,7 +342,7 @@ def repair():
     guard = _holder.guard
     if guard is None:
         return None
-    from .runtime import _process_groups as PG
+    from ..runtime import _process_groups as PG
 
     if _WATCHED not in sys.modules:
         # no torch here: still take part, other ranks may hold groups
