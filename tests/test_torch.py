@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PUBLIC = {
     "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "NotInitializedError", "ProcessSet", "Product", "RingError",
+    "FP16Compressor", "Handle", "HorovodInternalError", "Max", "Min", "NoneCompressor", "NotInitializedError",
+    "ProcessSet", "Product", "RingError",
     "StallError", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
