@@ -15,7 +15,8 @@ that nothing outlives the kernel. The ``%ring`` magic is a thin layer over this 
 Where each part lives (one place each):
 
 - planned: ``_plan`` (:func:`plan_launch` -> :class:`LaunchPlan`, plain data; the engines'
-  environment in ``ENVIRONMENT_LAYERS``), from ``_sizing`` (ranks, GPUs, threads) and
+  environment in ``ENVIRONMENT_LAYERS``, each rank's torchrun environment in
+  :func:`torchrun_environment`), from ``_sizing`` (ranks, GPUs, threads) and
   ``_machine`` (what the plan reads from the machine);
 - launched: ``_launchers`` (the plan on ipyparallel's ``Cluster``), ``_slurm`` (the Slurm
   engine launcher), ``_ring`` (:class:`RingCluster`: start, rank setup, stop);
