@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PUBLIC = {
     "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
-    "FP16Compressor", "Handle", "HorovodInternalError", "Max", "Min", "NoneCompressor", "NotInitializedError",
+    "HorovodInternalError", "Max", "Min", "NotInitializedError",
     "ProcessSet", "Product", "RingError",
     "StallError", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
