@@ -66,6 +66,17 @@ class CellRun:
     def run(self):
         try:
             self._run()
+        except DeadRankError:
+            raise
+        except BaseException:
+            # a torch.distributed group aborted on some rank (it was blocked in a collective
+            # when interrupted or stalled; the rank said so on stderr) is re-created on every
+            # rank before the next cell
+            if self._torch_aborted():
+                note = self.cluster.repair_torch(self.magics.interrupt_grace)
+                if note:
+                    print(note, file=sys.stderr)
+            raise
         finally:
             # also on error and interrupt: the dashboard and the tabs become static
             if self.dashboard is not None:
@@ -76,8 +87,17 @@ class CellRun:
                     print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
             self.sink.finish()
 
+    def _torch_aborted(self):
+        from .engines._torch import ABORT_NOTE
+
+        return self.execution is not None and any(
+            ABORT_NOTE in text for text in self.execution.stderr())
+
     def _run(self):
         cluster = self.cluster
+        note = cluster.torch_repair_note()  # the previous cell's, if it came late
+        if note:
+            print(f"(after the previous cell) {note}", file=sys.stderr)
         execution = self.execution = CellExecution(
             cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
         magics = self.magics

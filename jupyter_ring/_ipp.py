@@ -113,6 +113,10 @@ class CellExecution:
         result = future.result()
         return result if isinstance(result, BaseException) else None
 
+    def stderr(self):
+        """Each rank's stderr so far, as ipyparallel accumulated it (rank order)."""
+        return [f.output.metadata["stderr"] or "" for f in self._futures]
+
     def finished_at(self, rank):
         """When the rank's reply says its cell ended (or was received), or None."""
         md = self._futures[self._index[rank]].output.metadata

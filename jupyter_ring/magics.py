@@ -65,6 +65,9 @@ def _ring_parser():
     start.add_argument("--ip", default="",
                        help="address the controller listens on for the other hosts "
                             "(default: this host's address on the route to them)")
+    start.add_argument("--torch-distributed", action="store_true", default=None,
+                       help="also initialise torch.distributed's default process group on "
+                            "every rank (gloo; NCCL where every rank has a GPU)")
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
     timeline = sub.add_parser("timeline", add_help=False,
                               help="draw every rank's recent collectives (a track per rank)")
@@ -164,6 +167,7 @@ class RingMagics(Magics):
             %ring start [-n N] [--gpus auto|none|LIST] [--launcher mpi|slurm|ssh] [--hosts H[:K],...]
                        [--hostfile FILE] [--ip ADDR] [--nodes N --ntasks-per-node K
                        --partition P --time T]   # the last four with --launcher slurm
+                       [--torch-distributed]     # also init torch.distributed's default group
             %ring status
             %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
             %ring timeline [--last S]    # every rank's collectives of the last S s, drawn
@@ -193,7 +197,10 @@ class RingMagics(Magics):
         min(cores, CPU_LIMIT, MEM_LIMIT / 2 GiB), and each rank's OpenMP/MKL/torch threads to
         its share of the cores (CPU_LIMIT / ranks); an -n beyond the share starts anyway and says
         so. Each rank sees only its own GPU. ``ring`` (the
-        runtime, ``jupyter_ring.runtime``) is initialised in every rank's namespace.
+        runtime, ``jupyter_ring.runtime``) is initialised in every rank's namespace, and every
+        rank has torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+        ...), so ``torch.distributed.init_process_group()`` works in a cell;
+        ``--torch-distributed`` calls it at start (docs/torch-distributed.md).
         """
         argv = shlex.split(line)
         if not argv:
@@ -214,10 +221,12 @@ class RingMagics(Magics):
         if args.n is not None and args.n < 1:
             raise UsageError(f"%ring start -n {args.n}: the cluster needs at least 1 rank")
         hosts = [h for item in args.hosts for h in item.split(",") if h]
+        # a config trait (RingCluster.torch_distributed) stands unless the flag is given
+        options = {} if args.torch_distributed is None else {"torch_distributed": True}
         cluster = RingCluster(parent=self, n=args.n, gpus=args.gpus, launcher=args.launcher,
                               hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip,
                               nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
-                              partition=args.partition, time_limit=args.time)
+                              partition=args.partition, time_limit=args.time, **options)
         if (self._widgets_ok is None and self.output != "text"
                 and getattr(self.shell, "kernel", None) is not None):
             # ipywidgets takes ~0.5 s to import: overlap it with the ranks starting up
@@ -237,6 +246,9 @@ class RingMagics(Magics):
         if cluster.address != "127.0.0.1":
             print(f"controller listening on {cluster.address} for the ranks on "
                   f"{len({row['host'] for row in rows})} hosts (--ip ADDR to choose another)")
+        if cluster.torch_backend:
+            print(f"torch.distributed: default process group initialised on every rank "
+                  f"({cluster.torch_backend}); RANK, WORLD_SIZE, MASTER_ADDR ... are torchrun's")
         print(f"{len(rows)} ranks ready in {time.perf_counter() - t0:.1f} s; `ring` is "
               f"initialised on every rank. Run cells there with %%distributed.")
 

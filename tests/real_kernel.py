@@ -47,7 +47,10 @@ class Kernel:
         that many seconds after the request (or once ``interrupt_when()`` is true);
         ``self.interrupted_at`` (monotonic) and
         ``self.interrupted_wall`` (time.time) note when."""
-        msg_id = self.kc.execute(code)
+        # stop_on_error=False: ipykernel 7 aborts (empty reply, no error) a request that reaches
+        # the kernel right after a failed one, before it has finished "aborting the queue"; this
+        # harness sends one request at a time and never wants one aborted
+        msg_id = self.kc.execute(code, stop_on_error=False)
         deadline = time.monotonic() + timeout
         interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
         parts, error = [], None  # [display_id or None, text]
@@ -96,14 +99,15 @@ class Kernel:
 
 
 @contextlib.contextmanager
-def ring_kernel(n=2):
-    """A kernel with ``%ring start -n n`` done; on exit the kernel is shut down and every
-    process recorded in ``kernel.pids`` (see cluster_pids) that is left is killed."""
+def ring_kernel(n=2, start=None):
+    """A kernel with ``%ring start -n n`` (or the ``start`` line given) done; on exit the kernel
+    is shut down and every process recorded in ``kernel.pids`` (see cluster_pids) that is left
+    is killed."""
     k = Kernel()
     k.pids = []
     try:
         k.ok("%load_ext jupyter_ring")
-        k.ok(f"%ring start -n {n}", timeout=90)
+        k.ok(start or f"%ring start -n {n}", timeout=180 if start else 90)
         yield k
     finally:
         try:

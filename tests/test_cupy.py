@@ -63,10 +63,18 @@ except ring.RingError as e:
     assert "needs a CUDA GPU" in out.stdout and "cupy.cuda.is_available() is False" in out.stdout
 
 
+# the device transport (torch installed: DLPack to torch, NCCL through torch.distributed), cupy's
+# own NCCL (the transport switched off), staged through pinned host memory
+PATHS = {"transport": {}, "cupy-nccl": {"JUPYTER_RING_DEVICE_TRANSPORT": "off"},
+         "staged": {"JUPYTER_RING_CUPY_NCCL": "0"}}
+
+
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("nccl", ["1", "0"], ids=["nccl", "staged"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("n", [1, 2])
-def test_collectives_on_gpu(mpirun, n, nccl):
-    result = mpirun("cupy_collectives.py", n, env={"JUPYTER_RING_CUPY_NCCL": nccl})
+def test_collectives_on_gpu(mpirun, n, path):
+    if n > cupy.cuda.runtime.getDeviceCount() and path != "staged":
+        pytest.skip(f"{n} ranks need {n} GPUs for NCCL (it refuses two ranks on one device)")
+    result = mpirun("cupy_collectives.py", n, env=PATHS[path])
     assert sorted(int(line.split()[1]) for line in result.lines("CUPY_OK")) == list(range(n)), result.stdout

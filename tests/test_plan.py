@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from jupyter_ring.cluster import (ENVIRONMENT_LAYERS, THREAD_VARS, HostSlot, LaunchPlan, Machine,
-                                  RingCluster, plan_launch)
+                                  RingCluster, TorchWorld, plan_launch, torchrun_environment)
 
 GiB = 1 << 30
 
@@ -134,6 +134,60 @@ def test_launcher_slurm():
         plan(launcher="slurm", nodes=2, partition="a b")
     with pytest.raises(ValueError, match=r"--time '1\{2\}': no spaces or braces"):
         plan(launcher="slurm", time_limit="1{2}")
+
+
+def _torchrun_world(p, hosts):
+    """Every rank's torchrun environment for ``hosts`` (one a rank), as RingCluster computes it."""
+    address = p.torch.master_addr or "10.0.0.7"   # across hosts rank 0 finds its own address
+    return [torchrun_environment(r, hosts, address, 29500, "run-1") for r in range(p.n)]
+
+
+def _column(envs, name):
+    return [int(e[name]) for e in envs]
+
+
+def test_torchrun_world_on_one_host_several_hosts_and_slurm():
+    # one host: the rendezvous on loopback, one node, LOCAL_RANK = RANK
+    p = plan(Given(cpus=4), n=3, torch_distributed=True)
+    assert p.torch == TorchWorld("127.0.0.1", "auto")
+    envs = _torchrun_world(p, ["here"] * 3)
+    assert _column(envs, "RANK") == _column(envs, "LOCAL_RANK") == [0, 1, 2]
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"], e["GROUP_WORLD_SIZE"])
+            for e in envs} == {("3", "3", "0", "1")}
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs} == \
+        {("127.0.0.1", "29500", "run-1")}
+    assert plan(Given(cpus=4), n=2).torch == TorchWorld("127.0.0.1", None)  # no --torch-distributed
+
+    # several hosts: rank 0 picks its routable address at start; Hydra fills a:2 then b:3
+    p = plan(Given(), hosts=["a:2", "b:3"])
+    assert p.torch == TorchWorld("", None)
+    envs = _torchrun_world(p, ["a", "a", "b", "b", "b"])
+    assert _column(envs, "RANK") == _column(envs, "ROLE_RANK") == [0, 1, 2, 3, 4]
+    assert _column(envs, "GROUP_RANK") == [0, 0, 1, 1, 1]
+    assert _column(envs, "LOCAL_RANK") == [0, 1, 0, 1, 2]
+    assert _column(envs, "LOCAL_WORLD_SIZE") == [2, 2, 3, 3, 3]
+    assert {(e["WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == \
+        {("5", "2", "10.0.0.7")}
+    # hosts named without counts: Hydra deals the ranks round-robin; RANK stays the ring's rank,
+    # nodes are numbered in the order of their first rank
+    envs = _torchrun_world(plan(Given(), hosts=["a", "b"], n=5), ["a", "b", "a", "b", "b"])
+    assert _column(envs, "GROUP_RANK") == [0, 1, 0, 1, 1]
+    assert _column(envs, "LOCAL_RANK") == [0, 0, 1, 1, 2]
+    assert _column(envs, "LOCAL_WORLD_SIZE") == [2, 3, 2, 3, 3]
+
+    # Slurm (--launcher slurm, or inside an allocation): nodes as Slurm placed the ranks
+    for p in (plan(Given(slurm_nodes=["n1", "n2", "n3"]), launcher="slurm", nodes=2,
+                   ntasks_per_node=3, torch_distributed=True),
+              plan(Given(environ={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "6"},
+                         allocation=["n1", "n2"]), torch_distributed=True)):
+        assert p.n == 6 and p.torch == TorchWorld("", "auto")
+        envs = _torchrun_world(p, ["n1"] * 3 + ["n2"] * 3)
+        assert _column(envs, "GROUP_RANK") == [0, 0, 0, 1, 1, 1]
+        assert _column(envs, "LOCAL_RANK") == [0, 1, 2, 0, 1, 2]
+        assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"]) for e in envs} == \
+            {("6", "3", "2")}
+    with pytest.raises(ValueError, match=r"rank 2 is not one of the 2 ranks placed on \['a', 'b'\]"):
+        torchrun_environment(2, ["a", "b"], "127.0.0.1", 29500, "run-1")
 
 
 def test_slurm_launcher_writes_our_batch_script():

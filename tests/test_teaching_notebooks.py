@@ -29,12 +29,19 @@ EXPECTED = {
                                        r"class 1 predicted for", r"stopped 2 ranks"],
     "04-keras-data-parallel.ipynb": [r"\[rank 0\] Epoch 6/6", r"test MSE in the notebook: 0\.0",
                                      r"stopped 2 ranks"],
+    "05-ddp-and-distributed-optimizer.ipynb": [r"\[rank 1\] RANK=1 WORLD_SIZE=2 MASTER_ADDR=127\.0\.0\.1",
+                                               r"\[rank 0\] torch.distributed rank 0 of 2, ring rank 0",
+                                               r"\[rank 0\] DDP: final loss 0\.0",
+                                               r"\[rank 1\] DistributedOptimizer: final loss 0\.0",
+                                               r"\[rank 0\] same weights: True",
+                                               r"\[rank 1\] same weights: True", r"stopped 2 ranks"],
 }
 
 
 # notebooks whose training cell reports to the dashboard (torch: ring.log + optimizer steps;
 # keras: ProgressCallback)
-DASHBOARD = {"03-pytorch-data-parallel.ipynb", "04-keras-data-parallel.ipynb"}
+DASHBOARD = {"03-pytorch-data-parallel.ipynb", "04-keras-data-parallel.ipynb",
+             "05-ddp-and-distributed-optimizer.ipynb"}
 
 
 def test_every_teaching_notebook_is_listed():

@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PUBLIC = {
     "Adasum", "Average", "CollectiveMismatchError", "Compression", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "NotInitializedError", "ProcessSet", "Product", "RingError",
+    "HorovodInternalError", "Max", "Min", "NotInitializedError",
+    "ProcessSet", "Product", "RingError",
     "StallError", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
@@ -70,6 +71,29 @@ def test_collectives(mpirun, n):
     _all_ranks(mpirun("torch_collectives.py", n), "TORCH_COLLECTIVES_OK", n)
 
 
+# The device transport (NCCL for CUDA tensors) runs the same code over gloo on CPU tensors when
+# JUPYTER_RING_DEVICE_TRANSPORT=gloo: the whole collective and training suites go through it.
+GLOO = {"JUPYTER_RING_DEVICE_TRANSPORT": "gloo"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_through_the_device_transport(mpirun, n):
+    _all_ranks(mpirun("torch_collectives.py", n, env=GLOO, timeout=180), "TORCH_COLLECTIVES_OK", n)
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_training_and_misuse_through_the_device_transport(mpirun, n):
+    _all_ranks(mpirun("torch_train.py", n, env=GLOO, timeout=180), "TORCH_TRAIN_OK", n)
+    _all_ranks(mpirun("torch_errors.py", n, env=GLOO, timeout=180), "TORCH_ERRORS_OK", n)
+
+
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_device_transport_failures_abort_and_rebuild(mpirun, n):
+    # mismatch, bad arguments, an interrupt and a stall while a transfer is in flight, and the
+    # user's default group shared, aborted and re-created in place (DDP keeps working)
+    _all_ranks(mpirun("torch_device.py", n, env=GLOO, timeout=240), "TORCH_DEVICE_OK", n)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_training_matches_one_process(mpirun, n):
     # MLP and CNN (SGD+momentum and Adam), fp16 compression, backward_passes_per_step=2,
@@ -107,3 +131,27 @@ def test_buckets_zero_copy_exact_averages_overlap_and_process_set(mpirun, n):
     result = mpirun("torch_overlap.py", n, timeout=180)
     _all_ranks(result, "TORCH_OVERLAP_OK", n)
     assert len(result.lines("OVERLAP")) == n
+
+
+def _gpu_count():
+    import torch
+
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken driver counts as no GPU
+        return 0
+
+
+GPUS = _gpu_count()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here (torch.cuda.device_count() is 0): the NCCL "
+                                      "path of the device transport runs on a GPU machine only")
+@pytest.mark.parametrize("n", [1, 2])
+def test_cuda_tensors_go_through_nccl_unstaged(mpirun, n):
+    if n > GPUS:
+        pytest.skip(f"{n} ranks need {n} GPUs (NCCL refuses two ranks on one device); {GPUS} here")
+    result = mpirun("torch_cuda.py", n, timeout=300)
+    _all_ranks(result, "TORCH_CUDA_OK", n)
+    print(result.lines("TORCH_CUDA_OK"))

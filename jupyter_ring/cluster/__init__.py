@@ -15,7 +15,8 @@ that nothing outlives the kernel. The ``%ring`` magic is a thin layer over this 
 Where each part lives (one place each):
 
 - planned: ``_plan`` (:func:`plan_launch` -> :class:`LaunchPlan`, plain data; the engines'
-  environment in ``ENVIRONMENT_LAYERS``), from ``_sizing`` (ranks, GPUs, threads) and
+  environment in ``ENVIRONMENT_LAYERS``, each rank's torchrun environment in
+  :func:`torchrun_environment`), from ``_sizing`` (ranks, GPUs, threads) and
   ``_machine`` (what the plan reads from the machine);
 - launched: ``_launchers`` (the plan on ipyparallel's ``Cluster``), ``_slurm`` (the Slurm
   engine launcher), ``_ring`` (:class:`RingCluster`: start, rank setup, stop);
@@ -38,7 +39,7 @@ from ..errors import ClusterError, DeadRankError
 _EXPORTS = {
     "RingCluster": "_ring", "format_table": "_ring",
     "LaunchPlan": "_plan", "SlurmJob": "_plan", "Shape": "_plan", "plan_launch": "_plan",
-    "ENVIRONMENT_LAYERS": "_plan",
+    "ENVIRONMENT_LAYERS": "_plan", "TorchWorld": "_plan", "torchrun_environment": "_plan",
     "Machine": "_machine", "routable_address": "_machine",
     "signal_engines": "_signals", "signal_cluster": "_signals",
     "THREAD_VARS": "_sizing", "HostSlot": "_sizing", "visible_gpus": "_sizing",

@@ -9,6 +9,12 @@ laptop by giving its own Machine. ``_launchers.start_plan`` carries a plan out.
 The engines' environment is built in one place, :data:`ENVIRONMENT_LAYERS`: each layer adds its
 variables over the kernel's own environment, in order. A new kind of variable (a framework's
 world description, say) is a new layer there, and nothing else changes.
+
+torchrun's per-rank environment (``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_PORT`` ...)
+depends on where each rank landed (Hydra and Slurm place them) and on the port rank 0 reserved,
+so it is not one of those layers: the plan decides what it can (:class:`TorchWorld`), and
+:func:`torchrun_environment` computes each rank's variables, purely, from the plan's world, the
+hosts the ranks report and rank 0's port, once they run (``RingCluster`` applies them).
 """
 
 import os
@@ -20,8 +26,8 @@ from ._machine import Machine
 from ._sizing import (THREAD_VARS, HostSlot, default_size, host_slots, share_note,
                       threads_per_rank, visible_gpus)
 
-__all__ = ["LaunchPlan", "SlurmJob", "Shape", "plan_launch", "engine_environment",
-           "ENVIRONMENT_LAYERS", "SLURM_LAUNCHER"]
+__all__ = ["LaunchPlan", "SlurmJob", "Shape", "TorchWorld", "plan_launch", "engine_environment",
+           "torchrun_environment", "ENVIRONMENT_LAYERS", "SLURM_LAUNCHER"]
 
 # The engine launcher of ``--launcher slurm`` (an import path: it is also what ipyparallel
 # writes into the cluster file, and what the Ring panel's server imports to stop the job).
@@ -36,6 +42,15 @@ class SlurmJob(NamedTuple):
     partition: str
     time_limit: str
     batch_file: str   # the sbatch script: in the profile's owner-only log dir, not the cwd
+
+
+class TorchWorld(NamedTuple):
+    """torch.distributed's world as far as the plan can decide it (see :func:`torchrun_environment`)."""
+
+    master_addr: str            # 127.0.0.1 on one host; "" across hosts: rank 0's address on the
+                                # route to the other ranks' hosts, found by rank 0 at start
+    init_backend: str | None    # "auto" with --torch-distributed (gloo; NCCL where every rank has
+                                # a GPU): the default process group is made at start; else None
 
 
 class Shape(NamedTuple):
@@ -71,6 +86,7 @@ class LaunchPlan:
     send_engines_connection_env: bool = True
     engine_timeout: float = 60.0
     slurm: SlurmJob | None = None
+    torch: TorchWorld = TorchWorld("127.0.0.1", None)
 
 
 def plan_launch(options, machine=None):
@@ -134,7 +150,9 @@ def plan_launch(options, machine=None):
         engine_args=engine_args,
         environment=engine_environment(options, machine, shape),
         send_engines_connection_env=not one_host,
-        engine_timeout=options.engine_timeout, slurm=slurm)
+        engine_timeout=options.engine_timeout, slurm=slurm,
+        torch=TorchWorld("127.0.0.1" if one_host else "",
+                         "auto" if options.torch_distributed else None))
 
 
 def _size(options, environ, slots, allocation, gpus, cpus):
@@ -213,3 +231,29 @@ def engine_environment(options, machine, shape):
     for layer in ENVIRONMENT_LAYERS:
         layer(env, options, machine, shape)
     return {k: v for k, v in env.items() if machine.environ.get(k) != v}
+
+
+# ------------------------------------------------------------------ torchrun's world
+def torchrun_environment(rank, hosts, master_addr, master_port, run_id):
+    """torchrun's environment for ``rank``, where ``hosts[r]`` is the host rank r runs on.
+
+    Nodes are numbered in the order of their first rank (GROUP_RANK); LOCAL_RANK counts the
+    ranks of one host in rank order. RANK is the ring's rank whatever the placement (one world:
+    the runtime's rank numbers are torch.distributed's). ``master_addr``/``master_port``: where
+    rank 0 serves the rendezvous store; ``run_id`` names the run (the ipyparallel cluster id).
+    """
+    size = len(hosts)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not one of the {size} ranks placed on {hosts}")
+    nodes = list(dict.fromkeys(hosts))
+    me = hosts[rank]
+    local = [r for r in range(size) if hosts[r] == me]
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(size),
+        "LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local)),
+        "GROUP_RANK": str(nodes.index(me)), "GROUP_WORLD_SIZE": str(len(nodes)),
+        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "default",
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+    }

@@ -8,6 +8,7 @@ other modules.
 import logging
 import os
 import socket
+import time
 
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
@@ -15,7 +16,7 @@ from traitlets.config import LoggingConfigurable
 from ..errors import ClusterError, DeadRankError
 from ._death import describe_death
 from ._launchers import curve_client, ipp_cluster
-from ._plan import plan_launch
+from ._plan import plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
 from ._sidecar import read_sidecar, remove_sidecar, write_sidecar
@@ -27,7 +28,8 @@ __all__ = ["RingCluster", "format_table"]
 log = logging.getLogger(__name__)
 
 # Run first on every engine, in the user namespace: bind the GPU before any framework import,
-# then start the runtime so that ``ring`` is there in every cell.
+# then start the runtime so that ``ring`` is there in every cell; rank 0 reserves the port of
+# torch.distributed's rendezvous (engines._torch; torch itself is not imported).
 _SETUP_CODE = """\
 import os as _jr_os
 _jr_os.umask(_jr_umask)
@@ -36,9 +38,12 @@ _jr_device = _jr_engine.bind_device(_jr_gpus)
 import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
+_jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())
-del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where
+import jupyter_ring.engines._torch as _jr_torch
+_jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr
 """
 
 
@@ -110,6 +115,11 @@ class RingCluster(LoggingConfigurable):
                     help="Start a watchdog process that kills the cluster if this process dies.")
     engine_env = List(Unicode(), config=True,
                       help="Extra NAME=VALUE environment variables for the engines.")
+    torch_distributed = Bool(False, config=True,
+                             help="Also initialise torch.distributed's default process group on "
+                                  "every rank at start (gloo on CPU ranks, NCCL where every rank "
+                                  "has a GPU). Without it the ranks still get torchrun's "
+                                  "environment, so init_process_group() works in a cell.")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -125,6 +135,9 @@ class RingCluster(LoggingConfigurable):
         self._watchdog = None
         self._shm = set()        # /dev/shm files the local ranks mapped (MPI's segments)
         self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
+        self.torch_backend = None  # the default process group --torch-distributed made, or None
+        self._repair = None      # engine id -> its re-creation of aborted torch groups, in flight
+        self._repair_notes = []  # the answers of those that finished
 
     def __enter__(self):
         if not self.running:
@@ -170,7 +183,7 @@ class RingCluster(LoggingConfigurable):
                     self.client = cluster.connect_client_sync()
                 self.client.wait_for_engines(plan.n, timeout=self.engine_timeout, block=True,
                                             interactive=False)
-                self._setup_ranks(plan.gpus)
+                self._setup_ranks(plan)
             except BaseException:
                 self.stop()
                 raise
@@ -178,23 +191,25 @@ class RingCluster(LoggingConfigurable):
             os.umask(self._user_umask)
         return self.ranks
 
-    def _setup_ranks(self, gpus):
+    def _setup_ranks(self, plan):
         client = self.client
         ids = sorted(client.ids)
         view = client[ids]
-        view.push({"_jr_gpus": None if gpus is None else list(gpus),
-                   "_jr_umask": self._user_umask, "_jr_where": self.where_dir}, block=False)
+        view.push({"_jr_gpus": None if plan.gpus is None else list(plan.gpus),
+                   "_jr_umask": self._user_umask, "_jr_where": self.where_dir,
+                   "_jr_torch_addr": plan.torch.master_addr}, block=False)
         ar = view.execute(_SETUP_CODE, block=False)
         if not ar.wait(self.setup_timeout):
             raise ClusterError(f"ring.init() did not finish on every rank in {self.setup_timeout:g} s")
         ar.get()
-        infos = view.pull("_jr_info", block=True)
+        infos, rendezvous = zip(*view.pull(("_jr_info", "_jr_rendezvous"), block=True))
         order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
         self.engine_ids = [ids[i] for i in order]
         self.ranks = [infos[i] for i in order]
         self.size = len(self.ranks)
         self.view = client[self.engine_ids]
         self.view.block = False
+        self._start_torch(plan.torch, rendezvous[order[0]])
         # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
         # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
         self._shm = shm_files(self._local_rank_pids())
@@ -205,6 +220,76 @@ class RingCluster(LoggingConfigurable):
     def where_dir(self):
         """The folder where the ranks keep their stacks and collective for ``%ring where``."""
         return where_dir(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
+
+    def _start_torch(self, world, rendezvous):
+        """Give every rank torchrun's environment (computed here, from the plan's world, the
+        hosts the ranks reported and rank 0's reserved port) and its torch.distributed guard;
+        with --torch-distributed, the default process group."""
+        from ..engines import _torch
+
+        hosts = [row["host"] for row in self.ranks]
+        address, port = rendezvous
+        run_id = self.ipp_cluster.cluster_id
+        pending = [self.client[eid].apply_async(
+            _torch.start, torchrun_environment(rank, hosts, address, port, run_id),
+            world.init_backend) for rank, eid in enumerate(self.engine_ids)]
+        deadline = time.monotonic() + self.setup_timeout
+        for ar in pending:
+            if not ar.wait(max(0.0, deadline - time.monotonic())):
+                raise ClusterError("torch.distributed's set-up did not finish on every rank in "
+                                   f"{self.setup_timeout:g} s")
+        self.torch_backend = pending[0].get()
+
+    def repair_torch(self, wait):
+        """After a failed cell: re-create on every rank the torch.distributed groups some rank
+        aborted (``engines._torch.repair``, collective over the ranks). Returns its note for the
+        user, or "" (nothing to re-create). The ranks run requests in order, so the repair always
+        runs before the next cell; a rank still busy after ``wait`` seconds (formatting its
+        traceback) leaves the note to :meth:`torch_repair_note`, called when the next cell starts."""
+        if not self.running or self.dead_ranks():
+            return ""
+        self._repair = {eid: self._send_repair(eid) for eid in self.engine_ids}
+        self._repair_notes = []
+        return self.torch_repair_note(wait)
+
+    def _send_repair(self, engine_id):
+        from ..engines import _torch
+
+        return self.client[engine_id].apply_async(_torch.repair)
+
+    def torch_repair_note(self, wait=0.0):
+        """The note of the last repair once it has finished (waiting up to ``wait`` s), else "".
+
+        An engine whose cell just failed aborts the requests that reach it before it has finished
+        "aborting its queue" (ipykernel's stop_on_error): a repair aborted there is sent again to
+        that engine alone (the others wait for it inside the repair's collective)."""
+        import ipyparallel as ipp
+
+        pending = self._repair
+        if not pending:
+            return ""
+        deadline = time.monotonic() + wait
+        notes = self._repair_notes
+        while True:
+            for eid, ar in list(pending.items()):
+                if not ar.ready():
+                    continue
+                try:
+                    notes.append(ar.get())
+                except ipp.error.TaskAborted:
+                    pending[eid] = self._send_repair(eid)
+                    continue
+                except Exception as exc:  # the cell's error stands; this says what is left to do
+                    self._repair = None
+                    return (f"(torch.distributed groups could not be re-created after the failure: "
+                            f"{type(exc).__name__}: {exc}; run %ring restart)")
+                del pending[eid]
+            if not pending:
+                self._repair = None
+                return next((note for note in notes if note), "")
+            if time.monotonic() >= deadline:
+                return ""
+            time.sleep(0.02)
 
     def _write_sidecar(self):
         """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
@@ -260,6 +345,7 @@ class RingCluster(LoggingConfigurable):
         self._stop_watchdog()
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
+        self._repair, self.torch_backend = None, None
 
     def stopped_by(self):
         """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while

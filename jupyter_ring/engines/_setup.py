@@ -9,7 +9,7 @@ import os
 import socket
 from typing import TypedDict
 
-__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "arm_where"]
+__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "arm_where", "ascii_logs"]
 
 
 class RankRow(TypedDict):
@@ -78,6 +78,28 @@ def watch_cells():
     events = get_ipython().events
     if _after_cell not in events.callbacks["post_run_cell"]:
         events.register("post_run_cell", _after_cell)
+
+
+def ascii_logs():
+    """Write the engine's own log lines with non-ASCII characters escaped (``\\u00e9``).
+
+    MPICH's ``mpiexec.gforker`` stops forwarding a rank's stdout/stderr at the first non-ASCII
+    byte: it closes its end of the pipe, and from then on every log line of that engine fails
+    with BrokenPipeError, shown in the notebook as "--- Logging error ---" (and ``%ring stop``
+    cannot read the truncated output file back). An exception's text is logged by the engine;
+    gloo's ends in an emoji, so the first torch.distributed failure broke the rank's log.
+    """
+    import io
+
+    from IPython import get_ipython
+
+    log = get_ipython().kernel.log
+    while log is not None:
+        for handler in log.handlers:
+            stream = getattr(handler, "stream", None)
+            if isinstance(stream, io.TextIOWrapper):
+                stream.reconfigure(encoding="ascii", errors="backslashreplace")
+        log = log.parent if log.propagate else None
 
 
 def _after_cell(result):

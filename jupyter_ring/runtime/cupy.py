@@ -9,19 +9,26 @@
     cp.cuda.Device(ring.local_rank()).use()
     total = ring.allreduce(cp.ones(1 << 20, cp.float32), op=ring.Sum, name="x")
 
-Two data paths, chosen per process:
+Data paths, chosen per process:
 
-* **NCCL** (``cupy.cuda.nccl`` importable, every rank on its own GPU): the buffers never leave the
-  GPU. Before every NCCL call the ranks agree over the ring runtime (kind, name, dtype, shape, op,
-  root), because NCCL itself hangs on a mismatch; a mismatch raises CollectiveMismatchError on
-  every rank instead. The agreement is one small CPU round trip per collective.
+* **The device transport** (torch installed): the array is handed to torch without a copy
+  (DLPack) and reduced by :mod:`jupyter_ring.runtime._device` over NCCL, the same transport as
+  torch CUDA tensors (agreement over the ring, completion polled, abort and rebuild; one NCCL
+  communicator shared with torch.distributed).
+* **cupy's NCCL** (no torch, ``cupy.cuda.nccl`` importable, every rank on its own GPU): the buffers
+  never leave the GPU either. Before every NCCL call the ranks agree over the ring runtime (kind,
+  name, dtype, shape, op, root, the communicator's generation), because NCCL itself hangs on a
+  mismatch; a mismatch raises CollectiveMismatchError on every rank instead. Completion is polled
+  through a CUDA event, so SIGINT and the stall timeout work; a collective given up aborts the
+  communicator and every rank makes a new one at the next agreement.
 * **Staged**: device -> pinned host buffer -> the ring runtime -> device. Used when NCCL is missing,
-  for alltoall, or when ``JUPYTER_RING_CUPY_NCCL=0``.
+  for alltoall and reducescatter, or when ``JUPYTER_RING_CUPY_NCCL=0``.
 
 Without a CUDA device every collective raises :class:`RingError` naming what is missing.
 """
 
 import os
+import time
 
 try:
     import cupy
@@ -32,6 +39,7 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _api  # named helpers: session(), resolve_op()
+from . import _device
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 
@@ -76,13 +84,16 @@ def _check(arr, where):
 
 # ------------------------------------------------------------------ NCCL
 class _Nccl:
-    """The NCCL communicator of one runtime session, made on first use."""
+    """The NCCL communicator of one runtime session, made on first use, re-made after an abort."""
 
     def __init__(self):
         self.comm = None
         self.session = None   # the runtime object the communicator belongs to
+        self.generation = 0   # communicators made so far: the same on every rank
+        self.aborted = ""     # why this rank gave a collective up; every rank re-makes it then
 
     def get(self):
+        """The communicator (collective when it has to be made: the agreement lines ranks up)."""
         from cupy.cuda import nccl
 
         session = _api.session()
@@ -91,7 +102,38 @@ class _Nccl:
             uid = _ring.broadcast_object(uid, 0, name="jupyter_ring.cupy.nccl_id")
             self.comm = nccl.NcclCommunicator(_ring.size(), uid, _ring.rank())
             self.session = session
+            self.generation += 1
+            self.aborted = ""
         return self.comm
+
+    def abort(self, why):
+        """Give up the collective in flight: ncclCommAbort, and a new communicator next time."""
+        if self.comm is not None:
+            try:
+                self.comm.abort()
+            except Exception:  # noqa: BLE001 - already broken; a new one is made either way
+                pass
+        self.comm = None
+        self.aborted = why
+
+    def wait(self, stream, what):
+        """Poll the end of ``stream``'s work (a CUDA event): interruptible, with the stall timeout."""
+        event = stream.record()
+        config = _ring.config()
+        start = time.perf_counter()
+        delay = 1e-5
+        try:
+            while not event.done:
+                waited = time.perf_counter() - start
+                if waited > config.stall_timeout:
+                    raise StallError(f"{what}: rank {_ring.rank()} waited {waited:.1f} s for NCCL after every rank "
+                                     f"had agreed to it (stall timeout {config.stall_timeout:g} s): a rank died or "
+                                     "hangs; the communicator is re-made before the next collective.", ())
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        except BaseException as exc:
+            self.abort(f"{what}: {type(exc).__name__}")
+            raise
 
 
 _nccl = _Nccl()
@@ -111,20 +153,39 @@ def _nccl_dtype(dtype):
 
 
 def _agree(kind, name, arr, op=None, root=None, rows_may_differ=False):
-    """Check over the CPU ring that every rank calls the same NCCL collective (NCCL would hang)."""
+    """Check over the CPU ring that every rank calls the same NCCL collective (NCCL would hang);
+    re-make the communicator on every rank when one rank gave a collective up."""
     shape = tuple(arr.shape[1:]) if rows_may_differ else tuple(arr.shape)
-    mine = (kind, name, str(arr.dtype), shape, op, root)
-    everyone = _ring.allgather_object(mine, name=f"jupyter_ring.cupy.{kind}.{name}")
-    differ = [q for q, other in enumerate(everyone) if other != everyone[0]]
+    mine = (kind, name, str(arr.dtype), shape, op, root, _nccl.generation)
+    everyone = _ring.allgather_object((mine, _nccl.aborted), name="jupyter_ring.cupy.agree")
+    described = [e[0] for e in everyone]
+    differ = [q for q, other in enumerate(described) if other != described[0]]
     if differ:
-        labels = ("kind", "name", "dtype", "shape", "op", "root_rank")
-        field = next(i for i in range(len(mine)) if any(e[i] != everyone[0][i] for e in everyone))
-        values = ", ".join(f"{everyone[q][field]!r} on rank {q}" for q in range(len(everyone)))
+        labels = ("kind", "name", "dtype", "shape", "op", "root_rank", "communicator generation")
+        field = next(i for i in range(len(mine)) if any(e[i] != described[0][i] for e in described))
+        values = ", ".join(f"{described[q][field]!r} on rank {q}" for q in range(len(described)))
         raise CollectiveMismatchError(f"{kind} '{name}': ranks disagree on {labels[field]}: {values}")
+    if any(aborted for _, aborted in everyone) and _nccl.comm is not None:
+        _nccl.abort("a peer rank gave a collective up")
 
 
 def _use_nccl(arr):
     return nccl_available() and _ring.size() > 1 and _nccl_dtype(arr.dtype) is not None
+
+
+def _tensor(arr, op=None):
+    """A torch view of ``arr`` (DLPack, no copy) when it goes to the device transport, else None."""
+    if not nccl_available() or _device.mode() == "off":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not _device._nccl_available():
+        return None
+    tensor = torch.from_dlpack(arr)
+    ok = _device.copies(tensor.dtype) if op is None else _device.supports(tensor.dtype, op)
+    return tensor if ok else None
 
 
 # ------------------------------------------------------------------ staging
@@ -154,6 +215,12 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
     op = _api.resolve_op(op, average, where)
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
+    tensor = _tensor(arr, op)
+    if tensor is not None:
+        transport = _device.transport()
+        transport.allreduce_([tensor], op, transport.auto_name("allreduce", name), prescale_factor,
+                             postscale_factor)
+        return arr
     if _use_nccl(arr) and (op not in (Average,) or arr.dtype.kind == "f"):
         _agree("allreduce", name, arr, op)
         if prescale_factor != 1.0:
@@ -161,6 +228,7 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
         stream = cupy.cuda.get_current_stream()
         _nccl.get().allReduce(arr.data.ptr, arr.data.ptr, arr.size, _nccl_dtype(arr.dtype), _NCCL_OPS[op],
                               stream.ptr)
+        _nccl.wait(stream, where)
         scale = postscale_factor / (_ring.size() if op == Average else 1)
         if scale != 1.0:
             arr *= arr.dtype.type(scale)
@@ -177,6 +245,10 @@ def allgather(arr, name=None):
     _check(arr, where)
     if arr.ndim == 0:
         raise ValueError(f"{where}: needs an array with at least one dimension; pass x.reshape(1)")
+    tensor = _tensor(arr)
+    if tensor is not None:
+        transport = _device.transport()
+        return cupy.from_dlpack(transport.allgather(tensor, transport.auto_name("allgather", name)))
     return cupy.asarray(_ring.allgather(_to_host(arr), name=name))
 
 
@@ -186,10 +258,16 @@ def broadcast_(arr, root_rank=0, name=None):
     _check(arr, where)
     if not arr.flags.c_contiguous:
         raise ValueError(f"{where}: the in-place form needs a C-contiguous array")
+    tensor = _tensor(arr)
+    if tensor is not None:
+        transport = _device.transport()
+        transport.broadcast_(tensor, root_rank, transport.auto_name("broadcast", name))
+        return arr
     if _use_nccl(arr):
         _agree("broadcast", name, arr, root=root_rank)
         stream = cupy.cuda.get_current_stream()
         _nccl.get().bcast(arr.data.ptr, arr.size, _nccl_dtype(arr.dtype), root_rank, stream.ptr)
+        _nccl.wait(stream, where)
         return arr
     host = _to_host(arr)
     _ring.broadcast_(host, root_rank, name=name)

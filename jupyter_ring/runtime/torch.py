@@ -11,11 +11,14 @@
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
-Tensors reach the runtime as numpy arrays: a contiguous CPU tensor is shared without a copy
-(``tensor.numpy()``); bfloat16 travels as float32 (numpy has no bfloat16); non-contiguous tensors
-are copied. CUDA tensors are staged through host memory (one device-to-host and one host-to-device
-copy per collective); for GPU buffers without the staging use :mod:`jupyter_ring.runtime.cupy`,
-which uses NCCL when it is available.
+CPU tensors reach the ring runtime as numpy arrays: a contiguous CPU tensor is shared without a
+copy (``tensor.numpy()``); bfloat16 travels as float32 (numpy has no bfloat16); non-contiguous
+tensors are copied. CUDA tensors are never staged through host memory: allreduce, broadcast and
+allgather on the global process set go to the device transport (:mod:`jupyter_ring.runtime._device`:
+NCCL through torch.distributed, agreed over the ring first, completion polled); alltoall,
+reducescatter, Adasum, smaller process sets, integer tensors scaled as Horovod scales them and
+dtype/op pairs NCCL lacks are staged. ``JUPYTER_RING_DEVICE_TRANSPORT=gloo`` sends CPU tensors
+through the same transport over gloo (how it is tested without a GPU); ``off`` stages CUDA tensors.
 """
 
 import contextlib
@@ -29,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 import numpy as np
 
 from .. import runtime as _ring
-from . import _api, _report  # _api: the epoch of queued work; _report: the dashboard's steps
+from . import _api, _device, _report  # _api: epoch, op; _device: CUDA tensors; _report: steps
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
@@ -47,6 +50,16 @@ __all__ = [
     "synchronize", "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
     "SyncBatchNorm",
 ]
+
+
+def nccl_built():
+    """True when CUDA tensors go through NCCL (torch.distributed has it, the transport is on)."""
+    return _device.mode() != "off" and _device._nccl_available()
+
+
+def cuda_built():
+    """True when this torch has CUDA and CUDA tensors go to the device transport, unstaged."""
+    return torch.version.cuda is not None and nccl_built()
 
 
 # ------------------------------------------------------------------ compression
@@ -122,6 +135,59 @@ def _from_numpy(arr, like):
     if out.dtype != like.dtype or out.device != like.device:
         out = out.to(device=like.device, dtype=like.dtype)
     return out
+
+
+# ------------------------------------------------------------------ tensor -> device transport
+def _reduces_on_device(tensors, op, pre, post, process_set, where):
+    """Whether an allreduce of ``tensors`` goes to the device transport (all of them or none)."""
+    if not tensors or not _api.is_global(process_set) or op == Adasum:
+        return False
+    if not all(_device.routes(t) and _device.supports(t.dtype, op) for t in tensors):
+        return False
+    # Horovod's integer arithmetic (scaled in float64, truncated toward zero) and, on CPU, its
+    # float16 scaled in float32 are the ring path's (_Reduce); NCCL scales CUDA float16 in place
+    return not any(_Reduce(t, op, pre, post, process_set, where).integer
+                   and (t.dtype in _INTEGER_DTYPES or t.device.type == "cpu") for t in tensors)
+
+
+def _copies_on_device(tensor, process_set):
+    return _api.is_global(process_set) and _device.routes(tensor) and _device.copies(tensor.dtype)
+
+
+def _device_launch(launch, result):
+    """A Handle for a device collective launched now (agreed, transfer started); its finish
+    waits for it. As for queued ring collectives, a failure of the collective itself (mismatch,
+    a peer's error, a stall in the agreement) is raised by synchronize(); this rank's own bad
+    arguments (TypeError, ValueError) are raised here."""
+    try:
+        work = launch()
+    except (TypeError, ValueError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - raised by synchronize()
+        error = exc
+
+        def fail(_res):
+            raise error
+        return Handle([], fail)
+    return Handle([], lambda res: result(work.wait()))
+
+
+def _device_allreduce(tensors, in_place, op, name, prescale_factor, postscale_factor, one=False):
+    """An allreduce of ``tensors`` on the device transport (list in, list out; ``one``: the
+    single tensor out)."""
+    transport = _device.transport()
+    targets = [t.detach() if in_place else t.detach().clone() for t in tensors]
+    return _device_launch(
+        lambda: transport.allreduce_async_(targets, op, transport.auto_name("allreduce", name),
+                                           prescale_factor, postscale_factor),
+        lambda _out: (tensors if in_place else targets)[0] if one else list(tensors) if in_place else targets)
+
+
+def _device_broadcast(target, root_rank, name):
+    transport = _device.transport()
+    return _device_launch(lambda: transport.broadcast_async_(target, root_rank,
+                                                             transport.auto_name("broadcast", name)),
+                          lambda out: out)
 
 
 class Handle:
@@ -245,6 +311,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     op = _api.resolve_op(op, average, where)
     if op == Adasum:
         return _adasum_async(tensor, name, process_set, where)
+    if _reduces_on_device([tensor], op, prescale_factor, postscale_factor, process_set, where):
+        return _device_allreduce([tensor], False, op, name, prescale_factor, postscale_factor, one=True)
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
     arr = _to_numpy(plan.stage(tensor))
     pre, post = plan.runtime_scales(tensor)
@@ -258,6 +326,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     where = f"allreduce_ '{name}'"
     _check_tensor(tensor, where)
     op = _api.resolve_op(op, average, where)
+    if _reduces_on_device([tensor], op, prescale_factor, postscale_factor, process_set, where):
+        return _device_allreduce([tensor], True, op, name, prescale_factor, postscale_factor, one=True)
     t = tensor.detach()
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where) if op != Adasum else None
     if op != Adasum and not plan.integer and _shares_numpy(t):
@@ -328,6 +398,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     if op == Adasum:
         handles = [_adasum_async(t, _grad_name(name, str(i)), process_set, where) for i, t in enumerate(tensors)]
         return _completed([], None, lambda _res: [synchronize(h) for h in handles])
+    if _reduces_on_device(tensors, op, prescale_factor, postscale_factor, process_set, where):
+        return _device_allreduce(tensors, False, op, name, prescale_factor, postscale_factor)
     plans = [_Reduce(t, op, prescale_factor, postscale_factor, process_set, where) for t in tensors]
     if any(p.after != 1.0 or p.op != op for p in plans):
         # integer tensors scaled as Horovod does: one allreduce each, fused by the runtime's queue
@@ -343,7 +415,12 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """Queue an in-place grouped allreduce; synchronize returns the list of input tensors."""
-    handle = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    where = f"grouped_allreduce_ '{name}'"
+    _group_check(tensors, where)
+    op = _api.resolve_op(op, average, where)
+    if _reduces_on_device(tensors, op, prescale_factor, postscale_factor, process_set, where):
+        return _device_allreduce(tensors, True, op, name, prescale_factor, postscale_factor)
+    handle = grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
     def finish(res):
@@ -445,6 +522,11 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     _check_tensor(tensor, where)
     if tensor.dim() == 0:
         raise ValueError(f"{where}: needs a tensor with at least one dimension; pass tensor.reshape(1)")
+    if _copies_on_device(tensor, process_set):
+        transport = _device.transport()
+        return _device_launch(lambda: transport.allgather_async(tensor.detach(),
+                                                                transport.auto_name("allgather", name)),
+                              lambda out: out)
     arr = _to_numpy(tensor)
     return Handle([_ring.allgather_async(arr, name, process_set)], lambda res: _from_numpy(res[0], tensor))
 
@@ -520,6 +602,8 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_s
     """Queue a broadcast of root's tensor (root_rank: a global rank); synchronize returns a new tensor."""
     where = f"broadcast '{name}'"
     _check_tensor(tensor, where)
+    if _copies_on_device(tensor, process_set):   # the global set only: root_rank is its rank
+        return _device_broadcast(tensor.detach().clone(), root_rank, name)
     arr = _to_numpy(tensor)
     # reshape: the runtime returns 0-d arrays as shape (1,) (np.ascontiguousarray promotes them)
     return Handle([_ring.broadcast_async(arr, root_rank, name, process_set)],
@@ -528,6 +612,12 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_s
 
 def broadcast_async_(tensor, root_rank=0, name=None, process_set=global_process_set):
     """Queue an in-place broadcast into ``tensor``; synchronize returns ``tensor``."""
+    where = f"broadcast_ '{name}'"
+    _check_tensor(tensor, where)
+    if _copies_on_device(tensor, process_set):
+        handle = _device_broadcast(tensor.detach(), root_rank, name)  # global set: its rank
+        handle._finish = lambda res, inner=handle._finish: (inner(res), tensor)[1]
+        return handle
     handle = broadcast_async(tensor, root_rank, name, process_set)
     inner = handle._finish
 

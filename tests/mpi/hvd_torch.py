@@ -51,8 +51,13 @@ def every_rank(seed, shape, dtype=torch.float32, low=-100, high=100):
 # ---- capability functions: what this runtime is
 caps = {name: getattr(hvd, name)() for name in ("mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built",
                                                 "ddl_built", "ccl_built", "cuda_built", "rocm_built")}
-if caps != {"mpi_built": True, "mpi_enabled": True, "gloo_built": False, "gloo_enabled": False, "nccl_built": False,
-            "ddl_built": False, "ccl_built": False, "cuda_built": False, "rocm_built": False}:
+# NCCL: CUDA tensors go to the device transport where torch.distributed has NCCL (False on the
+# CPU wheel CI runs; JUPYTER_RING_DEVICE_TRANSPORT=off stages them)
+nccl = (torch.distributed.is_available() and torch.distributed.is_nccl_available()
+        and os.environ.get("JUPYTER_RING_DEVICE_TRANSPORT", "auto").strip().lower() != "off")
+if caps != {"mpi_built": True, "mpi_enabled": True, "gloo_built": False, "gloo_enabled": False, "nccl_built": nccl,
+            "ddl_built": False, "ccl_built": False, "cuda_built": nccl and torch.version.cuda is not None,
+            "rocm_built": False}:
     failures.append(f"capabilities: {caps}")
 if hvd.is_homogeneous() is not True or not isinstance(hvd.mpi_threads_supported(), bool):
     failures.append("is_homogeneous/mpi_threads_supported")

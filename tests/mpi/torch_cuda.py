@@ -1,0 +1,65 @@
+"""CUDA tensors through the device transport (NCCL), never staged: prints TORCH_CUDA_OK <rank>.
+
+Staging is made impossible: the adapter's host copy (``_to_numpy``) raises for a CUDA tensor, so
+a collective that would stage fails here instead of passing slowly. One GPU per rank (NCCL refuses
+two ranks on one device); one rank is NCCL's one-rank path.
+"""
+
+import sys
+
+import torch
+
+import jupyter_ring.runtime.torch as hvd
+from jupyter_ring.runtime import _device
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+dev = torch.device("cuda", torch.cuda.current_device())
+failures = []
+staged = hvd._to_numpy
+
+
+def no_staging(tensor):
+    if tensor.is_cuda:
+        raise AssertionError("a CUDA tensor was staged through host memory")
+    return staged(tensor)
+
+
+hvd._to_numpy = no_staging
+
+
+def check(label, got, want, tol=1e-4):
+    if not (got.is_cuda and got.shape == want.shape and torch.allclose(got.double().cpu(), want.double(),
+                                                                       rtol=tol, atol=tol)):
+        failures.append(f"{label}: got {got.flatten()[:4]} on {got.device}")
+
+
+for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+    for length in sorted({0, 1, n + 1, 1009, (1 << 20) + 3}):
+        g = torch.Generator().manual_seed(length)
+        xs = [torch.randint(0, 9, (length,), generator=g).to(dtype) for _ in range(n)]
+        total = sum(x.double() for x in xs) if length else torch.zeros(0, dtype=torch.float64)
+        label = f"{dtype} {length}"
+        check(f"allreduce Sum {label}", hvd.allreduce(xs[r].to(dev), op=hvd.Sum, name=f"s{label}"), total, 0.1)
+        t = xs[r].to(dev)
+        hvd.allreduce_(t, op=hvd.Max, name=f"m{label}")
+        check(f"allreduce_ Max {label}", t, torch.stack(xs).double().max(0).values if length else xs[r].double())
+        root = length % n
+        check(f"broadcast {label}", hvd.broadcast(xs[r].to(dev), root, name=f"b{label}"), xs[root].double())
+rows = [torch.full((q + 1, 3), float(q)) for q in range(n)]
+check("allgather", hvd.allgather(rows[r].to(dev), name="g"), torch.cat(rows).double())
+grads = [torch.randn(5, 7, device=dev), torch.randn(11, device=dev)]
+want = [g.clone() for g in grads]
+hvd.grouped_allreduce_(grads, op=hvd.Average, name="fused")
+for got, w in zip(grads, want):
+    # every rank had its own random values: compare with the all-gathered mean
+    every = hvd.allgather(w.reshape(1, -1), name=f"ref{w.numel()}")
+    check(f"grouped_allreduce_ {tuple(w.shape)}", got.reshape(1, -1), every.mean(0, keepdim=True).cpu().double())
+group = _device.transport().group("cuda")
+if group.kinds["cuda"] != "nccl":
+    failures.append(f"the CUDA group is {group.kinds}, not NCCL")
+if failures:
+    print(f"rank {r}: " + "; ".join(failures[:10]), flush=True)
+    sys.exit(1)
+print(f"TORCH_CUDA_OK {r} {torch.cuda.get_device_name()}", flush=True)

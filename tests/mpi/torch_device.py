@@ -1,0 +1,173 @@
+"""The device transport over gloo on CPU tensors: failures, abort and rebuild, the shared group.
+
+Run with JUPYTER_RING_DEVICE_TRANSPORT=gloo. Every rank asserts its own results and prints
+``TORCH_DEVICE_OK <rank>`` when every case passed. Cases (with 2+ ranks):
+
+* a shape mismatch raises CollectiveMismatchError on every rank, naming both shapes;
+* bad arguments on one rank: that rank's own error there, PeerError naming it on the others;
+* an interrupt while the transfer is in flight (a peer holds back its launch after the
+  agreement): KeyboardInterrupt here within a second, the peer's transfer fails at once
+  (RingError, not a hang), and the next collectives, same name and shape, are exact;
+* a stall: StallError after the stall timeout, the same recovery;
+* torch.distributed's default group made by user code (init_process_group) is shared by the
+  transport, aborted and re-created in place: the user's own dist.all_reduce and a DDP model made
+  before the failure are right afterwards.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import jupyter_ring.runtime.torch as hvd
+from jupyter_ring.runtime import _device
+from jupyter_ring.runtime import _process_groups as PG
+
+torch.set_num_threads(1)
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+failures = []
+transport = _device.transport()
+
+
+def expect(label, condition, detail=""):
+    if not condition:
+        failures.append(f"{label}: {detail}")
+
+
+def exact_round(tag):
+    """Collectives with awkward sizes, exact on every rank (integers)."""
+    for length in (0, 1, n + 1, 1009):
+        xs = [torch.arange(length, dtype=torch.int64) * (q + 1) + q for q in range(n)]
+        got = hvd.allreduce(xs[r], op=hvd.Sum, name=f"{tag}.sum{length}")
+        expect(f"{tag} allreduce {length}", torch.equal(got, sum(xs)), f"{got[:4]} vs {sum(xs)[:4]}")
+        root = length % n
+        got = hvd.broadcast(xs[r], root, name=f"{tag}.bcast{length}")
+        expect(f"{tag} broadcast {length}", torch.equal(got, xs[root]))
+
+
+def raises(label, fn, kinds):
+    try:
+        fn()
+    except kinds as exc:
+        return exc
+    except BaseException as exc:  # noqa: BLE001 - reported as a failure
+        failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
+        return None
+    failures.append(f"{label}: did not raise")
+    return None
+
+
+exact_round("start")
+
+if n > 1:
+    # ---- mismatch: every rank raises, naming both shapes
+    exc = raises("mismatch", lambda: hvd.allreduce(torch.zeros(17 + r), name="mismatch"),
+                 hvd.CollectiveMismatchError)
+    if exc is not None:
+        expect("mismatch message", "(17,)" in str(exc) and "(18,)" in str(exc), str(exc))
+    exact_round("after-mismatch")
+
+    # ---- bad arguments on rank 1: its ValueError there, PeerError naming rank 1 elsewhere
+    root = n if r == 1 else 0
+    exc = raises("bad root", lambda: hvd.broadcast(torch.ones(3), root, name="badroot"),
+                 (ValueError, hvd.RingError))
+    if exc is not None:
+        if r == 1:
+            expect("bad root on the rank at fault", type(exc) is ValueError, repr(exc))
+        else:
+            expect("bad root on the others", "rank 1 could not join" in str(exc), str(exc))
+    exact_round("after-bad-args")
+
+    # ---- interrupt while the transfer is in flight: rank 0 launches, the others hold back
+    def hold(seconds):
+        def before(kind, name):
+            if name == "held" and r != 0:
+                time.sleep(seconds)
+        return before
+
+    transport.before_launch = hold(2.5)
+    if r == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    exc = raises("interrupt", lambda: hvd.allreduce(torch.ones(100003), name="held"),
+                 (KeyboardInterrupt, hvd.RingError))
+    took = time.monotonic() - t0
+    if r == 0:
+        expect("interrupt raises KeyboardInterrupt", isinstance(exc, KeyboardInterrupt), repr(exc))
+        expect("interrupt within a second", took < 1.5, f"{took:.2f} s")
+    else:
+        # the peer's transfer fails at once once it launches (the connection is gone), no hang
+        expect("peer of the interrupted rank", isinstance(exc, hvd.RingError) and "gave it up" in str(exc),
+               repr(exc))
+        expect("peer fails without waiting", took < 2.5 + 2.0, f"{took:.2f} s")
+    transport.before_launch = None
+    exact_round("after-interrupt")
+    group = transport.group("cpu")
+    expect("the group was re-created", group.generation == 1, f"generation {group.generation}")
+
+    # ---- stall: the others hold back longer than the stall timeout
+    import jupyter_ring.runtime as ring
+
+    ring.config().stall_timeout = 1.0
+    transport.before_launch = hold(3.0)
+    t0 = time.monotonic()
+    exc = raises("stall", lambda: hvd.allreduce(torch.ones(5), name="held"), hvd.RingError)
+    took = time.monotonic() - t0
+    if r == 0:
+        expect("stall raises StallError", isinstance(exc, hvd.StallError), repr(exc))
+        expect("stall after the timeout", 0.9 < took < 2.5, f"{took:.2f} s")
+    transport.before_launch = None
+    ring.config().stall_timeout = 60.0
+    exact_round("after-stall")
+
+    # ---- the user's default group, shared by the transport, aborted and re-created in place
+    PG.install_recording()
+    port = None
+    if r == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = ring.broadcast_object(port, 0, name="port")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n))
+    dist.init_process_group("gloo")
+    world = dist.group.WORLD
+    expect("the default group is recorded", PG.registry.find(world) is not None)
+    model = torch.nn.Linear(4, 3)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(2, 4)).sum().backward()
+    got = hvd.allreduce(torch.full((7,), float(r)), op=hvd.Sum, name="shared")
+    expect("transport on the shared group", transport.group("cpu").pg is world,
+           transport.group("cpu").label)
+    expect("allreduce on the shared group", torch.equal(got, torch.full((7,), float(sum(range(n))))))
+    transport.before_launch = hold(2.5)
+    if r == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    raises("interrupt on the shared group", lambda: hvd.allreduce(torch.ones(11), name="held"),
+           (KeyboardInterrupt, hvd.RingError))
+    transport.before_launch = None
+    exact_round("after-shared-interrupt")  # the transport re-creates the shared group first
+    t = torch.full((5,), float(r + 1))
+    dist.all_reduce(t)
+    expect("user all_reduce after the rebuild", torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))),
+           str(t))
+    for step in range(2):
+        model.zero_grad()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + r))
+        ddp(x).sum().backward()
+    grads = hvd.allgather(model.weight.grad.reshape(1, -1), name="ddp.grads")
+    expect("DDP gradients identical after the rebuild", all(torch.equal(grads[0], g) for g in grads))
+    expect("the same ProcessGroup object", dist.group.WORLD is world)
+    dist.destroy_process_group()
+
+if failures:
+    print(f"rank {r}: " + "; ".join(failures), flush=True)
+    sys.exit(1)
+print(f"TORCH_DEVICE_OK {r}", flush=True)
