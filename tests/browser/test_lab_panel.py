@@ -1,8 +1,9 @@
 """The Ring panel in a real JupyterLab driven by a real browser (Playwright + Debian's chromium).
 
 One notebook: ``%ring start -n 2``; the panel lists the cluster with both ranks and the status bar
-shows it; a long ``%%distributed`` cell is interrupted from the panel (through the server, while
-the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
+shows it; while a long ``%%distributed`` cell runs (rank 1 asleep in a named function, rank 0
+waiting for it in an allreduce), Where? shows both ranks' stacks, and the cell is interrupted
+from the panel (through the server, while the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
 ``python -m jupyterlab.browser_check`` (its browser part in Debian's chromium too) against the
 installed extension.
 """
@@ -26,6 +27,7 @@ from conftest import screenshot_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCREENSHOT = screenshot_path("lab-panel.png")
+WHERE_SCREENSHOT = screenshot_path("lab-where.png")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -174,12 +176,35 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
                 re.compile(r"kernel [0-9a-f]{8} · pid \d+"))
             assert _status_text_offset(page) <= 1, "Ring: sits off its neighbours' text line"
 
-            long = _run_cell(page, 1, "%%distributed\nimport time\nprint('sleeping', flush=True)\n"
-                                      "time.sleep(60)")
+            # rank 1 naps in a named function; rank 0 waits for it in an allreduce
+            long = _run_cell(page, 1, "%%distributed\nimport time\nimport numpy as np\n"
+                                      "def nap_on_rank_1():\n    time.sleep(60)\n"
+                                      "print('sleeping', flush=True)\n"
+                                      "if ring.rank() == 1:\n    nap_on_rank_1()\n"
+                                      "ring.allreduce(np.ones(3), name='grads')")
             expect(long.locator(".jp-InputPrompt")).to_contain_text("*", timeout=10_000)
             expect(long.locator(".jp-OutputArea-output").first).to_contain_text("sleeping",
                                                                                  timeout=30_000)
             page.screenshot(path=SCREENSHOT)
+
+            # Where? while the cell is busy: every rank's stack, read through the server
+            card.locator("button[data-action=where]").click()
+            report = page.locator(".jp-Dialog .jp-RingPanel-where")
+            expect(report).to_be_visible(timeout=15_000)
+            expect(report.locator("li[data-rank='0']")).to_contain_text(
+                "inside allreduce 'grads'", timeout=5_000)
+            expect(report.locator("li[data-rank='0']")).to_contain_text("waiting for rank(s) 1")
+            expect(report.locator("li[data-rank='1']")).to_contain_text("running")
+            text = report.locator("pre.jp-RingPanel-whereText")
+            expect(text).to_contain_text("rank 0 @")
+            expect(text).to_contain_text("rank 1 @")
+            expect(text).to_contain_text("in nap_on_rank_1")
+            assert "monospace" in text.evaluate("n => getComputedStyle(n).fontFamily")
+            # the picture shows the end: rank 0's cell line, then rank 1's stack
+            text.evaluate("n => { n.scrollTop = n.scrollHeight; }")
+            page.screenshot(path=WHERE_SCREENSHOT)
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            expect(report).to_have_count(0)
             t0 = time.monotonic()
             card.locator("button[data-action=interrupt]").click()
             expect(long.locator(".jp-InputPrompt")).not_to_contain_text("*", timeout=10_000)
