@@ -2,7 +2,8 @@
 
 One notebook: ``%ring start -n 2``; the panel lists the cluster with both ranks and the status bar
 shows it; while a long ``%%distributed`` cell runs (rank 1 asleep in a named function, rank 0
-waiting for it in an allreduce), Where? shows both ranks' stacks, and the cell is interrupted
+waiting for it in an allreduce), Where? shows both ranks' stacks (and, later, an error when its
+route fails), and the cell is interrupted
 from the panel (through the server, while the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
 ``python -m jupyterlab.browser_check`` (its browser part in Debian's chromium too) against the
 installed extension.
@@ -24,6 +25,7 @@ import uuid
 import pytest
 
 from conftest import screenshot_path
+from jupyter_ring.cluster._sidecar import sidecar_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCREENSHOT = screenshot_path("lab-panel.png")
@@ -221,6 +223,25 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
 
             cluster_id = card.get_attribute("data-cluster-id")
             info = _get(f"{lab['base']}/jupyter-ring/clusters/{cluster_id}", lab["token"])
+
+            # Where? when the route fails: without the cluster's rank table (its sidecar) the
+            # server cannot reach the ranks; an error dialog and the panel say why
+            sidecar = sidecar_path(info["profile_dir"], cluster_id)
+            deadline = time.monotonic() + 60  # %ring restart writes it once the ranks are ready
+            while not os.path.exists(sidecar) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            os.rename(sidecar, sidecar + ".away")
+            try:
+                card.locator("button[data-action=where]").click()
+                failed = page.locator(".jp-Dialog")
+                expect(failed).to_contain_text("could not read the ranks' stacks", timeout=15_000)
+                expect(failed).to_contain_text("has no rank table")
+                expect(failed.locator(".jp-RingPanel-where")).to_have_count(0)
+                page.keyboard.press("Escape")  # showErrorMessage has only a Dismiss button
+                expect(failed).to_have_count(0)
+                expect(page.locator(".jp-RingPanel-error")).to_contain_text(f"where {cluster_id}")
+            finally:
+                os.rename(sidecar + ".away", sidecar)
             pids = [r["pid"] for r in info["ranks"]] + [info["controller"]["pid"]]
             card.locator("button[data-action=stop]").click()
             page.locator(".jp-Dialog .jp-mod-accept").click()
