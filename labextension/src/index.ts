@@ -5,10 +5,10 @@
  */
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
-import { Widget } from '@lumino/widgets';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
+import { Widget } from '@lumino/widgets';
 
 import { clusterAction, whereCluster } from './api';
 import { IClusterInfo } from './model';
@@ -36,7 +36,7 @@ async function showWhere(cluster: IClusterInfo): Promise<void> {
     void showErrorMessage(`Where? ${cluster.id}`, error);
     throw error;
   }
-  // not awaited: the panel's buttons stay usable while the report is open
+  // not awaited: the action ends (the card's buttons are enabled again) when the report arrives
   void showDialog({
     title: `Where? cluster ${cluster.id}`,
     body: new Widget({ node: renderWhereReport(report) }),

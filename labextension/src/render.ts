@@ -5,10 +5,10 @@
 import {
   IClusterInfo,
   IRankInfo,
+  IWhereReport,
   livenessLabel,
   ownerDetail,
   ownerLabel,
-  IWhereReport,
   ownerTitle,
   stateLabel
 } from './model';
