@@ -18,7 +18,7 @@ PUBLIC = {
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
-    "progress", "log", "track",
+    "progress", "log", "track", "doing", "Doing",
 }
 
 
