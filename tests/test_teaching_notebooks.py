@@ -23,6 +23,15 @@ EXPECTED = {
                                           r"\[rank 1\] .*sum everywhere: \[3\.\]",
                                           r"5 allreduces, busbw \d",
                                           r"\[rank 1\] 16 MiB allreduce, busbw: ring \d+\.\d+ GiB/s, shared memory \d",
+                                          # the hung cell: the missing rank's stack first, then the error
+                                          r"(?s)a collective stalled waiting for rank\(s\) 1; where the "
+                                          r"ranks are.*?\nrank 1 @ .*?, in load_batch\n.*?\nrank 0 @ .*?"
+                                          r"StallError: allreduce 'step'",
+                                          r"\[rank 0\] after the stall: \[1\.5 1\.5 1\.5\]",
+                                          r"\[rank 1\] after the stall: \[1\.5 1\.5 1\.5\]",
+                                          r"%ring where\nrank 0 @ \S+ \(pid \d+\): running.*\n(.*\n)*?"
+                                          r"rank 1 @ \S+ \(pid \d+\): running",
+                                          r"timeline of the last 10 s \(\d+ collectives on every rank\)",
                                           r"stopped 2 ranks"],
     "03-pytorch-data-parallel.ipynb": [r"\[rank 1\] checksum before \S+, after broadcast",
                                        r"\[rank 0\] epoch 7: loss", r"all data 0\.9\d\d|all data 1\.000",
@@ -43,6 +52,9 @@ EXPECTED = {
 DASHBOARD = {"03-pytorch-data-parallel.ipynb", "04-keras-data-parallel.ipynb",
              "05-ddp-and-distributed-optimizer.ipynb"}
 
+# notebooks that draw %ring timeline -> an allreduce that must be a bar on every rank's track
+TIMELINE = {"02-ring-allreduce-explained.ipynb": "after"}
+
 
 def test_every_teaching_notebook_is_listed():
     assert [os.path.basename(p) for p in NOTEBOOKS] == sorted(EXPECTED)
@@ -54,14 +66,17 @@ def test_teaching_notebook_runs_top_to_bottom(path):
     name = os.path.basename(path)
     nb = demo.run_notebook(path, timeout=180)
     text = demo.format_outputs(nb)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    # a cell tagged raises-exception shows an error on purpose (a hung cell's report): it must
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code if not _raises(c) for o in c.get("outputs", [])
               if o.output_type == "error"]
     assert not errors, text
+    for cell in filter(_raises, code):
+        assert any(o.output_type == "error" for o in cell.outputs), f"no error in:\n{cell.source}"
     for pattern in EXPECTED[name]:
         assert re.search(pattern, text), f"{pattern!r} not in the outputs:\n{text[-6000:]}"
     if name in DASHBOARD:  # the training cell's dashboard, frozen into static HTML
-        pages = [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code"
-                 for o in c.get("outputs", []) if "jr-static" in o.get("data", {}).get("text/html", "")]
+        pages = _html_outputs(nb, "jr-static")
         assert pages, "no dashboard in the outputs"
         page = pages[-1]
         assert len(re.findall(r'<tr class="jr-rank-row[^"]*" data-rank="\d"', page)) == 2
@@ -70,9 +85,27 @@ def test_teaching_notebook_runs_top_to_bottom(path):
         for drawing in re.findall(r'<svg class="jr-chart".*?</svg>', page):
             assert drawing.count('class="jr-series"') == 2, drawing[:300]
         assert 'data-metric="loss"' in page
+    if name in TIMELINE:  # %ring timeline: a track per rank, the named collective a bar on each
+        drawings = _html_outputs(nb, '<div class="jr-timeline">')
+        assert drawings, "no timeline in the outputs"
+        drawing = drawings[-1]
+        tracks = drawing.split('<g class="track" data-rank=')[1:]
+        assert [re.match(r'"(\d+)"', t).group(1) for t in tracks] == ["0", "1"], drawing[:600]
+        bar = f'<g class="bar" data-kind="allreduce" data-name="{TIMELINE[name]}">'
+        for track in tracks:
+            assert bar in track, track[:600]
     if "checksum" in text:  # every rank ends with the same model
         sums = re.findall(r"\[rank \d\] (?:weights )?checksum ([+-][\d.]+)(?:;|$)", text, re.M)
         assert len(sums) >= 2 and len(set(sums)) == 1, sums
+
+
+def _raises(cell):
+    return "raises-exception" in cell.get("metadata", {}).get("tags", [])
+
+
+def _html_outputs(nb, marker):
+    return [o["data"]["text/html"] for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if marker in o.get("data", {}).get("text/html", "")]
 
 
 def test_committed_notebooks_carry_no_outputs():

@@ -2,7 +2,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-import { IClusterInfo } from './model';
+import { IClusterInfo, IWhereReport } from './model';
 
 async function request<T>(path: string, init: RequestInit = {}): Promise<T> {
   const settings = ServerConnection.makeSettings();
@@ -30,4 +30,9 @@ export async function listClusters(): Promise<IClusterInfo[]> {
 /** POST an action (interrupt | stop) for one cluster. */
 export async function clusterAction(id: string, action: 'interrupt' | 'stop'): Promise<unknown> {
   return request(`clusters/${encodeURIComponent(id)}/${action}`, { method: 'POST' });
+}
+
+/** Every rank's stack and collective (POST .../where): works while the owner kernel is busy. */
+export async function whereCluster(id: string): Promise<IWhereReport> {
+  return request<IWhereReport>(`clusters/${encodeURIComponent(id)}/where`, { method: 'POST' });
 }

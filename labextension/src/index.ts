@@ -1,19 +1,20 @@
 /**
  * jupyter-ring: a Ring panel in the left sidebar and a status-bar item for jupyter_ring clusters.
- * Interrupt and stop go through the server (jupyter_ring.server), so they work while the kernel
- * is busy; restart runs ``%ring restart`` in the kernel that owns the cluster.
+ * Interrupt, stop and where go through the server (jupyter_ring.server), so they work while the
+ * kernel is busy; restart runs ``%ring restart`` in the kernel that owns the cluster.
  */
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
+import { Widget } from '@lumino/widgets';
 
-import { clusterAction } from './api';
+import { clusterAction, whereCluster } from './api';
 import { IClusterInfo } from './model';
 import { RingPanel } from './panel';
 import { ClusterPoller } from './poller';
-import { ClusterAction } from './render';
+import { ClusterAction, renderWhereReport } from './render';
 import { RingStatus } from './status';
 
 const ringSvg =
@@ -23,6 +24,25 @@ const ringSvg =
   '<path d="M12 4a8 8 0 1 1 0 16a8 8 0 1 1 0-16m0 1.5a6.5 6.5 0 1 0 0 13a6.5 6.5 0 1 0 0-13z"/></g></svg>';
 
 export const ringIcon = new LabIcon({ name: 'jupyter-ring:ring', svgstr: ringSvg });
+
+/** Every rank's stack in a dialog (through the server: the owner kernel may be busy). */
+async function showWhere(cluster: IClusterInfo): Promise<void> {
+  let report;
+  try {
+    report = await whereCluster(cluster.id);
+  } catch (err) {
+    // the server's reason names the fix (404: the cluster stopped; 409: no rank table yet, ...)
+    const error = new Error(`could not read the ranks' stacks: ${(err as Error).message}`);
+    void showErrorMessage(`Where? ${cluster.id}`, error);
+    throw error;
+  }
+  // not awaited: the action ends (the card's buttons are enabled again) when the report arrives
+  void showDialog({
+    title: `Where? cluster ${cluster.id}`,
+    body: new Widget({ node: renderWhereReport(report) }),
+    buttons: [Dialog.okButton({ label: 'Close' })]
+  });
+}
 
 /** Run ``%ring restart`` in the kernel that owns the cluster (after interrupting its ranks). */
 async function restartInKernel(app: JupyterFrontEnd, cluster: IClusterInfo): Promise<void> {
@@ -79,6 +99,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         await clusterAction(cluster.id, 'stop');
       } else if (action === 'interrupt') {
         await clusterAction(cluster.id, 'interrupt');
+      } else if (action === 'where') {
+        await showWhere(cluster);
       } else {
         try {
           await restartInKernel(app, cluster);

@@ -52,6 +52,33 @@ export interface IClusterInfo {
   metrics: unknown | null;
 }
 
+/** One rank's answer in POST /jupyter-ring/clusters/<id>/where (jupyter_ring.cluster._where). */
+export interface IWhereRank {
+  rank: number;
+  host: string | null;
+  pid: number | null;
+  /** running | collective | waiting | unknown (no record of the rank's collective). */
+  state: string;
+  /** "inside allreduce 'grads' for 12.4 s, waiting for rank(s) 1 for 12.4 s"; '' when unknown. */
+  doing: string;
+  waiting_for: number[];
+  /** Why the rank's stack could not be read (no dump in time, no file on this host); '' if read. */
+  problem: string;
+  threads: {
+    thread: string;
+    main: boolean;
+    hidden: number;
+    frames: { file: string; line: number; function: string; source: string }[];
+  }[];
+}
+
+/** The where route's answer: every rank's record, and ``text``, the report %ring where prints. */
+export interface IWhereReport {
+  id: string;
+  ranks: IWhereRank[];
+  text: string;
+}
+
 /** The cluster started by kernel ``kernelId`` (the newest if there are several). */
 export function clusterForKernel(
   clusters: IClusterInfo[],

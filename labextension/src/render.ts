@@ -5,6 +5,7 @@
 import {
   IClusterInfo,
   IRankInfo,
+  IWhereReport,
   livenessLabel,
   ownerDetail,
   ownerLabel,
@@ -12,7 +13,7 @@ import {
   stateLabel
 } from './model';
 
-export type ClusterAction = 'interrupt' | 'restart' | 'stop';
+export type ClusterAction = 'interrupt' | 'restart' | 'stop' | 'where';
 
 export interface IRenderOptions {
   onAction: (cluster: IClusterInfo, action: ClusterAction) => void;
@@ -87,6 +88,11 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
       : 'Only a cluster started by a kernel of this JupyterLab can be restarted', options,
       live && !cluster.orphaned && !!cluster.owner.kernel_id)
   );
+  // reads the ranks from outside (a signal through the nannies): works while a cell is busy
+  actions.appendChild(
+    button(cluster, 'where', 'Where?', 'Show every rank\'s Python stack and the collective it is in',
+      options, live)
+  );
   actions.appendChild(
     button(cluster, 'stop', 'Stop', 'Stop every rank and the controller', options, live)
   );
@@ -137,6 +143,30 @@ export function renderClusters(
   for (const cluster of clusters) {
     node.appendChild(renderCluster(cluster, options));
   }
+}
+
+/**
+ * The body of the Where? dialog: a line per rank saying what it is doing (the waiting and
+ * unreadable ones stand out), then the report %ring where prints, monospace.
+ */
+export function renderWhereReport(report: IWhereReport, at: Date = new Date()): HTMLElement {
+  const body = el('div', 'jp-RingPanel-where');
+  body.dataset.clusterId = report.id;
+  body.appendChild(
+    el('div', 'jp-RingPanel-whereMeta',
+      `${report.ranks.length} rank(s) at ${at.toLocaleTimeString()}, innermost frame first`)
+  );
+  const summary = el('ul', 'jp-RingPanel-whereRanks');
+  for (const rank of report.ranks) {
+    const doing = rank.problem ? 'stack not read' : rank.doing || rank.state;
+    const item = el('li', `jp-mod-${rank.problem ? 'unread' : rank.state}`,
+      `rank ${rank.rank}: ${doing}`);
+    item.dataset.rank = String(rank.rank);
+    summary.appendChild(item);
+  }
+  body.appendChild(summary);
+  body.appendChild(el('pre', 'jp-RingPanel-whereText', report.text));
+  return body;
 }
 
 /** "120/500", "120" or "–" (no report yet). */

@@ -1,4 +1,4 @@
-import { renderClusters } from '../src/render';
+import { renderClusters, renderWhereReport } from '../src/render';
 import { makeCluster } from './fixtures';
 
 function buttons(node: HTMLElement): Record<string, HTMLButtonElement> {
@@ -83,5 +83,53 @@ describe('renderClusters', () => {
     renderClusters(node, [], { onAction: () => undefined, error: 'Could not list clusters: 500' });
     expect(node.querySelector('.jp-RingPanel-empty')!.textContent).toContain('%ring start');
     expect(node.querySelector('.jp-RingPanel-error')!.textContent).toContain('500');
+  });
+});
+
+describe('renderWhereReport', () => {
+  it('offers Where? on a live cluster, also an orphan, and calls onAction with it', () => {
+    const node = document.createElement('div');
+    const calls: string[] = [];
+    const cluster = makeCluster();
+    renderClusters(node, [cluster], { onAction: (c, a) => calls.push(`${c.id}:${a}`) });
+    const b = buttons(node);
+    expect(b.where.textContent).toBe('Where?');
+    b.where.click();
+    expect(calls).toEqual([`${cluster.id}:where`]);
+    const orphan = makeCluster({ orphaned: true, owner: { pid: 9, alive: false, kernel_id: null, name: null } });
+    renderClusters(node, [orphan], { onAction: () => undefined });
+    expect(buttons(node).where.disabled).toBe(false);
+    renderClusters(node, [makeCluster({ state: 'stopped' })], { onAction: () => undefined });
+    expect(buttons(node).where.disabled).toBe(true);
+  });
+
+  it('shows a line per rank (what it does, or that its stack was not read) and the text, monospace', () => {
+    const text =
+      "rank 0 @ vm (pid 200): inside allreduce 'grads' for 3.1 s, waiting for rank(s) 1 for 3.0 s\n" +
+      '  main thread, innermost frame first:\n' +
+      '    File "/tmp/ipykernel_200/1.py", line 4, in <module>\n' +
+      "rank 1 @ vm (pid 201): running (not in a collective)\n" +
+      '    File "/tmp/ipykernel_201/1.py", line 2, in stuck_here';
+    const body = renderWhereReport({
+      id: 'c-1',
+      text,
+      ranks: [
+        { rank: 0, host: 'vm', pid: 200, state: 'waiting', waiting_for: [1], problem: '', threads: [],
+          doing: "inside allreduce 'grads' for 3.1 s, waiting for rank(s) 1 for 3.0 s" },
+        { rank: 1, host: 'vm', pid: 201, state: 'running', waiting_for: [], threads: [],
+          doing: 'running (not in a collective)', problem: '' },
+        { rank: 2, host: 'other', pid: 7, state: 'unknown', waiting_for: [], threads: [], doing: '',
+          problem: 'no stack file here' }
+      ]
+    });
+    const items = Array.from(body.querySelectorAll('li')).map(li => [li.className, li.textContent]);
+    expect(items).toEqual([
+      ['jp-mod-waiting', "rank 0: inside allreduce 'grads' for 3.1 s, waiting for rank(s) 1 for 3.0 s"],
+      ['jp-mod-running', 'rank 1: running (not in a collective)'],
+      ['jp-mod-unread', 'rank 2: stack not read']
+    ]);
+    const pre = body.querySelector('pre.jp-RingPanel-whereText')!;
+    expect(pre.textContent).toBe(text);
+    expect(body.querySelector('.jp-RingPanel-whereMeta')!.textContent).toContain('3 rank(s) at');
   });
 });

@@ -1,8 +1,10 @@
 """The Ring panel in a real JupyterLab driven by a real browser (Playwright + Debian's chromium).
 
 One notebook: ``%ring start -n 2``; the panel lists the cluster with both ranks and the status bar
-shows it; a long ``%%distributed`` cell is interrupted from the panel (through the server, while
-the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
+shows it; while a long ``%%distributed`` cell runs (rank 1 asleep in a named function, rank 0
+waiting for it in an allreduce), Where? shows both ranks' stacks (and, later, an error when its
+route fails), and the cell is interrupted
+from the panel (through the server, while the kernel is busy) and stops within seconds; the cluster is stopped from the panel. Also runs
 ``python -m jupyterlab.browser_check`` (its browser part in Debian's chromium too) against the
 installed extension.
 """
@@ -23,9 +25,11 @@ import uuid
 import pytest
 
 from conftest import screenshot_path
+from jupyter_ring.cluster._sidecar import sidecar_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCREENSHOT = screenshot_path("lab-panel.png")
+WHERE_SCREENSHOT = screenshot_path("lab-where.png")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -174,12 +178,35 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
                 re.compile(r"kernel [0-9a-f]{8} · pid \d+"))
             assert _status_text_offset(page) <= 1, "Ring: sits off its neighbours' text line"
 
-            long = _run_cell(page, 1, "%%distributed\nimport time\nprint('sleeping', flush=True)\n"
-                                      "time.sleep(60)")
+            # rank 1 naps in a named function; rank 0 waits for it in an allreduce
+            long = _run_cell(page, 1, "%%distributed\nimport time\nimport numpy as np\n"
+                                      "def nap_on_rank_1():\n    time.sleep(60)\n"
+                                      "print('sleeping', flush=True)\n"
+                                      "if ring.rank() == 1:\n    nap_on_rank_1()\n"
+                                      "ring.allreduce(np.ones(3), name='grads')")
             expect(long.locator(".jp-InputPrompt")).to_contain_text("*", timeout=10_000)
             expect(long.locator(".jp-OutputArea-output").first).to_contain_text("sleeping",
                                                                                  timeout=30_000)
             page.screenshot(path=SCREENSHOT)
+
+            # Where? while the cell is busy: every rank's stack, read through the server
+            card.locator("button[data-action=where]").click()
+            report = page.locator(".jp-Dialog .jp-RingPanel-where")
+            expect(report).to_be_visible(timeout=15_000)
+            expect(report.locator("li[data-rank='0']")).to_contain_text(
+                "inside allreduce 'grads'", timeout=5_000)
+            expect(report.locator("li[data-rank='0']")).to_contain_text("waiting for rank(s) 1")
+            expect(report.locator("li[data-rank='1']")).to_contain_text("running")
+            text = report.locator("pre.jp-RingPanel-whereText")
+            expect(text).to_contain_text("rank 0 @")
+            expect(text).to_contain_text("rank 1 @")
+            expect(text).to_contain_text("in nap_on_rank_1")
+            assert "monospace" in text.evaluate("n => getComputedStyle(n).fontFamily")
+            # the picture shows the end: rank 0's cell line, then rank 1's stack
+            text.evaluate("n => { n.scrollTop = n.scrollHeight; }")
+            page.screenshot(path=WHERE_SCREENSHOT)
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            expect(report).to_have_count(0)
             t0 = time.monotonic()
             card.locator("button[data-action=interrupt]").click()
             expect(long.locator(".jp-InputPrompt")).not_to_contain_text("*", timeout=10_000)
@@ -196,6 +223,25 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
 
             cluster_id = card.get_attribute("data-cluster-id")
             info = _get(f"{lab['base']}/jupyter-ring/clusters/{cluster_id}", lab["token"])
+
+            # Where? when the route fails: without the cluster's rank table (its sidecar) the
+            # server cannot reach the ranks; an error dialog and the panel say why
+            sidecar = sidecar_path(info["profile_dir"], cluster_id)
+            deadline = time.monotonic() + 60  # %ring restart writes it once the ranks are ready
+            while not os.path.exists(sidecar) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            os.rename(sidecar, sidecar + ".away")
+            try:
+                card.locator("button[data-action=where]").click()
+                failed = page.locator(".jp-Dialog")
+                expect(failed).to_contain_text("could not read the ranks' stacks", timeout=15_000)
+                expect(failed).to_contain_text("has no rank table")
+                expect(failed.locator(".jp-RingPanel-where")).to_have_count(0)
+                page.keyboard.press("Escape")  # showErrorMessage has only a Dismiss button
+                expect(failed).to_have_count(0)
+                expect(page.locator(".jp-RingPanel-error")).to_contain_text(f"where {cluster_id}")
+            finally:
+                os.rename(sidecar + ".away", sidecar)
             pids = [r["pid"] for r in info["ranks"]] + [info["controller"]["pid"]]
             card.locator("button[data-action=stop]").click()
             page.locator(".jp-Dialog .jp-mod-accept").click()

@@ -89,7 +89,7 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
 
             shown("hello from rank 1")
             shown("rank one failed")
-            shown("Traceback")
+            shown("the traceback is below the tabs")  # one traceback per rank: the red block's
             hidden("hello from rank 0")
             hidden("[rank ")  # a rank's own tab is untagged
             expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("[rank 1 @")
