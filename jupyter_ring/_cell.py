@@ -64,19 +64,22 @@ class CellRun:
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
 
     def run(self):
+        stopping = None
         try:
             self._run()
-        except DeadRankError:
-            raise
-        except BaseException:
-            # a torch.distributed group aborted on some rank (it was blocked in a collective
-            # when interrupted or stalled; the rank said so on stderr) is re-created on every
-            # rank before the next cell
-            if self._torch_aborted():
-                note = self.cluster.repair_torch(self.magics.interrupt_grace)
-                if note:
-                    print(note, file=sys.stderr)
-            raise
+        except BaseException as exc:
+            # The kernel is going away (restart, shutdown): its children, the cluster, are being
+            # terminated under the cell, which fails for that reason alone.
+            stopping = kernel_stopping(self.magics.shell)
+            if stopping is None:
+                # a torch.distributed group aborted on some rank (it was blocked in a collective
+                # when interrupted or stalled; the rank said so on stderr) is re-created on every
+                # rank before the next cell
+                if not isinstance(exc, DeadRankError) and self._torch_aborted():
+                    note = self.cluster.repair_torch(self.magics.interrupt_grace)
+                    if note:
+                        print(note, file=sys.stderr)
+                raise
         finally:
             # also on error and interrupt: the dashboard and the tabs become static
             if self.dashboard is not None:
@@ -86,6 +89,11 @@ class CellRun:
                 except Exception as exc:  # never hide the cell's own outcome
                     print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
             self.sink.finish()
+        stopping = stopping or kernel_stopping(self.magics.shell)
+        if stopping is not None:
+            print(f"(cut off: the kernel is {stopping}; the ranks of this cell stopped with "
+                  "it, and their variables are gone)", file=sys.stderr)
+            _await_the_end()
 
     def _torch_aborted(self):
         from .engines._torch import ABORT_NOTE
@@ -109,6 +117,8 @@ class CellRun:
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
                 if execution.done():
                     break  # every rank replied: what is left is the output's end, below
+                if kernel_stopping(magics.shell) is not None:
+                    return  # run() ends the output, says so and waits for the end
                 self._deliver()
                 now = time.monotonic()
                 if now >= next_health_check:
@@ -369,6 +379,35 @@ def _stall_ranks(error):
 
 def _join(ranks):
     return ", ".join(map(str, ranks))
+
+
+def kernel_stopping(shell):
+    """``"restarting"`` or ``"shutting down"`` once the kernel has been asked to, else None.
+
+    ipykernel sets ``shell.exit_now`` on a shutdown request (restart or not) before it
+    terminates its child processes, which are the cluster's controller, mpiexec and engines.
+    """
+    if not getattr(shell, "exit_now", False):
+        return None
+    try:
+        restart = shell.kernel.get_parent("control")["content"]["restart"]
+    except Exception:  # no ipykernel (a terminal IPython), or no request to read
+        return "shutting down"
+    return "restarting" if restart else "shutting down"
+
+
+def _await_the_end(limit=30.0):
+    """Hold the cell until the kernel's process ends (the server terminates it within seconds).
+
+    The cell's reply cannot go out any more: ipykernel closes the shell's socket when it shuts
+    down, and a reply sent then is a ZMQError traceback in the server's log. Its output, on
+    IOPub, still does: flushed first.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def routes_to_ranks(lines):

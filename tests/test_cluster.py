@@ -189,3 +189,26 @@ def test_ipyparallel_gone_log_file_is_not_reported_as_an_error(caplog):
         launcher.log.error("Failed to remove /x: [Errno 13] Permission denied: '/x'")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Failed to remove /x: [Errno 13] Permission denied: '/x'"]
+
+
+def test_cluster_file_class_loads_in_ipyparallel_server_extension_quietly(tmp_path):
+    """The cluster file names its class; ipyparallel's server extension imports it by that name
+    (it logged "Failed to load cluster ...: No module named AtomicCluster" every 5 s) and gets
+    the errors-only log (with its own log it wrote every ended controller's and engine set's
+    whole output into the terminal of `jupyter lab`)."""
+    import logging
+
+    import ipyparallel as ipp
+    from traitlets.utils.importstring import import_item
+
+    from jupyter_ring.cluster._launchers import atomic_cluster_class
+
+    cls = atomic_cluster_class()
+    made = cls(profile_dir=str(tmp_path), cluster_id="1-test", n=2, shutdown_atexit=False,
+               log=logging.getLogger("test"))
+    record = made.to_dict()
+    assert import_item(record["cluster"]["class"]) is cls
+    loaded = ipp.Cluster.from_dict(record)   # what ipyparallel's ClusterManager does
+    assert type(loaded) is cls and loaded.cluster_id == "1-test"
+    assert loaded.log.name == "jupyter_ring.cluster.ipyparallel"
+    assert not loaded.log.isEnabledFor(logging.WARNING)

@@ -14,7 +14,7 @@ import os
 
 from ._machine import ensure_profile
 
-__all__ = ["ipp_cluster", "atomic_cluster_class", "curve_client"]
+__all__ = ["ipp_cluster", "ipp_log", "atomic_cluster_class", "curve_client"]
 
 
 class _GoneLogFilter(logging.Filter):
@@ -33,16 +33,28 @@ class _GoneLogFilter(logging.Filter):
 logging.getLogger("jupyter_ring.cluster.ipyparallel").addFilter(_GoneLogFilter())
 
 
+def ipp_log(name="jupyter_ring.cluster.ipyparallel"):
+    """The logger to hand an ``ipyparallel.Cluster``: its errors only, less the gone-log one.
+
+    ipyparallel logs to the running application's log otherwise (the notebook's stderr in a
+    kernel, the terminal of ``jupyter lab`` in the server), and at a stop whose controller
+    exited by SIGTERM (every stop) it logs the controller's whole output as a warning.
+    """
+    log = logging.getLogger(name)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.ERROR)
+    if not any(isinstance(f, _GoneLogFilter) for f in log.filters):
+        log.addFilter(_GoneLogFilter())
+    return log
+
+
 def ipp_cluster(plan, log=None):
     """An ``ipyparallel.Cluster`` configured by ``plan`` (nothing started yet)."""
     import ipyparallel as ipp
     from traitlets.config import Config
 
     if log is None:
-        # ipyparallel logs to the kernel app's log (shown in the notebook); keep only its errors
-        log = logging.getLogger("jupyter_ring.cluster.ipyparallel")
-        if log.level == logging.NOTSET:
-            log.setLevel(logging.ERROR)
+        log = ipp_log()
     ensure_profile(plan.profile_dir)
     # A config of our own: the shell's config must not be changed by starting a cluster.
     config = Config()
@@ -72,6 +84,14 @@ def ipp_cluster(plan, log=None):
                        send_engines_connection_env=plan.send_engines_connection_env)
 
 
+def __getattr__(name):
+    # the cluster file names its class, "jupyter_ring.cluster._launchers.AtomicCluster", and
+    # readers import it by that name; made on first use, as this module imports no ipyparallel
+    if name == "AtomicCluster":
+        return atomic_cluster_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @functools.cache
 def atomic_cluster_class():
     """``ipyparallel.Cluster`` whose cluster file is replaced atomically.
@@ -84,6 +104,15 @@ def atomic_cluster_class():
     import ipyparallel as ipp
 
     class AtomicCluster(ipp.Cluster):
+        @classmethod
+        def from_dict(cls, d, **kwargs):
+            # ipyparallel's server extension loads every cluster file it finds (by the class
+            # named in it: this one) and, when a process it did not start ends, logs its whole
+            # output as a warning (an exit code it cannot know counts as a failure): 150 lines
+            # of a healthy controller or engines in the terminal of `jupyter lab`. Errors only.
+            kwargs.setdefault("log", ipp_log())
+            return super().from_dict(d, **kwargs)
+
         def write_cluster_file(self):
             os.makedirs(os.path.dirname(self.cluster_file), exist_ok=True)
             tmp = f"{self.cluster_file}.{os.getpid()}.tmp"

@@ -175,7 +175,10 @@ def _controller_args(options):
     return (f"--HeartMonitor.period={options.heartbeat_period}",
             f"--HeartMonitor.max_heartmonitor_misses={misses}",
             f"--IPController.db_class={options.controller_db}",
-            f"--IPController.enable_curve={options.encrypt}")
+            f"--IPController.enable_curve={options.encrypt}",
+            # its warnings are noise here: one "unhandled iopub msg_type: 'data_message'" per
+            # dashboard publication (ipyparallel's hub knows no datapub), 150 lines a cell
+            "--log-level=ERROR")
 
 
 def _mpi_args(options, machine):

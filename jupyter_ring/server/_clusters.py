@@ -370,9 +370,10 @@ async def stop_cluster(path, grace=5.0):
 
 
 def _load(path):
-    from ..cluster._launchers import atomic_cluster_class
+    from ..cluster._launchers import atomic_cluster_class, ipp_log
 
-    return atomic_cluster_class().from_file(path, log=log)
+    # not the server's log: ipyparallel would write the controller's whole output there
+    return atomic_cluster_class().from_file(path, log=ipp_log(f"{__name__}.ipyparallel"))
 
 
 def _all_pids(data):

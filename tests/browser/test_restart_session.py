@@ -1,0 +1,114 @@
+"""A whole session under a real JupyterLab, and what its terminal (the server's log) shows.
+
+One notebook in Playwright + Debian's chromium: ``%ring start -n 2``; a ``%%distributed`` cell
+that reports progress and a loss (the live dashboard); a long cell cut off by a kernel restart
+(Kernel > Restart, by its shortcut); in the new kernel ``%ring start``,
+the dashboard again, the Ring panel's Stop (through the server's route), ``%ring start`` and
+``%ring stop``. The server's log, where the kernels' and their controllers'
+stdout and stderr land, must hold nothing alarming: no ipyparallel controller log, no
+"unhandled iopub msg_type", no traceback, no "Failed to remove".
+Reuses the JupyterLab fixture of test_lab_panel.
+"""
+
+import re
+import time
+
+import pytest
+
+from test_dashboard_browser import _open_notebook
+from test_lab_panel import _get, _run_cell, lab, playwright_api  # noqa: F401
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+DASHBOARD_CELL = """\
+%%distributed
+import time
+ring.progress(0, total=40, desc="train")
+for i in range(40):
+    ring.allreduce(ring.rank() + i * 1.0, name="x")
+    ring.log(loss=1.0 / (i + 1))
+    time.sleep(0.05)
+print("trained", flush=True)
+"""
+
+LONG_CELL = """\
+%%distributed
+import time
+print("sleeping", flush=True)
+for i in range(600):
+    ring.allreduce(float(i), name="tick")
+    time.sleep(0.1)
+"""
+
+# What must never appear in a healthy session's server log (issue 21, item 10).
+ALARMING = [
+    re.compile(r"\[IPController\]|\[IPEngine\]|\[IPEngineApp\]|\[IPControllerApp\]"),
+    re.compile(r"unhandled iopub msg_type"),
+    re.compile(r"Traceback \(most recent call last\)"),
+    re.compile(r"ZMQError"),
+    re.compile(r"Failed to (remove|load)"),
+    re.compile(r"Message signing is disabled"),
+]
+
+
+def _alarming(text):
+    return [line for line in text.splitlines() if any(p.search(line) for p in ALARMING)]
+
+
+def _start(page, index):
+    from playwright.sync_api import expect
+
+    cell = _run_cell(page, index, "%load_ext jupyter_ring\n%ring start -n 2")
+    expect(cell.locator(".jp-OutputArea-output")).to_contain_text("ranks ready", timeout=90_000)
+
+
+def _dashboard(page, index):
+    from playwright.sync_api import expect
+
+    cell = _run_cell(page, index, DASHBOARD_CELL)
+    expect(cell.locator(".jr-rank-tabs")).to_be_visible(timeout=60_000)
+    expect(cell.locator(".jp-Cell-outputArea")).to_contain_text("trained")
+
+
+def _wait_idle(page):
+    page.wait_for_function(
+        "() => document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')",
+        timeout=60_000)
+
+
+def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
+    from playwright.sync_api import expect
+
+    with playwright_api.sync_playwright() as p:
+        browser, page = _open_notebook(p, lab)
+        try:
+            _start(page, 0)
+            _dashboard(page, 1)
+            long = _run_cell(page, 2, LONG_CELL)
+            expect(long.locator(".jp-Cell-outputArea")).to_contain_text("sleeping", timeout=30_000)
+            expect(long.locator(".jp-InputPrompt")).to_contain_text("*")
+            time.sleep(1.0)  # the cell is well into its allreduces
+            # Kernel > Restart Kernel..., as a user does (keyboard: 0 0, then the dialog)
+            page.keyboard.press("Escape")
+            page.keyboard.press("0")
+            page.keyboard.press("0")
+            page.locator(".jp-Dialog .jp-mod-accept").click()
+            _wait_idle(page)
+
+            # the new kernel: a cluster, the dashboard again, then the Ring panel's Stop (the
+            # server stops it: ipyparallel's stop of the controller, in the server's process)
+            _start(page, 3)
+            _dashboard(page, 4)
+            clusters = _get(f"{lab['base']}/jupyter-ring/clusters", lab["token"])
+            running = [c for c in clusters["clusters"] if c["state"] == "running"]
+            assert len(running) == 1, clusters
+            _get(f"{lab['base']}/jupyter-ring/clusters/{running[0]['id']}/stop", lab["token"],
+                 "POST", b"")
+            status = _run_cell(page, 5, "%ring start -n 2\n%ring stop")
+            expect(status.locator(".jp-OutputArea-output")).to_contain_text("stopped 2 ranks",
+                                                                            timeout=90_000)
+            time.sleep(2.0)  # anything the old clusters' processes still had to say
+        finally:
+            browser.close()
+    bad = _alarming(lab["log"].read_text())
+    assert not bad, "the server's log holds alarming lines:\n" + "\n".join(bad[:40])
