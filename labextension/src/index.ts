@@ -1,7 +1,8 @@
 /**
  * jupyter-ring: a Ring panel in the left sidebar and a status-bar item for jupyter_ring clusters.
  * Interrupt, stop and where go through the server (jupyter_ring.server), so they work while the
- * kernel is busy; restart runs ``%ring restart`` in the kernel that owns the cluster.
+ * kernel is busy; restart runs ``%ring restart`` in the kernel that owns the cluster. A cell cut
+ * off by a kernel restart keeps its rank tabs as static output (./cutoff).
  */
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
@@ -11,6 +12,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { clusterAction, whereCluster } from './api';
+import { watchRestarts } from './cutoff';
 import { IClusterInfo } from './model';
 import { RingPanel } from './panel';
 import { ClusterPoller } from './poller';
@@ -129,6 +131,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         nb?.sessionContext.kernelChanged.connect(() => status.update())
       );
     }
+    tracker?.widgetAdded.connect((_, nb) => watchRestarts(nb));
     poller.start();
     void labShell;
   }

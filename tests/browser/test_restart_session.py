@@ -1,4 +1,4 @@
-"""A whole session under a real JupyterLab, and what its terminal (the server's log) shows.
+"""A whole session under a real JupyterLab: a cell cut off by a restart, and the server's log.
 
 One notebook in Playwright + Debian's chromium: ``%ring start -n 2``; a ``%%distributed`` cell
 that reports progress and a loss (the live dashboard); a long cell cut off by a kernel restart
@@ -10,13 +10,17 @@ stdout and stderr land, must hold nothing alarming: no ipyparallel controller lo
 Reuses the JupyterLab fixture of test_lab_panel.
 """
 
+import json
 import re
 import time
 
 import pytest
 
+from conftest import screenshot_path
 from test_dashboard_browser import _open_notebook
 from test_lab_panel import _get, _run_cell, lab, playwright_api  # noqa: F401
+
+SCREENSHOT = screenshot_path("cut-off-cell.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -53,6 +57,10 @@ ALARMING = [
 
 def _alarming(text):
     return [line for line in text.splitlines() if any(p.search(line) for p in ALARMING)]
+
+
+def _saved(lab):
+    return _get(f"{lab['base']}/api/contents/ring.ipynb?content=1", lab["token"])["content"]
 
 
 def _start(page, index):
@@ -94,6 +102,24 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             page.keyboard.press("0")
             page.locator(".jp-Dialog .jp-mod-accept").click()
             _wait_idle(page)
+            # the cut-off cell: static tabs with what the ranks printed, and a note; no widget
+            # left to lose its kernel (broken-link icons)
+            frozen = long.locator(".jr-rank-tabs.jr-cut-off")
+            expect(frozen).to_be_visible(timeout=10_000)
+            expect(long.locator(".widget-tab")).to_have_count(0)
+            expect(long.locator(".jupyter-widgets-disconnected")).to_have_count(0)
+            expect(frozen.locator("label")).to_have_text(["all ranks", "rank 0", "rank 1"])
+            expect(frozen.locator(".jr-panel:visible")).to_have_count(1)
+            expect(frozen.locator(".jr-panel:visible")).to_contain_text("[rank 1] sleeping")
+            expect(frozen.locator(".jr-note")).to_contain_text("cut off: the kernel was restarted")
+            frozen.locator("label", has_text="rank 1").click()
+            expect(frozen.locator(".jr-panel:visible")).to_have_text("sleeping")
+            page.screenshot(path=SCREENSHOT)
+            page.keyboard.press("Control+s")  # the static form is what the notebook keeps
+            deadline = time.monotonic() + 20
+            while "cut off: the kernel was restarted" not in json.dumps(_saved(lab)):
+                assert time.monotonic() < deadline, "the cut-off cell's static form was not saved"
+                time.sleep(0.5)
 
             # the new kernel: a cluster, the dashboard again, then the Ring panel's Stop (the
             # server stops it: ipyparallel's stop of the controller, in the server's process)
