@@ -19,8 +19,13 @@ from conftest import screenshot_path
 from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, _run_cell, lab, playwright_api  # noqa: F401
 
 SCREENSHOT = screenshot_path("rank-tabs.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
+LIVE_SCREENSHOT = screenshot_path("rank-tabs-live.png")
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def _boxes(locator):
+    return [locator.nth(i).bounding_box() for i in range(locator.count())]
 
 
 def _alive(pids):
@@ -70,12 +75,24 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
             expect(cell.locator(".jp-InputPrompt")).to_contain_text("*")
             live.locator(".lm-TabBar-tab", has_text="rank 1").click()
             expect(live).to_contain_text("hello from rank 1")
+            live_tabs = _boxes(live.locator(".lm-TabBar-tab"))
+            live_panel = live.locator(".widget-tab-contents").bounding_box()
+            page.screenshot(path=LIVE_SCREENSHOT, clip={"x": 0, "y": 0, "width": 1200, "height": 800})
 
             # the end: static tabs, the failing rank's tab marked and selected
             tabs = cell.locator(".jr-rank-tabs")
             expect(tabs).to_be_visible(timeout=30_000)
             expect(cell.locator(".widget-tab")).to_have_count(0)
             expect(tabs.locator("label")).to_have_text(["all ranks", "rank 0", "rank 1 ✗"])
+            # one look: the static tabs sit where the live ones were, at their size (no jump)
+            static_tabs = _boxes(tabs.locator("label"))
+            for live_box, static_box in zip(live_tabs[:2], static_tabs[:2]):  # "rank 1" got "✗"
+                for key in ("x", "y", "width", "height"):
+                    assert abs(live_box[key] - static_box[key]) <= 2, (key, live_tabs, static_tabs)
+            assert abs(live_tabs[2]["x"] - static_tabs[2]["x"]) <= 2, (live_tabs, static_tabs)
+            static_panel = tabs.locator("div.jr-panel").bounding_box()
+            for key in ("x", "y", "width"):
+                assert abs(live_panel[key] - static_panel[key]) <= 2, (key, live_panel, static_panel)
             # one panel holds every output once; the selected tab's CSS shows its part: read
             # what is rendered (innerText), not what is in the page
             panel = tabs.locator("div.jr-panel")
@@ -90,6 +107,7 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
             shown("hello from rank 1")
             shown("rank one failed")
             shown("the traceback is below the tabs")  # one traceback per rank: the red block's
+            expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("Traceback")
             hidden("hello from rank 0")
             hidden("[rank ")  # a rank's own tab is untagged
             expect(cell.locator(".jp-OutputArea-output").last).to_contain_text("[rank 1 @")
