@@ -129,3 +129,43 @@ async def test_every_way_a_kernel_ends_leaves_no_process_and_no_file(jp_serverap
             await km.shutdown_kernel(kernel_id, now=True)
         for proc in alive(pids):
             proc.kill()
+
+
+def test_a_cell_cut_off_by_a_restart_ends_static_with_a_note():
+    """A restart requested while a %%distributed cell runs (not from the page: another client,
+    the server): the kernel ends the cell's tabs as static output and says the kernel is
+    restarting, then holds the cell (its reply would go to a closed socket: a ZMQError traceback
+    in the server's log) until it is ended; the restart completes and no cluster process is left."""
+    from real_kernel import ring_kernel
+
+    with ring_kernel() as k:
+        pids = cluster_pids(k)
+        msg_id = k.kc.execute("%%distributed\nimport time\nprint('sleeping', flush=True)\n"
+                              "for i in range(600):\n    ring.allreduce(float(i), name='tick')\n"
+                              "    time.sleep(0.1)\n")
+        seen = []
+        deadline = time.monotonic() + 60
+        while not any(m["msg_type"] == "display_data" for m in seen):  # the live tabs are up
+            assert time.monotonic() < deadline, [m["msg_type"] for m in seen]
+            m = k.kc.get_iopub_msg(timeout=30)
+            if m["parent_header"].get("msg_id") == msg_id:
+                seen.append(m)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        k.km.restart_kernel(now=False)
+        took = time.monotonic() - t0
+        while True:  # what the old kernel sent before it ended is in the client's socket
+            try:
+                m = k.kc.get_iopub_msg(timeout=2)
+            except Exception:
+                break
+            if m["parent_header"].get("msg_id") == msg_id:
+                seen.append(m)
+        final = [m["content"] for m in seen if m["msg_type"] == "update_display_data"]
+        assert final and 'class="jr-rank-tabs"' in final[-1]["data"]["text/html"]
+        assert "[rank 1] sleeping" in final[-1]["data"]["text/plain"]
+        notes = "".join(m["content"]["text"] for m in seen if m["msg_type"] == "stream")
+        assert "(cut off: the kernel is restarting; the ranks of this cell stopped" in notes
+        assert took < 10, f"the restart took {took:.1f} s"
+        assert not alive(pids), f"survived the restart: {alive(pids)}"
+        k.ok("print('fresh')")  # the new kernel answers
