@@ -79,7 +79,7 @@ def worker(profile):
 
 
 def run(src, profile=False):
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     if src:

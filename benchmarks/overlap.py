@@ -113,7 +113,7 @@ def main():
     if args.worker:
         worker(args)
         return
-    from jupyter_ring._launch import find_mpiexec, mpi_env
+    from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     env.update(OMP_NUM_THREADS="1")

@@ -6,6 +6,7 @@ throttling), and by hand where a test needs an exact situation (a stall, a slow 
 
 import random
 import re
+import time
 
 import pytest
 
@@ -456,3 +457,48 @@ def test_public_names():
             "'jupyter_ring.widgets.dashboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
+
+
+def test_live_chart_keeps_up_with_the_rows_while_it_is_cheap_and_backs_off_when_it_is_not(
+        clock, monkeypatch):
+    """Issue 21, item 7: the live chart trailed the progress bar (step 458 while the bar showed
+    565) because it was redrawn once a second. By default it is now redrawn with the rows while
+    its redraws cost ≤ 1 % of a core, and at most a second apart when they cost more."""
+    from jupyter_ring.engines._publish import snapshot_key
+    from jupyter_ring.widgets.live import LiveDashboard
+
+    import jupyter_ring.widgets.live as live_module
+
+    cpu = iter(range(1000))                                 # every redraw costs 1 ms of CPU
+    monkeypatch.setattr(live_module, "_cpu_time", lambda: next(cpu) * 0.001 / 2)
+    live = LiveDashboard(1, display=False, min_interval=0.2)
+    dash = live.dashboard
+    engine = {}
+    for step in range(1, 6):  # a cheap chart (few points): redrawn on every poll
+        engine[snapshot_key(step)] = snap(0, step=step, total=10, t=step,
+                                          history=[(step, float(step), {"loss": 1.0 / step})])
+        live._last_draw -= 0.2            # 0.2 s later: the rows are due, and so is the chart
+        live._last_chart -= 0.2
+        assert live.poll([engine]) == 1
+        assert dash._chart_drawn == dash._drawn == live.state.version
+    assert live._chart_cost == pytest.approx(0.0005)
+    assert live.current_chart_interval() == 0.2             # 0.05 s of CPU a second: the rows'
+
+    live._chart_cost = 0.004              # a 4 ms chart (30,000 points on a loaded VM): 0.4 s
+    assert live.current_chart_interval() == pytest.approx(0.4)
+    live._chart_cost = 0.5                # never more than a second behind
+    assert live.current_chart_interval() == 1.0
+    live._last_chart = time.monotonic()   # just drawn: the rows go on, the chart waits
+    engine[snapshot_key(6)] = snap(0, step=6, total=10, t=6, history=[(6, 6.0, {"loss": 0.1})])
+    live._last_draw -= 0.2
+    live.poll([engine])
+    assert dash._drawn == live.state.version and dash._chart_drawn != live.state.version
+    live._last_chart -= 1.0               # a second later: the chart catches up
+    live._last_draw -= 0.2
+    engine[snapshot_key(7)] = snap(0, step=7, total=10, t=7, history=[(7, 7.0, {"loss": 0.1})])
+    live.poll([engine])
+    assert dash._chart_drawn == live.state.version
+
+    fixed = LiveDashboard(1, display=False, chart_interval=0.5)  # an explicit interval holds
+    fixed._chart_cost = 0.0
+    assert fixed.current_chart_interval() == 0.5

@@ -77,17 +77,27 @@ def _data_dicts(ar):
     return [data] if isinstance(data, dict) else [d for d in data if isinstance(d, dict)]
 
 
+_cpu_time = time.thread_time  # the CPU the notebook's thread spends on a redraw (tests replace it)
+
+
 class LiveDashboard:
     """A :class:`Dashboard` fed from the ranks' snapshots in an AsyncResult's ``data``.
 
     ``ranks``: the number of ranks or the list of ranks the cell runs on. ``display``: show the
     dashboard in the notebook when the first snapshot arrives (False: only keep the state, e.g.
     for a benchmark). ``min_interval``: least seconds between two redraws of the rows;
-    ``chart_interval``: of the chart (on a machine whose cores all run ranks, the notebook's CPU
-    time is taken from the ranks, and the chart is most of it).
+    ``chart_interval``: of the chart. By default (None) the chart is redrawn with the rows as long
+    as its redraws take at most ``CHART_CPU_SHARE`` of a core (measured on each redraw), and less
+    often when they would take more, at least once a second: on a machine whose cores all run
+    ranks, the notebook's CPU time is taken from the ranks, and the chart is most of it. So the
+    chart keeps up with the progress bar where it is cheap, and trails it by at most a second
+    where it is not.
     """
 
-    def __init__(self, ranks, display=True, min_interval=0.2, chart_interval=1.0,
+    CHART_CPU_SHARE = 0.01
+    CHART_MAX_INTERVAL = 1.0
+
+    def __init__(self, ranks, display=True, min_interval=0.2, chart_interval=None,
                  title="jupyter_ring training"):
         self.dashboard = Dashboard(ranks=ranks, title=title)
         self.state = self.dashboard.state
@@ -95,6 +105,7 @@ class LiveDashboard:
         self.min_interval = min_interval
         self.chart_interval = chart_interval
         self._last_chart = -float("inf")
+        self._chart_cost = 0.0     # CPU seconds of the last redraw with the chart
         self.shown = False
         self.received = 0          # snapshots ingested
         self._last_draw = -float("inf")
@@ -119,13 +130,26 @@ class LiveDashboard:
     def _draw(self, now, final=False):
         self._stale = False
         self._last_draw = now
-        chart = final or now - self._last_chart >= self.chart_interval
+        chart = final or now - self._last_chart >= self.current_chart_interval()
         if chart:
             self._last_chart = now
-        self.dashboard.refresh(chart=chart)
+            cpu = _cpu_time()
+            self.dashboard.refresh(chart=True)
+            self._chart_cost = _cpu_time() - cpu
+        else:
+            self.dashboard.refresh(chart=False)
         if self.display and not self.shown:
             self.shown = True
             self.dashboard.display()
+
+    def current_chart_interval(self):
+        """Least seconds between two redraws of the chart now: ``chart_interval`` if set, else
+        what keeps the chart's redraws within ``CHART_CPU_SHARE`` of a core (never below the
+        rows' ``min_interval``, never above ``CHART_MAX_INTERVAL``)."""
+        if self.chart_interval is not None:
+            return self.chart_interval
+        return min(self.CHART_MAX_INTERVAL,
+                   max(self.min_interval, self._chart_cost / self.CHART_CPU_SHARE))
 
     def finish(self, ar=None):
         """Read the last snapshots, then freeze: the output becomes the final static HTML."""

@@ -1,7 +1,7 @@
 /**
  * A ``%%distributed`` cell cut off by a kernel restart: its live rank tabs (an ipywidgets Tab,
- * ``.jr-rank-tabs``) become static output with a note, instead of a disconnected widget with
- * broken-link icons.
+ * ``.jr-rank-tabs``) and its live dashboard (an ipywidgets VBox, ``.jr-dashboard``) become static
+ * output with a note, instead of disconnected widgets with broken-link icons.
  *
  * The kernel cannot do it: when the restart comes from this page, JupyterLab drops every message
  * of the old kernel before it sends the restart (``KernelConnection.restart`` clears its futures
@@ -75,7 +75,33 @@ export function staticTabsHtml(live: ILiveTabs, note: string, uid: string): stri
   return parts.join('');
 }
 
-/** Replace every live rank-tabs output of ``panel``'s code cells by its static form + ``note``. */
+/**
+ * The static HTML of a live dashboard in ``node`` (an output's DOM), as it shows now, followed by
+ * ``note``; null when there is none. Its parts are plain HTML already (rows, banner, chart as SVG,
+ * each carrying its own style); the y-axis buttons (which need the kernel's widget models) and
+ * the chart at the scale not shown are left out.
+ */
+export function staticDashboardHtml(node: Element, note: string): string | null {
+  const dash = node.querySelector('.jr-dashboard');
+  if (!dash) {
+    return null;
+  }
+  const copy = dash.cloneNode(true) as Element;
+  copy.querySelectorAll('.jr-scale').forEach(e => e.remove());
+  // ipywidgets' Stack shows its selected child only; the others are hidden by Lumino
+  copy.querySelectorAll('.lm-mod-hidden').forEach(e => e.remove());
+  copy.querySelectorAll('[style*="display: none"]').forEach(e => e.remove());
+  return (
+    `<div class="jr-dash jr-dashboard jr-cut-off">${copy.innerHTML}` +
+    '<pre class="jr-note" style="margin:4px 0 0;white-space:pre-wrap;color:var(--jp-warn-color0,#e65100)">' +
+    `${escape(note)}</pre></div>`
+  );
+}
+
+/**
+ * Replace every live rank-tabs or dashboard output of ``panel``'s code cells by its static form
+ * + ``note``.
+ */
 export function freezeLiveTabs(panel: NotebookPanel, note: string): number {
   let frozen = 0;
   panel.content.widgets.forEach((cell: Cell) => {
@@ -92,6 +118,15 @@ export function freezeLiveTabs(panel: NotebookPanel, note: string): number {
       }
       const live = readLiveTabs(view.node);
       if (!live) {
+        const dashboard = staticDashboardHtml(view.node, note);
+        if (dashboard) {
+          outputs.set(i, {
+            output_type: 'display_data',
+            data: { 'text/html': dashboard, 'text/plain': `(the live dashboard, as it was)\n${note}` },
+            metadata: { jupyter_ring: { cut_off: true } }
+          });
+          frozen++;
+        }
         continue;
       }
       const uid = `jr${Math.random().toString(16).slice(2, 14)}`;

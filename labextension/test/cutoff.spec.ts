@@ -1,4 +1,4 @@
-import { readLiveTabs, staticTabsHtml } from '../src/cutoff';
+import { readLiveTabs, staticDashboardHtml, staticTabsHtml } from '../src/cutoff';
 
 // The DOM of a live ipywidgets Tab with the class jr-rank-tabs, as JupyterLab renders it.
 function liveTabs(): HTMLElement {
@@ -45,5 +45,29 @@ describe('a cell cut off by a kernel restart', () => {
     ]);
     expect(tabs.querySelector('.jr-note')!.textContent).toBe('(cut off: the kernel <x>)');
     expect(tabs.querySelector('style')!.textContent).toContain('nth-of-type(3):checked~.jr-panel:nth-of-type(3)');
+  });
+
+  it('writes the live dashboard as it shows, without its buttons or the hidden chart, and the note', () => {
+    const node = document.createElement('div');
+    node.innerHTML =
+      '<div class="lm-Widget jupyter-widgets widget-vbox jr-dash jr-dashboard">' +
+      '<div class="widget-html"><div class="widget-html-content"><b>training</b></div></div>' +
+      '<div class="widget-vbox"><div class="jr-row">rank 0: step 17 of 40</div></div>' +
+      '<div class="widget-toggle-buttons jr-scale"><button>linear</button><button>log</button></div>' +
+      '<div class="widget-stack">' +
+      '<div class="widget-html"><svg class="jr-chart-linear"></svg></div>' +
+      '<div class="widget-html lm-mod-hidden"><svg class="jr-chart-log"></svg></div></div>' +
+      '</div>';
+    const out = document.createElement('div');
+    out.innerHTML = staticDashboardHtml(node, '(cut off: <restart>)')!;
+    const dash = out.querySelector('.jr-dashboard.jr-cut-off')!;
+    expect(dash.textContent).toContain('rank 0: step 17 of 40');
+    expect(dash.querySelector('.jr-chart-linear')).not.toBeNull();
+    expect(dash.querySelector('.jr-chart-log')).toBeNull();
+    expect(dash.querySelector('.jr-scale')).toBeNull();
+    expect(dash.querySelector('button')).toBeNull();
+    expect(dash.querySelector('.jr-note')!.textContent).toBe('(cut off: <restart>)');
+    expect(node.querySelector('.jr-scale')).not.toBeNull(); // the live DOM itself is untouched
+    expect(staticDashboardHtml(document.createElement('div'), 'x')).toBeNull();
   });
 });
