@@ -118,7 +118,8 @@ export function freezeLiveTabs(panel: NotebookPanel, note: string): number {
       }
       const live = readLiveTabs(view.node);
       if (!live) {
-        const dashboard = staticDashboardHtml(view.node, note);
+        // the dashboard's note is short: the rank tabs below it carry the whole one
+        const dashboard = staticDashboardHtml(view.node, note.split(';')[0] + (note.includes(';') ? ')' : ''));
         if (dashboard) {
           outputs.set(i, {
             output_type: 'display_data',

@@ -39,8 +39,11 @@ LONG_CELL = """\
 %%distributed
 import time
 print("sleeping", flush=True)
+ring.progress(0, total=600, desc="long")
 for i in range(600):
     ring.allreduce(float(i), name="tick")
+    ring.log(loss=1.0 / (i + 1))
+    ring.progress(i + 1)
     time.sleep(0.1)
 """
 
@@ -94,6 +97,7 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             _dashboard(page, 1)
             long = _run_cell(page, 2, LONG_CELL)
             expect(long.locator(".jp-Cell-outputArea")).to_contain_text("sleeping", timeout=30_000)
+            expect(long.locator(".jr-dashboard.widget-vbox")).to_be_visible(timeout=30_000)
             expect(long.locator(".jp-InputPrompt")).to_contain_text("*")
             time.sleep(1.0)  # the cell is well into its allreduces
             # Kernel > Restart Kernel..., as a user does (keyboard: 0 0, then the dialog)
@@ -112,6 +116,13 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             expect(frozen.locator(".jr-panel:visible")).to_have_count(1)
             expect(frozen.locator(".jr-panel:visible")).to_contain_text("[rank 1] sleeping")
             expect(frozen.locator(".jr-note")).to_contain_text("cut off: the kernel was restarted")
+            # the live dashboard too: its rows and chart as they showed, static, with the note
+            dash = long.locator(".jr-dashboard.jr-cut-off")
+            expect(dash).to_be_visible()
+            expect(dash).to_contain_text("rank 1")
+            expect(dash.locator("svg")).to_have_count(1)
+            expect(dash.locator(".jr-note")).to_contain_text("cut off: the kernel was restarted")
+            expect(long.locator(".jr-dashboard:not(.jr-cut-off)")).to_have_count(0)
             frozen.locator("label", has_text="rank 1").click()
             expect(frozen.locator(".jr-panel:visible")).to_have_text("sleeping")
             page.screenshot(path=SCREENSHOT)
@@ -120,6 +131,10 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             while "cut off: the kernel was restarted" not in json.dumps(_saved(lab)):
                 assert time.monotonic() < deadline, "the cut-off cell's static form was not saved"
                 time.sleep(0.5)
+            saved = _saved(lab)["cells"][2]["outputs"]
+            assert not [o for o in saved if "application/vnd.jupyter.widget-view+json" in o.get("data", {})], \
+                f"the cut-off cell still saves widget views: {json.dumps(saved)[:2000]}"
+            assert sum("jr-cut-off" in o.get("data", {}).get("text/html", "") for o in saved) == 2
 
             # the new kernel: a cluster, the dashboard again, then the Ring panel's Stop (the
             # server stops it: ipyparallel's stop of the controller, in the server's process)
