@@ -138,7 +138,12 @@ class RankState:
     def measure_whole(self, min_span):
         """Rate and comm share from the rank's first work seen to its last snapshot (the cell's
         figures); a cell whose work fits in less than ``min_span`` between two snapshots is
-        measured from the snapshot before its work."""
+        measured from the snapshot before its work.
+
+        The rate comes from the logged points instead where they cover the cell (a point carries
+        its step's own time; a snapshot's time falls anywhere in its throttle window, so two
+        lockstep ranks measured from their snapshots may differ by a slow step one of them saw
+        inside its window and the other did not)."""
         if not self.samples:
             return
         last = self.samples[-1]
@@ -146,6 +151,20 @@ class RankState:
         if last.time - first.time < min_span and self._idle is not None:
             first = self._idle
         self.rate, self.comm_share = _measure(first, last, 0.0)
+        logged = self._logged_rate(min_span)
+        if logged is not None:
+            self.rate = logged
+
+    def _logged_rate(self, min_span):
+        """Steps/s between the first and last logged point of the metric logged most, when its
+        steps only went up and they span at least ``min_span`` seconds; else None."""
+        series = max(self.history.values(), key=len, default=())
+        if len(series) < 2:
+            return None
+        (w0, s0, _), (w1, s1, _) = series[0], series[-1]
+        if w1 - w0 < min_span or s1 <= s0 or any(b[1] < a[1] for a, b in zip(series, series[1:])):
+            return None  # too short, or a count that restarted (ring.track per epoch)
+        return (s1 - s0) / (w1 - w0)
 
     def add_point(self, metric, wall, step, value, check=True):
         """Insert one history point in time order; False when it was already there.
