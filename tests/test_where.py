@@ -171,3 +171,34 @@ def test_parse_stacks_reads_faulthandlers_all_threads_dump():
     assert [t.current for t in threads] == [False, True]
     assert threads[1].frames[0].function == "stuck_in_native_code"
     assert threads[1].frames[1].line == 0
+
+
+def test_where_hides_the_runtimes_own_frames_above_the_users_call():
+    """As tracebacks do: the frames inside jupyter_ring (the collective waiting) above the user's
+    call are one line; the user's frames and the state line say where and in what; --all-threads
+    shows everything."""
+    from jupyter_ring.cluster._where import RankWhere, format_where, where_json
+
+    text = ('Current thread 0x00007f0000000002 (most recent call first):\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_core.py", line 410 in _wait\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_collectives.py", line 88 in allreduce\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_api.py", line 300 in allreduce\n'
+            '  File "/tmp/cell.py", line 12 in train_step\n'
+            '  File "/tmp/cell.py", line 20 in <module>\n'
+            '  File "/venv/site-packages/IPython/core/interactiveshell.py", line 3600 in run_code\n'
+            '  File "/venv/site-packages/jupyter_ring/engines/_runner.py", line 50 in run\n')
+    item = RankWhere(0, "vm", 123, None, tuple(parse_stacks(text)), "", 0.01)
+    report = format_where([item])
+    assert "... 3 frame(s) inside jupyter_ring above (--all-threads shows them)" in report
+    assert "_core.py" not in report and "_collectives.py" not in report
+    assert report.index("inside jupyter_ring above") < report.index("in train_step") < report.index("in <module>")
+    assert "_runner.py" in report  # only the innermost run is hidden, not the engine below the cell
+    assert "... 1 frame(s) of the engine (IPython, ipyparallel) below" in report
+    full = format_where([item], all_threads=True)
+    assert "_core.py" in full and "inside jupyter_ring above" not in full
+    (thread,) = where_json([item])[0]["threads"]
+    assert thread["hidden_inside"] == 3 and thread["frames"][0]["function"] == "train_step"
+    only_ours = ('Current thread 0x00007f0000000003 (most recent call first):\n'
+                 '  File "/venv/site-packages/jupyter_ring/runtime/_progress.py", line 300 in _loop\n')
+    lone = RankWhere(1, "vm", 124, None, tuple(parse_stacks(only_ours)), "", 0.01)
+    assert "_progress.py" in format_where([lone])  # a thread that is only ours still shows a frame

@@ -14,6 +14,7 @@ rank is reported as unreadable, with the ``py-spy dump`` command that reads it o
 
 import linecache
 import os
+import re
 import time
 from typing import NamedTuple
 
@@ -26,6 +27,11 @@ __all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_jso
 _PLUMBING = ("/IPython/", "/ipykernel/", "/ipyparallel/", "/tornado/", "/asyncio/", "/zmq/",
              "/traitlets/", "/jupyter_client/", "<frozen runpy>", "/threading.py",
              "/concurrent/futures/", "/selectors.py")
+
+# jupyter_ring's own frames (the runtime waiting inside a collective, the engine's cell runner):
+# a run of them innermost, above the user's call, is hidden in one line as in tracebacks (the
+# state line already says which collective and whom it waits for).
+_OWN = re.compile(r"[/\\]jupyter_ring[/\\](runtime|engines)[/\\]")
 
 # How long a dump must stay the same size to count as complete: faulthandler writes it from one
 # signal handler, in well under a millisecond unless the process is descheduled.
@@ -131,9 +137,13 @@ def _plumbing(frame):
 
 
 def _user_frames(thread):
-    """The thread's frames without the engine's plumbing (innermost first), and how many hid."""
+    """The thread's frames without the engine's plumbing and without jupyter_ring's own innermost
+    frames (innermost first), how many plumbing frames hid, and how many of jupyter_ring's."""
     kept = [f for f in thread.frames if not _plumbing(f)]
-    return kept, len(thread.frames) - len(kept)
+    own = 0
+    while own < len(kept) - 1 and _OWN.search(kept[own].file):
+        own += 1  # never all of them: a thread that is only jupyter_ring's shows its frames
+    return kept[own:], len(thread.frames) - len(kept), own
 
 
 def _state_line(item, now):
@@ -153,17 +163,20 @@ def format_where(items, all_threads=False, now=None):
         if item.problem:
             lines.append(f"    {item.problem}")
         for index, thread in enumerate(item.threads):
-            frames, hidden = _user_frames(thread)
+            frames, hidden, own = _user_frames(thread)
             main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
             if not main and not all_threads and not frames:
                 continue  # a plumbing thread (heartbeat, IO loop): only with --all-threads
             if all_threads:
-                frames, hidden = list(thread.frames), 0
+                frames, hidden, own = list(thread.frames), 0, 0
             label = "main thread" if main else f"thread 0x{thread.thread:x}"
             if not frames:
                 lines.append(f"  {label}: idle (waiting for a cell)")
                 continue
             lines.append(f"  {label}, innermost frame first:")
+            if own:
+                lines.append(f"    ... {own} frame(s) inside jupyter_ring above (--all-threads "
+                             "shows them)")
             for frame in frames:
                 lines.append(f'    File "{frame.file}", line {frame.line}, in {frame.function}')
                 source = linecache.getline(frame.file, frame.line).strip() if frame.line else ""
@@ -182,11 +195,12 @@ def where_json(items, now=None):
     for item in items:
         threads = []
         for index, thread in enumerate(item.threads):
-            frames, hidden = _user_frames(thread)
+            frames, hidden, own = _user_frames(thread)
             main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
             if not main and not frames:
                 continue
             threads.append({"thread": f"0x{thread.thread:x}", "main": main, "hidden": hidden,
+                            "hidden_inside": own,
                             "frames": [{"file": f.file, "line": f.line, "function": f.function,
                                         "source": linecache.getline(f.file, f.line).strip()
                                         if f.line else ""} for f in frames]})

@@ -68,6 +68,7 @@ export interface IWhereRank {
     thread: string;
     main: boolean;
     hidden: number;
+    hidden_inside: number;
     frames: { file: string; line: number; function: string; source: string }[];
   }[];
 }
