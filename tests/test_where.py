@@ -9,7 +9,7 @@ import time
 import pytest
 from real_kernel import cluster_pids, ring_kernel
 
-from jupyter_ring.runtime._where import Activity, parse_stacks, read_doing
+from jupyter_ring.runtime._where import Activity, Doing, parse_stacks, read_doing
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +198,15 @@ def test_where_hides_the_runtimes_own_frames_above_the_users_call():
     assert "_core.py" in full and "inside jupyter_ring above" not in full
     (thread,) = where_json([item])[0]["threads"]
     assert thread["hidden_inside"] == 3 and thread["frames"][0]["function"] == "train_step"
-    only_ours = ('Current thread 0x00007f0000000003 (most recent call first):\n'
-                 '  File "/venv/site-packages/jupyter_ring/runtime/_progress.py", line 300 in _loop\n')
-    lone = RankWhere(1, "vm", 124, None, tuple(parse_stacks(only_ours)), "", 0.01)
-    assert "_progress.py" in format_where([lone])  # a thread that is only ours still shows a frame
+    # a thread of ours (the progress engine, the torch monitor) is not the user's: shown only
+    # with --all-threads; the main thread keeps its frames even when they are all ours
+    ours = ('Thread 0x00007f0000000003 (most recent call first):\n'
+            '  File "/venv/site-packages/jupyter_ring/engines/_torch.py", line 167 in _monitor\n'
+            '  File "/usr/lib/python3.12/threading.py", line 1010 in run\n\n'
+            'Current thread 0x00007f0000000004 (most recent call first):\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_api.py", line 90 in barrier\n')
+    doing = Doing(state="running", main_thread=0x7f0000000004)
+    lone = RankWhere(1, "vm", 124, doing, tuple(reversed(parse_stacks(ours))), "", 0.01)  # main first
+    report = format_where([lone])
+    assert "_monitor" not in report and "_monitor" in format_where([lone], all_threads=True)
+    assert "in barrier" in report

@@ -136,13 +136,19 @@ def _plumbing(frame):
     return any(part in frame.file for part in _PLUMBING)
 
 
-def _user_frames(thread):
+def _user_frames(thread, main):
     """The thread's frames without the engine's plumbing and without jupyter_ring's own innermost
-    frames (innermost first), how many plumbing frames hid, and how many of jupyter_ring's."""
+    frames (innermost first), how many plumbing frames hid, and how many of jupyter_ring's.
+
+    A thread with nothing but jupyter_ring's frames is one of ours (the progress engine, the
+    torch monitor): none of it is the user's. Except the main thread, which keeps them: what it
+    runs is the user's cell."""
     kept = [f for f in thread.frames if not _plumbing(f)]
     own = 0
-    while own < len(kept) - 1 and _OWN.search(kept[own].file):
-        own += 1  # never all of them: a thread that is only jupyter_ring's shows its frames
+    while own < len(kept) and _OWN.search(kept[own].file):
+        own += 1
+    if own == len(kept) and main:
+        own = 0
     return kept[own:], len(thread.frames) - len(kept), own
 
 
@@ -163,10 +169,10 @@ def format_where(items, all_threads=False, now=None):
         if item.problem:
             lines.append(f"    {item.problem}")
         for index, thread in enumerate(item.threads):
-            frames, hidden, own = _user_frames(thread)
             main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
+            frames, hidden, own = _user_frames(thread, main)
             if not main and not all_threads and not frames:
-                continue  # a plumbing thread (heartbeat, IO loop): only with --all-threads
+                continue  # plumbing, or one of ours (heartbeat, monitor): only with --all-threads
             if all_threads:
                 frames, hidden, own = list(thread.frames), 0, 0
             label = "main thread" if main else f"thread 0x{thread.thread:x}"
@@ -195,8 +201,8 @@ def where_json(items, now=None):
     for item in items:
         threads = []
         for index, thread in enumerate(item.threads):
-            frames, hidden, own = _user_frames(thread)
             main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
+            frames, hidden, own = _user_frames(thread, main)
             if not main and not frames:
                 continue
             threads.append({"thread": f"0x{thread.thread:x}", "main": main, "hidden": hidden,
