@@ -17,9 +17,10 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
 4. **Recovery.** An abandoned collective (interrupt, stall, error) can leave messages in flight.
    The rank marks itself dirty; at its next collective it tells every peer (a RESYNC notice on a
    control communicator) and all ranks switch to a fresh data communicator made by a polled
-   ``Idup``. Messages of the abandoned collective stay on the old communicator and can never
-   match a later receive. A clean rank that receives a notice while waiting joins the resync and
-   retries its collective on the fresh communicator.
+   ``Idup``. Messages of the abandoned collective stay on the old communicator, which is kept
+   until ``close`` (MPICH hands a freed communicator's context id to the next one made, where
+   they would match), so they can never match a later receive. A clean rank that receives a
+   notice while waiting joins the resync and retries its collective on the fresh communicator.
 """
 
 import logging
@@ -186,6 +187,7 @@ class Runtime:
         self._header_recvs = []
         self._header_recv = {}
         self._agree_cache = {}
+        self._retired = []        # data communicators left by resyncs, freed at close (see resync)
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
@@ -312,12 +314,14 @@ class Runtime:
         if self.shm is not None:
             self.shm.close()
             self.shm = None
-        for comm in (self.comm, self.ctl):
+        for comm in self._retired + [self.comm, self.ctl]:
             if comm != MPI.COMM_NULL:
+                _drain(comm, MPI)
                 try:
                     comm.Free()
                 except MPI.Exception:  # pragma: no cover - freeing is best effort at shutdown
                     pass
+        self._retired = []
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, reqs, what, peers_of, check_notices=True, missing=None):
@@ -462,10 +466,10 @@ class Runtime:
         self.join_base = self.seq
         self._eager_buffers()
         self._set_participants()
-        try:
-            old.Free()
-        except MPI.Exception:  # pragma: no cover
-            pass
+        # Not freed: MPICH gives a freed communicator's context id to the next one made, and a
+        # message of the abandoned collective still queued here (a peer's header, sent before it
+        # gave up) would then match a receive of a later collective on the fresh communicator.
+        self._retired.append(old)
 
     def _abandon(self):
         self._abandoned.append((self._inflight, self._keep[:]))
@@ -762,6 +766,31 @@ class Runtime:
         if self._scratch is None or self._scratch.nbytes < nbytes:
             self._scratch = np.empty(max(nbytes, 1), np.uint8)
         return self._scratch[:nbytes]
+
+
+def _drain(comm, MPI):
+    """Receive what peers sent on ``comm`` and nobody received (messages of abandoned collectives)
+    before it is freed: its context id goes to the next communicator made (a later ``init()``),
+    where such a message would match a receive of an unrelated collective.
+
+    Best effort and bounded: only messages already here are received; one that does not arrive in
+    full at once (a large one whose sender gave up) is left, cancelled.
+    """
+    status = MPI.Status()
+    for _ in range(10000):
+        try:
+            message = comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+        except MPI.Exception:  # pragma: no cover - a communicator MPI has given up on
+            return
+        if message is None:
+            return
+        req = message.Irecv(bytearray(max(status.Get_count(MPI.BYTE), 1)))
+        deadline = time.perf_counter() + 0.05
+        while not req.Test():
+            if time.perf_counter() > deadline:
+                req.Cancel()
+                return
+            time.sleep(1e-4)
 
 
 def collective_title(kind, name):

@@ -6,7 +6,10 @@ expected result from ``rank`` and ``size`` and asserts it; each prints ``RANK_OK
 - async: poll() tells the truth (False while a peer is late, then True without synchronize);
   errors of async collectives surface at synchronize() on every rank; an interrupt while the
   background thread runs a collective lands within a second and the next collectives are exact;
-  a rank that skips a collective run in the background leaves the others a StallError naming it.
+  a rank that skips a collective run in the background leaves the others a StallError naming it;
+  after a rank's cell raises with entries queued, or a rank is busy while the others wait, and
+  every rank is interrupted, nothing of the abandoned ops reaches the fresh collectives (also
+  two resyncs later, when a freed communicator's id would come back).
 - sets: process sets of odd shapes ({0,2} of 3, {1} of 2, ...): every collective inside a set,
   non-members refused, mismatch and stall inside a set name global ranks, remove/re-add.
 - join: ranks run out of data at different steps (rank r after 2 + r steps, then 2 + n-1-r) and call join();
@@ -182,6 +185,48 @@ if mode == "async":
         print(f"STALL {r} after {waited:.2f}s", flush=True)
     time.sleep(max(0.0, deadline - time.time()))
     exact_after("after a background stall", 6)
+
+    # -- nothing of an abandoned op reaches a later one. As in a notebook: rank 0's cell raises
+    # with entries queued while the others sit in a fused round; every rank is interrupted,
+    # abandons what its cell queued (the kernel's post-cell hook) and, once all have, runs fresh
+    # collectives named and shaped unlike the abandoned ones.
+    deadline = ring.broadcast_object(time.time() + 1.5 + 0.2 * n, root_rank=0)
+    killer = threading.Thread(target=kill_me, args=(0.6,), daemon=True)
+    killer.start()
+    try:
+        if r == 0:
+            ring.allreduce_async(data(40, r, 13), name="stale.0")
+            ring.allreduce_async(data(41, r, 1009), name="stale.1")
+            raise RuntimeError("the cell failed on rank 0")
+        hs = [ring.allreduce_async(data(40 + i, r, (13, 1009, 70001, 1, 2)[i]), name=f"stale.{i}") for i in range(5)]
+        for h in hs:
+            ring.synchronize(h)
+        failures.append("the abandoned round finished")
+    except (KeyboardInterrupt, RuntimeError):
+        pass
+    try:
+        killer.join()  # the SIGINT lands on every rank, the one that raised too
+    except KeyboardInterrupt:
+        pass
+    _api.abandon_queued("the cell failed or was interrupted")
+    time.sleep(max(0.0, deadline - time.time()))
+    fresh = [(3, "w"), (1009, "w"), (70001, "w")]  # eager, and shared memory / ring
+    # ... and several resyncs in a row, each after one rank abandoned a collective while the
+    # others were clean: their headers of the next collective go out on the old communicator
+    # before they see the resync, and stay queued on the abandoning rank. MPICH hands a freed
+    # communicator's context id to a later one, where such a header would match.
+    fresh += [(5 + i, f"resync.{i}") for i in range(2 * n + 2)]
+    rt = _api._proc.rt
+    for i, (length, name) in enumerate(fresh):
+        if i >= 3 and r == i % n:
+            rt.dirty = True  # as after an abandoned collective
+        xs = [data(50 + i, q, length) for q in range(n)]
+        try:
+            close(f"fresh allreduce {name} len={length}", ring.allreduce(xs[r], op=ring.Sum, name=name), sum(xs))
+        except ring.RingError as exc:
+            failures.append(f"fresh allreduce {name} len={length}: {type(exc).__name__}: {exc}")
+            break
+    exact_after("after abandoned rounds", 8)
 
 elif mode == "sets":
     assert n > 1
