@@ -188,6 +188,30 @@ def test_engine_honest_poll_errors_at_synchronize_background_interrupt_and_stall
     assert len(result.lines("STALL")) == n - 1
 
 
+def test_settling_by_name_runs_common_names_in_the_lowest_ranks_order_and_never_waits_forever():
+    from jupyter_ring.runtime._progress import Offer, settle_by_name
+
+    a, b, c = ("allreduce", "a"), ("barrier", "barrier"), ("allgather", "c")
+    run = settle_by_name([Offer(False, 0.0, (a, b, c)), Offer(True, 0.0, (c, b))], 60.0)
+    assert run.action == "run" and run.names == ("barrier", "c")
+    # nothing in common: wait while a caller computes, mismatch once all are blocked a while
+    assert settle_by_name([Offer(False, 9.0, (a,)), Offer(True, 9.0, (b,))], 60.0).action == "wait"
+    assert settle_by_name([Offer(True, 0.0, (a,)), Offer(True, 0.0, (b,))], 60.0).action == "wait"
+    assert settle_by_name([Offer(True, 0.1, (a,)), Offer(True, 0.0, (b,))], 60.0).action == "mismatch"
+    stall = settle_by_name([Offer(False, 61.0, (a,)), Offer(True, 61.0, (b, c))], 60.0)
+    assert stall.action == "stall" and stall.missing == {"a": [1], "barrier": [0], "c": [0]}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_are_matched_by_name_in_any_order_and_never_hang(mpirun, n):
+    """Issue 17 with issue 18's name matching: Horovod's duplicate-name sequence, different
+    orders, waiting for a rank still computing, mismatch when every rank is blocked, stall, interrupt."""
+    result = mpirun("rt_engine.py", n, "names", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120)
+    all_ranks_ok(result)
+    assert len(result.lines("STALL")) == n - 1
+    assert len(result.lines("INTERRUPTED")) == n
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_process_sets_of_odd_shapes_every_collective_and_failures_named_by_global_rank(mpirun, n):
     all_ranks_ok(mpirun("rt_engine.py", n, "sets", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120))

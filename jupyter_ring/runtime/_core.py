@@ -44,7 +44,7 @@ from ._trace import Trace
 from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
-           "Abandoned", "PeerMsg", "JoinNote"]
+           "Disagree", "Abandoned", "PeerMsg", "JoinNote"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,21 @@ class Recut(Exception):
     def __init__(self, count):
         super().__init__(count)
         self.count = count
+
+
+class Disagree(Exception):
+    """The ranks' headers name different collectives: the engine settles what runs by name.
+
+    Raised on every rank by the same exchange (when headers are not all alike, every rank sees
+    one unlike its own), after it completed, so nothing is in flight. Only where the engine
+    allows it (``Runtime.negotiable``); elsewhere a disagreement is a mismatch, explained.
+    ``gen`` is the communicator's generation: a resync before the settling exchange means a header
+    came from a collective a peer abandoned (and announces now), and the round starts over.
+    """
+
+    def __init__(self, gen):
+        super().__init__(gen)
+        self.gen = gen
 
 
 class Abandoned(BaseException):
@@ -165,6 +180,9 @@ class Runtime:
         self._waits_on = self.peers + self.peers
         self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
         self.pending = 1          # entries of the engine's round from the running collective on
+        # the engine may settle a disagreement of the next exchange by name (Disagree); cleared by
+        # every exchange, so a collective's own later exchanges never raise it
+        self.negotiable = False
         self.nap = 0.0            # seconds a background wait sleeps between polls (see poll)
         self.pool = ResultPool()  # memory for out-of-place results, recycled
         self.trace = Trace(self.rank, self.size, config.trace_records)
@@ -499,7 +517,7 @@ class Runtime:
                         "cannot be retried: the tensor now holds partial results. Recompute it and "
                         "call the collective again on every rank.") from None
                 continue
-            except (CollectiveMismatchError, PeerError, Recut):
+            except (CollectiveMismatchError, PeerError, Recut, Disagree):
                 self._inflight = []  # every header and description was consumed: nothing in flight
                 raise
             except BaseException:
@@ -590,12 +608,17 @@ class Runtime:
             result[p] = PeerMsg(peer_aux, view[HEADER_BYTES:] if flags & FLAG_PAYLOAD else None, peer_region)
         if newly_joined:
             self._set_participants()
+        negotiable, self.negotiable = self.negotiable, False
+        if mismatch:
+            self._raise_poison(kind, name)
+            if negotiable and not self.joined:
+                # different collectives at this place: the engines match their queues by name
+                raise Disagree(self.gen)
         if recut:
             # rounds of different lengths fuse different batches: not a mismatch; every rank
             # (the one with the shortest round too) runs the exchange again for the shortest
             raise Recut(cut)
         if mismatch:
-            self._raise_poison(kind, name)
             self._explain_mismatch(kind, name, dtype, op, root, desc() if callable(desc) else desc)
         if self.joined and kind != "allreduce":
             joined = self.name_of(sorted(self.joined))

@@ -33,6 +33,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import pickle
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -40,16 +41,18 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _collectives as C
-from ._core import Abandoned, Recut
-from ._errors import RingError
+from ._core import Abandoned, Disagree, Recut
+from ._errors import RingError, StallError
 from ._report import reporter
 
-__all__ = ["Engine", "Reduce", "Call"]
+__all__ = ["Engine", "Reduce", "Call", "Offer", "Verdict", "settle_by_name"]
 
 log = logging.getLogger(__name__)
 
 _IDLE = 0.2  # seconds without work after which the background thread sleeps until a doorbell
 _NAP = 20e-6  # seconds the background thread sleeps between polls while the caller computes
+_SETTLE_GRACE = 0.05  # seconds every rank must have waited, blocked, before no common name is a mismatch
+_SETTLE_NAP = 0.02    # longest sleep between two settling exchanges while some rank computes
 
 
 class Reduce(NamedTuple):
@@ -113,6 +116,52 @@ def plan_batches(entries, limit):
     return batches
 
 
+class Offer(NamedTuple):
+    """What one rank tells the others when their queues disagree (the settling exchange)."""
+
+    blocked: bool             # a caller waits on this engine: it cannot queue more by itself
+    waited: float             # seconds since this rank's queue first failed to settle (0: it just did)
+    entries: tuple            # (kind, name) of every queued collective, in call order
+
+
+class Verdict(NamedTuple):
+    """What every rank runs after settling, computed alike from every rank's ``Offer``."""
+
+    action: str               # "run", "wait", "mismatch" (every rank blocked) or "stall"
+    names: tuple = ()         # "run": the common names, in the lowest rank's order
+    missing: object = None    # "stall": name -> ranks that have not queued it
+
+
+def settle_by_name(offers, stall_timeout, grace=_SETTLE_GRACE):
+    """Horovod's matching: a collective runs once every rank has queued its name.
+
+    ``offers`` is every rank's ``Offer`` in rank order. The names queued on every rank run, in the
+    lowest rank's order (their signatures are then checked as always: the same name with another
+    shape is a mismatch). With no common name: every rank waits while some rank's caller still
+    computes (it may queue the missing ones); once every rank's caller is blocked (and has been for
+    ``grace`` seconds, so that another thread of it could have queued more) nobody can, and the
+    ranks' first collectives run against each other, which raises the mismatch on every rank; after
+    ``stall_timeout`` the ranks stall, naming for each name the ranks that never queued it.
+    """
+    sets = [{name for _kind, name in offer.entries} for offer in offers]
+    common = set.intersection(*sets) if sets else set()
+    if common:
+        first = next(offer for offer in offers if offer.entries)
+        return Verdict("run", tuple(name for _kind, name in first.entries if name in common))
+    waited = max(offer.waited for offer in offers)
+    if all(offer.blocked for offer in offers) and waited >= grace:
+        return Verdict("mismatch")
+    if waited > stall_timeout:
+        names = {name for names in sets for name in names}
+        return Verdict("stall", missing={name: [q for q, names in enumerate(sets) if name not in names]
+                                         for name in names})
+    return Verdict("wait")
+
+
+def _kind(entry):
+    return entry.kind if type(entry) is Call else "allreduce"
+
+
 def _cancelled(exc):
     """The error of entries given up because of ``exc`` (an interrupt, ``Abandoned``, a failure of
     the engine itself: then the entries say so rather than wait forever)."""
@@ -160,12 +209,21 @@ class Engine:
         self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
         self.sleeping = True                   # the background thread waits for a doorbell
+        self.names = {}                        # name -> handle of every queued entry (unique)
+        self.callers = 0                       # caller threads blocked on this engine (wait, run_now)
+        self.unsettled_since = None            # when settling by name first found no common name
 
     # ------------------------------------------------------------------ caller side
     def submit(self, entry, nbytes=0):
         """Queue ``entry``; the background thread runs it once it has waited ``cycle_ms`` (or at
         ``flush()``, or when ``fusion_threshold`` bytes are queued), unless a caller does first."""
         with self.qlock:
+            if entry.name in self.names:
+                raise ValueError(
+                    f"{_kind(entry)} '{entry.name}': a collective of this name is still pending on this "
+                    "rank; collectives are matched between ranks by name (as in Horovod), so two "
+                    "pending ones cannot share one. synchronize() the first, or pass another name=")
+            self.names[entry.name] = entry.handle
             self.queue.append(entry)
             first = len(self.queue) == 1
         if first:
@@ -189,13 +247,33 @@ class Engine:
     def run_now(self, entry):
         """Run a blocking call: at once in this thread when the engine is idle, else queued."""
         if not self.queue and self.lock.acquire(False):
+            self.callers += 1
             try:
-                if not self.queue:
-                    return self._alone(entry)
+                if self.queue:
+                    queued = False
+                else:
+                    try:
+                        return self._alone(entry)
+                    except Disagree as disagree:
+                        # the peers run other collectives now: queue this one first (it was called
+                        # before anything queued since) and settle by name with them at once
+                        queued = True
+                        self._queue_first(entry)
+                        self._round(settle=disagree.gen)
             finally:
+                self.callers -= 1
                 self.lock.release()
+            if queued:
+                return self.wait(entry.handle)
         self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
         return self.wait(entry.handle)
+
+    def _queue_first(self, entry):
+        with self.qlock:
+            self.names[entry.name] = entry.handle
+            self.queue.appendleft(entry)
+        if type(entry) is Reduce:
+            self.submitted += entry.nbytes
 
     def poll(self, handle):
         """Whether ``handle`` has finished (its result or error is waiting for synchronize)."""
@@ -205,17 +283,21 @@ class Engine:
         """Wait for ``handle`` (running queued rounds in this thread if nobody is) and return its
         result, or raise its error."""
         results = self.results
-        while handle not in results:
-            if self.lock.acquire(False):
-                try:
-                    while handle not in results and self.queue:
-                        self._round()
-                finally:
-                    self.lock.release()
-                if handle not in results:  # pragma: no cover - a handle of no queued entry
-                    raise ValueError(f"handle {handle!r} is not queued on this engine")
-            else:
-                self._wait_background(handle)
+        self.callers += 1
+        try:
+            while handle not in results:
+                if self.lock.acquire(False):
+                    try:
+                        while handle not in results and self.queue:
+                            self._round()
+                    finally:
+                        self.lock.release()
+                    if handle not in results:  # pragma: no cover - a handle of no queued entry
+                        raise ValueError(f"handle {handle!r} is not queued on this engine")
+                else:
+                    self._wait_background(handle)
+        finally:
+            self.callers -= 1
         result = results.pop(handle)
         if isinstance(result, BaseException):
             raise result
@@ -277,6 +359,8 @@ class Engine:
         with self.qlock:
             dropped = list(self.queue)
             self.queue.clear()
+            self.names.clear()
+        self.unsettled_since = None
         for entry in dropped:
             self.results.setdefault(entry.handle, error)
         self.taken = self.submitted
@@ -344,6 +428,7 @@ class Engine:
         rt.pending = 1
         if type(entry) is not Reduce:
             while True:
+                rt.negotiable = True
                 try:
                     return rt.run(entry.run, rt)
                 except Recut:
@@ -358,25 +443,40 @@ class Engine:
                                                       entry.describe())
         members = [C.Member(entry.src, entry.dst)]
         while True:
+            rt.negotiable = True
             try:
                 out = rt.run(C.allreduce, rt, members, plan, entry.name, entry.describe, None, own)[0]
             except Recut:
                 continue
             return entry.result if entry.result is not None else out.reshape(entry.shape)
 
-    def _round(self):
-        """Run every entry queued now, fused into batches; their results land in ``results``."""
+    def _round(self, settle=None):
+        """Run every entry queued now, fused into batches; their results land in ``results``.
+
+        When the ranks' headers disagree (``Disagree``, every rank alike), or ``settle`` (the
+        generation of the exchange that disagreed) says they did, the ranks first settle by name
+        what runs (``_settle``); that round runs as agreed.
+        """
         with self.qlock:
             todo = list(self.queue)
         if not todo:
             return
-        if len(todo) == 1:
+        if len(todo) == 1 and settle is None:
             return self._round_of_one(todo[0])
         rt = self.rt
         finished = set()
         limit = self.config.fusion_threshold
+        settled = False
         try:
-            while todo:
+            while todo or settle is not None:
+                if settle is not None:
+                    todo = self._settle(finished, settle)
+                    settle, settled = None, todo is not None
+                    if todo is None:  # the disagreement was with an abandoned op: start over
+                        with self.qlock:
+                            todo = [e for e in self.queue if e.handle not in finished]
+                    if not todo:
+                        break
                 batches = plan_batches(todo, limit)
                 try:
                     left = len(todo)
@@ -384,9 +484,10 @@ class Engine:
                         if rt.abort is not None:
                             raise Abandoned(rt.abort)
                         rt.pending = left  # entries of this round from this batch on
+                        rt.negotiable = not settled
                         try:
                             self._run_batch(batch)
-                        except (Recut, Abandoned, KeyboardInterrupt):
+                        except (Recut, Disagree, Abandoned, KeyboardInterrupt):
                             raise
                         except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
                             # the batch and the rest of the round fail alike on every rank
@@ -404,6 +505,8 @@ class Engine:
                 except Recut as recut:
                     # every rank runs the shortest round proposed; the rest waits for the next
                     todo = [e for e in todo if e.handle not in finished][:recut.count]
+                except Disagree as disagree:
+                    settle = disagree.gen
         except BaseException as exc:
             for entry in todo:
                 self.results.setdefault(entry.handle, _cancelled(exc))
@@ -414,12 +517,86 @@ class Engine:
                 self._remove(finished)
             self._notify()
 
+    def _settle(self, finished, gen):
+        """The ranks' queues disagree: agree by name on what runs now (one exchange, every rank).
+
+        Returns the entries to run as the round, in the agreed order; none while the ranks wait
+        for each other (after a nap: the executor then starts a new round, which every rank does
+        alike), or after failing the queued entries with a stall. None when a resync came first
+        (``gen`` is the disagreeing exchange's generation): the disagreeing header was a message
+        of a collective a peer abandoned, not what the peer runs now; the round starts over.
+        """
+        rt = self.rt
+        with self.qlock:
+            mine = [entry for entry in self.queue if entry.handle not in finished]
+        since = self.unsettled_since
+        waited = 0.0 if since is None else time.perf_counter() - since
+        offer = Offer(self.callers > 0, waited, tuple((_kind(e), e.name) for e in mine))
+        rt.pending = 1
+        rt.negotiable = False
+        data = np.frombuffer(pickle.dumps(offer), np.uint8)
+
+        def exchange(rt):
+            return None if rt.gen != gen else C.allgather_object(rt, data, "jupyter_ring.settle", None)
+
+        offers = rt.run(exchange, rt)
+        if offers is None:
+            return None
+        verdict = settle_by_name(offers, self.config.stall_timeout)
+        if verdict.action == "run":
+            self.unsettled_since = None
+            by_name = {entry.name: entry for entry in mine}
+            return [by_name[name] for name in verdict.names]
+        if verdict.action == "mismatch":
+            # nobody can queue more: the first collectives meet; their exchange explains how
+            # they differ, on every rank (a rank with nothing queued has no blocked caller)
+            self.unsettled_since = None
+            return mine[:1]
+        if verdict.action == "stall":
+            self._stall(mine, offers, verdict.missing, waited)
+            return []
+        if since is None:
+            self.unsettled_since = time.perf_counter()
+        self._nap(min(_SETTLE_NAP, max(1e-3, waited / 4)))
+        return []
+
+    def _nap(self, seconds):
+        """Sleep between settling exchanges; the caller's thread stays interruptible, the
+        background thread stops when its round is given up."""
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            if self.rt.abort is not None:
+                raise Abandoned(self.rt.abort)
+            time.sleep(min(1e-3, seconds))
+
+    def _stall(self, mine, offers, missing, waited):
+        """No name was queued on every rank for ``stall_timeout``: fail this rank's queued entries,
+        each naming the ranks that never queued it and what they queued instead."""
+        rt = self.rt
+        timeout = self.config.stall_timeout
+        for entry in mine:
+            absent = rt.name_of(missing.get(entry.name, ()))
+            instead = "; ".join(f"rank {rt.world[q]}: " + (", ".join(f"{k} '{n}'" for k, n in offers[q].entries[:5])
+                                                          or "nothing")
+                                for q in missing.get(entry.name, ()))
+            error = StallError(
+                f"{_kind(entry)} '{entry.name}': rank {rt.world[rt.rank]} waited {waited:.1f} s for rank(s) "
+                f"{absent} to call it, which never did (stall timeout {timeout:g} s); they queued other "
+                f"collectives ({instead}). Collectives are matched between ranks by name: every rank must "
+                "call the same ones, with the same names. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is "
+                "just slow.", absent)
+            self.results.setdefault(entry.handle, error)
+        self._remove({entry.handle for entry in mine})
+        self.unsettled_since = None
+
     def _round_of_one(self, entry):
         handle = entry.handle
         try:
             if self.rt.abort is not None:
                 raise Abandoned(self.rt.abort)
             result = self._alone(entry)
+        except Disagree as disagree:
+            return self._round(settle=disagree.gen)
         except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
             result = exc
         except BaseException as exc:
@@ -442,8 +619,10 @@ class Engine:
         with self.qlock:
             queue = self.queue
             taken = 0
+            names = self.names
             while queue and queue[0].handle in finished:
                 entry = queue.popleft()
+                names.pop(entry.name, None)
                 if type(entry) is Reduce:
                     taken += entry.src.nbytes
             if any(entry.handle in finished for entry in queue):
@@ -451,7 +630,9 @@ class Engine:
                 for entry in queue:
                     if entry.handle not in finished:
                         kept.append(entry)
-                    elif type(entry) is Reduce:
+                        continue
+                    names.pop(entry.name, None)
+                    if type(entry) is Reduce:
                         taken += entry.src.nbytes
                 self.queue = kept
         self.taken += taken

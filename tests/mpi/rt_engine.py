@@ -10,6 +10,10 @@ expected result from ``rank`` and ``size`` and asserts it; each prints ``RANK_OK
   after a rank's cell raises with entries queued, or a rank is busy while the others wait, and
   every rank is interrupted, nothing of the abandoned ops reaches the fresh collectives (also
   two resyncs later, when a freed communicator's id would come back).
+- names: collectives are matched by name (Horovod): a second pending op of a name is refused;
+  ops queued in different orders run once every rank queued them; a rank still computing is
+  waited for; every rank blocked with no common name, or one name with two shapes, is a mismatch
+  on every rank; a name never queued stalls, named; an interrupt while settling lands in a second.
 - sets: process sets of odd shapes ({0,2} of 3, {1} of 2, ...): every collective inside a set,
   non-members refused, mismatch and stall inside a set name global ranks, remove/re-add.
 - join: ranks run out of data at different steps (rank r after 2 + r steps, then 2 + n-1-r) and call join();
@@ -72,6 +76,15 @@ def exact_after(label, seed):
         close(f"{label}: allreduce len={length}", ring.allreduce(xs[r], op=ring.Sum, name="w.grad"), sum(xs))
     h = ring.allreduce_async(np.full(3, r + 1.0), op=ring.Sum, name=f"{label}.async")
     close(f"{label}: async", ring.synchronize(h), np.full(3, n * (n + 1) / 2))
+
+
+def stalled_on_rank0(exc, waited, timeout):
+    """The StallError ``exc`` names rank 0 alone and came within the timeout's window."""
+    if exc is not None and exc.missing != (0,):
+        failures.append(f"stall: missing {exc.missing}, want (0,)")
+    if not timeout <= waited < timeout + 3:
+        failures.append(f"stall raised after {waited:.2f} s (timeout {timeout})")
+    print(f"STALL {r} after {waited:.2f}s", flush=True)
 
 
 def kill_me(delay):
@@ -178,11 +191,7 @@ if mode == "async":
               timeout + 10)
         waited = time.perf_counter() - start
         exc = expect("stall at synchronize", ring.StallError, ["rank(s) [0]", "w.grad"], lambda: ring.synchronize(h))
-        if exc is not None and exc.missing != (0,):
-            failures.append(f"stall: missing {exc.missing}, want (0,)")
-        if not timeout <= waited < timeout + 3:
-            failures.append(f"stall raised after {waited:.2f} s (timeout {timeout})")
-        print(f"STALL {r} after {waited:.2f}s", flush=True)
+        stalled_on_rank0(exc, waited, timeout)
     time.sleep(max(0.0, deadline - time.time()))
     exact_after("after a background stall", 6)
 
@@ -227,6 +236,126 @@ if mode == "async":
             failures.append(f"fresh allreduce {name} len={length}: {type(exc).__name__}: {exc}")
             break
     exact_after("after abandoned rounds", 8)
+
+elif mode == "names":
+    assert n > 1
+    timeout = ring.config().stall_timeout
+
+    def op_set(seed):
+        """Every rank's collectives of one test: name -> (submit, want), all named."""
+        ops = {}
+        for i, length in enumerate(LENGTHS):
+            xs = [data(seed + i, q, length) for q in range(n)]
+            ops[f"ar.{length}"] = (lambda xs=xs, nm=f"ar.{length}": ring.allreduce_async(xs[r], op=ring.Sum, name=nm),
+                                   sum(xs))
+        rows = [(q * 5 + seed) % 4 for q in range(n)]               # 0 rows on some rank
+        blocks = [data(seed + 10, q, rows[q] * 3).reshape(rows[q], 3) for q in range(n)]
+        ops["ag"] = (lambda: ring.allgather_async(blocks[r], name="ag"), np.concatenate(blocks))
+        root = (seed + 1) % n
+        ops["bc"] = (lambda: ring.broadcast_async(data(seed + 20, r, 11), root_rank=root, name="bc"),
+                     data(seed + 20, root, 11))
+        total = 2 * n + 1                                            # not divisible by n
+        mats = [data(seed + 30, q, total * 2).reshape(total, 2) for q in range(n)]
+        start = sum(total // n + (q < total % n) for q in range(r))
+        ops["rs"] = (lambda: ring.reducescatter_async(mats[r], op=ring.Sum, name="rs"),
+                     sum(mats)[start:start + total // n + (r < total % n)])
+        return ops
+
+    # -- Horovod's duplicate-name sequence, every collective: a second pending op of a name is
+    # refused at the call (ValueError); rank 0's first one waits in its queue while the others run
+    # barrier() first, then runs once they queue it
+    ring.config().cycle_ms = 50.0  # the others' first one is still pending at their second call
+    for kind in ("allreduce", "allgather", "broadcast", "reducescatter"):
+        t = np.full((n, 3), float(r + 1))
+        submit = {"allreduce": lambda: ring.allreduce_async(t, op=ring.Sum, name=f"dup.{kind}"),
+                  "allgather": lambda: ring.allgather_async(t, name=f"dup.{kind}"),
+                  "broadcast": lambda: ring.broadcast_async(t, root_rank=0, name=f"dup.{kind}"),
+                  "reducescatter": lambda: ring.reducescatter_async(t, op=ring.Sum, name=f"dup.{kind}")}[kind]
+        want = {"allreduce": np.full((n, 3), n * (n + 1) / 2), "broadcast": np.full((n, 3), 1.0),
+                "allgather": np.concatenate([np.full((n, 3), q + 1.0) for q in range(n)]),
+                "reducescatter": np.full((1, 3), n * (n + 1) / 2)}[kind]
+        h = None
+        if r == 0:
+            h = submit()
+            expect(f"{kind}: second pending op of the name, rank 0", ValueError, [f"'dup.{kind}'", "still pending"],
+                   submit)
+        ring.barrier()
+        if r > 0:
+            h = submit()
+            expect(f"{kind}: second pending op of the name, rank {r}", ValueError, ["still pending"], submit)
+        ring.barrier()
+        close(f"{kind}: the op queued before barrier()", ring.synchronize(h), want)
+    ring.config().cycle_ms = 1.0
+
+    # -- the same collectives queued in a different order on every rank, synchronized in yet
+    # another: each runs once every rank has queued it
+    for seed in (100, 200):
+        ops = op_set(seed)
+        names = list(ops)
+        rng = np.random.default_rng(seed + r)
+        handles = {name: ops[name][0]() for name in rng.permutation(names)}
+        for name in rng.permutation(names):
+            close(f"order {seed}: {name}", ring.synchronize(handles[name]), ops[name][1])
+
+    # -- a rank still computing: the others wait for it (no mismatch), whatever they queued first
+    xs = {nm: [data(300 + i, q, 70001 if i else 13) for q in range(n)] for i, nm in enumerate(("early", "late"))}
+    if r == 0:
+        h_early = ring.allreduce_async(xs["early"][r], op=ring.Sum, name="early")
+        time.sleep(0.3)  # computing; the others block on "late" meanwhile
+        h_late = ring.allreduce_async(xs["late"][r], op=ring.Sum, name="late")
+    else:
+        h_late = ring.allreduce_async(xs["late"][r], op=ring.Sum, name="late")
+        h_early = ring.allreduce_async(xs["early"][r], op=ring.Sum, name="early")
+    close("late: queued late on rank 0", ring.synchronize(h_late), sum(xs["late"]))
+    close("early", ring.synchronize(h_early), sum(xs["early"]))
+
+    # -- every rank blocked, no name in common: the mismatch on every rank at once, naming each
+    # rank's op; the same name with another shape: a mismatch naming both
+    others = ", ".join(f"only.{q} on rank {q}" for q in range(1, n))
+    expect("no common name", ring.CollectiveMismatchError, [f"name only.0 on rank 0 but {others}"],
+           lambda: ring.allreduce(np.ones(3), name=f"only.{r}"))
+    expect("no common name, async", ring.CollectiveMismatchError, ["allgather on rank"],
+           lambda: ring.synchronize(ring.allgather_async(np.ones((1, 2)), name="g") if r == 0
+                                    else ring.allreduce_async(np.ones(2), name="g2")))
+    expect("same name, another shape", ring.CollectiveMismatchError, ["shape (3,) on rank 0 but (4,) on rank"],
+           lambda: ring.allreduce(np.ones(4 if r else 3), name="shape"))
+    exact_after("after name mismatches", 400)
+
+    # -- a rank that never queues the others' name: a StallError after the stall timeout, naming
+    # it and what it queued instead; its own op fails alike
+    deadline = ring.broadcast_object(time.time() + timeout + 3.0, root_rank=0)
+    start = time.perf_counter()
+    if r == 0:
+        h = ring.allreduce_async(np.ones(5), name="mine")
+        time.sleep(timeout + 1.0)  # computing past the stall timeout
+        expect("stall, the computing rank", ring.StallError, ["allreduce 'mine'", "rank(s) [1"],
+               lambda: ring.synchronize(h))
+    else:
+        exc = expect("stall, a blocked rank", ring.StallError, ["allreduce 'theirs'", "rank(s) [0]", "allreduce 'mine'"],
+                     lambda: ring.allreduce(np.ones(5), name="theirs"))
+        stalled_on_rank0(exc, time.perf_counter() - start, timeout)
+    time.sleep(max(0.0, deadline - time.time()))
+    exact_after("after a name stall", 401)
+
+    # -- an interrupt while the ranks wait for each other's names lands within a second
+    deadline = ring.broadcast_object(time.time() + 2.0 + 0.2 * n, root_rank=0)
+    threading.Thread(target=kill_me, args=(0.5,), daemon=True).start()
+    start = time.perf_counter()
+    try:
+        if r == 0:
+            ring.allreduce(np.ones(7), name="blocked")
+        else:
+            ring.allreduce_async(np.ones(7), name="queued")
+            time.sleep(30)  # computing
+        failures.append("no KeyboardInterrupt")
+    except KeyboardInterrupt:
+        latency = time.perf_counter() - start - 0.5
+        if latency > 1.0:
+            failures.append(f"interrupt took {latency:.2f} s to land")
+        print(f"INTERRUPTED {r} {latency * 1000:.1f} ms after SIGINT", flush=True)
+    _api.abandon_queued("the cell was interrupted")
+    time.sleep(max(0.0, deadline - time.time()))
+    exact_after("after an interrupt while settling", 402)
 
 elif mode == "sets":
     assert n > 1
