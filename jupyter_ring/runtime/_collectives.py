@@ -17,7 +17,7 @@ from ._errors import RingError
 
 __all__ = ["allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
-           "Flat"]
+           "Flat", "eager_one"]
 
 TAG_AG = TAG_DATA + 10
 _SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
@@ -162,6 +162,32 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None):
         _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single)
     rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), phases)
     return outs
+
+
+def eager_one(rt, src, dst, plan, name, desc, own):
+    """One tensor whose payload fits the agreement message, on the short path (a blocking call on
+    an idle engine): ``allreduce`` + ``_eager`` for a single member, without the fused pass's
+    generality. Returns the flat output: ``dst``, or a new array when it is None."""
+    nbytes = src.nbytes
+    if nbytes > rt.eager_limit:  # the capacity changed at a resync since the caller looked
+        return allreduce(rt, [Member(src, dst)], plan, name, desc, None, own)[0]
+    start = time.perf_counter()
+    dtype = plan.dtype
+    total = src.size
+    payload = rt.payload_view(dtype, total)
+    if plan.scale_pre != 1.0:
+        np.multiply(src, dtype.type(plan.scale_pre), out=payload)
+    else:
+        np.copyto(payload, src)
+    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=nbytes, own=own)
+    agreed = time.perf_counter()
+    if dst is None:
+        dst = np.empty(total, dtype)
+    me = rt.rank
+    _reduce_into(dst, [payload if q == me else rt.peer_payload(q, dtype, total) for q in rt.participants],
+                 plan, rt.joined)
+    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
+    return dst
 
 
 def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):

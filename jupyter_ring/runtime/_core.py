@@ -204,6 +204,7 @@ class Runtime:
         self._sendbuf = None
         self._header_recvs = []
         self._header_recv = {}
+        self._header_sends = {}   # message length -> persistent sends of the header buffer, per active peer
         self._agree_cache = {}
         self._retired = []        # data communicators left by resyncs, freed at close (see resync)
 
@@ -296,12 +297,33 @@ class Runtime:
         self._header_recv = {p: self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers}
         self._header_recvs = [self._header_recv[p] for p in self.active]
 
+    def _persistent_sends(self, message):
+        """Persistent sends of the header buffer's first ``len(message)`` bytes to every active
+        peer, made once per message length (a loop's collectives reuse theirs: no request is
+        built per call) and freed when the buffers or the active peers change."""
+        if len(self._header_sends) >= 64:
+            self._free_sends()
+        sends = self._header_sends[len(message)] = [self.comm.Send_init(message, p, TAG_HEADER)
+                                                    for p in self.active]
+        return sends
+
+    def _free_sends(self):
+        for sends in self._header_sends.values():
+            for req in sends:
+                try:
+                    if req.Test():  # an abandoned one is cancelled with its collective (resync)
+                        req.Free()
+                except self.MPI.Exception:  # pragma: no cover - freed with its communicator
+                    pass
+        self._header_sends = {}
+
     def _set_participants(self):
         """Peers that joined are left out of headers' replies and of allreduces' data."""
         self.active = [p for p in self.peers if p not in self.joined]
         self._waits_on = self.active + self.active + list(self.joined)  # negotiate's requests' peers
         self.participants = sorted(self.active + [self.rank])
         self._header_recvs = [self._header_recv[p] for p in self.active]
+        self._free_sends()
 
     def name_of(self, ranks):
         """Ranks of this communicator as the user knows them (global ranks in a process set)."""
@@ -318,6 +340,7 @@ class Runtime:
                 pass
         self._header_recvs = []
         self._header_recv = {}
+        self._free_sends()
 
     def close(self):
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
@@ -496,37 +519,34 @@ class Runtime:
 
     def run(self, fn, *args):
         """Run one collective with agreement, recovery and retries after a peer's resync."""
-        try:
-            return self._run(fn, *args)
+        try:  # one frame: this wraps every collective
+            for _attempt in range(5):
+                if self.dirty or self._poll_notices() > self.gen:
+                    self.resync()
+                self.partial = False
+                try:
+                    result = fn(*args)
+                except _Restart:
+                    self._abandon()
+                    if self.partial:
+                        raise RingError(
+                            "a peer gave up this collective (interrupted, failed or timed out) after this "
+                            "rank had written part of the result into its input tensor (in place), so it "
+                            "cannot be retried: the tensor now holds partial results. Recompute it and "
+                            "call the collective again on every rank.") from None
+                    continue
+                except (CollectiveMismatchError, PeerError, Recut, Disagree):
+                    self._inflight = []  # every header and description was consumed: nothing in flight
+                    raise
+                except BaseException:
+                    self._abandon()
+                    raise
+                self._inflight = []
+                return result
+            raise RingError("a collective was restarted 5 times by peers' resyncs; the ranks are not "
+                            "calling the same collectives. Restart the cluster (%ring restart).")
         finally:
             activity.end()
-
-    def _run(self, fn, *args):
-        for _attempt in range(5):
-            if self.dirty or self._poll_notices() > self.gen:
-                self.resync()
-            self.partial = False
-            try:
-                result = fn(*args)
-            except _Restart:
-                self._abandon()
-                if self.partial:
-                    raise RingError(
-                        "a peer gave up this collective (interrupted, failed or timed out) after this "
-                        "rank had written part of the result into its input tensor (in place), so it "
-                        "cannot be retried: the tensor now holds partial results. Recompute it and "
-                        "call the collective again on every rank.") from None
-                continue
-            except (CollectiveMismatchError, PeerError, Recut, Disagree):
-                self._inflight = []  # every header and description was consumed: nothing in flight
-                raise
-            except BaseException:
-                self._abandon()
-                raise
-            self._inflight = []
-            return result
-        raise RingError("a collective was restarted 5 times by peers' resyncs; the ranks are not "
-                        "calling the same collectives. Restart the cluster (%ring restart).")
 
     # ------------------------------------------------------------------ agreement
     def agreement(self, kind, dtype, op, root, count, desc):
@@ -566,7 +586,10 @@ class Runtime:
         self.MPI.Prequest.Startall(recvs)
         if per_peer is None:
             message = self._message(self._sendbuf, own, aux, payload, pending, region, preset)
-            sends = [comm.Isend(message, p, TAG_HEADER) for p in peers]
+            sends = self._header_sends.get(len(message))
+            if sends is None:
+                sends = self._persistent_sends(message)
+            self.MPI.Prequest.Startall(sends)
         else:
             sends = []
             for p in peers:
@@ -578,7 +601,7 @@ class Runtime:
         if self.joined:
             # joined ranks reply to nothing, but see that this rank still runs collectives
             header = memoryview(self._sendbuf)[:HEADER_BYTES] if per_peer is None else message
-            sends += [comm.Isend(header, p, TAG_HEADER) for p in self.joined]
+            sends = sends + [comm.Isend(header, p, TAG_HEADER) for p in self.joined]  # not the cached list
         reqs = recvs + sends
         self._inflight = sends  # the persistent receives are cancelled by resync, not _abandon
         self._wait(reqs, lambda: f"{kind} '{name}'", self._waits_on)

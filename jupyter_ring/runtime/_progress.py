@@ -441,11 +441,17 @@ class Engine:
                 self.agreements.clear()
             own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, entry.src.size,
                                                       entry.describe())
-        members = [C.Member(entry.src, entry.dst)]
+        src = entry.src
+        # the short path's own body when the payload rides in the agreement message
+        eager = src.nbytes <= rt.eager_limit
+        members = None if eager else [C.Member(src, entry.dst)]
         while True:
             rt.negotiable = True
             try:
-                out = rt.run(C.allreduce, rt, members, plan, entry.name, entry.describe, None, own)[0]
+                if eager:
+                    out = rt.run(C.eager_one, rt, src, entry.dst, plan, entry.name, entry.describe, own)
+                else:
+                    out = rt.run(C.allreduce, rt, members, plan, entry.name, entry.describe, None, own)[0]
             except Recut:
                 continue
             return entry.result if entry.result is not None else out.reshape(entry.shape)
