@@ -505,6 +505,27 @@ def _reduce(tensor, in_place, average, name, op, prescale, postscale, process_se
     return engine, Reduce(next(_proc.handles), name, explicit, src, None, None, arr.shape, plan)
 
 
+def bucket_allreduce_async_(array, fill, name, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=None):
+    """Queue an in-place allreduce of a gradient bucket whose gradients ``fill()`` moves in.
+
+    ``fill`` (or None) runs in the engine's executor right before the reduction, not in the
+    caller's thread: torch's backward, which queues the bucket from a gradient hook, goes on with
+    the next layer while the copy runs beside it. Run alone, never fused with a neighbour, so
+    every rank runs every bucket as its own collective whatever its neighbours are.
+    """
+    engine, entry = _reduce(array, True, None, name, op, prescale_factor, postscale_factor, process_set)
+    members = [C.Member(entry.src, entry.src)]
+    desc = entry.describe()
+
+    def run(rt):
+        if fill is not None:
+            fill()
+        C.allreduce(rt, members, entry.plan, entry.name, desc)
+        return array
+    return _submit(engine, Call(entry.handle, "allreduce", entry.name, run), entry.src.nbytes)
+
+
 def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=None):
     """Allreduce a list of arrays together (one fused pass); returns a list."""

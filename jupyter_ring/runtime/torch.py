@@ -947,6 +947,16 @@ def _collect_slots(obj, out):
 _BUCKET_BYTES = 8 << 20
 
 
+def _mover(moves):
+    """The ``fill`` of a bucket: copy each fresh gradient into its slot, then let it go."""
+    def fill():
+        with torch.no_grad():
+            for view, grad in moves:
+                view.copy_(grad)
+        moves.clear()
+    return fill
+
+
 class _Bucket:
     """Consecutive gradients (in backward order) reduced by one in-place allreduce of ``flat``.
 
@@ -1269,8 +1279,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._next += 1
 
     def _launch(self, bucket):
-        """Put the bucket's gradients in place and start its allreduce in the background."""
+        """Put the bucket's gradients in place and start its allreduce in the background.
+
+        Zero copy: a gradient autograd made afresh is moved into its slot by the engine's executor
+        just before the reduction (``fill``), not here: backward goes on at once.
+        """
         flat = bucket.flat
+        moves = []
         with torch.no_grad():
             for i, offset in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
@@ -1289,15 +1304,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view if bucket.views else torch.zeros_like(p)
                 elif bucket.views:
                     if grad.data_ptr() != view.data_ptr():  # autograd made it afresh: move it in
-                        view.copy_(grad)
+                        moves.append((view, grad))
                         if i not in bucket.sparse:
                             p.grad = view
                 else:
                     compressed, bucket.contexts[i] = self._compression.compress(grad)
                     view.copy_(compressed)
-        bucket.handle = _ring.allreduce_async_(bucket.array, name=bucket.name, op=self._op,
-                                               prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                               process_set=self._process_set)
+        bucket.handle = _api.bucket_allreduce_async_(bucket.array, _mover(moves) if moves else None, bucket.name,
+                                                     op=self._op, prescale_factor=self._prescale,
+                                                     postscale_factor=self._postscale, process_set=self._process_set)
         _api.flush(self._process_set)
 
     def _sparse_allreduce(self, p, i):
