@@ -644,8 +644,10 @@ class Runtime:
         if mismatch:
             self._explain_mismatch(kind, name, dtype, op, root, desc() if callable(desc) else desc)
         if self.joined and kind != "allreduce":
+            # a mismatch (join against another collective), raised on every active rank after every
+            # header was consumed: no resync, so the collective still counts for join's last rank
             joined = self.name_of(sorted(self.joined))
-            raise RingError(
+            raise CollectiveMismatchError(
                 f"{kind} '{name}': rank(s) {joined} called join() and wait for the others to join; "
                 "only allreduce can run until every rank has joined (as in Horovod). Call join() on "
                 "this rank too, or run this collective before any rank joins.")

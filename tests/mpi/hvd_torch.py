@@ -262,6 +262,25 @@ last = hvd.join()
 if len(set(hvd.allgather_object(last))) != 1 or not 0 <= last < n:
     failures.append(f"join returned {last}")
 
+# ---- join after a refused collective (Horovod's test_horovod_join_{allgather,broadcast}): each rank
+# in turn joins first; the others' allgather/broadcast raises on each of them, then they join too.
+# The refused collective still counts: join returns a later joiner (the highest rank of those),
+# never the first, the same on every rank.
+if n > 1:
+    for first in range(n):
+        for kind in ("allgather", "broadcast"):
+            if r != first:
+                tensor = every_rank(first, (17, 3))[r]
+                call = ((lambda: hvd.allgather(tensor)) if kind == "allgather"
+                        else (lambda: hvd.broadcast(tensor, r, name="join.broadcast")))
+                expect_raises(f"{kind} while rank {first} has joined", (hvd.CollectiveMismatchError,), call)
+            last = hvd.join()
+            want = max(q for q in range(n) if q != first)
+            if hvd.allgather_object(last) != [want] * n:
+                failures.append(f"join after a refused {kind} (rank {first} joined first): {last}, want {want}")
+    check("allreduce after the joins", hvd.allreduce(torch.full((5,), float(r)), op=hvd.Sum, name="after.joins"),
+          torch.full((5,), float(n * (n - 1) // 2)))
+
 if failures:
     print(f"rank {r}: {len(failures)} failures:\n  " + "\n  ".join(failures[:30]), flush=True)
     sys.exit(1)
