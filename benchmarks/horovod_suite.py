@@ -11,7 +11,10 @@ The checkout is a clone of horovod/horovod (0.28); this script fetches nothing. 
 internals (``horovod.common.util.is_version_greater_equal_than``,
 ``horovod.runner.util.threads.in_thread``). Then each test of ``test/parallel/test_<suite>.py``
 runs alone under ``mpiexec -n 2 python -m pytest <test>`` with stdin from /dev/null; every rank
-writes its own JUnit report and a test passes only when every rank passed it.
+writes its own JUnit report and a test passes only when every rank passed it (a rank's error,
+or a report with no test case in it, fails it). An item pytest cannot even collect (a module that
+stops at its imports) is a row of its own category, ``error``: counted among the non-GPU tests,
+never as a pass.
 
 A test counts as needing a GPU when its name says gpu/cuda or its skip reason does; the figure
 that matters is ``passed / (tests - GPU tests)``. Prints one markdown table per suite and a
@@ -23,11 +26,13 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -68,6 +73,9 @@ ALIAS = {
         "    return thread\n"),
 }
 _GPU = re.compile(r"gpu|cuda|nccl", re.I)
+# "error": an item pytest could not even collect (a module that stops at its imports); it counts
+# among the non-GPU tests and never as a pass
+RESULTS = ("pass", "fail", "error", "skip")
 
 
 def write_alias(folder):
@@ -89,16 +97,36 @@ def child_env(alias, home):
     return env
 
 
+class Collected(NamedTuple):
+    """What pytest found in one module: runnable test ids, and the items it could not collect."""
+
+    tests: list
+    errors: list  # rows (result "error") for items whose collection raised: failures, never passes
+
+
 def collect(path, env, workdir):
-    """The test ids of one module (pytest --collect-only, one process)."""
+    """The test ids of one module, and a row per collection error (pytest --collect-only, one process)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           "-c", os.path.join(workdir, "pytest.ini"), "--rootdir", os.path.dirname(path), path],
                          capture_output=True, text=True, env=env, cwd=os.path.dirname(path),
                          stdin=subprocess.DEVNULL)
-    ids = [line.split("::", 1)[1] for line in out.stdout.splitlines() if "::" in line]
-    if not ids:
+    ids, errors = [], []
+    # the traceback's "E   <exception>" lines: the short summary cuts its messages with "..."
+    raised = [line[1:].strip() for line in out.stdout.splitlines() if line.startswith("E ")]
+    for line in out.stdout.splitlines():
+        # "ERROR test_x.py::Class - AttributeError: ..." (the short summary of a collection error)
+        failed = re.match(r"ERROR (\S+?)(?: - (.*))?$", line)
+        if failed:
+            node, message = failed.group(1), failed.group(2) or "collection error"
+            if message.endswith("..."):
+                message = next((text for text in raised if text.startswith(message[:-3])), message)
+            errors.append({"test": node.split("::", 1)[-1], "result": "error", "gpu": False, "seconds": 0.0,
+                           "reason": _first_line(f"collection error: {message}")})
+        elif "::" in line and not line.startswith(("ERROR", "FAILED")):
+            ids.append(line.split("::", 1)[1])
+    if not ids and not errors:
         raise SystemExit(f"no tests collected from {path}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return ids
+    return Collected(ids, errors)
 
 
 def _reports(folder, n):
@@ -141,6 +169,7 @@ def run_one(path, test, n, env, timeout, workdir):
               f'--rootdir "{os.path.dirname(path)}" --junitxml="{folder}/rank$PMI_RANK.xml" '
               f'"{path}::{test}"')
     cmd = [find_mpiexec(), "-n", str(n), "sh", "-c", script]
+    load = os.getloadavg()[0]  # the machine's load as the test starts (other work distorts timings)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=os.path.dirname(path), stdin=subprocess.DEVNULL, start_new_session=True)
@@ -154,7 +183,8 @@ def run_one(path, test, n, env, timeout, workdir):
     seconds = time.perf_counter() - start
     reports = _reports(folder, n)
     outcomes = {r: rep[0] for r, rep in reports.items() if rep is not None}
-    failed = sorted(r for r, o in outcomes.items() if o == "failed")
+    # anything but passed or skipped (a failure, an error, a report with no test case) is a failure
+    failed = sorted(r for r, o in outcomes.items() if o not in ("passed", "skipped"))
     silent = sorted(r for r, rep in reports.items() if rep is None)
     if failed:
         verdict, reason = "fail", f"rank {failed[0]}: {_first_line(reports[failed[0]][1])}"
@@ -171,7 +201,8 @@ def run_one(path, test, n, env, timeout, workdir):
     else:
         verdict, reason = "pass", ""
     gpu = bool(_GPU.search(test)) or (verdict == "skip" and bool(_GPU.search(reason)))
-    return {"test": test, "result": verdict, "reason": reason, "gpu": gpu, "seconds": round(seconds, 1)}
+    return {"test": test, "result": verdict, "reason": reason, "gpu": gpu, "seconds": round(seconds, 1),
+            "load": round(load, 2)}
 
 
 def table(suite, rows):
@@ -183,12 +214,12 @@ def table(suite, rows):
 
 
 def summary(suite, rows):
-    count = {k: sum(1 for r in rows if r["result"] == k) for k in ("pass", "fail", "skip")}
+    count = {k: sum(1 for r in rows if r["result"] == k) for k in RESULTS}
     cpu = [r for r in rows if not r["gpu"]]
     cpu_pass = sum(1 for r in cpu if r["result"] == "pass")
     share = f"{100.0 * cpu_pass / len(cpu):.1f} %" if cpu else "-"
-    return (f"| test_{suite}.py | {len(rows)} | {count['pass']} | {count['fail']} | {count['skip']} | "
-            f"{len(rows) - len(cpu)} | {cpu_pass} / {len(cpu)} = {share} |")
+    return (f"| test_{suite}.py | {len(rows)} | {count['pass']} | {count['fail']} | {count['error']} | "
+            f"{count['skip']} | {len(rows) - len(cpu)} | {cpu_pass} / {len(cpu)} = {share} |")
 
 
 def main():
@@ -212,6 +243,14 @@ def main():
         except ImportError:
             raise SystemExit(f"Horovod's tests import {module}: pip install 'jupyter_ring[horovod-suite]'") from None
     workdir = tempfile.mkdtemp(prefix="horovod_suite_")
+    try:
+        run_suites(args, tests_dir, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_suites(args, tests_dir, workdir):
+    """Run every chosen suite's tests in ``workdir``; print the tables, the summary and the load."""
     with open(os.path.join(workdir, "pytest.ini"), "w") as fh:
         fh.write("[pytest]\n")
     alias, home = os.path.join(workdir, "alias"), os.path.join(workdir, "home")
@@ -222,11 +261,14 @@ def main():
     results = {}
     for suite in args.suite:
         path = os.path.join(tests_dir, f"test_{suite}.py")
-        tests = [t for t in collect(path, env, workdir) if args.k is None or args.k in t]
+        found = collect(path, env, workdir)
+        tests = [t for t in found.tests if args.k is None or args.k in t]
+        errors = [row for row in found.errors if args.k is None or args.k in row["test"]]
         kept = {}
         if suite in previous:
-            kept = {row["test"]: row for row in previous[suite] if row["result"] != "fail"}
+            kept = {row["test"]: row for row in previous[suite] if row["result"] in ("pass", "skip")}
             tests = [t for t in tests if t not in kept]
+            errors = [row for row in errors if row["test"] not in kept]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(run_one, path, t, args.n, env, args.timeout, workdir) for t in tests]
             rows = []
@@ -235,12 +277,17 @@ def main():
                 rows.append(row)
                 print(f"[{suite}] {row['result']:4} {row['seconds']:6.1f}s {row['test']} {row['reason'][:120]}",
                       file=sys.stderr, flush=True)
-        rows = sorted(rows + list(kept.values()), key=lambda row: row["test"])
+        for row in errors:
+            print(f"[{suite}] error {row['test']} {row['reason'][:120]}", file=sys.stderr, flush=True)
+        rows = sorted(rows + errors + list(kept.values()), key=lambda row: row["test"])
         results[suite] = rows
         print(table(suite, rows) + "\n", flush=True)
-    print(f"{args.n} ranks, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}\n")
-    print("| suite | tests | pass | fail | skip | need a GPU | pass of the non-GPU tests |")
-    print("|---|---|---|---|---|---|---|")
+    loads = sorted(row["load"] for rows in results.values() for row in rows if "load" in row)
+    seen = (f"load {loads[0]:.1f}-{loads[-1]:.1f} (median {loads[len(loads) // 2]:.1f}) as the tests started"
+            if loads else "no test ran")
+    print(f"{args.n} ranks, {time.strftime('%Y-%m-%d %H:%M')}, {seen}, load {os.getloadavg()[0]:.1f} at the end\n")
+    print("| suite | tests | pass | fail | collection error | skip | need a GPU | pass of the non-GPU tests |")
+    print("|---|---|---|---|---|---|---|---|")
     for suite, rows in results.items():
         print(summary(suite, rows))
     if args.json:

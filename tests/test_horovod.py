@@ -126,3 +126,36 @@ def test_graph_mode_tutorial_runs_with_only_its_import_changed(mpirun):
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
     result = mpirun("tf_graph_tutorial.py", 2, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     assert sorted(int(line.split()[1]) for line in result.lines("TF_TUTORIAL_OK")) == [0, 1], result.stdout
+
+
+def test_suite_harness_counts_a_collection_error_as_an_error_never_a_pass(tmp_path):
+    """benchmarks/horovod_suite.py on a stand-in checkout: a test class that stops while pytest
+    collects it (as Horovod's test_keras.py does under Keras 3) is an ``error`` row, a failing test
+    fails, a passing one passes, each judged from every rank's report (one rank each here)."""
+    for module in ("parameterized", "mock", "cloudpickle", "packaging"):
+        pytest.importorskip(module, reason="needs the horovod-suite extra: pip install 'jupyter_ring[horovod-suite]'")
+    parallel = tmp_path / "horovod" / "test" / "parallel"
+    parallel.mkdir(parents=True)
+    (parallel / "test_keras.py").write_text(
+        "import unittest\n\n\n"
+        "class KerasTests(unittest.TestCase):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        raise AttributeError(\"module 'tensorflow' has no attribute 'ConfigProto' (a long message)\")\n\n"
+        "    def test_never_runs(self):\n"
+        "        pass\n\n\n"
+        "def test_passes():\n"
+        "    assert 1 + 1 == 2\n\n\n"
+        "def test_fails():\n"
+        "    assert 1 + 1 == 3, 'one and one'\n")
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "horovod_suite.py"),
+                           str(tmp_path / "horovod"), "--suite", "keras", "-n", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["test"]: row for row in json.load(open(out))["keras"]}
+    assert {name: row["result"] for name, row in rows.items()} == {
+        "KerasTests": "error", "test_passes": "pass", "test_fails": "fail"}, rows
+    assert "AttributeError: module 'tensorflow' has no attribute 'ConfigProto' (a long message)" in \
+        rows["KerasTests"]["reason"]
+    assert "one and one" in rows["test_fails"]["reason"]
+    assert "| test_keras.py | 3 | 1 | 1 | 1 | 0 | 0 | 1 / 3 = 33.3 % |" in proc.stdout, proc.stdout
