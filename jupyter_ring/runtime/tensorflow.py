@@ -16,8 +16,8 @@ optimizer, ``hvd.BroadcastGlobalVariablesHook``). Tensors cross into the runtime
 eagerly through ``tensor.numpy()``, in a graph through one ``tf.py_function`` per collective (so
 XLA-compiled functions, ``jit_compile=True``, cannot contain them). Every collective has
 Horovod's gradient. Errors are TensorFlow's: ranks that disagree raise
-``tf.errors.FailedPreconditionError`` on every rank (eagerly; inside a graph op TensorFlow's
-py_function lets only ``InvalidArgumentError`` through), bad arguments found while running raise
+``tf.errors.FailedPreconditionError`` on every rank (inside a graph op through a failed variable
+read, since py_function keeps no error type: see _GraphErrors), bad arguments found while running raise
 ``tf.errors.InvalidArgumentError``, a stall ``tf.errors.DeadlineExceededError`` (``UnknownError``
 inside a graph op). bfloat16 travels
 as float32; GPU tensors are staged through host memory. For Keras 3 ``model.fit`` see
@@ -114,9 +114,8 @@ def _host(t):
 
 
 class _GraphDisagreementError(tf.errors.FailedPreconditionError, ValueError):
-    """Ranks disagree, inside a graph op: TensorFlow's py_function kernel keeps no TF error type
-    and maps ValueError to InvalidArgumentError (anything else to UnknownError), so this one is
-    a ValueError too."""
+    """Ranks disagree, inside a graph op: returned by the op's py_function, not raised (see
+    _GraphErrors); a ValueError too, so that it arrives as InvalidArgumentError if it escapes."""
 
 
 class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
@@ -127,8 +126,8 @@ class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
 def _tf_error(exc, in_graph=False):
     """The TensorFlow exception Horovod raises for a runtime error (the message kept).
 
-    Eagerly a disagreement is FailedPreconditionError as in Horovod; inside a graph op (a
-    tf.function or a TF1 session) it arrives as InvalidArgumentError (see _GraphDisagreementError).
+    A disagreement is FailedPreconditionError as in Horovod, eagerly and inside a graph op (a
+    tf.function or a TF1 session: see _GraphErrors).
     """
     message = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
@@ -196,6 +195,62 @@ _session_ops = _SessionOps()
 _lock = threading.RLock()
 
 
+class _GraphErrors:
+    """Makes a graph op raise ranks' disagreement as FailedPreconditionError, as Horovod's does.
+
+    TensorFlow's py_function kernel turns a Python exception into InvalidArgumentError (ValueError,
+    TypeError), OutOfRangeError, ResourceExhaustedError, UnimplementedError or UnknownError; it
+    never keeps an OpError's type. So a collective's py_function returns a disagreement instead of
+    raising it: a flag, and a resource handle named by the message that no variable has. The
+    graph reads that handle only when the flag is set, and TensorFlow's ReadVariableOp raises
+    FailedPreconditionError "Could not find variable <the message>" on every rank that disagreed.
+    """
+
+    CONTAINER = "jupyter_ring"
+
+    def __init__(self):
+        self._ok = None  # the handle returned on success (never read)
+
+    def handle(self, message=None):
+        """An eager resource handle: named by ``message``, or the one unread handle for success."""
+        if message is None:
+            if self._ok is None:
+                self._ok = self._named("jupyter_ring: no error")
+            return self._ok
+        return self._named(f"\n{message}\n")
+
+    def _named(self, name):
+        return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=name, container=self.CONTAINER)
+
+    def op(self, body, tensors, out_dtypes, out_shapes):
+        """``body(*tensors) -> outputs`` as one tf.py_function; a _GraphDisagreementError it raises
+        fails the graph with FailedPreconditionError, and no output is used before that check."""
+
+        def py(*ts):
+            try:
+                outs = list(body(*ts))
+            except _GraphDisagreementError as exc:
+                # placeholders of the declared shapes (unknown dimensions empty): never read, the
+                # outputs wait for the check below, which fails
+                outs = [tf.zeros([d or 0 for d in s] if s is not None and s.rank is not None else [0], d)
+                        for d, s in zip(out_dtypes, out_shapes)]
+                return outs + [tf.constant(True), self.handle(str(exc))]
+            return outs + [tf.constant(False), self.handle()]
+
+        *outs, failed, handle = tf.py_function(py, list(tensors), Tout=list(out_dtypes) + [tf.bool, tf.resource])
+        check = tf.cond(failed, lambda: tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32),
+                        lambda: tf.constant(0, tf.int32))
+        with tf.control_dependencies([check]):
+            outs = [tf.identity(o) for o in outs]
+        for o, shape in zip(outs, out_shapes):
+            if shape is not None:
+                o.set_shape(shape)
+        return outs
+
+
+_graph_errors = _GraphErrors()
+
+
 def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
     """Run ``fn(list of numpy arrays) -> list of numpy arrays`` eagerly or as one tf.py_function.
 
@@ -220,11 +275,8 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
         outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
-    outs = tf.py_function(py, tensors, Tout=list(out_dtypes))
-    for o, s in zip(outs, out_shapes):
-        if s is not None:
-            o.set_shape(s)
-    return outs
+    return _graph_errors.op(py, tensors, out_dtypes, [tf.TensorShape(s) if s is not None else None
+                                                     for s in out_shapes])
 
 
 def _ref(variable):
@@ -780,10 +832,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
 
     if tf.executing_eagerly():
         return fused(*tensors)
-    outs = tf.py_function(fused, tensors, Tout=[t.dtype for t in tensors])
-    for o, t in zip(outs, tensors):
-        o.set_shape(t.shape)
-    return outs
+    return _graph_errors.op(fused, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
 
 
 def _reduce_dense(tensors, op, prescale, postscale, names, process_set):

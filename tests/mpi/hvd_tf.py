@@ -43,6 +43,20 @@ def expect_raises(label, exc_types, fn):
     _checks.expect_raises(failures, label, exc_types, fn)
 
 
+def expect_disagreement(label, named, fn):
+    """``fn()`` raises FailedPreconditionError (Horovod's type for ranks that disagree), naming ``named``."""
+    try:
+        fn()
+    except tf.errors.FailedPreconditionError as exc:
+        if "CollectiveMismatchError" not in str(exc) or named not in str(exc):
+            failures.append(f"{label}: the message lacks the runtime's error on {named!r}: {str(exc)[:300]}")
+        return
+    except Exception as exc:  # noqa: BLE001 - reported
+        failures.append(f"{label}: raised {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    failures.append(f"{label}: did not raise")
+
+
 def every_rank(seed, shape, dtype=np.float32):
     g = np.random.default_rng(seed)
     return [(g.uniform(-100, 100, shape)).astype(dtype) for _ in range(n)]
@@ -52,10 +66,20 @@ def every_rank(seed, shape, dtype=np.float32):
 if n > 1:
     expect_raises("shape mismatch (eager)", (tf.errors.FailedPreconditionError,),
                   lambda: hvd.allreduce(tf.zeros([3 + r]), name="mismatch"))
-    # inside a graph op TensorFlow's py_function lets InvalidArgumentError through, not FailedPrecondition
-    expect_raises("dtype mismatch (tf.function)", (tf.errors.InvalidArgumentError,),
-                  lambda: tf.function(lambda: hvd.allreduce(tf.zeros([3], tf.float32 if r else tf.float64),
-                                                            name="mismatch.fn"))())
+    # inside a graph op too (py_function keeps no error type: a failed variable read raises it),
+    # with the runtime's message; the fused gradient op of DistributedGradientTape alike
+    expect_disagreement("dtype mismatch (tf.function)", "mismatch.fn",
+                        lambda: tf.function(lambda: hvd.allreduce(tf.zeros([3], tf.float32 if r else tf.float64),
+                                                                  name="mismatch.fn"))())
+    weights = tf.Variable(tf.ones([2 + r]))
+
+    @tf.function
+    def tape_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(weights * weights)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [weights])
+
+    expect_disagreement("gradient shapes differ (tf.function, fused)", "gradients[1 tensors", tape_step)
     expect_raises("alltoall dim 0 not divisible", (tf.errors.InvalidArgumentError,),
                   lambda: hvd.alltoall(tf.ones([n + 1])))
     close("usable after the errors", hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after"), [n, n])
@@ -175,8 +199,8 @@ with tf.Graph().as_default():
         sess.run(bcast)
         close("graph broadcast_global_variables", sess.run(var), 0.0)
         if n > 1:
-            # a TF1 session maps py_function errors to few types: InvalidArgumentError here
-            expect_raises("graph mismatch", (tf.errors.InvalidArgumentError,), lambda: sess.run(bad))
+            expect_disagreement("graph mismatch (TF1 session)", "graph.bad", lambda: sess.run(bad))
+            close("graph allreduce after the mismatch", sess.run(summed), np.full(3, n * (n + 1) / 2))
         close("graph size_op", sess.run(hvd.size_op()), n)
 
 # ---- Keras: LearningRateScheduleCallback, BestModelCheckpoint, load_model, PartialDistributedOptimizer
