@@ -22,6 +22,7 @@ through the same transport over gloo (how it is tested without a GPU); ``off`` s
 """
 
 import contextlib
+import warnings
 import weakref
 
 try:

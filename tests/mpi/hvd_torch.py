@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 
 import _checks
 import numpy as np
@@ -256,6 +257,21 @@ if r == 0:
                   "ALLREDUCE", "CYCLE_START"):
         if token not in text:
             failures.append(f"timeline lacks {token}")
+
+# ---- step() after synchronize() outside skip_synchronize(): one warning (Horovod's), then the step
+linear = torch.nn.Linear(1, 1)
+hvd.broadcast_parameters(linear.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(linear.parameters(), lr=0.1), named_parameters=linear.named_parameters())
+before = linear.weight.detach().clone()
+torch.nn.functional.mse_loss(linear(torch.full((1, 1), float(r))), torch.ones(1, 1)).backward()
+opt.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.step()
+if len(caught) != 1 or "optimizer.step() called without optimizer.skip_synchronize()" not in str(caught[0].message):
+    failures.append(f"step after synchronize warned {[str(w.message) for w in caught]}")
+if torch.equal(linear.weight.detach(), before) and n > 1:
+    failures.append("step after synchronize did not step")
 
 # ---- join: every rank joins at the same point; the same rank is returned everywhere
 last = hvd.join()
