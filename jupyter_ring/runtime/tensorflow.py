@@ -760,20 +760,31 @@ _FUSED_DTYPES = (tf.float16, tf.float32, tf.float64)
 
 
 class _GradientBuffers:
-    """64-byte aligned flat buffers, one per dtype, that the fused gradient allreduce works in.
+    """64-byte aligned flat buffers, one per dtype and process set, that the fused gradient
+    allreduce works in.
 
-    The reduced gradients handed back to TensorFlow are views of the buffer (DLPack, no copy), so
-    a buffer is reused only while no view of it is alive: every view holds a reference to it.
+    They come from the runtime's ``bucket_buffer``: on one host registered shared memory, which the
+    in-place allreduce reduces straight out of every rank's buffer, so the gradients are copied
+    once (into the buffer) and not again into the transport and back. The reduced gradients handed
+    back to TensorFlow are views of the buffer (DLPack, no copy), so a buffer is reused only while
+    no view of it is alive: every view holds a reference to it. A new runtime (shutdown, init)
+    gets new buffers.
     """
 
     def __init__(self):
         self.roots = {}
+        self.session = None
 
-    def flat(self, dtype, nbytes):
-        root = self.roots.get(dtype)
+    def flat(self, dtype, nbytes, process_set):
+        session = _api.session()
+        if session is not self.session:
+            self.roots, self.session = {}, session
+        key = (dtype, None if process_set is None else process_set.process_set_id)
+        root = self.roots.get(key)
         # 3 references: the dict, ``root`` and getrefcount's argument; more: a view is still alive
         if root is None or root.nbytes < nbytes + 64 or sys.getrefcount(root) > 3:
-            root = self.roots[dtype] = np.zeros(nbytes + 64, np.uint8)
+            self.roots.pop(key, None)  # its registered memory goes back once no view holds it
+            root = self.roots[key] = _api.bucket_buffer(nbytes + 64, process_set)
         start = (-root.ctypes.data) % 64
         return root[start:start + nbytes].view(dtype)
 
@@ -818,7 +829,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
                 if key is not None:
                     _session_ops.check(key, process_set)
                 for np_dtype, (entries, total) in groups.items():
-                    flat = _buffers.flat(np_dtype, total * np_dtype.itemsize)
+                    flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set)
                     for i, offset, size in entries:
                         flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
                     _ring.allreduce_(flat, name=f"{name}.{np_dtype}", op=op, prescale_factor=prescale,
