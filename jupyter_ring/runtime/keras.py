@@ -158,8 +158,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        """Rebuild from ``get_config``."""
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        """Rebuild from ``get_config`` (the config is read, never changed: it may be used again)."""
+        inner = keras.saving.deserialize_keras_object(config["inner_optimizer"], custom_objects=custom_objects)
         return cls(inner, name=config.get("name"))
 
 

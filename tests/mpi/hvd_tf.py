@@ -203,6 +203,16 @@ with tf.Graph().as_default():
             close("graph allreduce after the mismatch", sess.run(summed), np.full(3, n * (n + 1) / 2))
         close("graph size_op", sess.run(hvd.size_op()), n)
 
+# ---- Keras DistributedOptimizer config: from_config (on the instance and the class) reads the
+# config without changing it, so one config rebuilds the same optimizer twice (Horovod's test_from_config)
+wrapped = hvdk.DistributedOptimizer(keras.optimizers.Adam(0.003 * (r + 1)))
+config = wrapped.get_config()
+for label, rebuild in (("instance", wrapped.from_config), ("class", type(wrapped).from_config)):
+    copy = rebuild(config)
+    if copy.get_config() != config or not isinstance(copy.inner_optimizer, keras.optimizers.Adam):
+        failures.append(f"DistributedOptimizer.from_config on the {label}: {copy.get_config()} != {config}")
+    close(f"from_config on the {label}: learning rate", float(copy.learning_rate), 0.003 * (r + 1), 1e-7)
+
 # ---- Keras: LearningRateScheduleCallback, BestModelCheckpoint, load_model, PartialDistributedOptimizer
 keras.utils.set_random_seed(0)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
