@@ -266,7 +266,9 @@ def run_suites(args, tests_dir, workdir):
         errors = [row for row in found.errors if args.k is None or args.k in row["test"]]
         kept = {}
         if suite in previous:
-            kept = {row["test"]: row for row in previous[suite] if row["result"] in ("pass", "skip")}
+            # passes and skips stay; so do failures that -k leaves out (the table stays whole)
+            kept = {row["test"]: row for row in previous[suite]
+                    if row["result"] in ("pass", "skip") or (args.k is not None and args.k not in row["test"])}
             tests = [t for t in tests if t not in kept]
             errors = [row for row in errors if row["test"] not in kept]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:

@@ -159,3 +159,13 @@ def test_suite_harness_counts_a_collection_error_as_an_error_never_a_pass(tmp_pa
         rows["KerasTests"]["reason"]
     assert "one and one" in rows["test_fails"]["reason"]
     assert "| test_keras.py | 3 | 1 | 1 | 1 | 0 | 0 | 1 / 3 = 33.3 % |" in proc.stdout, proc.stdout
+    # --rerun-failed with -k runs the selected failure again and keeps every other row as it was
+    again = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "horovod_suite.py"),
+                           str(tmp_path / "horovod"), "--suite", "keras", "-n", "1", "--rerun-failed", str(out),
+                           "-k", "test_fails", "--json", str(again)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "test_fails" in proc.stderr and "test_passes" not in proc.stderr, proc.stderr  # only it ran
+    assert {row["test"]: row["result"] for row in json.load(open(again))["keras"]} == {
+        "KerasTests": "error", "test_passes": "pass", "test_fails": "fail"}
