@@ -255,11 +255,14 @@ class Engine:
                     try:
                         return self._alone(entry)
                     except Disagree as disagree:
-                        # the peers run other collectives now: queue this one first (it was called
-                        # before anything queued since) and settle by name with them at once
-                        queued = True
-                        self._queue_first(entry)
-                        self._round(settle=disagree.gen)
+                        settle = disagree.gen
+                    # the peers run other collectives now: queue this one first (it was called
+                    # before anything queued since) and settle by name with them at once; outside
+                    # the handler, so that an error of the settled round does not chain to Disagree
+                    # (an internal signal: a user's traceback would show it and the runtime's frames)
+                    queued = True
+                    self._queue_first(entry)
+                    self._round(settle=settle)
             finally:
                 self.callers -= 1
                 self.lock.release()
@@ -602,13 +605,15 @@ class Engine:
                 raise Abandoned(self.rt.abort)
             result = self._alone(entry)
         except Disagree as disagree:
-            return self._round(settle=disagree.gen)
+            result = disagree
         except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
             result = exc
         except BaseException as exc:
             self.results.setdefault(handle, _cancelled(exc))
             self._drop_queue(exc)
             raise
+        if type(result) is Disagree:  # settled outside the handler: no chain to Disagree
+            return self._round(settle=result.gen)
         self.results.setdefault(handle, result)
         self._remove({handle})
         self._notify()

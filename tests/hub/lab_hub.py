@@ -207,8 +207,16 @@ class LabHub:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         _, left = psutil.wait_procs(helpers, timeout=10)
+        # JupyterHub stops its proxy and services on SIGTERM; one that is still stopping when the
+        # hub is gone (a busy machine) gets its own SIGTERM: only one that ignores that survives
+        for proc in left:
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(left, timeout=10)
         if left:
-            survivors.append(f"the hub's proxy or services:\n{_describe(left)}")
+            survivors.append(f"the hub's proxy or services, 20 s after SIGTERM:\n{_describe(left)}")
             for proc in left:
                 proc.kill()
         for name in self.created:
