@@ -115,7 +115,7 @@ def test_horovod_torch_names(mpirun, n):
     assert sorted(int(line.split()[1]) for line in result.lines("HVD_TORCH_OK")) == list(range(n)), result.stdout
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.slow)])  # 2 ranks: tests/mpi/tf_all.py
 def test_horovod_tensorflow_and_keras_names(mpirun, n):
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
     result = mpirun("hvd_tf.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})

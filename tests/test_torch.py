@@ -81,20 +81,22 @@ def test_collectives_through_the_device_transport(mpirun, n):
     _all_ranks(mpirun("torch_collectives.py", n, env=GLOO, timeout=180), "TORCH_COLLECTIVES_OK", n)
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+# Rank counts are spread over the tests (the whole suite must stay ~20 minutes on 2 cores): the
+# device transport trains at 2 ranks, fails and rebuilds at 2 and 4, runs every collective at 1-3.
+@pytest.mark.parametrize("n", [2])
 def test_training_and_misuse_through_the_device_transport(mpirun, n):
     _all_ranks(mpirun("torch_train.py", n, env=GLOO, timeout=180), "TORCH_TRAIN_OK", n)
     _all_ranks(mpirun("torch_errors.py", n, env=GLOO, timeout=180), "TORCH_ERRORS_OK", n)
 
 
-@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_device_transport_failures_abort_and_rebuild(mpirun, n):
     # mismatch, bad arguments, an interrupt and a stall while a transfer is in flight, and the
     # user's default group shared, aborted and re-created in place (DDP keeps working)
     _all_ranks(mpirun("torch_device.py", n, env=GLOO, timeout=240), "TORCH_DEVICE_OK", n)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("n", [2, 3])  # one rank: test_collectives[1] and the reference itself
 def test_training_matches_one_process(mpirun, n):
     # MLP and CNN (SGD+momentum and Adam), fp16 compression, backward_passes_per_step=2,
     # unused parameters, per-rank hook order, broadcast_optimizer_state, LR scheduler

@@ -8,6 +8,7 @@ PartialDistributedOptimizer. Every rank asserts its own results; prints ``HVD_TF
 """
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -254,6 +255,10 @@ model.fit(xs, xs[:, :1] * (r + 1), batch_size=8, epochs=1, verbose=0,
 kernels = hvd.allgather_object([w.tobytes() for w in model.get_weights()])
 if n > 1 and (len({k[0] for k in kernels}) != 1 or len({k[2] for k in kernels}) == 1):
     failures.append("PartialDistributedOptimizer: shared layers must agree, the local layer must not")
+
+hvd.barrier()  # every rank is done with the checkpoint folder
+if r == 0:
+    shutil.rmtree(folder, ignore_errors=True)
 
 if failures:
     print(f"rank {r}: {len(failures)} failures:\n  " + "\n  ".join(failures[:30]), flush=True)

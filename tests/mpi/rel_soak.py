@@ -39,8 +39,10 @@ def data(seed, length):
 
 warm = None
 errors = 0
+# resources are compared from the point where the trace (its last 10,000 records) is full
+warm_at = min(count // 2, max(count // 10, 12000))
 for i in range(count):
-    if i == count // 10:
+    if i == warm_at:
         warm = resources()
     kind = KINDS[rng.integers(len(KINDS))]
     length = int(SIZES[rng.integers(len(SIZES))]) if rng.random() < 0.1 else int(SIZES[rng.integers(8)])
