@@ -1,13 +1,16 @@
 """jupyter_ring allreduce vs MPI_Allreduce (mpi4py, same MPI) vs torch.distributed gloo.
 
-    .venv/bin/python benchmarks/allreduce.py [--ranks 2] [--max-mib 256] [--json out.json]
+    .venv/bin/python benchmarks/allreduce.py [--ranks 2] [--min-kib 4] [--max-mib 256] [--json out.json]
+        [--baseline-src DIR] [--runs 3]
 
 Launches itself under the environment's mpiexec. For float32 sizes 4 KiB .. 256 MiB, in one run,
 calls interleaved per size: median time, busbw (nccl-tests: algbw * 2(n-1)/n) and jupyter_ring's
 ratios for MPI_Allreduce (in place), jupyter_ring in place (``allreduce_``), out of place
 (``allreduce``, a new array each call) and on a gradient bucket (``bucket_buffer``: registered
 memory, zero copy), gloo when torch is there; plus single-process memcpy bandwidth and a fusion line
-(100 async 40 KiB vs one 4 MiB).
+(100 async 40 KiB vs one 4 MiB). ``--baseline-src DIR`` runs another source tree's ``jupyter_ring``
+(``git worktree add /tmp/base <commit>``) and this one in alternate runs (``--runs`` each), prints
+each tree's table of medians over its runs, then this tree's busbw ÷ the baseline's per size.
 """
 
 import argparse
@@ -25,7 +28,10 @@ KiB, MiB = 1 << 10, 1 << 20
 def parse():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--min-kib", type=int, default=4)
     parser.add_argument("--max-mib", type=int, default=256)
+    parser.add_argument("--baseline-src", help="another source tree to measure in alternate runs")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each tree with --baseline-src")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -75,7 +81,7 @@ def worker(args):
     barrier = comm.Barrier
     factor = 2 * (size - 1) / size
     rows = []
-    nbytes = 4 * KiB
+    nbytes = args.min_kib * KiB
     while nbytes <= args.max_mib * MiB:
         count = nbytes // 4
         # Max keeps repeated in-place reductions finite (Sum would overflow to inf after ~128)
@@ -156,25 +162,66 @@ def report(result):
     return "\n".join(lines)
 
 
+def run(args, src=None):
+    """One mpiexec run of the workers (``src``: the tree whose jupyter_ring they import)."""
+    from jupyter_ring.launch import find_mpiexec, mpi_env
+
+    env = mpi_env()
+    if src:
+        env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
+           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        sys.exit(f"benchmark failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    result = json.loads(results[0])
+    result["load"] = open("/proc/loadavg").read().split()[0]
+    return result
+
+
+def median_of(results):
+    """One result whose every figure is the median over ``results`` (same sizes and keys)."""
+    med = lambda values: float(np.median(values))  # noqa: E731
+    rows = [{key: med([r["rows"][i][key] for r in results]) if key != "bytes" else row[key] for key in row}
+            for i, row in enumerate(results[0]["rows"])]
+    return {"rows": rows, "size": results[0]["size"], "memcpy": med([r["memcpy"] for r in results]),
+            "fusion": {k: med([r["fusion"][k] for r in results]) for k in results[0]["fusion"]}}
+
+
 def main():
     args = parse()
     if args.worker:
         worker(args)
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from jupyter_ring.launch import find_mpiexec, mpi_env
-
-    cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--max-mib", str(args.max_mib)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env())
-    results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
-        sys.exit(f"benchmark failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    result = json.loads(results[0])
-    print(report(result))
+    if not args.baseline_src:
+        result = run(args)
+        print(report(result))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        return
+    trees = {"baseline": args.baseline_src, "this tree": None}
+    results = {name: [] for name in trees}
+    for _ in range(args.runs):  # alternate, so a disturbance hits both alike
+        for name, src in trees.items():
+            results[name].append(run(args, src))
+    merged = {name: median_of(rs) for name, rs in results.items()}
+    for name, src in trees.items():
+        loads = ", ".join(r["load"] for r in results[name])
+        print(f"## {name} ({src or 'this checkout'}), medians of {args.runs} runs; load at each run {loads}\n")
+        print(report(merged[name]) + "\n")
+    keys = [k for k in ("ring", "ring_out", "bucket") if k in merged["this tree"]["rows"][-1]]
+    print("| size | " + " | ".join(f"{k} busbw this ÷ baseline" for k in keys) + " |")
+    print("|" + "---|" * (len(keys) + 1))
+    for new, old in zip(merged["this tree"]["rows"], merged["baseline"]["rows"]):
+        cells = [f"{new[k + '_busbw'] / old[k + '_busbw']:.2f}" if k + "_busbw" in new and k + "_busbw" in old
+                 else "-" for k in keys]
+        print(f"| {human(new['bytes'])} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+            json.dump(results, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -427,19 +427,29 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
 
 
 def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled):
-    """Allreduce through the ranks' shared-memory slots, in pieces of half the slot size wanted.
+    """Allreduce through the ranks' shared-memory slots, in pieces, one sync per piece.
 
-    Per piece: every rank copies its input into its slot, all but block r, its own; sync; rank r
-    reduces block r over the inputs of ranks 0, 1, .., n-1 in that order (the eager path's
-    order; its own straight from its input) into block r of its slot; sync; every rank copies
-    block q out of slot q. Each element is computed once, so every rank gets the same bits, and
-    only rank q ever writes slot q (no cache line is written by two cores).
-    Pieces alternate between the two halves of the slots: a rank refills a half only after the
-    second sync of the next piece, which every rank reaches only once it has copied that half
-    out; after the last piece the next collective's agreement exchange (or resync) is the fence.
-    Small pieces keep the slots in the cache between the copy in, the reduction and the copy out.
-    A fused pass (``src`` a ``Flat``) copies its members straight into the slot, own block too
-    (applying the prescale there), and its results straight out into the members.
+    Each half of a slot holds one piece as n regions of a fixed size, region i for block i of
+    the piece (rank ``participants[i]``'s). Per piece k: every rank copies the blocks of its
+    input that the peers own into regions q != r of its slot (copy in); sync; rank r reduces
+    block r over the inputs of ranks 0, 1, .., n-1 in that order (the eager path's order; its
+    own term straight from its input) into region r of its slot and copies it at once, still in
+    the cache, into its output (reduce); after the next sync every rank copies block q out of
+    region q of slot q, for the peers q only (copy out). Each element is computed once, so every
+    rank gets the same bits, and only rank q ever writes slot q (no cache line is written by two
+    cores). Per rank that moves each byte of the input out and of the result in once, plus the
+    own block's copy: against the scheme with two syncs per piece, no copy of the own block out
+    of the slot, and half the syncs.
+    Pipelined, one sync a piece: copy in k+1; sync; copy out k; reduce k+1. The sync after copy
+    in k+1 also says every rank reduced k. Pieces alternate between the slots' two halves, and a
+    region keeps one writer and one kind of reader: a rank writes regions q != r of half k % 2
+    again (copy in k+2) after the sync that says every peer reduced k (their last read of them),
+    and region r (reduce k+2) after the sync that says every peer copied k out. After the last
+    piece: sync, copy out; the next collective's agreement exchange (or resync) is the fence.
+    Pieces of half the slot (``shm_window_bytes`` caps it) are small enough to stay in the
+    cache between the copy in, the reduction and the copy out.
+    A fused pass (``src`` a ``Flat``) copies its members straight into the slot (applying the
+    prescale there), its own block into scratch, and its results straight out into the members.
     Ranks that called join() take no part: blocks are split among the participants.
     """
     slots = rt.shm
@@ -455,62 +465,84 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
                         "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
     dtype = plan.dtype
     total = src.size
-    step = max(1, half // dtype.itemsize)
-    views = {q: slots.slot(q) for q in parts}
-    starts = range(0, total, step)
+    cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
+    step = cap * n
+    slot = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
+    count = -(-total // step)
     direct = type(src) is not Flat  # own block read straight from the input
     pre = None if prescaled else dtype.type(plan.scale_pre)
+    own_copy = None if direct else rt.scratch(cap * dtype.itemsize).view(dtype)
+    joined = rt.joined
 
-    def sync():
-        _sync(rt, others, what)
+    def blocks(k):
+        """Piece k's start and its blocks' bounds inside it (block i: [c[i], c[i + 1]))."""
+        a = k * step
+        length = min(step, total - a)
+        return a, [length * i // n for i in range(n + 1)]
 
-    for k, a in enumerate(starts):
-        b = min(a + step, total)
-        base = (k % 2) * half
-        t0 = time.perf_counter()
-        slot = {q: views[q][base:base + (b - a) * dtype.itemsize].view(dtype) for q in parts}
-        lo, hi = (b - a) * index // n, (b - a) * (index + 1) // n
-        mine = slot[me]
-        if direct:
-            # this rank's own block is read straight from its input: only the peers need the rest
-            piece = src[a:b]
-            np.copyto(mine[:lo], piece[:lo])
-            np.copyto(mine[hi:], piece[hi:])
-            own = piece[lo:hi]
-        else:
-            # own block into scratch: the reduction writes block r of the slot before reading
-            # this rank's term when it is not the first in rank order
-            own = rt.scratch((hi - lo) * dtype.itemsize).view(dtype)
-            src.read(a, a + lo, mine[:lo])
-            src.read(a + lo, a + hi, own)
-            src.read(a + hi, b, mine[hi:])
+    def region(q, k, i, length):
+        base = (k % 2) * step + i * cap
+        return slot[q][base:base + length]
+
+    def copy_in(k):
+        a, c = blocks(k)
+        for i in range(n):
+            if i == index and direct:
+                continue
+            out = own_copy[:c[i + 1] - c[i]] if i == index else region(me, k, i, c[i + 1] - c[i])
+            _read(src, a + c[i], a + c[i + 1], out)
             if pre is not None:
-                np.multiply(mine, pre, out=mine)
-                np.multiply(own, pre, out=own)
-        sync()
-        if k == 0:
-            slots.synced()  # every peer has mapped this rank's slot by now
-            first = t0
-        t1 = time.perf_counter()
-        # into the block of its own slot this rank did not copy in
-        _reduce_into(mine[lo:hi], [own if q == me else slot[q][lo:hi] for q in parts], plan, rt.joined)
-        sync()
-        t2 = time.perf_counter()
+                np.multiply(out, pre, out=out)
+
+    def reduce(k):
+        a, c = blocks(k)
+        lo, hi = c[index], c[index + 1]
+        out = region(me, k, index, hi - lo)
+        own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]
+        _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
         rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
+        _write(dst, a + lo, a + hi, out)
+
+    def copy_out(k):
+        a, c = blocks(k)
         for i, q in enumerate(parts):
-            c, d = (b - a) * i // n, (b - a) * (i + 1) // n
-            _write(dst, a + c, a + d, slot[q][c:d])
-        t3 = time.perf_counter()
+            if q != me:
+                _write(dst, a + c[i], a + c[i + 1], region(q, k, i, c[i + 1] - c[i]))
+
+    def traced(k, label, t0, t1):
         if k < _SHM_TRACED_PIECES:
-            suffix = f" piece {k}" if len(starts) > 1 else ""
-            phases[f"shm-copy-in{suffix}"] = (t0, t1)  # each sync's wait ends the phase before it
-            phases[f"shm-reduce{suffix}"] = (t1, t2)
-            phases[f"shm-copy-out{suffix}"] = (t2, t3)
-        elif k == _SHM_TRACED_PIECES:
-            rest = t0
-    if len(starts) > _SHM_TRACED_PIECES:
-        phases[f"shm pieces {_SHM_TRACED_PIECES}..{len(starts) - 1}"] = (rest, t3)
-    phases[f"shm ({len(starts)} x {step * dtype.itemsize // 1024} KiB)"] = (first, t3)
+            phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
+
+    first = time.perf_counter()
+    copy_in(0)
+    _sync(rt, others, what)
+    slots.synced()  # every peer has mapped this rank's slot by now
+    t1 = time.perf_counter()
+    traced(0, "shm-copy-in", first, t1)  # each sync's wait ends the phase before it
+    reduce(0)
+    t2 = time.perf_counter()
+    traced(0, "shm-reduce", t1, t2)
+    for k in range(1, count):
+        copy_in(k)
+        _sync(rt, others, what)
+        t3 = time.perf_counter()
+        traced(k, "shm-copy-in", t2, t3)
+        copy_out(k - 1)
+        t4 = time.perf_counter()
+        traced(k - 1, "shm-copy-out", t3, t4)
+        reduce(k)
+        t2 = time.perf_counter()
+        traced(k, "shm-reduce", t4, t2)
+        if k == _SHM_TRACED_PIECES:
+            rest = t3
+    _sync(rt, others, what)
+    t3 = time.perf_counter()
+    copy_out(count - 1)
+    end = time.perf_counter()
+    traced(count - 1, "shm-copy-out", t3, end)
+    if count > _SHM_TRACED_PIECES:
+        phases[f"shm pieces {_SHM_TRACED_PIECES}..{count - 1}"] = (rest, end)
+    phases[f"shm ({count} x {step * dtype.itemsize // 1024} KiB)"] = (first, end)
 
 
 def _sync(rt, others, what):

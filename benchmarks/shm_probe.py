@@ -1,0 +1,165 @@
+"""What two processes on this machine can do through /dev/shm, without the runtime.
+
+    .venv/bin/python benchmarks/shm_probe.py [--mib 64] [--reps 7]
+
+Stand-alone (numpy, os.fork, a spinning counter sync in /dev/shm; no MPI, no jupyter_ring): the
+ceiling the shared-memory allreduce path can reach here. Prints, as medians of interleaved runs:
+memcpy of one process alone; memcpy of two processes at once (each its own buffers: they share
+the memory bandwidth as two ranks do); and a 2-process in-place float32 sum allreduce through
+/dev/shm slots in pieces of several sizes, with two syncs per piece (copy in; sync; reduce own
+block; sync; copy out every block: the runtime's scheme before issue 17's third round) and with
+one (copy in the next piece while the peer reduces: own block copied out right after it is
+reduced, only the peer's block after the sync). Each allreduce is given as busbw ÷ memcpy (one
+process), the figure issue 17 asks to reach 0.6.
+"""
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+def segment(path, nbytes):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+    m = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    os.unlink(path)  # both processes mapped it before the fork
+    return m
+
+
+class Pair:
+    """Two processes (rank 0 the parent, 1 the child) with a counter each and a slot each."""
+
+    def __init__(self, slot_bytes):
+        tag = f"{os.getpid()}"
+        self.maps = [segment(f"/dev/shm/probe.{tag}.{q}", 4096 + slot_bytes) for q in range(2)]
+        self.counters = [np.frombuffer(m, np.int64, 1, 0) for m in self.maps]
+        self.slots = [np.frombuffer(m, np.uint8, slot_bytes, 4096) for m in self.maps]
+        self.counters[0][0] = self.counters[1][0] = 0
+        self.tick = 0
+
+    def sync(self, me):
+        self.tick += 1
+        self.counters[me][0] = self.tick
+        peer = self.counters[1 - me]
+        while peer[0] < self.tick:
+            os.sched_yield()  # the machine is shared: a waiting process lends its core
+
+
+def allreduce(pair, me, buf, piece, syncs):
+    """In-place 2-rank sum of ``buf`` through the slots, pieces of ``piece`` bytes, 1 or 2 syncs."""
+    step = piece // 4
+    total = buf.size
+    halves = [s.view(np.float32) for s in pair.slots]
+    starts = list(range(0, total, step))
+
+    def views(k):
+        a = starts[k]
+        b = min(a + step, total)
+        base = (k % 2) * step
+        lo, hi = (b - a) * me // 2, (b - a) * (me + 1) // 2
+        plo, phi = (b - a) * (1 - me) // 2, (b - a) * (2 - me) // 2
+        return a, b, halves[me][base:base + b - a], halves[1 - me][base:base + b - a], lo, hi, plo, phi
+
+    def copy_in(k):
+        a, b, mine, _, lo, hi, plo, phi = views(k)
+        np.copyto(mine[plo:phi], buf[a + plo:a + phi])
+
+    def reduce(k, copy_own):
+        a, b, mine, peer, lo, hi, _, _ = views(k)
+        terms = (buf[a + lo:a + hi], peer[lo:hi]) if me == 0 else (peer[lo:hi], buf[a + lo:a + hi])
+        np.add(*terms, out=mine[lo:hi])
+        if copy_own:
+            np.copyto(buf[a + lo:a + hi], mine[lo:hi])
+
+    def copy_out(k, own_too):
+        a, b, mine, peer, lo, hi, plo, phi = views(k)
+        np.copyto(buf[a + plo:a + phi], peer[plo:phi])
+        if own_too:
+            np.copyto(buf[a + lo:a + hi], mine[lo:hi])
+
+    if syncs == 2:
+        for k in range(len(starts)):
+            copy_in(k)
+            pair.sync(me)
+            reduce(k, False)
+            pair.sync(me)
+            copy_out(k, True)
+    else:
+        copy_in(0)
+        pair.sync(me)
+        reduce(0, True)
+        for k in range(len(starts) - 1):
+            copy_in(k + 1)
+            pair.sync(me)
+            copy_out(k, False)
+            reduce(k + 1, True)
+        pair.sync(me)
+        copy_out(len(starts) - 1, False)
+
+
+def run(args):
+    nbytes = args.mib * MiB
+    pieces = [p * 1024 for p in (128, 256, 512, 1024, 2048)]
+    pair = Pair(2 * max(pieces))
+    pid = os.fork()
+    me = 0 if pid else 1
+    rng = np.random.default_rng(me)
+    buf = rng.standard_normal(nbytes // 4).astype(np.float32)
+    dst = np.empty_like(buf)
+    cases = {"memcpy, 2 processes at once": lambda: np.copyto(dst, buf)}
+    for syncs in (2, 1):
+        for piece in pieces:
+            cases[f"allreduce {syncs} sync(s)/piece, {piece // 1024} KiB pieces"] = (
+                lambda piece=piece, syncs=syncs: allreduce(pair, me, buf, piece, syncs))
+    times = {k: [] for k in cases}
+    solo = []
+    # correctness of both schemes once: integers in float32 sum exactly
+    check = np.arange(nbytes // 4 % 1000003 + 17, dtype=np.float32) * (me + 1)
+    for piece in pieces[:2]:
+        for syncs in (1, 2):
+            got = check.copy()
+            allreduce(pair, me, got, piece, syncs)
+            if not np.array_equal(got, np.arange(got.size, dtype=np.float32) * 3):
+                sys.exit(f"rank {me}: wrong sum ({syncs} syncs, {piece} B pieces)")
+    for _ in range(args.reps + 1):
+        for key, fn in cases.items():
+            pair.sync(me)
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+        pair.sync(me)
+        if me == 0:  # memcpy alone: the peer waits in the next sync meanwhile
+            t0 = time.perf_counter()
+            np.copyto(dst, buf)
+            solo.append(time.perf_counter() - t0)
+        pair.sync(me)
+    if me == 1:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    memcpy = nbytes / statistics.median(solo[1:])
+    print(f"{args.mib} MiB float32, 2 processes, medians of {args.reps}; load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"memcpy, 1 process alone: {memcpy / 1e9:.2f} GB/s")
+    print("| case | ms | GB/s (busbw per process) | ÷ memcpy alone |")
+    print("|---|---|---|---|")
+    for key, ts in times.items():
+        t = statistics.median(ts[1:])
+        print(f"| {key} | {t * 1e3:.1f} | {nbytes / t / 1e9:.2f} | {nbytes / t / memcpy:.2f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=7)
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
