@@ -11,6 +11,12 @@ block; sync; copy out every block: the runtime's scheme before issue 17's third 
 one (copy in the next piece while the peer reduces: own block copied out right after it is
 reduced, only the peer's block after the sync). Each allreduce is given as busbw ÷ memcpy (one
 process), the figure issue 17 asks to reach 0.6.
+
+A second table is robust to a loaded machine (no syncs, no scheduling): one process does both
+ranks' data movement of the same schemes in turn, phase by phase, and the registered scheme's
+(reduce straight out of both buffers, copy the peer's block out); "per rank ÷ memcpy" assumes the
+two ranks' halves of the work run side by side at the same speed: what the traffic itself
+allows, by piece size.
 """
 
 import argparse
@@ -154,11 +160,79 @@ def run(args):
         print(f"| {key} | {t * 1e3:.1f} | {nbytes / t / 1e9:.2f} | {nbytes / t / memcpy:.2f} |")
 
 
+def sequential(args):
+    """Both ranks' copies, reductions and copy-outs in one process: the traffic's own cost."""
+    count = args.mib * MiB // 4
+    bufs = [np.random.default_rng(q).standard_normal(count).astype(np.float32) for q in range(2)]
+    dst = np.empty_like(bufs[0])
+    pieces = [p * 1024 for p in (128, 256, 512, 1024, 2048, 4096)]
+    slots = [np.zeros(2 * max(pieces) // 4, np.float32) for _ in range(2)]
+
+    def copying(piece, own_hot):
+        step = piece // 4
+        for k, a in enumerate(range(0, count, step)):
+            b = min(a + step, count)
+            base, h = (k % 2) * step, (b - a) // 2
+            own = [(0, h), (h, b - a)]
+            for me in (0, 1):  # copy in the peer's block
+                lo, hi = own[1 - me]
+                np.copyto(slots[me][base + lo:base + hi], bufs[me][a + lo:a + hi])
+            for me in (0, 1):  # reduce the own block into the slot (and, own_hot, into the output)
+                lo, hi = own[me]
+                np.add(bufs[me][a + lo:a + hi], slots[1 - me][base + lo:base + hi],
+                       out=slots[me][base + lo:base + hi])
+                if own_hot:
+                    np.copyto(bufs[me][a + lo:a + hi], slots[me][base + lo:base + hi])
+            for me in (0, 1):  # copy out the peer's block (and the own one, not own_hot)
+                lo, hi = own[1 - me]
+                np.copyto(bufs[me][a + lo:a + hi], slots[1 - me][base + lo:base + hi])
+                if not own_hot:
+                    lo, hi = own[me]
+                    np.copyto(bufs[me][a + lo:a + hi], slots[me][base + lo:base + hi])
+
+    def registered(piece):
+        step = piece // 4
+        for a in range(0, count, step):
+            b = min(a + step, count)
+            own = [(a, a + (b - a) // 2), (a + (b - a) // 2, b)]
+            for me in (0, 1):
+                lo, hi = own[me]
+                np.add(bufs[0][lo:hi], bufs[1][lo:hi], out=bufs[me][lo:hi])
+            for me in (0, 1):
+                lo, hi = own[1 - me]
+                np.copyto(bufs[me][lo:hi], bufs[1 - me][lo:hi])
+
+    cases = {"memcpy": lambda: np.copyto(dst, bufs[0])}
+    for piece in pieces:
+        kib = piece // 1024
+        cases[f"copy out after the sync, {kib} KiB pieces"] = lambda piece=piece: copying(piece, False)
+        cases[f"own block copied out at once, {kib} KiB pieces"] = lambda piece=piece: copying(piece, True)
+        cases[f"registered, {kib} KiB pieces"] = lambda piece=piece: registered(piece)
+    times = {k: [] for k in cases}
+    for _ in range(args.reps):
+        for key, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    memcpy = statistics.median(times.pop("memcpy"))
+    print(f"\nOne process, both ranks' data movement in turn ({args.mib} MiB, medians of {args.reps}); "
+          f"memcpy {args.mib * MiB / memcpy / 1e9:.2f} GB/s; load {open('/proc/loadavg').read().split()[:3]}")
+    print("| scheme | both ranks ms | per rank ÷ memcpy |")
+    print("|---|---|---|")
+    for key, ts in sorted(times.items(), key=lambda kv: kv[0].split(",")[0]):
+        t = statistics.median(ts)
+        print(f"| {key} | {t * 1e3:.1f} | {memcpy / (t / 2):.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
-    run(parser.parse_args())
+    parser.add_argument("--sequential-only", action="store_true", help="only the one-process table")
+    args = parser.parse_args()
+    if not args.sequential_only:
+        run(args)
+    sequential(args)
 
 
 if __name__ == "__main__":
