@@ -194,6 +194,28 @@ if mode == "values":
     for i, (got, xs) in enumerate(zip(grouped, batch)):
         check(f"grouped member {i}", got, reference(xs, ring.Min, np.dtype(np.float32), 1.0, 1.0))
 
+    # several pieces with a short last one: a fused pass of prime-length members with a prescale
+    # (members copied straight into the slots, the own block through scratch), and in place
+    # against out of place on a prime length (not divisible by any world size): bit-identical
+    seed += 1
+    sizes = [next_prime(WINDOW // 4 // 3 + 7 * i) for i in range(5)]
+    members = [inputs(seed * 100 + i, size, np.dtype(np.float32), ring.Sum) for i, size in enumerate(sizes)]
+    fused = ring.grouped_allreduce([xs[r] for xs in members], op=ring.Average, prescale_factor=0.5,
+                                   name="grouped.pieces")
+    if n > 1 and last_algorithm() != "shm":
+        failures.append(f"grouped multi-piece batch went through {last_algorithm()}")
+    for i, (got, xs) in enumerate(zip(fused, members)):
+        check(f"grouped multi-piece member {i}", got, reference(xs, ring.Average, np.dtype(np.float32), 0.5, 1.0))
+    seed += 1
+    length = next_prime(5 * WINDOW // 8 + 3)
+    xs = inputs(seed, length, np.dtype(np.float32), ring.Sum)
+    out_of_place = ring.allreduce(xs[r], op=ring.Sum, name="pieces.out")
+    mine = xs[r].copy()
+    ring.allreduce_(mine, op=ring.Sum, name="pieces.in")
+    if out_of_place.tobytes() != mine.tobytes():
+        failures.append(f"len={length}: in place and out of place differ")
+    check(f"allreduce_ len={length} over several pieces", mine, reference(xs, ring.Sum, np.dtype(np.float32), 1.0, 1.0))
+
     # the trace names the algorithm and its phases
     got = ring.allreduce(np.ones(lengths(4)[4][0], np.float32), op=ring.Sum, name="traced")
     phases = list(rt.trace.records[-1][5])
