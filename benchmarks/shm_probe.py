@@ -61,35 +61,44 @@ class Pair:
 
 def allreduce(pair, me, buf, piece, syncs):
     """In-place 2-rank sum of ``buf`` through the slots, pieces of ``piece`` bytes, 1 or 2 syncs."""
-    step = piece // 4
+    cap = piece // 8                  # elements of one block's region
+    step = 2 * cap
     total = buf.size
-    halves = [s.view(np.float32) for s in pair.slots]
+    slots = [s.view(np.float32) for s in pair.slots]
     starts = list(range(0, total, step))
 
-    def views(k):
+    def blocks(k):
+        """Piece k's start and its two blocks (piece-relative bounds)."""
         a = starts[k]
-        b = min(a + step, total)
-        base = (k % 2) * step
-        lo, hi = (b - a) * me // 2, (b - a) * (me + 1) // 2
-        plo, phi = (b - a) * (1 - me) // 2, (b - a) * (2 - me) // 2
-        return a, b, halves[me][base:base + b - a], halves[1 - me][base:base + b - a], lo, hi, plo, phi
+        cut = (min(a + step, total) - a) // 2
+        return a, [(0, cut), (cut, min(a + step, total) - a)]
+
+    def region(q, k, i, length):
+        # block i of a piece lives at a fixed place of its half, whatever the piece's length:
+        # a short last piece must not move a block onto a region a peer still reads
+        base = (k % 2) * step + i * cap
+        return slots[q][base:base + length]
 
     def copy_in(k):
-        a, b, mine, _, lo, hi, plo, phi = views(k)
-        np.copyto(mine[plo:phi], buf[a + plo:a + phi])
+        a, bounds = blocks(k)
+        lo, hi = bounds[1 - me]
+        np.copyto(region(me, k, 1 - me, hi - lo), buf[a + lo:a + hi])
 
     def reduce(k, copy_own):
-        a, b, mine, peer, lo, hi, _, _ = views(k)
-        terms = (buf[a + lo:a + hi], peer[lo:hi]) if me == 0 else (peer[lo:hi], buf[a + lo:a + hi])
-        np.add(*terms, out=mine[lo:hi])
+        a, bounds = blocks(k)
+        lo, hi = bounds[me]
+        out, peer, own = region(me, k, me, hi - lo), region(1 - me, k, me, hi - lo), buf[a + lo:a + hi]
+        np.add(*((own, peer) if me == 0 else (peer, own)), out=out)
         if copy_own:
-            np.copyto(buf[a + lo:a + hi], mine[lo:hi])
+            np.copyto(own, out)
 
     def copy_out(k, own_too):
-        a, b, mine, peer, lo, hi, plo, phi = views(k)
-        np.copyto(buf[a + plo:a + phi], peer[plo:phi])
+        a, bounds = blocks(k)
+        lo, hi = bounds[1 - me]
+        np.copyto(buf[a + lo:a + hi], region(1 - me, k, 1 - me, hi - lo))
         if own_too:
-            np.copyto(buf[a + lo:a + hi], mine[lo:hi])
+            lo, hi = bounds[me]
+            np.copyto(buf[a + lo:a + hi], region(me, k, me, hi - lo))
 
     if syncs == 2:
         for k in range(len(starts)):
@@ -134,7 +143,8 @@ def run(args):
             got = check.copy()
             allreduce(pair, me, got, piece, syncs)
             if not np.array_equal(got, np.arange(got.size, dtype=np.float32) * 3):
-                sys.exit(f"rank {me}: wrong sum ({syncs} syncs, {piece} B pieces)")
+                print(f"rank {me}: wrong sum ({syncs} syncs, {piece} B pieces)", flush=True)
+                os._exit(1)
     for _ in range(args.reps + 1):
         for key, fn in cases.items():
             pair.sync(me)
