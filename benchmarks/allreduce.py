@@ -1,7 +1,7 @@
 """jupyter_ring allreduce vs MPI_Allreduce (mpi4py, same MPI) vs torch.distributed gloo.
 
     .venv/bin/python benchmarks/allreduce.py [--ranks 2] [--min-kib 4] [--max-mib 256] [--json out.json]
-        [--baseline-src DIR] [--runs 3]
+        [--baseline-src DIR] [--runs 3] [--windows 1024,4096]
 
 Launches itself under the environment's mpiexec. For float32 sizes 4 KiB .. 256 MiB, in one run,
 calls interleaved per size: median time, busbw (nccl-tests: algbw * 2(n-1)/n) and jupyter_ring's
@@ -11,6 +11,9 @@ memory, zero copy), gloo when torch is there; plus single-process memcpy bandwid
 (100 async 40 KiB vs one 4 MiB). ``--baseline-src DIR`` runs another source tree's ``jupyter_ring``
 (``git worktree add /tmp/base <commit>``) and this one in alternate runs (``--runs`` each), prints
 each tree's table of medians over its runs, then this tree's busbw ÷ the baseline's per size.
+``--windows 1024,4096`` (KiB) adds, per size, in-place, out-of-place and bucket allreduces with
+``shm_window_bytes`` set to each value before each call, interleaved with the rest: piece sizes
+compared within one run (a table of busbw ÷ memcpy per window).
 """
 
 import argparse
@@ -32,6 +35,7 @@ def parse():
     parser.add_argument("--max-mib", type=int, default=256)
     parser.add_argument("--baseline-src", help="another source tree to measure in alternate runs")
     parser.add_argument("--runs", type=int, default=3, help="runs of each tree with --baseline-src")
+    parser.add_argument("--windows", default="", help="shm_window_bytes values (KiB) to compare, comma-separated")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -57,6 +61,27 @@ def interleaved(fns, reps, barrier):
             fn()
             times[key].append(time.perf_counter() - start)
     return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def windowed(ring, window, buf, bucket):
+    """In place, out of place and (``bucket`` not None) bucket allreduces through ``window``-byte
+    shared-memory slots: ``shm_window_bytes`` is set before each call (every rank alike)."""
+    config = ring.config()
+
+    def call(fn, *args, **kwargs):
+        def run():
+            config.shm_window_bytes = window
+            try:
+                fn(*args, op=ring.Max, **kwargs)
+            finally:
+                config.shm_window_bytes = default
+        return run
+    default = config.shm_window_bytes
+    fns = {f"in@{window // KiB}": call(ring.allreduce_, buf, name="bench"),
+           f"out@{window // KiB}": call(ring.allreduce, buf, name="bench.out")}
+    if bucket is not None:
+        fns[f"bucket@{window // KiB}"] = call(ring.allreduce_, bucket, name="bench.bucket")
+    return fns
 
 
 def worker(args):
@@ -95,6 +120,8 @@ def worker(args):
             bucket = _api.bucket_buffer(nbytes).view(np.float32)
             bucket[...] = buf
             fns["bucket"] = lambda: ring.allreduce_(bucket, op=ring.Max, name="bench.bucket")
+        for kib in filter(None, args.windows.split(",")):
+            fns.update(windowed(ring, int(kib) * KiB, buf, fns.get("bucket") and bucket))
         if dist is not None:
             tbuf = torch.from_numpy(buf)
             fns["gloo"] = lambda: dist.all_reduce(tbuf, op=dist.ReduceOp.MAX)
@@ -156,6 +183,16 @@ def report(result):
         if has_gloo:
             cells.append(us(row["gloo"]))
         lines.append("| " + " | ".join(cells) + " |")
+    windows = sorted({key.split("@")[1] for key in rows[-1] if "@" in key and not key.endswith("_busbw")}, key=int)
+    if windows:
+        kinds = ("in", "out", "bucket")
+        lines += ["", "shm_window_bytes compared in the same run: busbw ÷ memcpy, in / out / bucket", "",
+                  "| size | " + " | ".join(f"{w} KiB window" for w in windows) + " |",
+                  "|" + "---|" * (len(windows) + 1)]
+        for row in rows:
+            cells = [" / ".join(cell(row, f"{k}@{w}_busbw", lambda v: f"{v / memcpy:.2f}") for k in kinds)
+                     for w in windows]
+            lines.append(f"| {human(row['bytes'])} | " + " | ".join(cells) + " |")
     lines += ["", f"Fusion: 100 async 40 KiB allreduces {fusion['batch'] * 1e3:.2f} ms, one 4 MiB allreduce "
                   f"{fusion['one'] * 1e3:.2f} ms (ratio {fusion['batch'] / fusion['one']:.2f}); the same 100 "
                   f"unfused {fusion['unfused'] * 1e3:.2f} ms."]
@@ -170,7 +207,7 @@ def run(args, src=None):
     if src:
         env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib)]
+           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib), "--windows", args.windows]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not results:

@@ -47,10 +47,11 @@ class Config:
     shm_threshold: int = 64 * 1024
     """Allreduces of more than this many bytes go through shared memory instead of the ring when
     every rank is on one host; 0 (or ``off`` in the environment) always uses the ring."""
-    shm_window_bytes: int = 1 * MiB
+    shm_window_bytes: int = 4 * MiB
     """Cap of each rank's shared-memory slot (allocated lazily, grown up to this): allreduces go
-    through it in pieces of half of it (registered memory: pieces of this size), small enough to
-    stay in the cache between copy in, reduction and copy out (benchmarks/shm_probe.py)."""
+    through it in pieces of half of it (registered memory: pieces of this size). Smaller pieces
+    stay in the cache (benchmarks/shm_probe.py) but cost more syncs, each a wait for a peer that
+    a loaded machine may have descheduled (benchmarks/allreduce.py --windows)."""
     trace_records: int = 10000
     """How many recent collective records the trace keeps for ``timeline()``."""
     finalize_timeout: float = 10.0
