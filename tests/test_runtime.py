@@ -101,6 +101,55 @@ def test_tiny_pieces_and_no_eager_path_exercise_the_pipelined_ring(mpirun):
     all_ranks_ok(mpirun("rt_collectives.py", 3, env=env, timeout=180))
 
 
+_LEAVE_FILES = """
+import os, signal
+from jupyter_ring.runtime import _shm
+slots = _shm.SharedSlots(0, 2)
+buf, region = slots.register(1 << 20)
+slots.advertise(1 << 16, 1 << 20)
+print(slots.probe_path, slots.chunks[0].path, slots.own.path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL if {kill} else 0)
+if not {kill}:
+    signal.pause()
+"""
+
+
+def test_files_of_a_sigkilled_rank_are_swept_from_dev_shm_at_the_next_init(mpirun):
+    """A SIGKILLed rank cannot unlink its /dev/shm files (tmpfs is memory: up to 32 MiB each);
+    the next runtime on the host removes those whose creator is gone and that nobody wrote for a
+    minute, and never a live process's files."""
+    import os
+    import time
+
+    from jupyter_ring.runtime import _shm
+
+    if not _shm.supported():
+        pytest.skip("no shared-memory path on this machine (Linux x86-64 with /dev/shm only)")
+    dead = subprocess.run([sys.executable, "-c", _LEAVE_FILES.format(kill=True)], capture_output=True, text=True)
+    assert dead.returncode == -9, dead.stderr
+    dead_paths = dead.stdout.split()
+    live = subprocess.Popen([sys.executable, "-c", _LEAVE_FILES.format(kill=False)], stdout=subprocess.PIPE, text=True)
+    try:
+        live_paths = live.stdout.readline().split()
+        assert len(dead_paths) == len(live_paths) == 3 and all(map(os.path.exists, dead_paths + live_paths))
+        old = time.time() - 120
+        for path in dead_paths[1:] + live_paths:
+            os.utime(path, (old, old))
+        # a dead rank's file written a moment ago (its peers may be opening it) stays for now
+        assert dead_paths[0] not in _shm.sweep_stale()
+        all_ranks_ok(mpirun("rt_shm.py", 2, "values", env=SHM_ENV, timeout=120))  # init sweeps
+        assert not any(map(os.path.exists, dead_paths[1:])), dead_paths
+        assert all(map(os.path.exists, live_paths)), "a live process's files were removed"
+        os.utime(dead_paths[0], (old, old))
+        assert dead_paths[0] in _shm.sweep_stale() and not os.path.exists(dead_paths[0])
+    finally:
+        live.kill()
+        live.wait()
+        for path in dead_paths + live_paths:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_mismatches_raise_on_every_rank_and_the_next_collective_works(mpirun, n):
     result = mpirun("rt_failures.py", n, "mismatch")

@@ -246,6 +246,10 @@ class Runtime:
             return None
         slots = None
         if _shm.supported():
+            if self.local_rank == 0:  # files of ranks SIGKILLed earlier (tmpfs is memory)
+                removed = _shm.sweep_stale()
+                if removed:
+                    log.info("jupyter_ring: removed %d file(s) of dead runtimes from %s", len(removed), _shm.SHM_DIR)
             try:
                 slots = _shm.SharedSlots(self.rank, self.size)
             except OSError as exc:

@@ -23,10 +23,11 @@ import os
 import platform
 import secrets
 import threading
+import time
 
 import numpy as np
 
-__all__ = ["SharedSlots", "supported", "slot_log2"]
+__all__ = ["SharedSlots", "supported", "slot_log2", "sweep_stale"]
 
 SHM_DIR = "/dev/shm"
 _HEADER = 4096  # the counter, then the slot from a page boundary
@@ -58,6 +59,49 @@ def _unlink(path):
         pass
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(min_age=60.0):
+    """Unlink this user's files in /dev/shm left by runtimes that died unclean; their paths.
+
+    A rank unlinks its files once every peer has mapped them and at shutdown; a SIGKILLed rank
+    (a killed kernel's engines, an OOM kill) cannot, and tmpfs is memory: each leaves up to a
+    registered-memory chunk (32 MiB) behind. A file is stale when its creator's pid (stored in
+    its header) is gone and nothing has written it for ``min_age`` seconds (a live rank's files
+    are fresh, and a pid alone could belong to another pid namespace sharing /dev/shm).
+    """
+    removed = []
+    now = time.time()
+    uid = os.getuid()
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("jupyter_ring.")]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            info = os.stat(path)
+            if info.st_uid != uid or now - info.st_mtime < min_age or info.st_size < 16:
+                continue
+            with open(path, "rb") as fh:
+                header = fh.read(16)
+            pid = int.from_bytes(header[8:16], "little")
+            if 0 < pid < 1 << 32 and not _alive(pid):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
 class _Segment:
     """One mapped file: its counter and its slot as numpy views."""
 
@@ -75,6 +119,8 @@ class _Segment:
         finally:
             os.close(fd)
         self.path = path
+        if create_bytes:  # the creator's pid, for sweep_stale() after a process died unclean
+            np.frombuffer(self.map, np.int64, 1, 8)[0] = os.getpid()
         self.counter = np.frombuffer(self.map, np.int64, 1, 0)
         self.slot = np.frombuffer(self.map, np.uint8, len(self.map) - _HEADER, _HEADER)
 
