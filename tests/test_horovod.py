@@ -128,6 +128,15 @@ def test_graph_mode_tutorial_runs_with_only_its_import_changed(mpirun):
     assert sorted(int(line.split()[1]) for line in result.lines("TF_TUTORIAL_OK")) == [0, 1], result.stdout
 
 
+def test_session_runs_many_collective_ops_in_any_order(mpirun):
+    """TF1: one session.run of 32 independent collectives (and gradients) matched by name in
+    whatever order each rank's threads run them; ops no rank can pair fail on every rank with
+    FailedPreconditionError naming them and the fix, and the session works after."""
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    result = mpirun("tf_session_ops.py", 2, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert sorted(int(line.split()[1]) for line in result.lines("TF_SESSION_OK")) == [0, 1], result.stdout
+
+
 def test_suite_harness_counts_a_collection_error_as_an_error_never_a_pass(tmp_path):
     """benchmarks/horovod_suite.py on a stand-in checkout: a test class that stops while pytest
     collects it (as Horovod's test_keras.py does under Keras 3) is an ``error`` row, a failing test

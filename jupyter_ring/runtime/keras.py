@@ -32,7 +32,7 @@ from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the n
 from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
-from .tensorflow import Compression, broadcast_variables
+from .tensorflow import Compression, broadcast_variables, init
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "allreduce", "allgather",

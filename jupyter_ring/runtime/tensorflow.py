@@ -29,6 +29,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
+import contextlib
+import os
 import sys
 import threading
 import weakref
@@ -45,6 +47,7 @@ from ._errors import PeerError
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
 from ._horovod import adasum_combine, reduce_plan
+from ._horovod import init as _init
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "NoneCompressor", "FP16Compressor", "allreduce",
@@ -54,6 +57,26 @@ __all__ = [
     "BroadcastGlobalVariablesHook", "DistributedOptimizer", "DistributedGradientTape",
     "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]
+
+
+# TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
+_SESSION_THREADS = 64
+
+
+def init(comm=None, process_sets=None, **config):
+    """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
+
+    In TF1 graph code (eager execution disabled when ``init`` runs) it also sets
+    ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is set:
+    a session runs independent collective ops on its inter-op threads, each holding its thread
+    while it waits for the other ranks (_SessionOps), and TensorFlow's default (the CPU count)
+    starves when one ``session.run`` runs more collectives than that. It counts only where no
+    session existed yet in the process (TensorFlow sizes its shared pool once, at the first) and
+    for sessions whose ConfigProto leaves ``inter_op_parallelism_threads`` at 0.
+    """
+    if not tf.compat.v1.executing_eagerly_outside_functions() and "TF_NUM_INTEROP_THREADS" not in os.environ:
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(max(_SESSION_THREADS, os.cpu_count() or 1))
+    _init(comm, process_sets, **config)
 
 
 # ------------------------------------------------------------------ compression
@@ -123,13 +146,23 @@ class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
     InvalidArgumentError (see _GraphDisagreementError)."""
 
 
-def _tf_error(exc, in_graph=False):
+def _tf_error(exc, in_graph=False, key=None):
     """The TensorFlow exception Horovod raises for a runtime error (the message kept).
 
     A disagreement is FailedPreconditionError as in Horovod, eagerly and inside a graph op (a
-    tf.function or a TF1 session: see _GraphErrors).
+    tf.function or a TF1 session: see _GraphErrors); in a TF1 session op (``key``) it also says
+    how a session's threads can starve (_SessionOps).
     """
     message = f"{type(exc).__name__}: {exc}"
+    if key is not None and isinstance(exc, CollectiveMismatchError) and str(exc).count("[graph op ") >= 2:
+        # two session ops met: the ranks ran different ops of the graph, every thread blocked
+        message += (
+            f" (in the TF1 session op {key}.) If every rank built the same graph, the ranks ran its independent "
+            "collective ops in different orders and each rank's inter-op threads all waited for collectives "
+            "the other ranks had not started yet: give the session more threads than the collective ops one "
+            "session.run runs at once (tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or "
+            "TF_NUM_INTEROP_THREADS before the first session), fetch fewer of them per run, or order them "
+            "with tf.control_dependencies.")
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
         cls = _GraphDisagreementError if in_graph else tf.errors.FailedPreconditionError
         return cls(None, None, message)
@@ -141,30 +174,41 @@ def _tf_error(exc, in_graph=False):
     return tf.errors.UnknownError(None, None, message)
 
 
-def _run(fn, arrays, process_set, where, in_graph=False):
-    """``fn(arrays)`` on ``process_set``'s runtime, one collective at a time, errors as TF's."""
+def _run(fn, arrays, process_set, where, in_graph=False, key=None):
+    """``fn(arrays)`` on ``process_set``'s runtime, errors as TF's.
+
+    Eagerly and in a tf.function one op at a time (``_lock``); an op of a TF1 session (``key``)
+    runs beside the session's other ops, its collectives named by ``key`` (see _SessionOps).
+    """
     try:
-        with _lock:
+        if key is None:
+            with _lock:
+                return fn(arrays)
+        with _session_ops.naming(key):
             return fn(arrays)
     except tf.errors.OpError:
         raise
     except (RingError, ValueError, TypeError) as exc:
-        raise _tf_error(exc, in_graph) from exc
+        raise _tf_error(exc, in_graph, key and f"{key}, {where}") from exc
 
 
 class _SessionOps:
-    """Names the collective ops built in TF1 session graphs, and checks that ranks run the same.
+    """Names the collective ops built in TF1 session graphs, so that ranks may run them in any order.
 
-    A session runs independent ops on several threads in any order, differently on each rank,
-    while the runtime needs every rank to call the same collective at the same time. Two ops
-    with equal shapes would then be paired silently; so each op gets a key when it is built
-    (graphs are built alike on every rank) and, when it runs, the ranks compare their keys first
-    and all raise if they differ. tf.function needs none of this: it runs py_functions in
-    program order.
+    A session runs independent ops on its inter-op threads in any order, differently on each
+    rank. Each collective op gets a key when it is built (graphs are built alike on every rank),
+    and while it runs its collectives are queued under names made of that key
+    (``name(...)``); the engine matches pending collectives between ranks by name (as Horovod
+    does), so the ranks' orders need not agree. The danger: a py_function holds its inter-op
+    thread while it waits, so a rank whose threads all wait for collectives the peers have not
+    started cannot start theirs; the engine then fails those collectives on every rank (every
+    rank blocked, no common name) and the error says so (_tf_error). tf.function needs none of
+    this: it runs py_functions in program order.
     """
 
     def __init__(self):
         self.built = weakref.WeakKeyDictionary()  # graph -> collective ops built in it
+        self.scope = threading.local()            # the key (and a counter) of the op this thread runs
 
     def key(self, where):
         """The op's key, or None when it does not run in a TF1 session."""
@@ -173,25 +217,35 @@ class _SessionOps:
         graph = tf.compat.v1.get_default_graph()
         count = self.built.get(graph, 0)
         self.built[graph] = count + 1
-        return f"{where} (graph op {count})"
+        return f"graph op {count}"
 
-    @staticmethod
-    def check(key, process_set):
-        """Every rank of ``process_set`` runs the op with ``key`` now, or all raise."""
-        keys = _ring.allgather_object(key, name="jupyter_ring.session_op", process_set=process_set)
-        if len(set(keys)) > 1:
-            ranks = list(range(len(keys))) if _api.is_global(process_set) else process_set.ranks
-            ops = "; ".join(f"rank {r}: {k}" for r, k in zip(ranks, keys))
-            raise CollectiveMismatchError(
-                f"ranks ran different collective ops of the graph at once ({ops}): a TF1 session ran "
-                "independent collective ops in a different order on each rank. Fetch them in separate "
-                "session.run calls, or order them with tf.control_dependencies.")
+    @contextlib.contextmanager
+    def naming(self, key):
+        """Collectives called in this thread meanwhile are named by ``key`` (see ``name``)."""
+        scope = self.scope
+        scope.key, scope.count = key, 0
+        try:
+            yield
+        finally:
+            scope.key = None
+
+    def name(self, name):
+        """``name`` as queued: unchanged outside a session op; inside one, unique to the op and
+        the same on every rank (the op's key, and the call's place within the op)."""
+        scope = self.scope
+        key = getattr(scope, "key", None)
+        if key is None:
+            return name
+        count = scope.count
+        scope.count = count + 1
+        return f"{name or 'unnamed'} [{key} #{count}]"
 
 
 _session_ops = _SessionOps()
+_n = _session_ops.name
 
-# TensorFlow runs independent graph ops on several threads: each op's collectives (and a TF1
-# session's key check before them) go to the runtime as one unit, one op at a time.
+# Eagerly and in tf.function, each op's collectives go to the runtime as one unit, one op at a
+# time (TensorFlow may call eager ops from several threads); TF1 session ops do not take it.
 _lock = threading.RLock()
 
 
@@ -256,7 +310,8 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
 
     In a graph the op runs when the session (or function) runs it; ``tf.function`` orders
     py_functions as written, so every rank runs its collectives in the same order; in a TF1
-    session the ranks check that they run the same op (_SessionOps).
+    session the ranks may run independent ops in any order: their collectives are named by the
+    op (_SessionOps).
     """
     tensors = list(tensors)
     if tf.executing_eagerly():
@@ -264,15 +319,9 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
         return [tf.convert_to_tensor(np.asarray(o).astype(d.as_numpy_dtype) if d != tf.bfloat16 else o, dtype=d)
                 for o, d in zip(outs, out_dtypes)]
     key = _session_ops.key(where)
-    if key is not None:
-        body = fn
-
-        def fn(arrays):  # noqa: F811 - the checked form of the same body
-            _session_ops.check(key, process_set)
-            return body(arrays)
 
     def py(*ts):
-        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
+        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
     return _graph_errors.op(py, tensors, out_dtypes, [tf.TensorShape(s) if s is not None else None
@@ -303,11 +352,11 @@ def _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set):
     if op == Adasum:
         if n & (n - 1):
             raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported yet ({n} ranks)")
-        return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=nm, process_set=process_set))
+        return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=_n(nm), process_set=process_set))
                 .astype(a.dtype).reshape(a.shape)
                 for a, nm in zip(arrays, names)]
     plans = [reduce_plan(a, op, prescale, postscale, n) for a in arrays]
-    handles = [_ring.allreduce_async(p.staged, op=p.op, name=nm, prescale_factor=p.pre, postscale_factor=p.post,
+    handles = [_ring.allreduce_async(p.staged, op=p.op, name=_n(nm), prescale_factor=p.pre, postscale_factor=p.post,
                                      process_set=process_set)
                for p, nm in zip(plans, names)]
     return [p.finish(_ring.synchronize(h)) for p, h in zip(plans, handles)]
@@ -356,7 +405,7 @@ def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, po
     dense_names = [f"{base}.dense.{i}" for i in range(len(dense))]
 
     def fn(arrays):
-        handles = [_ring.allgather_async(a, nm, process_set) for a, nm in zip(arrays, part_names)]
+        handles = [_ring.allgather_async(a, _n(nm), process_set) for a, nm in zip(arrays, part_names)]
         reduced = _allreduce_arrays(arrays[len(parts):], op, prescale, postscale, dense_names, n, process_set)
         return [_ring.synchronize(h) for h in handles] + reduced
     shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in parts] + [t.shape for t in dense]
@@ -434,7 +483,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     names = [name if len(tensors) == 1 else _suffix(name, str(i)) for i in range(len(tensors))]
 
     def fn(arrays):
-        handles = [_ring.allgather_async(a, nm, process_set) for a, nm in zip(arrays, names)]
+        handles = [_ring.allgather_async(a, _n(nm), process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h) for h in handles]
 
     @tf.custom_gradient
@@ -451,9 +500,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
             def grad_fn(arrays):
                 *grads, mine = arrays
-                handles = [_ring.allreduce_async(g, name=nm, process_set=process_set)
+                handles = [_ring.allreduce_async(g, name=_n(nm), process_set=process_set)
                            for g, nm in zip(grads, grad_names)]
-                counts = _ring.allgather(mine.reshape(1, -1), name=_suffix(names[0], "grad.rows"),
+                counts = _ring.allgather(mine.reshape(1, -1), name=_n(_suffix(names[0], "grad.rows")),
                                          process_set=process_set)
                 starts = counts[:rank].sum(axis=0)
                 return [_ring.synchronize(h)[starts[i]:starts[i] + mine[i]] for i, h in enumerate(handles)]
@@ -476,13 +525,18 @@ def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_s
 
     @tf.custom_gradient
     def bcast(t):
-        out = _call(lambda a: [_ring.broadcast(a[0], root_rank, name, process_set).reshape(a[0].shape)], [t],
+        out = _call(lambda a: [_ring.broadcast(a[0], root_rank, _n(name), process_set).reshape(a[0].shape)], [t],
                     [t.dtype], [t.shape], process_set, where)[0]
 
         def grad(dy):
             g = _allreduce_list([tf.convert_to_tensor(dy)], Average, 1.0, 1.0, [_suffix(name, "grad")],
                                 process_set)[0]
-            return g if _ring.rank() == root_rank else tf.zeros_like(g)
+            if _ring.rank() == root_rank:
+                return g
+            # zeros that still depend on g: every rank runs the gradient's allreduce (a plain
+            # zeros_like of a known shape is a constant, and the root would wait alone)
+            with tf.control_dependencies([g]):
+                return tf.zeros_like(g)
         return out, grad
     return bcast(tensor)
 
@@ -497,7 +551,7 @@ def _broadcast_values(values, root_rank, name, process_set):
     names = [_suffix(name, str(i)) for i in range(len(values))]
 
     def fn(arrays):
-        handles = [_ring.broadcast_async(a, root_rank, nm, process_set) for a, nm in zip(arrays, names)]
+        handles = [_ring.broadcast_async(a, root_rank, _n(nm), process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h).reshape(a.shape) for a, h in zip(arrays, handles)]
     return _call(fn, values, [v.dtype for v in values], [v.shape for v in values], process_set, where)
 
@@ -528,7 +582,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
 
     def fn(arrays):
-        out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], name, process_set)
+        out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], _n(name), process_set)
         return [out, np.asarray(received, np.int32)]
 
     @tf.custom_gradient
@@ -565,7 +619,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
         out = []
         for a, nm in zip(arrays, names):
             plan = reduce_plan(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
-            out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=nm, process_set=process_set)))
+            out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=_n(nm), process_set=process_set)))
         return out
 
     @tf.custom_gradient
@@ -775,11 +829,13 @@ class _GradientBuffers:
         self.roots = {}
         self.session = None
 
-    def flat(self, dtype, nbytes, process_set):
+    def flat(self, dtype, nbytes, process_set, op_key=None):
+        """A buffer of ``nbytes``; ``op_key`` (a TF1 session op's key) gives the op its own, since
+        session ops run at once on several threads."""
         session = _api.session()
         if session is not self.session:
             self.roots, self.session = {}, session
-        key = (dtype, None if process_set is None else process_set.process_set_id)
+        key = (dtype, None if process_set is None else process_set.process_set_id, op_key)
         root = self.roots.get(key)
         # 3 references: the dict, ``root`` and getrefcount's argument; more: a view is still alive
         if root is None or root.nbytes < nbytes + 64 or sys.getrefcount(root) > 3:
@@ -822,24 +878,21 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     in_graph = not tf.executing_eagerly()
     key = _session_ops.key(name)
 
-    def fused(*ts):
+    def body(ts):
         outs = [None] * len(ts)
-        try:
-            with _lock:
-                if key is not None:
-                    _session_ops.check(key, process_set)
-                for np_dtype, (entries, total) in groups.items():
-                    flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set)
-                    for i, offset, size in entries:
-                        flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
-                    _ring.allreduce_(flat, name=f"{name}.{np_dtype}", op=op, prescale_factor=prescale,
-                                     postscale_factor=postscale, process_set=process_set)
-                    for i, offset, size in entries:
-                        view = flat[offset:offset + size].reshape(shapes[i])
-                        outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
-        except (RingError, ValueError, TypeError) as exc:
-            raise _tf_error(exc, in_graph) from exc
+        for np_dtype, (entries, total) in groups.items():
+            flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, key)
+            for i, offset, size in entries:
+                flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
+            _ring.allreduce_(flat, name=_n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale,
+                             postscale_factor=postscale, process_set=process_set)
+            for i, offset, size in entries:
+                view = flat[offset:offset + size].reshape(shapes[i])
+                outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
         return outs
+
+    def fused(*ts):
+        return _run(body, ts, process_set, name, in_graph, key)
 
     if tf.executing_eagerly():
         return fused(*tensors)
@@ -858,7 +911,7 @@ def _reduce_dense(tensors, op, prescale, postscale, names, process_set):
         name = f"gradients[{len(tensors)} tensors, shapes #{digest:08x}]"
         return _fused_gradients(tensors, op, prescale, postscale, name, process_set)
     n = _set_size(process_set)
-    return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n), tensors,
+    return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set), tensors,
                  [t.dtype for t in tensors], [t.shape for t in tensors], process_set, "gradients")
 
 
