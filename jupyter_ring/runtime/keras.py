@@ -32,10 +32,11 @@ from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the n
 from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
+from . import _elastic_keras as elastic  # Horovod's elastic API for a fixed world
 from .tensorflow import Compression, broadcast_variables, init
 
 __all__ = [
-    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "allreduce", "allgather",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "allreduce", "allgather",
     "broadcast", "reducescatter", "broadcast_variables", "broadcast_global_variables", "load_model",
     "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",

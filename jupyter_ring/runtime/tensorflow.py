@@ -48,9 +48,10 @@ from ._horovod import *  # noqa: F403 - capability functions, process sets, time
 from ._horovod import __all__ as _HOROVOD
 from ._horovod import adasum_combine, reduce_plan
 from ._horovod import init as _init
+from . import _elastic_tf as elastic  # Horovod's elastic API for a fixed world
 
 __all__ = [
-    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "NoneCompressor", "FP16Compressor", "allreduce",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "NoneCompressor", "FP16Compressor", "allreduce",
     "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
     "broadcast_object_fn", "size_op", "rank_op", "local_size_op", "local_rank_op", "process_set_included_op",

@@ -38,11 +38,12 @@ from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the n
 from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
+from . import _elastic_torch as elastic  # Horovod's elastic API for a fixed world
 from ._horovod import adasum_combine
 from ._torch_sync_bn import SyncBatchNorm
 
 __all__ = [
-    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "Compression", "NoneCompressor", "FP16Compressor", "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "NoneCompressor", "FP16Compressor", "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",

@@ -1,0 +1,105 @@
+"""``horovod.tensorflow.elastic`` and ``horovod.tensorflow.keras.elastic`` for a fixed world:
+``TensorFlowState``, ``TensorFlowKerasState`` (``KerasState``) and ``run`` (see _elastic)."""
+
+import tensorflow as tf
+
+from . import _elastic
+from ._elastic import ObjectState, State
+
+__all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState", "run"]
+
+
+def _hvd():
+    from . import tensorflow as hvd
+
+    return hvd
+
+
+class _VariablesState(ObjectState):
+    """Variables whose values are copied at ``commit``, assigned back at ``restore`` and
+    broadcast from rank 0 at ``sync``, plus picklable attributes. ``_vars()`` is read each time:
+    an optimizer creates its slots at its first step."""
+
+    def __init__(self, session=None, **kwargs):
+        self._session = session
+        hvd = _hvd()
+        self._saved_values = []
+        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, 0, name="elastic.state"),
+                         get_rank=hvd.rank, **kwargs)
+        self._saved_values = self._read()
+
+    def _vars(self):
+        raise NotImplementedError
+
+    def _read(self):
+        """[(variable, its value now)] of every variable of the state."""
+        variables = self._vars()
+        values = [v.numpy() for v in variables] if tf.executing_eagerly() else self._run(variables)
+        return list(zip(variables, values))
+
+    def _run(self, fetches):
+        session = self._session or tf.compat.v1.get_default_session()
+        if session is None:
+            raise ValueError("elastic state in a TF1 graph: pass session= (or run it under a default session)")
+        return session.run(fetches)
+
+    def save(self):
+        """Copy the variables' values and the attributes."""
+        self._saved_values = self._read()
+        super().save()
+
+    def restore(self):
+        """Assign the copies back; the attributes as saved."""
+        for v, value in self._saved_values:
+            if tf.executing_eagerly():
+                v.assign(value)
+            else:
+                v.load(value, self._session or tf.compat.v1.get_default_session())
+        super().restore()
+
+    def sync(self):
+        """Rank 0's variables and attributes on every rank (one broadcast op, one object), saved."""
+        variables = self._vars()
+        if variables:
+            hvd = _hvd()
+            if tf.executing_eagerly():
+                hvd.broadcast_variables(variables, root_rank=0)
+            else:
+                self._run(hvd.broadcast_variables(variables, root_rank=0))
+        self._saved_values = self._read()  # restore() before any commit comes back here (as Horovod)
+        super().sync()
+
+
+class TensorFlowState(_VariablesState):
+    """TensorFlow variables (all global variables in a TF1 graph when None) and picklable
+    attributes, kept alike on every rank (Horovod's TensorFlowState)."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        self._variables = list(variables) if variables is not None else tf.compat.v1.global_variables()
+        super().__init__(session, **kwargs)
+
+    def _vars(self):
+        return self._variables
+
+
+class TensorFlowKerasState(_VariablesState):
+    """A Keras model, its optimizer (the model's when None) and picklable attributes, kept alike
+    on every rank (Horovod's TensorFlowKerasState; ``backend`` is accepted, Keras 3 needs none)."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "optimizer", optimizer if optimizer is not None else getattr(model, "optimizer", None))
+        super().__init__(None, **kwargs)
+
+    def _vars(self):
+        optimizer = self.optimizer
+        return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+
+
+KerasState = TensorFlowKerasState
+
+
+def run(func, reset_limit=None):
+    """Decorate ``train(state, ...)``: sync, run, and after ``HorovodInternalError`` restore the
+    last commit and retry (a fixed world: nothing to re-initialise; see _elastic.run_fn)."""
+    return _elastic.run_fn(func, lambda: None, reset_limit)
