@@ -47,11 +47,12 @@ class Config:
     shm_threshold: int = 64 * 1024
     """Allreduces of more than this many bytes go through shared memory instead of the ring when
     every rank is on one host; 0 (or ``off`` in the environment) always uses the ring."""
-    shm_window_bytes: int = 4 * MiB
+    shm_window_bytes: int = 1 * MiB
     """Cap of each rank's shared-memory slot (allocated lazily, grown up to this): allreduces go
     through it in pieces of half of it (registered memory: pieces of this size). Smaller pieces
     stay in the cache (benchmarks/shm_probe.py) but cost more syncs, each a wait for a peer that
-    a loaded machine may have descheduled (benchmarks/allreduce.py --windows)."""
+    a loaded machine may have descheduled: 1 MiB is the best of 0.5-4 MiB on a quiet machine
+    (benchmarks/allreduce.py --windows); where other work takes the cores, 4 MiB syncs less."""
     trace_records: int = 10000
     """How many recent collective records the trace keeps for ``timeline()``."""
     finalize_timeout: float = 10.0
