@@ -128,22 +128,24 @@ def test_graph_mode_tutorial_runs_with_only_its_import_changed(mpirun):
     assert sorted(int(line.split()[1]) for line in result.lines("TF_TUTORIAL_OK")) == [0, 1], result.stdout
 
 
-def test_elastic_state_and_run_for_a_fixed_world(mpirun):
+@pytest.mark.parametrize("n", [2, 3])
+def test_elastic_state_and_run_for_a_fixed_world(mpirun, n):
     """hvd.elastic in torch, TensorFlow and Keras: sync from rank 0, restore, commit, run's retry
     from the last commit and its reset limit, the Keras callbacks through fit."""
     pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
-    result = mpirun("hvd_elastic.py", 2, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"})
-    assert sorted(int(line.split()[1]) for line in result.lines("HVD_ELASTIC_OK")) == [0, 1], result.stdout
+    result = mpirun("hvd_elastic.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"})
+    assert sorted(int(line.split()[1]) for line in result.lines("HVD_ELASTIC_OK")) == list(range(n)), result.stdout
 
 
-def test_session_runs_many_collective_ops_in_any_order(mpirun):
+@pytest.mark.parametrize("n", [2, 3])
+def test_session_runs_many_collective_ops_in_any_order(mpirun, n):
     """TF1: one session.run of 32 independent collectives (and gradients) matched by name in
     whatever order each rank's threads run them; ops no rank can pair fail on every rank with
     FailedPreconditionError naming them and the fix, and the session works after."""
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
-    result = mpirun("tf_session_ops.py", 2, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
-    assert sorted(int(line.split()[1]) for line in result.lines("TF_SESSION_OK")) == [0, 1], result.stdout
+    result = mpirun("tf_session_ops.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert sorted(int(line.split()[1]) for line in result.lines("TF_SESSION_OK")) == list(range(n)), result.stdout
 
 
 def test_suite_harness_counts_a_collection_error_as_an_error_never_a_pass(tmp_path):
