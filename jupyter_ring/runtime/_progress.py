@@ -29,6 +29,7 @@ caller's own thread; everything queued fails with "cancelled".
 """
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -45,7 +46,7 @@ from ._core import Abandoned, Disagree, Recut
 from ._errors import RingError, StallError
 from ._report import reporter
 
-__all__ = ["Engine", "Reduce", "Call", "Offer", "Verdict", "settle_by_name"]
+__all__ = ["Engine", "Reduce", "Call", "Offer", "Verdict", "settle_by_name", "feeding"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,34 @@ _IDLE = 0.2  # seconds without work after which the background thread sleeps unt
 _NAP = 20e-6  # seconds the background thread sleeps between polls while the caller computes
 _SETTLE_GRACE = 0.05  # seconds every rank must have waited, blocked, before no common name is a mismatch
 _SETTLE_NAP = 0.02    # longest sleep between two settling exchanges while some rank computes
+_FEED_QUIET = 1.0     # seconds a rank's queue must not grow, while a feeder waits, before it is blocked
+
+
+class _Feeders:
+    """How many threads of this process wait on a collective while other threads of it may still
+    queue more on their behalf (the ops of a TF1 session: its inter-op threads submit them while
+    earlier ones wait). A waiting caller alone cannot queue more, so no common name among blocked
+    ranks is a mismatch at once; with feeders, only once the rank's queue stopped growing."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def __call__(self):
+        return self._scope()
+
+    @contextlib.contextmanager
+    def _scope(self):
+        with self.lock:
+            self.count += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.count -= 1
+
+
+feeding = _Feeders()  # ``with feeding():`` around a wait that other threads may feed
 
 
 class Reduce(NamedTuple):
@@ -212,6 +241,7 @@ class Engine:
         self.names = {}                        # name -> handle of every queued entry (unique)
         self.callers = 0                       # caller threads blocked on this engine (wait, run_now)
         self.unsettled_since = None            # when settling by name first found no common name
+        self.offered = None                    # the entries of this rank's last offer, and since when
 
     # ------------------------------------------------------------------ caller side
     def submit(self, entry, nbytes=0):
@@ -540,7 +570,13 @@ class Engine:
             mine = [entry for entry in self.queue if entry.handle not in finished]
         since = self.unsettled_since
         waited = 0.0 if since is None else time.perf_counter() - since
-        offer = Offer(self.callers > 0, waited, tuple((_kind(e), e.name) for e in mine))
+        entries = tuple((_kind(e), e.name) for e in mine)
+        now = time.perf_counter()
+        if self.offered is None or self.offered[0] != entries:
+            self.offered = (entries, now)
+        # with feeders (see _Feeders) a waiting caller is blocked only once the queue stopped growing
+        blocked = self.callers > 0 and (feeding.count == 0 or now - self.offered[1] >= _FEED_QUIET)
+        offer = Offer(blocked, waited, entries)
         rt.pending = 1
         rt.negotiable = False
         data = np.frombuffer(pickle.dumps(offer), np.uint8)

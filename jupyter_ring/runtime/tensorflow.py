@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -48,6 +49,7 @@ from ._horovod import *  # noqa: F403 - capability functions, process sets, time
 from ._horovod import __all__ as _HOROVOD
 from ._horovod import adasum_combine, reduce_plan
 from ._horovod import init as _init
+from ._progress import feeding as _feeding
 from . import _elastic_tf as elastic  # Horovod's elastic API for a fixed world
 
 __all__ = [
@@ -60,23 +62,8 @@ __all__ = [
 ]
 
 
-# TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
-_SESSION_THREADS = 64
-
-
 def init(comm=None, process_sets=None, **config):
-    """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
-
-    In TF1 graph code (eager execution disabled when ``init`` runs) it also sets
-    ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is set:
-    a session runs independent collective ops on its inter-op threads, each holding its thread
-    while it waits for the other ranks (_SessionOps), and TensorFlow's default (the CPU count)
-    starves when one ``session.run`` runs more collectives than that. It counts only where no
-    session existed yet in the process (TensorFlow sizes its shared pool once, at the first) and
-    for sessions whose ConfigProto leaves ``inter_op_parallelism_threads`` at 0.
-    """
-    if not tf.compat.v1.executing_eagerly_outside_functions() and "TF_NUM_INTEROP_THREADS" not in os.environ:
-        os.environ["TF_NUM_INTEROP_THREADS"] = str(max(_SESSION_THREADS, os.cpu_count() or 1))
+    """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``."""
     _init(comm, process_sets, **config)
 
 
@@ -156,14 +143,12 @@ def _tf_error(exc, in_graph=False, key=None):
     """
     message = f"{type(exc).__name__}: {exc}"
     if key is not None and isinstance(exc, CollectiveMismatchError) and str(exc).count("[graph op ") >= 2:
-        # two session ops met: the ranks ran different ops of the graph, every thread blocked
+        # two session ops met: every rank waits, and no op is queued on every rank
         message += (
-            f" (in the TF1 session op {key}.) If every rank built the same graph, the ranks ran its independent "
-            "collective ops in different orders and each rank's inter-op threads all waited for collectives "
-            "the other ranks had not started yet: give the session more threads than the collective ops one "
-            "session.run runs at once (tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or "
-            "TF_NUM_INTEROP_THREADS before the first session), fetch fewer of them per run, or order them "
-            "with tf.control_dependencies.")
+            f" (in the TF1 session op {key}.) The ranks ran collective ops that do not match: a session op is "
+            "matched by the place of its collective in the graph ([graph op N], counted as the ops are built), "
+            "so every rank must build the same collectives in the same order and fetch the same ones in each "
+            "session.run.")
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
         cls = _GraphDisagreementError if in_graph else tf.errors.FailedPreconditionError
         return cls(None, None, message)
@@ -185,7 +170,8 @@ def _run(fn, arrays, process_set, where, in_graph=False, key=None):
         if key is None:
             with _lock:
                 return fn(arrays)
-        with _session_ops.naming(key):
+        # other inter-op threads of the session may still queue collectives while this op waits
+        with _session_ops.naming(key), _feeding():
             return fn(arrays)
     except tf.errors.OpError:
         raise
@@ -200,11 +186,9 @@ class _SessionOps:
     rank. Each collective op gets a key when it is built (graphs are built alike on every rank),
     and while it runs its collectives are queued under names made of that key
     (``name(...)``); the engine matches pending collectives between ranks by name (as Horovod
-    does), so the ranks' orders need not agree. The danger: a py_function holds its inter-op
-    thread while it waits, so a rank whose threads all wait for collectives the peers have not
-    started cannot start theirs; the engine then fails those collectives on every rank (every
-    rank blocked, no common name) and the error says so (_tf_error). tf.function needs none of
-    this: it runs py_functions in program order.
+    does), so the ranks' orders need not agree. No op holds an inter-op thread while it waits
+    (_SessionOp), so a session of any size runs them all. tf.function needs none of this: it
+    runs py_functions in program order.
     """
 
     def __init__(self):
@@ -320,13 +304,118 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
         return [tf.convert_to_tensor(np.asarray(o).astype(d.as_numpy_dtype) if d != tf.bfloat16 else o, dtype=d)
                 for o, d in zip(outs, out_dtypes)]
     key = _session_ops.key(where)
+    shapes = [tf.TensorShape(s) if s is not None else None for s in out_shapes]
+    if key is not None:
+        return _SessionOp(lambda arrays: _run(fn, arrays, process_set, where, in_graph=True, key=key),
+                          out_dtypes, shapes).build(tensors)
 
     def py(*ts):
-        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
+        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
-    return _graph_errors.op(py, tensors, out_dtypes, [tf.TensorShape(s) if s is not None else None
-                                                     for s in out_shapes])
+    return _graph_errors.op(py, tensors, out_dtypes, shapes)
+
+
+class _Inbox:
+    """The input arrays of a session op's latest run, until its waiting side takes them.
+
+    Holds one item: a run whose step was cancelled after the op's submit but before its wait
+    leaves its item here, and the next run's submit replaces it, so nothing of an abandoned run
+    reaches the next one.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._item = None
+
+    def put(self, arrays):
+        with self._cv:
+            self._item = arrays
+            self._cv.notify()
+
+    def take(self):
+        # never waits long: the graph runs the wait only after its submit (a control dependency)
+        with self._cv:
+            self._cv.wait_for(lambda: self._item is not None)
+            arrays, self._item = self._item, None
+            return arrays
+
+
+class _SessionOp:
+    """One collective op of a TF1 session graph, whose wait gives its inter-op thread back.
+
+    A py_function holds the inter-op thread that runs it until it returns, and a session's pool
+    has one thread per CPU by default: a rank whose threads all waited for collectives the peers
+    had not started could not start theirs (the peers' threads waiting likewise), so a
+    ``session.run`` of more collective ops than threads could starve. Here the op is split in
+    two. *Submit* is a py_function that only hands the input arrays to the op's ``_Inbox`` and
+    returns. *Wait* is ``IteratorGetNext`` on a one-shot iterator over a generator dataset: an
+    asynchronous kernel that runs the generator on a thread of its own (one per op) and gives
+    the inter-op thread back meanwhile. The generator takes the arrays, runs the collectives
+    (named by the op's key, matched between ranks by name: _SessionOps) and yields the outputs
+    and an error number (0: none). Its exceptions are kept, not raised (a generator that raises
+    is finished for good); only on an error does the graph run a py_function that raises it, or,
+    for ranks that disagree, reads the variable named by the message (_GraphErrors).
+    """
+
+    def __init__(self, body, out_dtypes, out_shapes):
+        self.body = body  # list of numpy arrays -> list of numpy arrays; raises as _run does
+        self.out_dtypes = list(out_dtypes)
+        self.out_shapes = list(out_shapes)
+        self.inbox = _Inbox()
+        self.errors = {}  # error number -> the exception the generator caught
+        self.numbers = itertools.count(1)
+
+    def _submit(self, *ts):
+        self.inbox.put([_host(t) for t in ts])
+        return np.int32(0)
+
+    def _placeholders(self):
+        return tuple(np.zeros([d or 0 for d in s] if s is not None and s.rank is not None else [0],
+                              dtype.as_numpy_dtype)
+                     for dtype, s in zip(self.out_dtypes, self.out_shapes))
+
+    def _generate(self):
+        while True:
+            arrays = self.inbox.take()
+            try:
+                outs = self.body(arrays)
+                element = tuple(np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(outs, self.out_dtypes))
+                number = 0
+            except Exception as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
+                number = next(self.numbers)
+                self.errors[number] = exc
+                element = self._placeholders()
+            yield element + (np.int64(number),)
+
+    def _finish(self, number):
+        exc = self.errors.pop(int(number))
+        if isinstance(exc, _GraphDisagreementError):
+            return _graph_errors.handle(str(exc))
+        raise exc
+
+    def build(self, tensors):
+        submitted = tf.numpy_function(self._submit, tensors, tf.int32, stateful=True)
+        specs = tuple(tf.TensorSpec(s, d) for d, s in zip(self.out_dtypes, self.out_shapes))
+        dataset = tf.data.Dataset.from_generator(self._generate, output_signature=specs + (tf.TensorSpec([], tf.int64),))
+        # no prefetch, no autotuning thread: an element is made only when the wait asks for it
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        options.experimental_optimization.apply_default_optimizations = False
+        options.experimental_warm_start = False
+        iterator = tf.compat.v1.data.make_one_shot_iterator(dataset.with_options(options))
+        with tf.control_dependencies([submitted]):
+            *outs, number = iterator.get_next()
+        check = tf.cond(tf.not_equal(number, 0),
+                        lambda: tf.raw_ops.ReadVariableOp(resource=tf.py_function(self._finish, [number], tf.resource),
+                                                          dtype=tf.int32),
+                        lambda: tf.constant(0, tf.int32))
+        with tf.control_dependencies([check]):
+            outs = [tf.identity(o) for o in outs]
+        for o, shape in zip(outs, self.out_shapes):
+            if shape is not None:
+                o.set_shape(shape)
+        return outs
 
 
 def _ref(variable):
