@@ -21,7 +21,10 @@ nothing listening on 0.0.0.0, and re-running ``init_process_group`` after
 creates is recorded with its sockets (``runtime._process_groups``). A monitor thread, woken by
 SIGINT through ``signal.set_wakeup_fd``, checks 0.3 s later whether the main thread is still where
 it was (stuck in C) and then aborts the groups: their connections are shut down, the blocked call
-fails at once on this rank and on its peers, and the pending SIGINT raises KeyboardInterrupt.
+fails at once on this rank and on its peers, and the pending SIGINT raises KeyboardInterrupt. The
+same goes for ring collectives that other threads wait on while the main thread is in C++ (the
+ops of a TF1 ``session.run``): the monitor gives them up (``abandon_queued``), the session fails,
+and the next collective resyncs the ranks.
 The same thread publishes each group's collective count in its store once a second; a rank stuck
 for the stall timeout while a peer has issued fewer collectives gets ``StallError`` naming it.
 After a failed cell the notebook calls :func:`repair` on every rank: groups any rank aborted are
@@ -164,6 +167,8 @@ class TorchGuard:
             try:
                 # a tenth of a tick while torch groups exist; else only SIGINT needs waking for
                 period = _TICK / 5 if _WATCHED in sys.modules else _TICK * 2
+                if self._sigint_at is not None:  # look again when the main thread counts as stuck
+                    period = min(period, max(0.01, self._sigint_at[0] + _STUCK_AFTER - time.monotonic()))
                 readable, _, _ = select.select([self._wake_r], [], [], period)
                 if readable:
                     self._on_signals(self._wake_r.recv(256))
@@ -186,8 +191,13 @@ class TorchGuard:
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_code.co_name)
 
     def _tick(self):
+        from ..runtime import _api, _progress  # on the rank only (the notebook imports this module too)
+
         groups = self._groups()
-        if not groups or not self.executing:
+        # ring collectives waited on in other threads while the main thread is in C++ (a TF1
+        # session.run: its ops wait in TensorFlow's threads, runtime.tensorflow._SessionOp)
+        fed = _progress.feeding.count
+        if not (groups or fed) or not self.executing:
             return
         now = time.monotonic()
         position = self._main_position()
@@ -197,9 +207,14 @@ class TorchGuard:
             at, where = self._sigint_at
             self._sigint_at = None
             if position is not None and position == where:
-                self._abort(groups, f"interrupted while rank {self.rank} was blocked in torch "
-                                    f"({position[2]})", None)
-        if now - self._last_publish >= _TICK * 2:
+                if groups:
+                    self._abort(groups, f"interrupted while rank {self.rank} was blocked in torch "
+                                        f"({position[2]})", None)
+                if fed:
+                    # the waits raise on their threads, the blocked call returns with their error,
+                    # the pending SIGINT raises KeyboardInterrupt; the next collective resyncs
+                    _api.abandon_queued(f"interrupted while rank {self.rank} was blocked in {position[2]}")
+        if groups and now - self._last_publish >= _TICK * 2:
             self._last_publish = now
             self._publish(groups)
             self._check_stall(groups, now)

@@ -382,9 +382,12 @@ class _SessionOp:
                 outs = self.body(arrays)
                 element = tuple(np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(outs, self.out_dtypes))
                 number = 0
-            except Exception as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
+            except BaseException as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
+                # (a wait given up from another thread raises Abandoned, a BaseException: an
+                # interrupt while the main thread is in session.run, engines._torch)
                 number = next(self.numbers)
-                self.errors[number] = exc
+                self.errors[number] = exc if isinstance(exc, Exception) else tf.errors.CancelledError(
+                    None, None, f"cancelled: {exc}")
                 element = self._placeholders()
             yield element + (np.int64(number),)
 
