@@ -1,12 +1,13 @@
 """TF1 session ops: what one ``session.run`` of collective ops costs, per op (wall ms).
 
-    .venv/bin/python benchmarks/session_ops.py [--baseline-src DIR] [--runs 3] [--ops 20]
+    .venv/bin/python benchmarks/session_ops.py [--runs 3] [--ops 20]
 
 Two ranks under ``mpiexec.gforker`` (``-n``), TF1 graph mode, ``--ops`` allreduces of 1 KiB
-float32 tensors. Cases: one op fetched alone (``session.run(op)``, median of 200 runs) and every
-op fetched in one ``session.run`` (per op, median of 50 runs), in a session of TensorFlow's
-default inter-op threads. ``--baseline-src DIR`` runs another source tree's ``jupyter_ring``
-(``git archive <commit> | tar -x -C DIR``) in alternate runs and prints both with their ratio.
+float32 tensors, built with each ``JUPYTER_RING_TF_SESSION_WAIT`` (``inline``: the py_function
+holds its inter-op thread while it waits, the default; ``thread``: it waits on a thread of its
+own), the two alternated run by run. Cases: one op fetched alone (``session.run(op)``, median of
+200 runs), every op fetched in one ``session.run`` (per op, median of 50 runs), in a session of
+the inter-op threads ``hvd.init()`` gives, and the first run of each op (median).
 """
 
 import argparse
@@ -20,7 +21,6 @@ import time
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline-src", help="another source tree to measure alternately")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--ops", type=int, default=20)
     p.add_argument("-n", type=int, default=2, help="ranks (default 2)")
@@ -49,18 +49,22 @@ def worker(ops):
         return statistics.median(times) * 1e3
 
     with tf.compat.v1.Session() as session:
-        session.run(fetches)  # warm: kernels made, iterators started
+        firsts = []
+        for fetch in fetches:  # each op's first run: its kernels made, its iterator started
+            hvd.barrier()
+            start = time.perf_counter()
+            session.run(fetch)
+            firsts.append(time.perf_counter() - start)
+        first = statistics.median(firsts) * 1e3
         alone = median_ms(lambda: session.run(fetches[0]), 200)
         together = median_ms(lambda: session.run(fetches), 50) / ops
     if hvd.rank() == 0:
-        print(json.dumps({"alone": alone, "together": together}), flush=True)
+        print(json.dumps({"alone": alone, "together": together, "first": first}), flush=True)
 
 
-def run(src, args):
+def run(wait, args):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec.gforker")
-    env = dict(os.environ)
-    if src:
-        env["PYTHONPATH"] = src
+    env = dict(os.environ, JUPYTER_RING_TF_SESSION_WAIT=wait)
     out = subprocess.run([mpiexec, "-n", str(args.n), sys.executable, os.path.abspath(__file__), "--worker",
                           "--ops", str(args.ops)], env=env, capture_output=True, text=True, timeout=600,
                          stdin=subprocess.DEVNULL, cwd="/tmp")
@@ -70,27 +74,29 @@ def run(src, args):
     return json.loads(lines[-1])
 
 
+CASES = ("alone", "together", "first")
+
+
 def main():
     args = parse()
     if args.worker:
         return worker(args.ops)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = [("this tree", here)] + ([("baseline", args.baseline_src)] if args.baseline_src else [])
-    results = {name: [] for name, _src in trees}
+    waits = ("inline", "thread")
+    results = {wait: [] for wait in waits}
+    before = open("/proc/loadavg").read().split()[0]
     for _ in range(args.runs):
-        for name, src in trees:  # alternated, so that both see the same load
-            results[name].append(run(src, args))
-    print(f"load {open('/proc/loadavg').read().split()[:3]}; {args.n} ranks, {args.ops} allreduces of 1 KiB; "
-          f"medians of {args.runs} runs, ms per op")
-    print(f"| tree | one op alone | {args.ops} ops in one session.run, per op |")
-    print("|---|---|---|")
+        for wait in waits:  # alternated, so that both see the same load
+            results[wait].append(run(wait, args))
+    after = open("/proc/loadavg").read().split()[0]
+    print(f"load {before} -> {after}; {args.n} ranks, {args.ops} allreduces of 1 KiB; medians of {args.runs} runs, "
+          "ms per op")
+    print(f"| wait | one op alone | {args.ops} ops in one session.run, per op | first run of an op |")
+    print("|---|---|---|---|")
     medians = {}
-    for name, _src in trees:
-        medians[name] = {k: statistics.median(r[k] for r in results[name]) for k in ("alone", "together")}
-        print(f"| {name} | {medians[name]['alone']:.3f} | {medians[name]['together']:.3f} |")
-    if args.baseline_src:
-        a, b = medians["this tree"], medians["baseline"]
-        print(f"| ratio | {a['alone'] / b['alone']:.2f} | {a['together'] / b['together']:.2f} |")
+    for wait in waits:
+        medians[wait] = {k: statistics.median(r[k] for r in results[wait]) for k in CASES}
+        print(f"| {wait} | " + " | ".join(f"{medians[wait][k]:.3f}" for k in CASES) + " |")
+    print("| thread ÷ inline | " + " | ".join(f"{medians['thread'][k] / medians['inline'][k]:.2f}" for k in CASES) + " |")
 
 
 if __name__ == "__main__":

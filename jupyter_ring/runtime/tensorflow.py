@@ -62,8 +62,24 @@ __all__ = [
 ]
 
 
+# TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
+_SESSION_THREADS = 64
+
+
 def init(comm=None, process_sets=None, **config):
-    """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``."""
+    """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
+
+    In TF1 graph code (eager execution disabled when ``init`` runs) it also sets
+    ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is set:
+    a session runs independent collective ops on its inter-op threads, each holding its thread
+    while it waits for the other ranks (_SessionOps), and TensorFlow's default (the CPU count)
+    starves when one ``session.run`` runs more collectives than that. It counts only where no
+    session existed yet in the process (TensorFlow sizes its shared pool once, at the first) and
+    for sessions whose ConfigProto leaves ``inter_op_parallelism_threads`` at 0. Where that is
+    not enough, ``JUPYTER_RING_TF_SESSION_WAIT=thread`` (_SessionOp) needs no threads at all.
+    """
+    if not tf.compat.v1.executing_eagerly_outside_functions() and "TF_NUM_INTEROP_THREADS" not in os.environ:
+        os.environ["TF_NUM_INTEROP_THREADS"] = str(max(_SESSION_THREADS, os.cpu_count() or 1))
     _init(comm, process_sets, **config)
 
 
@@ -145,10 +161,15 @@ def _tf_error(exc, in_graph=False, key=None):
     if key is not None and isinstance(exc, CollectiveMismatchError) and str(exc).count("[graph op ") >= 2:
         # two session ops met: every rank waits, and no op is queued on every rank
         message += (
-            f" (in the TF1 session op {key}.) The ranks ran collective ops that do not match: a session op is "
-            "matched by the place of its collective in the graph ([graph op N], counted as the ops are built), "
-            "so every rank must build the same collectives in the same order and fetch the same ones in each "
-            "session.run.")
+            f" (in the TF1 session op {key}.) A session op is matched by the place of its collective in the "
+            "graph ([graph op N], counted as the ops are built), so every rank must build the same collectives "
+            "in the same order and fetch the same ones in each session.run. If they do, each rank's inter-op "
+            "threads all waited for collectives the other ranks had not started yet: give the session more "
+            "threads than the collective ops one session.run runs at once "
+            "(tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or TF_NUM_INTEROP_THREADS before the "
+            "first session), or set JUPYTER_RING_TF_SESSION_WAIT=thread before building the graph (each op "
+            "then waits on a thread of its own; its first run is slower), or order the ops with "
+            "tf.control_dependencies.")
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
         cls = _GraphDisagreementError if in_graph else tf.errors.FailedPreconditionError
         return cls(None, None, message)
@@ -186,9 +207,13 @@ class _SessionOps:
     rank. Each collective op gets a key when it is built (graphs are built alike on every rank),
     and while it runs its collectives are queued under names made of that key
     (``name(...)``); the engine matches pending collectives between ranks by name (as Horovod
-    does), so the ranks' orders need not agree. No op holds an inter-op thread while it waits
-    (_SessionOp), so a session of any size runs them all. tf.function needs none of this: it
-    runs py_functions in program order.
+    does), so the ranks' orders need not agree. The danger: a py_function holds its inter-op
+    thread while it waits, so a rank whose threads all wait for collectives the peers have not
+    started cannot start theirs; the engine then fails those collectives on every rank (every
+    rank blocked, and the queues no longer growing) and the error says so (_tf_error). With
+    ``JUPYTER_RING_TF_SESSION_WAIT=thread`` an op waits on a thread of its own instead
+    (_SessionOp): no starvation, at a higher cost of the op's first run. tf.function needs none of
+    this: it runs py_functions in program order.
     """
 
     def __init__(self):
@@ -305,15 +330,33 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
                 for o, d in zip(outs, out_dtypes)]
     key = _session_ops.key(where)
     shapes = [tf.TensorShape(s) if s is not None else None for s in out_shapes]
-    if key is not None:
+    if key is not None and _session_wait() == "thread":
         return _SessionOp(lambda arrays: _run(fn, arrays, process_set, where, in_graph=True, key=key),
                           out_dtypes, shapes).build(tensors)
 
     def py(*ts):
-        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True)
+        try:
+            outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
+        except Exception:
+            raise
+        except BaseException as exc:  # Abandoned: the wait given up from another thread (see _SessionOp)
+            raise tf.errors.CancelledError(None, None, f"cancelled: {exc}") from None
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
     return _graph_errors.op(py, tensors, out_dtypes, shapes)
+
+
+_SESSION_WAITS = ("inline", "thread")
+
+
+def _session_wait():
+    """How a TF1 session op waits: ``inline`` (default: its py_function holds the inter-op thread)
+    or ``thread`` (_SessionOp), from ``JUPYTER_RING_TF_SESSION_WAIT`` when the op is built."""
+    wait = os.environ.get("JUPYTER_RING_TF_SESSION_WAIT", "").strip().lower() or "inline"
+    if wait not in _SESSION_WAITS:
+        raise ValueError(f"JUPYTER_RING_TF_SESSION_WAIT={wait!r}: expected one of {', '.join(_SESSION_WAITS)}; "
+                         "'thread' makes every TF1 session op wait on a thread of its own")
+    return wait
 
 
 class _Inbox:
@@ -342,7 +385,8 @@ class _Inbox:
 
 
 class _SessionOp:
-    """One collective op of a TF1 session graph, whose wait gives its inter-op thread back.
+    """One collective op of a TF1 session graph, whose wait gives its inter-op thread back
+    (``JUPYTER_RING_TF_SESSION_WAIT=thread``).
 
     A py_function holds the inter-op thread that runs it until it returns, and a session's pool
     has one thread per CPU by default: a rank whose threads all waited for collectives the peers
@@ -356,6 +400,12 @@ class _SessionOp:
     and an error number (0: none). Its exceptions are kept, not raised (a generator that raises
     is finished for good); only on an error does the graph run a py_function that raises it, or,
     for ranks that disagree, reads the variable named by the message (_GraphErrors).
+
+    Not the default: a session's first run of a new fetch rebuilds its executors over the whole
+    function library, and each such op adds the dataset's functions to it, so that first run
+    grows with the number of ops built (~0.9 s against ~0.25 s at 40 ops, one process, load ~10;
+    Horovod's test of 96 in-place broadcasts, each run once, did not finish in 800 s). Later runs
+    cost ~0.7 ms more per op than inline (docs/benchmarks.md).
     """
 
     def __init__(self, body, out_dtypes, out_shapes):

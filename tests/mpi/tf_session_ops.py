@@ -4,13 +4,14 @@ A session runs independent ops on its inter-op threads in any order, differently
 the collectives are matched between ranks by name (each op's build-time key). Checks, every rank
 its own expected values:
 
-1. a session of ONE inter-op thread (no op may hold it while it waits) and a default one: a run
+1. a default session (``hvd.init()`` in graph code gives it enough inter-op threads): one run
    fetching 30 allreduces, allgathers, broadcasts, reducescatters and alltoalls of awkward sizes
    (0, 1, primes, not divisible by the ranks) and dtypes, plus broadcast and allgather gradients,
-   three times in each;
-2. ranks that built two collectives in opposite orders, so that no op is queued on every rank:
-   every rank gets FailedPreconditionError naming the ops and the fix, within seconds, and the
-   next run works.
+   three times over; the same ops built with ``JUPYTER_RING_TF_SESSION_WAIT=thread`` in a session
+   of ONE inter-op thread (no op may hold it while it waits);
+2. ranks that built two collectives in opposite orders, run by a session of one inter-op
+   thread, so that every rank's thread waits for an op its peers never start: every rank gets
+   FailedPreconditionError naming the ops and the fixes, within seconds, and the next run works.
 
 Prints ``TF_SESSION_OK <rank>``.
 """
@@ -28,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 import jupyter_ring.runtime.tensorflow as hvd  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
-os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # TensorFlow's default pool: one thread per CPU
+os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # init() must set it itself
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 failures = []
@@ -51,72 +52,82 @@ def every_rank(seed, make):
     return [make(g, q) for q in range(n)]
 
 
-fetches, expected = [], []
-for i in range(30):
-    kind = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")[i % 5]
-    size = SIZES[i % len(SIZES)]
-    dtype = DTYPES[i % len(DTYPES)]
+def build():
+    """30 collectives of awkward sizes and gradients through them: (fetches, expected)."""
+    fetches, expected = [], []
+    for i in range(30):
+        kind = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall")[i % 5]
+        size = SIZES[i % len(SIZES)]
+        dtype = DTYPES[i % len(DTYPES)]
 
-    def values(g, q, rows=None):
-        x = g.standard_normal((rows if rows is not None else size, 3)) * 10
-        return x.astype(dtype) if np.issubdtype(dtype, np.floating) else np.round(x).astype(dtype)
+        def values(g, q, rows=None):
+            x = g.standard_normal((rows if rows is not None else size, 3)) * 10
+            return x.astype(dtype) if np.issubdtype(dtype, np.floating) else np.round(x).astype(dtype)
 
-    if kind == "allreduce":
-        xs = every_rank(i, values)
-        fetches.append(hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum))
-        expected.append((f"allreduce {i} {dtype.__name__}[{size}]", sum(x.astype(np.float64) for x in xs),
-                         TOLERANCE.get(dtype, 0.0)))
-    elif kind == "allgather":
-        xs = every_rank(i, lambda g, q: values(g, q, (size + q) % 5))  # rows differ by rank, some 0
-        fetches.append(hvd.allgather(tf.constant(xs[r])))
-        expected.append((f"allgather {i}", np.concatenate(xs), 0.0))
-    elif kind == "broadcast":
-        root = i % n
-        xs = every_rank(i, values)
-        fetches.append(hvd.broadcast(tf.constant(xs[r]), root_rank=root))
-        expected.append((f"broadcast {i} root {root}", xs[root], 0.0))
-    elif kind == "reducescatter":
-        rows = 2 * n + 1  # not divisible by the ranks: the first ranks get one more row
-        xs = every_rank(i, lambda g, q: values(g, q, rows))
-        total = sum(x.astype(np.float64) for x in xs)
-        counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
-        start = sum(counts[:r])
-        fetches.append(hvd.reducescatter(tf.constant(xs[r]), op=hvd.Sum))
-        expected.append((f"reducescatter {i}", total[start:start + counts[r]],
-                         TOLERANCE.get(dtype, 0.0)))
-    else:
-        splits = every_rank(i, lambda g, q: g.integers(0, 4, n))
-        xs = every_rank(i + 1000, lambda g, q: values(g, q, int(splits[q].sum())))
-        out, _ = hvd.alltoall(tf.constant(xs[r]), splits=tf.constant(splits[r], tf.int32))
-        fetches.append(out)
-        # from each rank q, the block of its rows it sends to r
-        expected.append((f"alltoall {i}", np.concatenate([xs[q][splits[q][:r].sum():splits[q][:r + 1].sum()]
-                                                          for q in range(n)]), 0.0))
+        if kind == "allreduce":
+            xs = every_rank(i, values)
+            fetches.append(hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum))
+            expected.append((f"allreduce {i} {dtype.__name__}[{size}]", sum(x.astype(np.float64) for x in xs),
+                             TOLERANCE.get(dtype, 0.0)))
+        elif kind == "allgather":
+            xs = every_rank(i, lambda g, q: values(g, q, (size + q) % 5))  # rows differ by rank, some 0
+            fetches.append(hvd.allgather(tf.constant(xs[r])))
+            expected.append((f"allgather {i}", np.concatenate(xs), 0.0))
+        elif kind == "broadcast":
+            root = i % n
+            xs = every_rank(i, values)
+            fetches.append(hvd.broadcast(tf.constant(xs[r]), root_rank=root))
+            expected.append((f"broadcast {i} root {root}", xs[root], 0.0))
+        elif kind == "reducescatter":
+            rows = 2 * n + 1  # not divisible by the ranks: the first ranks get one more row
+            xs = every_rank(i, lambda g, q: values(g, q, rows))
+            total = sum(x.astype(np.float64) for x in xs)
+            counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+            start = sum(counts[:r])
+            fetches.append(hvd.reducescatter(tf.constant(xs[r]), op=hvd.Sum))
+            expected.append((f"reducescatter {i}", total[start:start + counts[r]],
+                             TOLERANCE.get(dtype, 0.0)))
+        else:
+            splits = every_rank(i, lambda g, q: g.integers(0, 4, n))
+            xs = every_rank(i + 1000, lambda g, q: values(g, q, int(splits[q].sum())))
+            out, _ = hvd.alltoall(tf.constant(xs[r]), splits=tf.constant(splits[r], tf.int32))
+            fetches.append(out)
+            # from each rank q, the block of its rows it sends to r
+            expected.append((f"alltoall {i}", np.concatenate([xs[q][splits[q][:r].sum():splits[q][:r + 1].sum()]
+                                                              for q in range(n)]), 0.0))
 
-# gradients in the same run: of a broadcast (root's is every rank's ones summed / n ... averaged:
-# ones on the root, zeros elsewhere) and of an allgather (this rank's rows of the averaged grads)
-for root in range(n):
-    x = tf.constant(np.full((4, 2), float(r), np.float32))
-    y = hvd.broadcast(x, root_rank=root)
-    fetches.append(tf.gradients(y, x, tf.ones([4, 2]))[0])
-    expected.append((f"broadcast grad root {root}", np.full((4, 2), 1.0 if r == root else 0.0), 0.0))
-rows = [q % 3 + 1 for q in range(n)]
-x = tf.constant(np.full((rows[r], 2), float(r), np.float32))
-y = hvd.allgather(x)
-weights = np.arange(sum(rows) * 2, dtype=np.float32).reshape(-1, 2)
-fetches.append(tf.gradients(y, x, tf.constant(weights))[0])
-start = sum(rows[:r])
-expected.append(("allgather grad", weights[start:start + rows[r]], 1e-6))  # the same weights everywhere
+    # gradients in the same run: of a broadcast (root's is every rank's ones summed / n ... averaged:
+    # ones on the root, zeros elsewhere) and of an allgather (this rank's rows of the averaged grads)
+    for root in range(n):
+        x = tf.constant(np.full((4, 2), float(r), np.float32))
+        y = hvd.broadcast(x, root_rank=root)
+        fetches.append(tf.gradients(y, x, tf.ones([4, 2]))[0])
+        expected.append((f"broadcast grad root {root}", np.full((4, 2), 1.0 if r == root else 0.0), 0.0))
+    rows = [q % 3 + 1 for q in range(n)]
+    x = tf.constant(np.full((rows[r], 2), float(r), np.float32))
+    y = hvd.allgather(x)
+    weights = np.arange(sum(rows) * 2, dtype=np.float32).reshape(-1, 2)
+    fetches.append(tf.gradients(y, x, tf.constant(weights))[0])
+    start = sum(rows[:r])
+    expected.append(("allgather grad", weights[start:start + rows[r]], 1e-6))  # the same weights everywhere
+    return fetches, expected
 
-for threads in (1, 0):  # 0: TensorFlow's default
+
+# inline (the default): ops hold an inter-op thread while they wait; init() gave the default
+# session enough. thread: ops wait on threads of their own, so one inter-op thread does.
+for wait, threads in (("inline", 0), ("thread", 1)):
+    os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
+    fetches, expected = build()
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads)
     with tf.compat.v1.Session(config=config) as session:
         for repeat in range(3):
             for (label, want, tol), got in zip(expected, session.run(fetches)):
-                check(f"{threads} threads, run {repeat}: {label}", got, want, tol)
+                check(f"{wait}, run {repeat}: {label}", got, want, tol)
+os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
 
 # opposite orders: rank 0 builds (and so names) "first" before "second", the others "second"
-# before "first", so no name is queued on every rank
+# before "first", so no name is queued on every rank: each rank's only thread waits for an op its
+# peers never start
 a_in = tf.constant(np.arange(5, dtype=np.float32) + r)
 b_in = tf.constant(np.arange(7, dtype=np.float32) * (r + 1))
 if r == 0:
@@ -137,7 +148,7 @@ with tf.compat.v1.Session(config=config) as session:
         # names both (the same name at two places of the graph) and the fix
         named = re.search(r"name (first|second) \[graph op \d+ #0\] on rank 0 but (first|second) \[graph op \d+ #0\] "
                           r"on ranks? 1\b", text)
-        if not named or "CollectiveMismatchError" not in text or "same order" not in text:
+        if not named or "CollectiveMismatchError" not in text or "inter_op_parallelism_threads" not in text or "JUPYTER_RING_TF_SESSION_WAIT=thread" not in text:
             failures.append(f"opposite orders: the error does not name both ops and the fix: {text[:600]}")
     except Exception as exc:  # noqa: BLE001 - reported as a failure of this rank
         failures.append(f"opposite orders: {type(exc).__name__}: {str(exc)[:600]}")
