@@ -195,7 +195,7 @@ class TorchGuard:
 
         groups = self._groups()
         # ring collectives waited on in other threads while the main thread is in C++ (a TF1
-        # session.run: its ops wait in TensorFlow's threads, runtime.tensorflow._SessionOp)
+        # session.run: its ops wait in TensorFlow's threads, runtime.tensorflow._SessionOps)
         fed = _progress.feeding.count
         if not (groups or fed) or not self.executing:
             return
