@@ -198,13 +198,15 @@ def eager_one(rt, src, dst, plan, name, desc, own):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Lane:
-    """A prepared eager allreduce of one signature: what a later call with the same arguments
-    reuses instead of checking, planning, packing and building views again.
+    """An allreduce signature seen before, and for a blocking eager one its prepared exchange:
+    what a later call with the same arguments reuses instead of checking, planning, packing and
+    building views again.
 
-    Made by ``prepare_lane`` after a call of the signature went the full way; the engine keeps
-    one per (name, in place) and takes it only when the call's arguments equal the key fields
-    and the runtime's wiring is the one it was prepared on (``run_lane`` checks, else it runs the
-    full eager body). Holds no caller array: every call copies its own input in.
+    Made by ``prepare_lane`` after a call of the signature was checked the full way; the engine
+    keeps one per (name, in place) and takes it only when the call's arguments equal the key
+    fields; a blocking call runs on it only when the runtime's wiring is the one it was prepared
+    on (``run_lane`` checks again, else it runs the full eager body). Holds no caller array:
+    every call copies its own input in.
     """
 
     # the signature, as the caller passes it (compared on every call)
@@ -217,9 +219,9 @@ class Lane:
     # what the lane reuses
     plan: ReducePlan
     desc: tuple           # what the ranks agree on (explains a mismatch)
-    prepared: Prepared    # the header exchange (Runtime.prepare)
-    payload: np.ndarray   # the send buffer's payload region, flat
-    terms: list           # every participant's payload in rank order (ours is ``payload``)
+    prepared: object      # the header exchange (Runtime.prepare), or None: signature only
+    payload: object       # the send buffer's payload region, flat (None: signature only)
+    terms: object         # every participant's payload in rank order (ours is ``payload``)
     count: int
     nbytes: int
 
@@ -234,18 +236,23 @@ class Lane:
 
 
 def prepare_lane(rt, entry, op, average, prescale, postscale):
-    """The ``Lane`` of ``entry``'s signature (a ``Reduce`` that just ran), or None where no lane
-    applies: the payload does not fit the agreement message, a peer has joined."""
+    """The ``Lane`` of ``entry``'s signature (a ``Reduce`` whose arguments were checked).
+
+    With ``rt`` (a blocking call that just ran, executor lock held) its exchange is prepared too,
+    where one applies (the payload fits the agreement message, no peer has joined); without, or
+    where none applies, the lane holds the signature and plan only: an async call of it skips the
+    checks, a blocking one goes the full way (and prepares the exchange then).
+    """
     plan = entry.plan
     src = entry.src
-    nbytes = src.nbytes
+    dtype, count, nbytes = plan.dtype, src.size, src.nbytes
     desc = entry.describe()
-    prepared = rt.prepare(rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size, desc), nbytes)
-    if prepared is None:
-        return None
-    dtype, count = plan.dtype, src.size
-    payload = rt.payload_view(dtype, count)
-    terms = [payload if q == rt.rank else rt.peer_payload(q, dtype, count) for q in rt.participants]
+    prepared = payload = terms = None
+    if rt is not None:
+        prepared = rt.prepare(rt.agreement("allreduce", dtype, plan.op, -1, count, desc), nbytes)
+    if prepared is not None:
+        payload = rt.payload_view(dtype, count)
+        terms = [payload if q == rt.rank else rt.peer_payload(q, dtype, count) for q in rt.participants]
     return Lane(src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, prepared, payload,
                 terms, count, nbytes)
 

@@ -314,13 +314,15 @@ class Engine:
             rt = self.rt
             if self.queue or rt.dirty or self.closed:
                 return
-            if len(self.lanes) > 1024:
-                self.lanes.clear()
-            lane = C.prepare_lane(rt, entry, op, average, prescale, postscale)
-            if lane is not None:
-                self.lanes[key] = lane
+            self.keep_lane(key, C.prepare_lane(rt, entry, op, average, prescale, postscale))
         finally:
             self.lock.release()
+
+    def keep_lane(self, key, lane):
+        """Keep ``lane`` under ``key`` (name= as passed, in place), in place of any other."""
+        if len(self.lanes) > 1024:
+            self.lanes.clear()
+        self.lanes[key] = lane
 
     def _queue_first(self, entry):
         with self.qlock:
