@@ -219,7 +219,7 @@ class Lane:
     # what the lane reuses
     plan: ReducePlan
     desc: tuple           # what the ranks agree on (explains a mismatch)
-    prepared: object      # the header exchange (Runtime.prepare), or None: signature only
+    prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
     payload: object       # the send buffer's payload region, flat (None: signature only)
     terms: object         # every participant's payload in rank order (ours is ``payload``)
     count: int
