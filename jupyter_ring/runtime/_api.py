@@ -433,6 +433,9 @@ def _plan(engine, dtype, op, average, prescale, postscale, where):
         if len(plans) > 1024:
             plans.clear()
             engine.agreements.clear()
+            # lanes hold plans: a lane's plan is always the cached one (the same serial, so a
+            # rank with a lane fuses like a rank without)
+            engine.lanes.clear()
         # equal arguments give the same plan object and serial on every rank that made the same
         # calls (the cache clears at the same call everywhere): batches are keyed by the serial
         plan = C.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where,
@@ -445,28 +448,88 @@ def _plan(engine, dtype, op, average, prescale, postscale, where):
 def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
               process_set=None):
     """Reduce ``tensor`` over all ranks (default op: Average) and return a new array."""
-    engine, entry = _reduce(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
-    return engine.run_now(entry)
+    return _blocking(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None):
     """In-place allreduce: ``tensor`` (a C-contiguous writable array) receives the result."""
-    engine, entry = _reduce(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
-    return engine.run_now(entry)
+    return _blocking(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def _blocking(tensor, in_place, average, name, op, prescale, postscale, process_set):
+    """A blocking allreduce: on its signature's prepared lane when the engine has one (the same
+    name, in place or not, dtype, shape, op and scale factors as an earlier call), else the full
+    way, which leaves a lane behind for the next call when the payload rides in the agreement
+    message. The lane skips the checks and lookups only: the ranks still exchange and compare
+    headers, so a rank whose call differs still fails every rank with the difference named."""
+    engine, lane, entry = _entry(tensor, in_place, average, name, op, prescale, postscale, process_set)
+    # a lane prepared before a resync or a join is stale: the full way prepares a new one
+    if lane is not None and lane.prepared is not None and lane.prepared.wiring == engine.rt.wiring:
+        return engine.run_now(entry, lane)
+    result = engine.run_now(entry)
+    if entry.src.nbytes <= engine.rt.eager_limit and _lane_worthy(tensor, in_place, prescale, postscale):
+        engine.prepare_lane((name, in_place), entry, op, average, prescale, postscale)
+    return result
+
+
+def _entry(tensor, in_place, average, name, op, prescale, postscale, process_set):
+    """(engine, lane, entry) of an allreduce: the entry built from the lane of its signature when
+    the engine has one (no checks, no plan lookup), else checked the full way (lane None)."""
+    if type(tensor) is np.ndarray and (name is None or type(name) is str):
+        engine = _proc.engine if process_set is None else _member_engine(process_set)
+        lane = None if engine is None else engine.lanes.get((name, in_place))
+        if lane is not None and lane.fits(tensor, op, average, prescale, postscale) and _flat_ok(
+                tensor.flags, in_place):
+            if name is None:
+                name, explicit = _auto_name("allreduce", None)
+            else:
+                explicit = name
+            src = tensor.reshape(-1)
+            return engine, lane, Reduce(next(_proc.handles), name, explicit, src, src if in_place else None,
+                                        tensor if in_place else None, lane.shape, lane.plan)
+    engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
+    return engine, None, entry
+
+
+def _lane_worthy(tensor, in_place, prescale, postscale):
+    """Whether later calls with these arguments could take a lane (``Lane.fits`` them)."""
+    return (type(tensor) is np.ndarray and type(prescale) is float and type(postscale) is float
+            and _flat_ok(tensor.flags, in_place))
+
+
+def _flat_ok(flags, in_place):
+    """Whether an array with these flags goes on a lane as it is (contiguous; writable in place)."""
+    return flags.c_contiguous and (flags.writeable or not in_place)
+
+
+def _member_engine(process_set):
+    """The engine of a registered ``process_set`` this rank belongs to, else None (the full path
+    then raises what is wrong)."""
+    if process_set is global_process_set:
+        return _proc.engine
+    entry = _proc.sets.get(getattr(process_set, "process_set_id", None))
+    return entry.engine if entry is not None and entry.ps is process_set else None
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None):
     """Queue an allreduce; returns a handle for ``synchronize()``/``poll()``. Small ones are fused."""
-    engine, entry = _reduce(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
-    return _submit(engine, entry, entry.src.nbytes)
+    return _queued(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
     """Queue an in-place allreduce; returns a handle."""
-    engine, entry = _reduce(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _queued(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def _queued(tensor, in_place, average, name, op, prescale, postscale, process_set):
+    """An async allreduce: its entry from the lane of its signature (no checks) when the engine
+    has one, else checked the full way, which leaves a signature-only lane for the next call."""
+    engine, lane, entry = _entry(tensor, in_place, average, name, op, prescale, postscale, process_set)
+    if lane is None and _lane_worthy(tensor, in_place, prescale, postscale):
+        engine.keep_lane((name, in_place), C.prepare_lane(None, entry, op, average, prescale, postscale))
     return _submit(engine, entry, entry.src.nbytes)
 
 

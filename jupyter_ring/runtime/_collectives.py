@@ -6,18 +6,19 @@ order on every rank, and the ring computes each segment once, so every rank ends
 """
 
 import bisect
+import dataclasses
 import pickle
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from ._core import TAG_DATA, Average, Max, Min, Product, _reducer
+from ._core import TAG_DATA, Average, Max, Min, Prepared, Product, _reducer
 from ._errors import RingError
 
 __all__ = ["allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
-           "Flat", "eager_one"]
+           "Flat", "eager_one", "allreduce_one", "Lane", "prepare_lane", "run_lane"]
 
 TAG_AG = TAG_DATA + 10
 _SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
@@ -164,6 +165,11 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None):
     return outs
 
 
+def allreduce_one(rt, member, plan, name, desc, own):
+    """``allreduce`` of one member, returning its flat output (the short path above eager)."""
+    return allreduce(rt, [member], plan, name, desc, None, own)[0]
+
+
 def eager_one(rt, src, dst, plan, name, desc, own):
     """One tensor whose payload fits the agreement message, on the short path (a blocking call on
     an idle engine): ``allreduce`` + ``_eager`` for a single member, without the fused pass's
@@ -187,6 +193,94 @@ def eager_one(rt, src, dst, plan, name, desc, own):
     _reduce_into(dst, [payload if q == me else rt.peer_payload(q, dtype, total) for q in rt.participants],
                  plan, rt.joined)
     rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
+    return dst
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Lane:
+    """An allreduce signature seen before, and for a blocking eager one its prepared exchange:
+    what a later call with the same arguments reuses instead of checking, planning, packing and
+    building views again.
+
+    Made by ``prepare_lane`` after a call of the signature was checked the full way; the engine
+    keeps one per (name, in place) and takes it only when the call's arguments equal the key
+    fields; a blocking call runs on it only when the runtime's wiring is the one it was prepared
+    on (``run_lane`` checks again, else it runs the full eager body). Holds no caller array:
+    every call copies its own input in.
+    """
+
+    # the signature, as the caller passes it (compared on every call)
+    dtype: np.dtype
+    shape: tuple
+    op: object
+    average: object
+    prescale: object
+    postscale: object
+    # what the lane reuses
+    plan: ReducePlan
+    desc: tuple           # what the ranks agree on (explains a mismatch)
+    prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
+    payload: object       # the send buffer's payload region, flat (None: signature only)
+    terms: object         # every participant's payload in rank order (ours is ``payload``)
+    count: int
+    nbytes: int
+
+    def fits(self, arr, op, average, prescale, postscale):
+        """Whether a call with these arguments is this lane's signature (``arr`` a numpy array).
+
+        Identity for the op and average (ints and None: cached objects), floats compared as
+        floats only: an argument of another type goes the full way, where it is checked."""
+        return (arr.dtype is self.dtype and arr.shape == self.shape and op is self.op
+                and average is self.average and type(prescale) is float and prescale == self.prescale
+                and type(postscale) is float and postscale == self.postscale)
+
+
+def prepare_lane(rt, entry, op, average, prescale, postscale):
+    """The ``Lane`` of ``entry``'s signature (a ``Reduce`` whose arguments were checked).
+
+    With ``rt`` (a blocking call that just ran, executor lock held) its exchange is prepared too,
+    where one applies (the payload fits the agreement message, no peer has joined); without, or
+    where none applies, the lane holds the signature and plan only: an async call of it skips the
+    checks, a blocking one goes the full way (and prepares the exchange then).
+    """
+    plan = entry.plan
+    src = entry.src
+    dtype, count, nbytes = plan.dtype, src.size, src.nbytes
+    desc = entry.describe()
+    prepared = payload = terms = None
+    if rt is not None:
+        prepared = rt.prepare(rt.agreement("allreduce", dtype, plan.op, -1, count, desc), nbytes)
+    if prepared is not None:
+        payload = rt.payload_view(dtype, count)
+        terms = [payload if q == rt.rank else rt.peer_payload(q, dtype, count) for q in rt.participants]
+    return Lane(src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, prepared, payload,
+                terms, count, nbytes)
+
+
+def run_lane(rt, lane, src, dst, name):
+    """One allreduce on ``lane`` (``Runtime.run`` body): copy in, start the prepared exchange,
+    poll, check the headers, reduce in rank order, one trace record. ``eager_one``'s work
+    without its lookups; the full body when the runtime's wiring changed since (a resync at the
+    start of this very ``run``, say). Returns the flat output: ``dst``, or a new array."""
+    plan = lane.plan
+    if lane.prepared.wiring != rt.wiring:
+        return eager_one(rt, src, dst, plan, name, lane.desc, None)
+    start = time.perf_counter()
+    payload = lane.payload
+    if plan.scale_pre != 1.0:
+        np.multiply(src, plan.dtype.type(plan.scale_pre), out=payload)
+    else:
+        payload[...] = src
+    if rt.run_prepared(lane.prepared, "allreduce", name, plan.dtype, plan.op, lane.desc):
+        terms = lane.terms
+    else:  # a peer's join notice came instead of its header: it is left out from now on
+        me, dtype, count = rt.rank, plan.dtype, lane.count
+        terms = [payload if q == me else rt.peer_payload(q, dtype, count) for q in rt.participants]
+    agreed = time.perf_counter()
+    if dst is None:
+        dst = np.empty(lane.count, plan.dtype)
+    _reduce_into(dst, terms, plan, rt.joined)
+    rt.trace.record("allreduce", name, lane.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
     return dst
 
 
@@ -221,12 +315,13 @@ def _reduce_into(out, terms, plan, joined):
     """Reduce every participant's term, in rank order, into ``out``; then scale it."""
     fn = plan.fn
     if len(terms) == 1:
-        np.copyto(out, terms[0])
+        out[...] = terms[0]  # a C-level copy: np.copyto's dispatch costs a Python call
     else:
         fn(terms[0], terms[1], out=out)
         for term in terms[2:]:
             fn(out, term, out=out)
-    _finish(out, plan.scale_post, plan.divisor)
+    if plan.scale_post != 1.0 or plan.divisor != 1:
+        _finish(out, plan.scale_post, plan.divisor)
     if joined:
         _joined_zeros(out, plan)
 

@@ -44,7 +44,7 @@ from ._trace import Trace
 from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
-           "Disagree", "Abandoned", "PeerMsg", "JoinNote"]
+           "Disagree", "Abandoned", "PeerMsg", "JoinNote", "Prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,18 @@ class PeerMsg(NamedTuple):
     region: int              # the tensor's registered memory (SharedSlots.locate), or 0
 
 
+class Prepared(NamedTuple):
+    """The header exchange of one eager signature, made once (``Runtime.prepare``): what a
+    prepared lane sends and where it finds the peers' headers, valid while ``wiring`` is the
+    runtime's (a resync, a join or a change of the header requests makes a new wiring)."""
+
+    wiring: int              # Runtime.wiring when prepared
+    header: bytes            # the whole header every rank on this signature sends alike (pending 1)
+    reqs: list               # the persistent header receives of the active peers, then the sends
+    sends: list              # the persistent sends alone (what an interrupt abandons)
+    peer_headers: tuple      # each active peer's received header, a view into its eager buffer
+
+
 class JoinNote(NamedTuple):
     """A peer's join notice: how many collectives it had run since the last join, and its shared-memory tick."""
 
@@ -206,6 +218,7 @@ class Runtime:
         self._header_recv = {}
         self._header_sends = {}   # message length -> persistent sends of the header buffer, per active peer
         self._agree_cache = {}
+        self.wiring = 0           # +1 whenever header buffers, requests or active peers change (Prepared)
         self._retired = []        # data communicators left by resyncs, freed at close (see resync)
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
@@ -312,6 +325,8 @@ class Runtime:
         return sends
 
     def _free_sends(self):
+        # every prepared exchange holds these requests (or the buffers and peers they follow)
+        self.wiring += 1
         for sends in self._header_sends.values():
             for req in sends:
                 try:
@@ -565,6 +580,50 @@ class Runtime:
                                                        _fingerprint(*desc))
         return own
 
+    def prepare(self, own, nbytes):
+        """The header exchange of an eager collective whose agreement is ``own`` and payload
+        ``nbytes``, made once for a prepared lane; None when it cannot be (a peer has joined, the
+        payload does not fit ``eager_bytes``)."""
+        if self.joined or nbytes > self.eager_limit:
+            return None
+        message = self._message(self._sendbuf, own, 0, None, 1, 0, preset=nbytes)
+        header = bytes(message[:HEADER_BYTES])
+        sends = self._header_sends.get(len(message))
+        if sends is None:
+            sends = self._persistent_sends(message)
+        recvs = list(self._header_recvs)
+        views = tuple(memoryview(self._eager[p])[:HEADER_BYTES] for p in self.active)
+        return Prepared(self.wiring, header, recvs + sends, sends, views)
+
+    def run_prepared(self, prep, kind, name, dtype, op, desc):
+        """``negotiate`` for a prepared exchange (the caller wrote the payload into
+        ``payload_view()``): the same messages, the same waits, the same checks.
+
+        Returns True when every peer sent this very header (the lane's case); else the peers'
+        headers went through every check of ``negotiate`` (which raise as there) and False says
+        the participants changed (a peer's join notice arrived): reduce over ``participants``.
+        """
+        activity.begin(kind, name)
+        header = prep.header
+        self._sendbuf[:HEADER_BYTES] = header
+        self.seq += 1
+        reqs = prep.reqs
+        if reqs:
+            MPI = self.MPI
+            MPI.Prequest.Startall(reqs)
+            self._inflight = prep.sends  # the persistent receives are cancelled by resync, not _abandon
+            if not MPI.Request.Testall(reqs):
+                self._wait(reqs, lambda: f"{kind} '{name}'", self._waits_on)
+        for view in prep.peer_headers:
+            if view != header:
+                break
+        else:
+            self.negotiable = False
+            return True
+        own = header[:_AGREE_END]
+        self._check_headers(kind, name, dtype, op, -1, desc, own, 1)
+        return False
+
     def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
                   pending=None, own=None, region=0, preset=None):
         """Exchange headers (and eager payloads) with every peer and check agreement.
@@ -611,7 +670,13 @@ class Runtime:
         self._wait(reqs, lambda: f"{kind} '{name}'", self._waits_on)
         if self._keep:
             self._keep.clear()
+        return self._check_headers(kind, name, dtype, op, root, desc, own, pending)
 
+    def _check_headers(self, kind, name, dtype, op, root, desc, own, pending):
+        """Read every active peer's header of the exchange just completed: joins, poison, a
+        mismatch (``Disagree`` where negotiable, else explained), rounds of other lengths
+        (``Recut``). Returns peer -> ``PeerMsg``."""
+        peers = self.active
         result = {}
         mismatch = False
         cut = pending            # every rank runs the shortest round proposed

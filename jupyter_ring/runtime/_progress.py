@@ -235,6 +235,7 @@ class Engine:
         self.waiting = 0                       # threads waiting in wait_background
         self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
         self.agreements = {}                   # (name, shape, plan serial) -> packed agreement (the cache)
+        self.lanes = {}                        # (name= as passed, in place) -> C.Lane of its last signature
         self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
         self.sleeping = True                   # the background thread waits for a doorbell
@@ -274,8 +275,11 @@ class Engine:
             self.flush_now = True
             self.wake.set()
 
-    def run_now(self, entry):
-        """Run a blocking call: at once in this thread when the engine is idle, else queued."""
+    def run_now(self, entry, lane=None):
+        """Run a blocking call: at once in this thread when the engine is idle, else queued.
+
+        ``lane`` (a ``C.Lane`` whose signature is ``entry``'s) runs it prepared on the short path.
+        """
         if not self.queue and self.lock.acquire(False):
             self.callers += 1
             try:
@@ -283,7 +287,7 @@ class Engine:
                     queued = False
                 else:
                     try:
-                        return self._alone(entry)
+                        return self._alone(entry, lane)
                     except Disagree as disagree:
                         settle = disagree.gen
                     # the peers run other collectives now: queue this one first (it was called
@@ -300,6 +304,25 @@ class Engine:
                 return self.wait(entry.handle)
         self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
         return self.wait(entry.handle)
+
+    def prepare_lane(self, key, entry, op, average, prescale, postscale):
+        """Leave a prepared lane behind for ``entry``'s signature (a ``Reduce`` that just ran the
+        full way), under ``key``; skipped while the engine is busy (a later call prepares it)."""
+        if self.queue or not self.lock.acquire(False):
+            return
+        try:
+            rt = self.rt
+            if self.queue or rt.dirty or self.closed:
+                return
+            self.keep_lane(key, C.prepare_lane(rt, entry, op, average, prescale, postscale))
+        finally:
+            self.lock.release()
+
+    def keep_lane(self, key, lane):
+        """Keep ``lane`` under ``key`` (name= as passed, in place), in place of any other."""
+        if len(self.lanes) > 1024:
+            self.lanes.clear()
+        self.lanes[key] = lane
 
     def _queue_first(self, entry):
         with self.qlock:
@@ -454,9 +477,10 @@ class Engine:
                 self.done.notify_all()
 
     # ------------------------------------------------------------------ executor (lock held)
-    def _alone(self, entry):
+    def _alone(self, entry, lane=None):
         """One entry as a round of its own: a blocking call on an idle engine runs it at once in
-        the caller's thread (the short path), and so does a round of one entry."""
+        the caller's thread (the short path), and so does a round of one entry; on ``lane`` (its
+        signature's prepared lane) when given."""
         rt = self.rt
         rt.pending = 1
         if type(entry) is not Reduce:
@@ -466,25 +490,27 @@ class Engine:
                     return rt.run(entry.run, rt)
                 except Recut:
                     continue  # a peer proposed a longer round; it reruns with this one alone
-        plan = entry.plan
-        key = (entry.explicit, entry.shape, plan.serial)
-        own = self.agreements.get(key)
-        if own is None:  # the response cache: a signature's agreement is packed once
-            if len(self.agreements) > 4096:
-                self.agreements.clear()
-            own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, entry.src.size,
-                                                      entry.describe())
         src = entry.src
-        # the short path's own body when the payload rides in the agreement message
-        eager = src.nbytes <= rt.eager_limit
-        members = None if eager else [C.Member(src, entry.dst)]
+        if lane is not None:
+            body, args = C.run_lane, (rt, lane, src, entry.dst, entry.name)
+        else:
+            plan = entry.plan
+            key = (entry.explicit, entry.shape, plan.serial)
+            own = self.agreements.get(key)
+            if own is None:  # the response cache: a signature's agreement is packed once
+                if len(self.agreements) > 4096:
+                    self.agreements.clear()
+                own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
+                                                          entry.describe())
+            if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
+                body, args = C.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
+            else:
+                body, args = C.allreduce_one, (rt, C.Member(src, entry.dst), plan, entry.name, entry.describe,
+                                               own)
         while True:
             rt.negotiable = True
             try:
-                if eager:
-                    out = rt.run(C.eager_one, rt, src, entry.dst, plan, entry.name, entry.describe, own)
-                else:
-                    out = rt.run(C.allreduce, rt, members, plan, entry.name, entry.describe, None, own)[0]
+                out = rt.run(body, *args)
             except Recut:
                 continue
             return entry.result if entry.result is not None else out.reshape(entry.shape)

@@ -105,6 +105,59 @@ check("allreduce average=True", got, reference(xs, ring.Average, np.dtype(np.flo
 check("allreduce 0-d", ring.allreduce(np.float32(r + 1), op=ring.Sum, name="scalar"),
       np.asarray(np.float32(n * (n + 1) / 2)), np.dtype(np.float32))
 
+# Prepared lanes: a blocking eager allreduce's first call of a signature goes the full way, the
+# next ones take its lane. Fresh random data at every call; each lane call must equal the numpy
+# reference and, bit for bit, the same input through the full way (an async call never takes a
+# lane); lanes really ran (counted); a change of shape, dtype, op or scale, a different input
+# object or an anonymous call each get the right result.
+from jupyter_ring.runtime import _collectives as _C  # noqa: E402
+
+lane_runs = [0]
+_run_lane = _C.run_lane
+
+
+def counted_lane(*args):
+    lane_runs[0] += 1
+    return _run_lane(*args)
+
+
+_C.run_lane = counted_lane
+LANE_CASES = [(np.float32, ring.Sum, 1.0, 1.0), (np.float64, ring.Average, 1.0, 1.0), (np.int32, ring.Max, 1.0, 1.0),
+              (np.int64, ring.Average, 1.0, 1.0), (np.float32, ring.Sum, 0.5, 3.0), (np.uint8, ring.Min, 1.0, 1.0)]
+for length in (0, 1, 13, max(n - 1, 0), 2 * n + 1, 1009):
+    for dt, op, pre, post in map(lambda c: (np.dtype(c[0]),) + c[1:], LANE_CASES):
+        for call in range(3):  # full way, then the lane twice (a new input object each time)
+            seed += 1
+            xs = inputs(seed, length, dt, 0 if dt.kind == "u" else -50, 50)
+            want = reference([x * pre if pre != 1.0 else x for x in xs], op, dt)
+            if post != 1.0:
+                want = (want * post).astype(dt)
+            label = f"lane {dt} op={op} scale={pre},{post} len={length} call {call}"
+            before = lane_runs[0]
+            got = ring.allreduce(xs[r], op=op, prescale_factor=pre, postscale_factor=post, name=f"lane.{dt}.{op}.{pre}")
+            full = ring.synchronize(ring.allreduce_async(xs[r], op=op, prescale_factor=pre, postscale_factor=post,
+                                                         name=f"full.{dt}.{op}.{pre}"))
+            check(label, got, want, dt)
+            if not np.array_equal(got, full):
+                failures.append(f"{label}: lane result differs from the full way's")
+            inplace = xs[r].copy()
+            returned = ring.allreduce_(inplace, op=op, prescale_factor=pre, postscale_factor=post,
+                                       name=f"lane_.{dt}.{op}.{pre}")
+            if returned is not inplace or not np.array_equal(inplace, full):
+                failures.append(f"{label}: in-place lane result differs from the full way's")
+            lanes = 2 if call and xs[r].nbytes <= ring.config().eager_bytes else 0  # lanes are eager only
+            if lane_runs[0] - before != lanes:
+                failures.append(f"{label}: {lane_runs[0] - before} calls took the lane, want {lanes}")
+# an anonymous lane, 2-d, then another shape under the same name (the full way, a new lane)
+for shape in ((3, 5), (3, 5), (5, 3), (5, 3)):
+    seed += 1
+    xs = [x.reshape(shape) for x in inputs(seed, 15, np.dtype(np.float64))]
+    check(f"lane anonymous {shape}", ring.allreduce(xs[r], op=ring.Sum), reference(xs, ring.Sum, np.dtype(np.float64)),
+          np.dtype(np.float64))
+    check(f"lane named {shape}", ring.allreduce(xs[r], op=ring.Sum, name="reshaped"),
+          reference(xs, ring.Sum, np.dtype(np.float64)), np.dtype(np.float64))
+_C.run_lane = _run_lane
+
 # Async + fusion: 37 small tensors of awkward sizes, handles resolved in reverse order.
 seed += 1
 rng = np.random.default_rng(seed)

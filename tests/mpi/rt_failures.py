@@ -61,6 +61,23 @@ if mode == "mismatch":
                     "root rank 0 on rank 0 but 1 on rank")
     expect_mismatch("group size", lambda: ring.grouped_allreduce([np.zeros(3)] * (2 + min(r, 1)), name="g"),
                     "number of tensors 2 on rank 0 but 3 on rank")
+    # On a prepared lane: every rank's lane of the name is warm, then the last rank's call
+    # differs (it goes the full way, the others take their lane): every rank raises, and the
+    # lane serves the next call exactly.
+    def on_lane(name, shape, dtype):
+        def call():
+            for _ in range(2):
+                ring.allreduce(np.ones(5, np.float32), name=name)
+            ring.allreduce(np.ones(shape if r == n - 1 else 5, dtype if r == n - 1 else np.float32), name=name)
+        return call
+
+    expect_mismatch("lane shape", on_lane("lane.s", 6, np.float32), "allreduce 'lane.s': shape (5,) on rank",
+                    f"(6,) on rank {n - 1}")
+    expect_mismatch("lane dtype", on_lane("lane.d", 5, np.float64), "allreduce 'lane.d': dtype float32 on rank",
+                    f"float64 on rank {n - 1}")
+    for name in ("lane.s", "lane.d"):
+        got = ring.allreduce(np.full(5, r + 1.0, np.float32), op=ring.Sum, name=name)
+        assert np.array_equal(got, np.full(5, n * (n + 1) / 2, np.float32)), f"{name} after the mismatch: {got}"
     expect_mismatch("allgather trailing", lambda: ring.allgather(np.zeros((2, 3 + min(r, 1))), name="ag"),
                     "trailing shape (3,) on rank 0 but (4,) on rank")
 
@@ -94,7 +111,7 @@ elif mode == "interrupt":
         time.sleep(delay)
         os.kill(os.getpid(), signal.SIGINT)
 
-    def interrupted_loop(delay, length, before=None):
+    def interrupted_loop(delay, length, before=None, name="w.grad"):
         deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
         threading.Thread(target=kill_me, args=(delay,), daemon=True).start()
         start = time.perf_counter()
@@ -103,7 +120,7 @@ elif mode == "interrupt":
             if before is not None:
                 before()
             while True:
-                ring.allreduce(np.full(length, 7.0), name="w.grad")
+                ring.allreduce(np.full(length, 7.0), name=name)
                 rounds += 1
         except KeyboardInterrupt:
             latency = time.perf_counter() - start - delay
@@ -115,6 +132,19 @@ elif mode == "interrupt":
     interrupted_loop(0.3 + 0.15 * r, 100003, before=(lambda: time.sleep(30)) if r == 0 else None)
     ring.barrier()
     expect_correct("after interrupt", seed=99)
+    # inside a prepared lane's wait (the lane of the name is warm on every rank; rank 0 is busy):
+    # then the same name's lane is prepared anew on the fresh communicator and exact
+    from jupyter_ring.runtime import _api
+
+    for _ in range(2):
+        ring.allreduce(np.full(1009, 7.0), name="w.lane")
+    interrupted_loop(0.3 + 0.15 * r, 1009, before=(lambda: time.sleep(30)) if r == 0 else None, name="w.lane")
+    for call in range(3):
+        got = ring.allreduce(np.full(1009, r + call + 1.0), op=ring.Sum, name="w.lane")
+        assert np.array_equal(got, np.full(1009, n * (n + 1) / 2 + n * call)), f"lane call {call} after interrupt: {got[:3]}"
+    lane = _api._proc.engine.lanes[("w.lane", False)]
+    assert lane.prepared.wiring == _api._proc.rt.wiring, "the lane was not prepared anew after the resync"
+    expect_correct("after an interrupt inside a lane", seed=5)
     # and again mid-ring: large buffers, small pieces, interrupts at staggered times
     ring.config().chunk_bytes = 4096
     interrupted_loop(0.2 + 0.05 * r, 400009)
