@@ -569,22 +569,35 @@ def _reduce(tensor, in_place, average, name, op, prescale, postscale, process_se
 
 
 def bucket_allreduce_async_(array, fill, name, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=None):
+                            process_set=None, sources=None):
     """Queue an in-place allreduce of a gradient bucket whose gradients ``fill()`` moves in.
 
     ``fill`` (or None) runs in the engine's executor right before the reduction, not in the
     caller's thread: torch's backward, which queues the bucket from a gradient hook, goes on with
-    the next layer while the copy runs beside it. Run alone, never fused with a neighbour, so
-    every rank runs every bucket as its own collective whatever its neighbours are.
+    the next layer while the copy runs beside it. ``sources``: ``(element offset, flat array)``
+    pairs of ``array``'s dtype, fresh gradients that the reduction itself puts in their slots:
+    on one host only the blocks the peers read are copied, the rest is read where it lies (the
+    arrays must not change until the handle completes). Run alone, never fused with a
+    neighbour, so every rank runs every bucket as its own collective whatever its neighbours are.
     """
     engine, entry = _reduce(array, True, None, name, op, prescale_factor, postscale_factor, process_set)
     members = [C.Member(entry.src, entry.src)]
     desc = entry.describe()
+    if sources is not None:
+        sources = sorted((C.Source(int(offset), arr.reshape(-1)) for offset, arr in sources),
+                         key=lambda s: s.offset)
+        for src in sources:
+            if src.array.dtype != entry.src.dtype or src.offset < 0 or src.offset + src.array.size > entry.src.size:
+                raise ValueError(f"allreduce '{name}': a source of {src.array.size} {src.array.dtype} at offset "
+                                 f"{src.offset} does not fit the bucket ({entry.src.size} {entry.src.dtype}); "
+                                 "give flat arrays of the bucket's dtype inside it")
 
     def run(rt):
         if fill is not None:
             fill()
-        C.allreduce(rt, members, entry.plan, entry.name, desc)
+        C.allreduce(rt, members, entry.plan, entry.name, desc, sources=sources)
+        if sources:
+            sources.clear()  # the fresh gradients are in the bucket now: let them go
         return array
     return _submit(engine, Call(entry.handle, "allreduce", entry.name, run), entry.src.nbytes)
 

@@ -16,7 +16,7 @@ import numpy as np
 from ._core import TAG_DATA, Average, Max, Min, Prepared, Product, _reducer
 from ._errors import RingError
 
-__all__ = ["allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
+__all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
            "Flat", "eager_one", "allreduce_one", "Lane", "prepare_lane", "run_lane"]
 
@@ -47,6 +47,51 @@ class Member(NamedTuple):
 
     src: np.ndarray       # flat C-contiguous input
     dst: object           # flat output: ``src`` itself in place, None for a new array
+
+
+class Source(NamedTuple):
+    """A fresh input of a gradient bucket that is not in the bucket yet (see ``allreduce``)."""
+
+    offset: int           # element offset of its slot in the bucket
+    array: np.ndarray     # flat, of the bucket's dtype
+
+
+def _fill(buf, sources, skip=()):
+    """Copy every source into its slot of ``buf``, except the element ranges ``skip`` (sorted,
+    disjoint): those this rank reduces itself, reading the sources where they lie."""
+    for offset, arr in sources:
+        a, b = offset, offset + arr.size
+        for lo, hi in skip:
+            if hi <= a or lo >= b:
+                continue
+            if lo > a:
+                np.copyto(buf[a:lo], arr[a - offset:lo - offset])
+            a = max(a, hi)
+            if a >= b:
+                break
+        if a < b:
+            np.copyto(buf[a:b], arr[a - offset:b - offset])
+
+
+def _own_terms(buf, sources, starts, lo, hi):
+    """``[(a, b, term)]`` covering ``buf[lo:hi]``: this rank's term read from the sources where
+    they lie (``starts``: their offsets, sorted), and from ``buf`` between them."""
+    out = []
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    a = lo
+    while a < hi:
+        if i < len(sources) and sources[i].offset + sources[i].array.size <= a:
+            i += 1
+            continue
+        if i < len(sources) and sources[i].offset <= a:
+            offset, arr = sources[i]
+            b = min(hi, offset + arr.size)
+            out.append((a, b, arr[a - offset:b - offset]))
+        else:
+            b = min(hi, sources[i].offset) if i < len(sources) else hi
+            out.append((a, b, buf[a:b]))
+        a = b
+    return out
 
 
 def reduce_plan(rt, dtype, op, prescale, postscale, where, serial=0):
@@ -132,17 +177,23 @@ def _write(flat, lo, hi, src):
         np.copyto(flat[lo:hi], src)
 
 
-def allreduce(rt, members, plan, name, desc, pending=None, own=None):
+def allreduce(rt, members, plan, name, desc, pending=None, own=None, sources=None):
     """Reduce every member over the ranks (one pass, fused); returns the flat outputs.
 
     ``plan`` comes from ``reduce_plan``; ``desc`` (or its packed agreement ``own``) is what the
     ranks agree on. An in-place member's output is its input; a member whose ``dst`` is None gets
     a new array. Every path reduces each element once, in rank order or on one rank, so every rank
-    ends bit-identical.
+    ends bit-identical. ``sources`` (one in-place member only, a list of ``Source``) are inputs
+    still to be copied into their slots of the member: on the registered path only the blocks the
+    peers read are copied, this rank's own block is reduced from the sources where they lie;
+    every other path copies them all first.
     """
     start = time.perf_counter()
     dtype = plan.dtype
     single = len(members) == 1
+    if sources is not None and (not single or rt.fits_eager(members[0].src.nbytes)):
+        _fill(members[0].src, sources)
+        sources = None
     if single:
         src = members[0].src
         total = src.size
@@ -160,7 +211,7 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None):
     if rt.fits_eager(nbytes):
         _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases)
     else:
-        _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single)
+        _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single, sources)
     rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), phases)
     return outs
 
@@ -332,7 +383,7 @@ def _joined_zeros(out, plan):
         plan.fn(out, plan.dtype.type(0), out=out)
 
 
-def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single):
+def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single, sources=None):
     """Above ``eager_bytes``: shared memory on one host, the pipelined ring otherwise."""
     dtype = plan.dtype
     nbytes = total * dtype.itemsize
@@ -346,6 +397,9 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
     threshold = rt.config.shm_threshold
     shm = rt.shm is not None and 0 < threshold < nbytes
     region = rt.shm.locate(src) if shm and src is dst else 0
+    if sources is not None and (not region or plan.scale_pre != 1.0):
+        _fill(src, sources)  # only the registered path reads them where they lie
+        sources = None
     if single and plan.scale_pre != 1.0 and not region:
         src = src * dtype.type(plan.scale_pre)
         prescaled = True
@@ -355,6 +409,11 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
     peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
                          own=own, region=region)
     phases["negotiate"] = (start, time.perf_counter())
+    registered = (region and len(rt.participants) > 1 and total and offer and all(peers[p].aux for p in peers)
+                  and all(peers[p].region for p in peers))
+    if sources is not None and not registered:
+        _fill(src, sources)
+        sources = None
     if len(rt.participants) == 1 or total == 0:
         if single:
             if src is not dst:
@@ -370,8 +429,8 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
             if rt.joined:
                 _joined_zeros(out, plan)
     elif offer and all(peers[p].aux for p in peers):
-        if region and all(peers[p].region for p in peers):
-            _registered(rt, src, plan, offer, peers, name, phases)
+        if registered:
+            _registered(rt, src, plan, offer, peers, name, phases, sources)
         else:
             if region and plan.scale_pre != 1.0:  # a peer's tensor is not registered after all
                 src, prescaled = src * dtype.type(plan.scale_pre), True
@@ -648,7 +707,7 @@ def _sync(rt, others, what):
             spin_yield=slots.oversubscribed)
 
 
-def _registered(rt, buf, plan, offer, peers, name, phases):
+def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
     """In-place allreduce of tensors that live in registered memory, read where they lie.
 
     Every rank's tensor is in a file every peer maps (``SharedSlots.register``: gradient buckets),
@@ -656,7 +715,9 @@ def _registered(rt, buf, plan, offer, peers, name, phases):
     r over every rank's tensor, in rank order, into its own tensor; sync; copies block q of
     every peer's tensor (its result) into its own. A last sync fences the caller's next writes
     into its tensor from peers still copying out of it. Each element is computed once: every
-    rank ends bit-identical, with no extra copy of the tensor in or out.
+    rank ends bit-identical, with no extra copy of the tensor in or out. ``sources`` (fresh
+    gradients not in the bucket yet): only the blocks the peers read are copied in before the
+    first sync; block r, which only rank r reads, is reduced from them where they lie.
     """
     slots = rt.shm
     dtype = plan.dtype
@@ -679,6 +740,13 @@ def _registered(rt, buf, plan, offer, peers, name, phases):
         _sync(rt, others, what)
 
     t0 = time.perf_counter()
+    pieces = range(0, total, step)
+    starts = None
+    if sources is not None:  # (no prescale here: _large filled them all first)
+        own = [(a + (min(a + step, total) - a) * index // n, a + (min(a + step, total) - a) * (index + 1) // n)
+               for a in pieces]
+        _fill(buf, sources, own)
+        starts = [src.offset for src in sources]
     if plan.scale_pre != 1.0:
         rt.partial = True  # the input is scaled in place: a retry would scale it twice
         np.multiply(buf, dtype.type(plan.scale_pre), out=buf)
@@ -687,17 +755,18 @@ def _registered(rt, buf, plan, offer, peers, name, phases):
     if not rt.joined:  # a rank that called join() has not mapped it yet
         slots.mapped_by_every_peer(slots.locate(buf))
     phases["shm-inputs-ready"] = (t0, time.perf_counter())
-    pieces = range(0, total, step)
     for k, a in enumerate(pieces):
         b = min(a + step, total)
         t1 = time.perf_counter()
         lo, hi = a + (b - a) * index // n, a + (b - a) * (index + 1) // n
-        terms = [views[q][lo:hi] for q in parts]
-        if index >= 2:  # its own term is read after the first terms are reduced into it
-            terms[index] = rt.scratch((hi - lo) * dtype.itemsize).view(dtype)
-            np.copyto(terms[index], buf[lo:hi])
         rt.partial = True  # this rank's tensor is written from here on: no retry (Runtime.run)
-        _reduce_into(buf[lo:hi], terms, plan, rt.joined)
+        for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None else _own_terms(buf, sources, starts, lo, hi)):
+            terms = [mine if q == me else views[q][c:d] for q in parts]
+            if index >= 2 and np.may_share_memory(mine, buf):
+                # its own term is read after the first terms are reduced into it
+                terms[index] = rt.scratch((d - c) * dtype.itemsize).view(dtype)
+                np.copyto(terms[index], mine)
+            _reduce_into(buf[c:d], terms, plan, rt.joined)
         sync()
         t2 = time.perf_counter()
         for i, q in enumerate(parts):

@@ -1015,7 +1015,11 @@ def _view_of(tensor):
 
 
 def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
-    """Allreduce gradients in place in one aligned buffer per dtype: one copy in, none out."""
+    """Allreduce gradients in place in one aligned buffer per dtype: at most one copy in, none out.
+
+    The gradients go to the reduction as sources of the buffer: on one host only the blocks the
+    peers read are copied into it, this rank's own block is reduced from the tensors where they
+    lie (half the copy on 2 ranks)."""
     groups = _layout(tensors)
     shapes = [tuple(t.shape.as_list()) for t in tensors]
     in_graph = not tf.executing_eagerly()
@@ -1025,10 +1029,10 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
         outs = [None] * len(ts)
         for np_dtype, (entries, total) in groups.items():
             flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, key)
-            for i, offset, size in entries:
-                flat[offset:offset + size] = _view_of(ts[i]).reshape(-1)
-            _ring.allreduce_(flat, name=_n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale,
-                             postscale_factor=postscale, process_set=process_set)
+            sources = [(offset, _view_of(ts[i])) for i, offset, size in entries]
+            _ring.synchronize(_api.bucket_allreduce_async_(
+                flat, None, _n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale, postscale_factor=postscale,
+                process_set=process_set, sources=sources))
             for i, offset, size in entries:
                 view = flat[offset:offset + size].reshape(shapes[i])
                 outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())

@@ -949,16 +949,6 @@ def _collect_slots(obj, out):
 _BUCKET_BYTES = 8 << 20
 
 
-def _mover(moves):
-    """The ``fill`` of a bucket: copy each fresh gradient into its slot, then let it go."""
-    def fill():
-        with torch.no_grad():
-            for view, grad in moves:
-                view.copy_(grad)
-        moves.clear()
-    return fill
-
-
 class _Bucket:
     """Consecutive gradients (in backward order) reduced by one in-place allreduce of ``flat``.
 
@@ -1284,10 +1274,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Put the bucket's gradients in place and start its allreduce in the background.
 
         Zero copy: a gradient autograd made afresh is moved into its slot by the engine's executor
-        just before the reduction (``fill``), not here: backward goes on at once.
+        during the reduction (``sources``), not here: backward goes on at once. On one host only
+        the blocks the peers read are copied; this rank's own block is reduced from it in place.
         """
         flat = bucket.flat
-        moves = []
+        moves = []  # (element offset, fresh gradient as a flat numpy array)
         with torch.no_grad():
             for i, offset in zip(bucket.params, bucket.offsets):
                 p = self._params[i]
@@ -1306,15 +1297,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view if bucket.views else torch.zeros_like(p)
                 elif bucket.views:
                     if grad.data_ptr() != view.data_ptr():  # autograd made it afresh: move it in
-                        moves.append((view, grad))
+                        moves.append((offset, grad.detach().reshape(-1).numpy()))
                         if i not in bucket.sparse:
                             p.grad = view
                 else:
                     compressed, bucket.contexts[i] = self._compression.compress(grad)
                     view.copy_(compressed)
-        bucket.handle = _api.bucket_allreduce_async_(bucket.array, _mover(moves) if moves else None, bucket.name,
-                                                     op=self._op, prescale_factor=self._prescale,
-                                                     postscale_factor=self._postscale, process_set=self._process_set)
+        bucket.handle = _api.bucket_allreduce_async_(bucket.array, None, bucket.name, op=self._op,
+                                                     prescale_factor=self._prescale, postscale_factor=self._postscale,
+                                                     process_set=self._process_set, sources=moves or None)
         _api.flush(self._process_set)
 
     def _sparse_allreduce(self, p, i):

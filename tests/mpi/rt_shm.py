@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 import zlib
 
 import numpy as np
@@ -271,6 +272,45 @@ elif mode == "registered":
                         failures.append(f"registered {dtype} len={length}: phases {phases}")
                     check(f"registered {dtype} {OP_NAMES[op]} len={length} pre={pre}", buf.copy(),
                           reference(xs, op, dtype, pre, post))
+    # fresh inputs handed over as sources (torch's gradients made afresh, Keras' gradients): on
+    # the registered path only the blocks the peers read are copied in, the own block is reduced
+    # from them where they lie; sources of 0 and 1 elements, slots already in the bucket between
+    # them, a length below the threshold (every source copied), scale factors (all copied first)
+    for dtype in map(np.dtype, (np.float32, np.int32)):
+        for length in (THRESHOLD // dtype.itemsize - 3, next_prime(3 * WINDOW // dtype.itemsize),
+                       12 * WINDOW // dtype.itemsize + 5):
+            buf = _api.bucket_buffer(length * dtype.itemsize).view(dtype)
+            cuts = sorted({0, 1, 2, 3, length // 3, length // 3 + 1, length // 2 + 7, length - 1, length})
+            for op, pre in ((ring.Sum, 1.0), (ring.Average, 1.0)) + (((ring.Average, 0.5),) if dtype.kind == "f" else ()):
+                seed += 1
+                xs = inputs(seed, length, dtype, op)
+                buf[...] = -77  # overwritten by a source, or by this rank's input in the slots between
+                sources = []
+                for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                    if k % 3 == 1:
+                        buf[a:b] = xs[r][a:b]  # already in the bucket (a gradient view of it)
+                    else:
+                        sources.append((a, xs[r][a:b].copy()))
+                before = [arr.copy() for _, arr in sources]
+                alive = [weakref.ref(arr) for _, arr in sources]
+                ring.synchronize(_api.bucket_allreduce_async_(buf, None, f"src.{dtype}.{length}", op=op,
+                                                              prescale_factor=pre, sources=sources))
+                registered_path = any(p.startswith("shm registered") for p in rt.trace.records[-1][5])
+                if n > 1 and registered_path != (length * dtype.itemsize > THRESHOLD):
+                    failures.append(f"sources {dtype} len={length}: phases {list(rt.trace.records[-1][5])}")
+                check(f"sources {dtype} {OP_NAMES[op]} len={length} pre={pre}", buf.copy(),
+                      reference(xs, op, dtype, pre, 1.0), rank_order=registered_path)
+                if any(not np.array_equal(x, y) for (_, x), y in zip(sources, before)):
+                    failures.append(f"sources {dtype} len={length}: a source was written to")
+                del sources
+                if any(ref() is not None for ref in alive):
+                    failures.append(f"sources {dtype} len={length}: the engine still holds a source")
+    try:
+        _api.bucket_allreduce_async_(buf, None, "src.bad", sources=[(length - 1, np.zeros(2, dtype))])
+        failures.append("a source beyond the bucket was accepted")
+    except ValueError as exc:
+        if "does not fit the bucket" not in str(exc):
+            failures.append(f"a source beyond the bucket: {exc}")
     # a view at an offset inside a registered buffer, and an async one fused with nothing
     big = buffers[1]
     seed += 1
