@@ -1194,12 +1194,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             dtype = self._wire_dtype(p)
             key = (dtype, self._zero_copy(p, dtype))
             nbytes = p.numel() * torch.empty(0, dtype=dtype).element_size()
-            if current and (key != current_key or current_bytes + nbytes > self._bucket_bytes):
+            if current and key != current_key:
                 groups.append((current, current_key))
                 current, current_bytes = [], 0
             current.append(i)
             current_bytes += nbytes
             current_key = key
+            # a bucket closes once it holds bucket_bytes (DDP's rule), never before a gradient
+            # that would overflow it: a bias then rides with its layer's weight instead of
+            # making a round of its own between two weights larger than a bucket
+            if current_bytes >= self._bucket_bytes:
+                groups.append((current, current_key))
+                current, current_bytes = [], 0
         if current:
             groups.append((current, current_key))
         self._buckets = []
