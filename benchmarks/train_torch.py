@@ -1,11 +1,15 @@
 """Training throughput of a ~10M-parameter MLP: jupyter_ring vs DDP (gloo) vs one rank.
 
-    python benchmarks/train_torch.py [--steps 30] [--batch 64] [--repeats 3]
+    python benchmarks/train_torch.py [--steps 30] [--batch 64] [--repeats 3] [--baseline-src DIR]
 
 runs each configuration under the venv's ``mpiexec`` (one torch thread per rank) and prints a
 markdown table: median samples/s, the fraction of step time spent in communication (jupyter_ring:
 time inside allreduces, from ``stats()``) and the scaling efficiency
 ``throughput(2 ranks) / (2 * throughput(1 rank))``. ``--worker MODE`` is what each rank runs.
+``--baseline-src DIR`` (a tree holding another revision's ``jupyter_ring``, e.g. ``git archive
+main jupyter_ring | tar -x -C DIR``) runs that tree's DistributedOptimizer too, interleaved, as a
+row of its own. "engine CPU" is the CPU a step of the ring's other threads (the engine) takes
+beside the calling thread, the rank's median.
 """
 
 import argparse
@@ -17,7 +21,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+# the tree whose jupyter_ring is measured: this one, or --baseline-src's (set for the workers)
+sys.path.insert(0, os.environ.get("JUPYTER_RING_BENCH_SRC") or os.path.dirname(HERE))
 
 
 def model_and_data(batch, seed=0):
@@ -67,7 +72,7 @@ def worker(mode, steps, batch, warmup, fusion, bucket_mib):
         dist.init_process_group("gloo", rank=rank, world_size=size)
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    times = []
+    times, others = [], []
     for step in range(warmup + steps):
         if step == warmup:
             comm.Barrier()
@@ -76,17 +81,18 @@ def worker(mode, steps, batch, warmup, fusion, bucket_mib):
                 import jupyter_ring.runtime as core
 
                 core.reset_stats()
-        t0 = time.perf_counter()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        others.append((time.process_time() - p0) - (time.thread_time() - c0))
     times = times[warmup:]
     comm_s = None
     if ring is not None:
         comm_s = ring.stats().get("allreduce", {}).get("time_s", 0.0)
     result = {"mode": mode, "size": size, "params": params, "step_s": statistics.median(times),
-              "total_s": sum(times), "comm_s": comm_s}
+              "total_s": sum(times), "comm_s": comm_s, "other_cpu_s": statistics.median(others[warmup:])}
     results = comm.gather(result, root=0)
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
@@ -96,11 +102,12 @@ def worker(mode, steps, batch, warmup, fusion, bucket_mib):
         dist.destroy_process_group()
 
 
-def launch(mode, n, args):
+def launch(mode, n, args, src=None):
     from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env["JUPYTER_RING_BENCH_SRC"] = os.path.abspath(src) if src is not None else ""
     cmd = [find_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__), "--worker", mode,
            "--steps", str(args.steps), "--batch", str(args.batch), "--warmup", str(args.warmup)]
     if args.fusion:
@@ -117,7 +124,7 @@ def launch(mode, n, args):
     if ranks[0]["comm_s"] is not None:
         comm = statistics.mean(r["comm_s"] / r["total_s"] for r in ranks)
     return {"samples_s": n * args.batch / step, "step_ms": step * 1e3, "comm_frac": comm,
-            "params": ranks[0]["params"]}
+            "other_cpu_ms": max(r["other_cpu_s"] for r in ranks) * 1e3, "params": ranks[0]["params"]}
 
 
 def main():
@@ -130,29 +137,41 @@ def main():
     p.add_argument("--fusion", type=int, default=0, help="fusion_threshold bytes for the ring (0: default)")
     p.add_argument("--bucket-mib", type=float, default=0,
                    help="DistributedOptimizer bucket size in MiB (0: its default)")
+    p.add_argument("--baseline-src", default=None, help="another source tree whose ring to measure alongside")
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.batch, args.warmup, args.fusion, args.bucket_mib)
         return
-    configs = [("single", 1), ("ring", 2), ("ddp", 2)]
+    configs = [("single", 1, None), ("ring", 2, None), ("ddp", 2, None)]
+    if args.baseline_src:
+        configs.append(("ring", 2, args.baseline_src))
     runs = {c: [] for c in configs}
+    loads = []
     for _ in range(args.repeats):  # interleaved, so a disturbance hits every configuration alike
-        for mode, n in configs:
-            runs[(mode, n)].append(launch(mode, n, args))
+        for mode, n, src in configs:
+            loads.append(os.getloadavg()[0])
+            runs[(mode, n, src)].append(launch(mode, n, args, src))
     med = {c: {k: (statistics.median(r[k] for r in rs) if rs[0][k] is not None else None)
                for k in rs[0]} for c, rs in runs.items()}
-    single = med[("single", 1)]["samples_s"]
-    print(f"MLP with {med[('single', 1)]['params'] / 1e6:.1f}M parameters, batch {args.batch} per rank, "
-          f"{args.steps} steps x {args.repeats} runs, medians, torch threads per rank: 1\n")
-    print("| configuration | ranks | samples/s | step (ms) | comm. wait | scaling efficiency |")
-    print("|---|---|---|---|---|---|")
+    single = med[("single", 1, None)]["samples_s"]
+    print(f"MLP with {med[('single', 1, None)]['params'] / 1e6:.1f}M parameters, batch {args.batch} per rank, "
+          f"{args.steps} steps x {args.repeats} runs interleaved, medians, torch threads per rank: 1, "
+          f"load {min(loads):.1f}-{max(loads):.1f}\n")
+    print("| configuration | ranks | samples/s | step (ms) | comm. wait | engine CPU (ms a step) | scaling efficiency |")
+    print("|---|---|---|---|---|---|---|")
     names = {"single": "one process", "ring": "jupyter_ring DistributedOptimizer", "ddp": "torch DDP (gloo)"}
-    for (mode, n), m in med.items():
+    for (mode, n, src), m in med.items():
         eff = m["samples_s"] / (n * single)
         frac = "-" if m["comm_frac"] is None else f"{100 * m['comm_frac']:.0f}%"
-        print(f"| {names[mode]} | {n} | {m['samples_s']:.0f} | {m['step_ms']:.1f} | {frac} | {eff:.2f} |")
-    ratio = med[("ring", 2)]["samples_s"] / med[("ddp", 2)]["samples_s"]
-    print(f"\njupyter_ring / DDP-gloo throughput: {ratio:.2f}x")
+        name = names[mode] + (f" (baseline {src})" if src else "")
+        print(f"| {name} | {n} | {m['samples_s']:.0f} | {m['step_ms']:.1f} | {frac} | {max(0.0, m['other_cpu_ms']):.1f} | "
+              f"{eff:.2f} |")
+    ddp = med[("ring", 2, None)]["samples_s"] / med[("ddp", 2, None)]["samples_s"]
+    print(f"\njupyter_ring / DDP-gloo throughput: {ddp:.2f}x")
+    if args.baseline_src:
+        base = med[("ring", 2, args.baseline_src)]["samples_s"]
+        print(f"this tree / baseline, 2 ranks: {med[('ring', 2, None)]['samples_s'] / base:.2f}x "
+              f"(baseline / DDP-gloo {base / med[('ddp', 2, None)]['samples_s']:.2f}x)")
 
 
 if __name__ == "__main__":
