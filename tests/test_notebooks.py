@@ -122,6 +122,29 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
     assert sorted(out.splitlines()) == ["[rank 0] total 3", "[rank 1] total 3"]
 
 
+def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel):
+    """TF1 graph mode: rank 0 sits in ``session.run`` on an op rank 1 never runs (it sleeps). The
+    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits in one of
+    TensorFlow's inter-op threads. The rank's guard gives that wait up, so the cell ends
+    within seconds as an interrupt; the variables stay and the next session.run is right. (Here,
+    before the tests below that kill an engine: the module shares one cluster.)"""
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    kernel.ok("%%distributed\nimport os, time\nimport numpy as np\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+              "import tensorflow as tf\nimport jupyter_ring.runtime.tensorflow as hvd\n"
+              "graph = tf.Graph()\nwith graph.as_default():\n"
+              "    lonely = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name='lonely')\n"
+              "    total = hvd.allreduce(tf.constant(np.arange(5.0) * (ring.rank() + 1)), op=hvd.Sum, name='total')\n"
+              "session = tf.compat.v1.Session(graph=graph)\nkept_tf = ring.rank() + 7", timeout=180)
+    out, error = kernel.execute("%%distributed\nif ring.rank() == 1:\n    time.sleep(60)\nsession.run(lonely)",
+                                timeout=60, interrupt_after=3.0)
+    took = time.monotonic() - kernel.interrupted_at
+    assert error is not None and error["ename"] == "CellInterrupted", (out, error)
+    assert took < 10, f"the cell returned {took:.1f} s after the interrupt"
+    out = kernel.ok("%%distributed\nprint(kept_tf, session.run(total).tolist())")
+    want = [0.0, 3.0, 6.0, 9.0, 12.0]
+    assert sorted(out.splitlines()) == [f"[rank 0] 7 {want}", f"[rank 1] 8 {want}"], out
+
+
 def test_error_in_notebook_names_first_failing_rank(kernel):
     out, error = kernel.execute("%%distributed\nif ring.rank() == 1:\n    time.sleep(0.2)\n"
                                 "    raise RuntimeError('only rank one')\nring.barrier()")
@@ -323,24 +346,3 @@ def test_sigkilled_kernel_leaves_no_cluster_processes(kernel):
     print(f"cluster gone {elapsed:.2f} s after the kernel SIGKILL")
     assert elapsed < 2.0, f"cluster outlived the kernel by {elapsed:.1f} s"
 
-
-def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel):
-    """TF1 graph mode: rank 0 sits in ``session.run`` on an op rank 1 never runs (it sleeps). The
-    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits in one of
-    TensorFlow's inter-op threads. The rank's guard gives that wait up, so the cell ends
-    within seconds as an interrupt; the variables stay and the next session.run is right."""
-    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
-    kernel.ok("%%distributed\nimport os, time\nimport numpy as np\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
-              "import tensorflow as tf\nimport jupyter_ring.runtime.tensorflow as hvd\n"
-              "graph = tf.Graph()\nwith graph.as_default():\n"
-              "    lonely = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name='lonely')\n"
-              "    total = hvd.allreduce(tf.constant(np.arange(5.0) * (ring.rank() + 1)), op=hvd.Sum, name='total')\n"
-              "session = tf.compat.v1.Session(graph=graph)\nkept_tf = ring.rank() + 7", timeout=180)
-    out, error = kernel.execute("%%distributed\nif ring.rank() == 1:\n    time.sleep(60)\nsession.run(lonely)",
-                                timeout=60, interrupt_after=3.0)
-    took = time.monotonic() - kernel.interrupted_at
-    assert error is not None and error["ename"] == "CellInterrupted", (out, error)
-    assert took < 10, f"the cell returned {took:.1f} s after the interrupt"
-    out = kernel.ok("%%distributed\nprint(kept_tf, session.run(total).tolist())")
-    want = [0.0, 3.0, 6.0, 9.0, 12.0]
-    assert sorted(out.splitlines()) == [f"[rank 0] 7 {want}", f"[rank 1] 8 {want}"], out
