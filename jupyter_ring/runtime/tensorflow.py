@@ -44,6 +44,7 @@ from .. import runtime as _ring
 from . import _api
 from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._common import __all__ as _COMMON
+from ._core import Abandoned
 from ._errors import PeerError
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
@@ -337,9 +338,8 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
     def py(*ts):
         try:
             outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
-        except Exception:
-            raise
-        except BaseException as exc:  # Abandoned: the wait given up from another thread (see _SessionOp)
+        except Abandoned as exc:  # the wait given up from another thread (engines._torch); a
+            # KeyboardInterrupt (a tf.function's py_function runs in the caller's thread) stays one
             raise tf.errors.CancelledError(None, None, f"cancelled: {exc}") from None
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
@@ -432,7 +432,7 @@ class _SessionOp:
                 outs = self.body(arrays)
                 element = tuple(np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(outs, self.out_dtypes))
                 number = 0
-            except BaseException as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
+            except (Exception, Abandoned) as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
                 # (a wait given up from another thread raises Abandoned, a BaseException: an
                 # interrupt while the main thread is in session.run, engines._torch)
                 number = next(self.numbers)
