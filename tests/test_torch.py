@@ -157,3 +157,15 @@ def test_cuda_tensors_go_through_nccl_unstaged(mpirun, n):
     result = mpirun("torch_cuda.py", n, timeout=300)
     _all_ranks(result, "TORCH_CUDA_OK", n)
     print(result.lines("TORCH_CUDA_OK"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here (torch.cuda.device_count() is 0): staging CUDA "
+                                      "tensors through pinned host buffers needs a GPU")
+@pytest.mark.parametrize("n", [1, 2])
+def test_cuda_tensors_staged_through_pinned_buffers(mpirun, n):
+    # two ranks may share one GPU here: with the transport off, NCCL is never asked to
+    result = mpirun("torch_cuda_staged.py", n, env={"JUPYTER_RING_DEVICE_TRANSPORT": "off"}, timeout=300)
+    _all_ranks(result, "TORCH_STAGED_OK", n)
+    print(result.lines("TORCH_STAGED_OK"))
+

@@ -258,6 +258,65 @@ def _grad_name(name, suffix="grad"):
     return None if name is None else f"{name}.{suffix}"
 
 
+class _Staging:
+    """Page-locked host buffers for CUDA tensors that the ring reduces on the host (two ranks
+    sharing a GPU, ``JUPYTER_RING_DEVICE_TRANSPORT=off``, a process set, a dtype/op pair NCCL
+    lacks): one device-to-host copy into a buffer kept between calls, the ring's reduction in
+    place there, one host-to-device copy back. Against a fresh pageable ``.cpu()`` copy, an
+    out-of-place reduction and a pageable upload, this saves two allocations (page faults on
+    every large call) and one host pass, and the copies run at pinned speed.
+
+    A buffer is lent to one collective and given back by its finish; one whose collective failed
+    or was abandoned is never given back (the ring may still write into it), so it is never lent
+    again. Capacities are powers of two; at most ``KEEP`` free buffers of each (dtype, capacity)
+    are kept.
+    """
+
+    KEEP = 2
+
+    def __init__(self):
+        self._free = {}  # (dtype, capacity) -> [pinned 1-D buffers]
+
+    def lend(self, tensor):
+        """(buffer, host view holding ``tensor``'s values, flat)."""
+        numel = tensor.numel()
+        key = (tensor.dtype, 1 << max(numel - 1, 0).bit_length())
+        free = self._free.get(key)
+        buf = free.pop() if free else torch.empty(key[1], dtype=tensor.dtype, pin_memory=True)
+        host = buf[:numel]
+        host.copy_(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
+        return buf, host
+
+    def give_back(self, buf):
+        free = self._free.setdefault((buf.dtype, buf.numel()), [])
+        if len(free) < self.KEEP:
+            free.append(buf)
+
+
+_staging = _Staging()
+
+
+def _staged_allreduce(tensor, plan, name, process_set, in_place):
+    """Allreduce of a CUDA ``tensor`` through a pinned host buffer (see _Staging)."""
+    buf, host = _staging.lend(tensor)
+    pre, post = plan.runtime_scales(tensor)
+    handle = _ring.allreduce_async_(host.numpy(), None, name, plan.op, pre, post, process_set)
+
+    def finish(_res):
+        out = tensor.detach() if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        with torch.no_grad():
+            out.copy_(host.view(tensor.shape))  # synchronous: the buffer is free after it
+        _staging.give_back(buf)
+        return tensor if in_place else out
+    return Handle([handle], finish)
+
+
+def _stages_pinned(tensor, plan):
+    """Whether a CUDA allreduce goes through a pinned buffer: numpy has the dtype, and the
+    runtime applies the op and factors (not Horovod's widened integer/float16 scaling)."""
+    return tensor.is_cuda and tensor.dtype in _NUMPY_DTYPES and not plan.integer
+
+
 # ------------------------------------------------------------------ allreduce
 _INTEGER_DTYPES = {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64}
 
@@ -316,6 +375,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     if _reduces_on_device([tensor], op, prescale_factor, postscale_factor, process_set, where):
         return _device_allreduce([tensor], False, op, name, prescale_factor, postscale_factor, one=True)
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where)
+    if _stages_pinned(tensor, plan):
+        return _staged_allreduce(tensor, plan, name, process_set, in_place=False)
     arr = _to_numpy(plan.stage(tensor))
     pre, post = plan.runtime_scales(tensor)
     return Handle([_ring.allreduce_async(arr, None, name, plan.op, pre, post, process_set)],
@@ -337,6 +398,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         arr = t.numpy()
         return Handle([_ring.allreduce_async_(arr, None, name, op, prescale_factor, postscale_factor, process_set)],
                       lambda res: tensor)
+    if op != Adasum and _stages_pinned(t, plan):
+        return _staged_allreduce(tensor, plan, name, process_set, in_place=True)
     handle = allreduce_async(t, None, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
