@@ -5,6 +5,9 @@
 # .whl). Runs `pytest -m gpu` and the GPU benchmark; every log lands in $OUT (or ./gpu-out).
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#
+# GPU_BASELINE=<tree> also benchmarks another revision, alternated with this one; GPU_CPU_BENCH=1
+# adds the CPU benchmarks (latency, MLP training) on that machine's cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -58,4 +61,22 @@ export IPYTHONDIR=/tmp/ipython JUPYTER_RUNTIME_DIR=/tmp/jupyter-runtime
 echo "== pytest -m gpu" | tee "$OUT/gpu-tests.txt"
 timeout 330 "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider tests/test_torch.py tests/test_cupy.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
 echo "== benchmarks/gpu_allreduce.py" | tee "$OUT/gpu-bench.txt"
-timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
+if [ -n "${GPU_BASELINE:-}" ]; then
+  # another revision's tree (e.g. `git archive main | tar -x -C .gpubase`, carried): both run on
+  # this machine, alternated twice, so their figures compare
+  for round in 1 2; do
+    for tree in "$PWD" "$GPU_BASELINE"; do
+      echo "== tree $tree (round $round)" | tee -a "$OUT/gpu-bench.txt"
+      (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 "$PY" benchmarks/gpu_allreduce.py) 2>&1 | tee -a "$OUT/gpu-bench.txt"
+    done
+  done
+else
+  timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
+fi
+if [ -n "${GPU_CPU_BENCH:-}" ]; then
+  # the machine's CPUs (many cores, unlike CI's 2): small-message latency and the MLP's efficiency
+  # when the engine thread has a core of its own
+  echo "== $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/cpu-bench.txt"
+  timeout 90 "$PY" benchmarks/latency.py 2>&1 | tee -a "$OUT/cpu-bench.txt"
+  timeout 240 "$PY" benchmarks/train_torch.py --repeats 2 2>&1 | tee -a "$OUT/cpu-bench.txt"
+fi
