@@ -1018,28 +1018,56 @@ class _Bucket:
     Zero copy (``views`` is True): ``flat`` lives in the transport's memory (``bucket_buffer``)
     and each parameter's ``.grad`` is a view of it, so backward accumulates into the bucket and
     the optimizer reads the result where the allreduce wrote it. Otherwise (compression, dtypes
-    numpy lacks, CUDA tensors) gradients are copied in and the results copied back.
+    numpy lacks, a process set with CUDA tensors) gradients are copied in and the results copied
+    back.
+
+    A device bucket (``device`` is the parameters' torch device: CUDA tensors with NCCL, or CPU
+    tensors with ``JUPYTER_RING_DEVICE_TRANSPORT=gloo``) lives on that device and goes to the
+    device transport: ``.grad`` views of it as well, never staged through the host; ``handle``
+    is then a ``DeviceWork`` (or a ``_LaunchFailed`` holding the launch's error).
 
     A sparse gradient (``nn.Embedding(sparse=True)``) keeps its slot in ``flat``: with
     ``sparse_as_dense`` its dense form travels there; otherwise the slot carries zeros and the
     gradient goes by Horovod's two allgathers (``sparse``: parameter index -> that wait, or None).
     """
 
-    __slots__ = ("index", "params", "offsets", "flat", "array", "views", "ready", "handle", "name", "contexts",
-                 "sparse")
+    __slots__ = ("index", "params", "offsets", "flat", "array", "views", "device", "ready", "handle", "name",
+                 "contexts", "sparse")
 
-    def __init__(self, index, params, offsets, flat, array, views):
+    def __init__(self, index, params, offsets, flat, array, views, device=None):
         self.index = index
         self.params = params       # parameter indices
         self.offsets = offsets     # element offset of each parameter in flat
         self.flat = flat           # 1-D torch tensor (the wire dtype)
-        self.array = array         # the same memory as a numpy array, for the runtime
+        self.array = array         # the same memory as a numpy array, for the runtime (None on a device)
         self.views = views
+        self.device = device       # torch device of a device-transport bucket, else None
         self.ready = 0
         self.handle = None
         self.name = f"DistributedOptimizer.bucket{index}"
         self.contexts = {}         # parameter index -> the compressor's context (copied buckets)
         self.sparse = {}           # parameter index -> sparse_allreduce_async's wait, or None (as dense)
+
+
+class _LaunchFailed:
+    """A device bucket whose launch raised (a mismatch, a peer's bad arguments): ``wait()``
+    raises it at ``synchronize()``, where a ring bucket's error surfaces too."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+    def wait(self):
+        raise self.error
+
+
+def _finish_bucket(handle):
+    """Wait for a bucket's allreduce, ring or device."""
+    if isinstance(handle, (_device.DeviceWork, _LaunchFailed)):
+        handle.wait()
+    else:
+        _ring.synchronize(handle)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -1240,10 +1268,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks.append(handle)
 
     def _wire_dtype(self, p):
-        """The dtype a parameter's gradient travels in (compression decides; bfloat16 as float32)."""
+        """The dtype a parameter's gradient travels in (compression decides; bfloat16 as float32
+        through the ring, which reduces numpy arrays)."""
         probe = torch.empty(0, dtype=p.dtype, device="cpu")
         dtype = self._compression.compress(probe)[0].dtype
+        if self._on_device(p, dtype):
+            return dtype
         return torch.float32 if dtype == torch.bfloat16 else dtype
+
+    def _on_device(self, p, dtype):
+        """Whether ``p``'s gradient goes to the device transport (NCCL for CUDA), in a bucket on
+        its device: the same rule as ``allreduce`` of a tensor (global set, a floating dtype the
+        transport reduces with this op)."""
+        return (_api.is_global(self._process_set) and dtype.is_floating_point and _device.routes(p)
+                and _device.supports(dtype, self._op))
 
     def _zero_copy(self, p, dtype):
         return (self._compression is NoneCompressor and p.device.type == "cpu" and dtype == p.dtype
@@ -1255,7 +1293,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i in self._order:
             p = self._params[i]
             dtype = self._wire_dtype(p)
-            key = (dtype, self._zero_copy(p, dtype))
+            device = p.device if self._on_device(p, dtype) else None
+            views = (self._compression is NoneCompressor and dtype == p.dtype) if device else self._zero_copy(p, dtype)
+            key = (dtype, views, device)
             nbytes = p.numel() * torch.empty(0, dtype=dtype).element_size()
             if current and key != current_key:
                 groups.append((current, current_key))
@@ -1273,20 +1313,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             groups.append((current, current_key))
         self._buckets = []
         self._bucket_of = [0] * len(self._params)
-        for index, (members, (dtype, views)) in enumerate(groups):
+        for index, (members, (dtype, views, device)) in enumerate(groups):
             offsets, total = [], 0
             for i in members:
                 offsets.append(total)
                 total += self._params[i].numel()
             itemsize = torch.empty(0, dtype=dtype).element_size()
-            if not total:  # only empty parameters
-                flat = torch.empty(0, dtype=dtype)
+            if device is not None:
+                flat, array = torch.zeros(total, dtype=dtype, device=device), None
             else:
-                raw = (_api.bucket_buffer(total * itemsize, self._process_set) if views
-                       else np.zeros(total * itemsize, np.uint8))
-                flat = torch.from_numpy(raw).view(dtype)
-            array = flat.numpy()
-            self._buckets.append(_Bucket(index, members, offsets, flat, array, views))
+                if not total:  # only empty parameters
+                    flat = torch.empty(0, dtype=dtype)
+                else:
+                    raw = (_api.bucket_buffer(total * itemsize, self._process_set) if views
+                           else np.zeros(total * itemsize, np.uint8))
+                    flat = torch.from_numpy(raw).view(dtype)
+                array = flat.numpy()
+            self._buckets.append(_Bucket(index, members, offsets, flat, array, views, device))
             for i in members:
                 self._bucket_of[i] = index
 
@@ -1306,7 +1349,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # step is dropped too and the next cell starts a clean one.
         if self._epoch != _api.epoch():
             for bucket in self._buckets:
-                if bucket.handle is not None:
+                if isinstance(bucket.handle, _device.DeviceWork):
+                    # agreed and launched on every rank, so it ends; its buffer is this bucket
+                    try:
+                        bucket.handle.wait()
+                    except Exception:  # noqa: BLE001 - the half step is dropped either way
+                        pass
+                elif bucket.handle is not None and not isinstance(bucket.handle, _LaunchFailed):
                     _api.discard(bucket.handle)
                 for gathered in bucket.sparse.values():
                     for handle in getattr(gathered, "handles", ()):
@@ -1366,12 +1415,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view if bucket.views else torch.zeros_like(p)
                 elif bucket.views:
                     if grad.data_ptr() != view.data_ptr():  # autograd made it afresh: move it in
-                        moves.append((offset, grad.detach().reshape(-1).numpy()))
+                        if bucket.device is not None:
+                            view.copy_(grad)  # on the device, ordered on the current stream
+                        else:
+                            moves.append((offset, grad.detach().reshape(-1).numpy()))
                         if i not in bucket.sparse:
                             p.grad = view
                 else:
                     compressed, bucket.contexts[i] = self._compression.compress(grad)
                     view.copy_(compressed)
+        if bucket.device is not None:
+            transport = _device.transport()
+            try:
+                # agreed over the ring now, launched on the transport's stream; waited in synchronize()
+                bucket.handle = transport.allreduce_async_([flat], self._op, bucket.name, self._prescale,
+                                                           self._postscale)
+            except Exception as exc:  # noqa: BLE001 - raised by synchronize(), as a ring bucket's
+                bucket.handle = _LaunchFailed(exc)
+            return
         bucket.handle = _api.bucket_allreduce_async_(bucket.array, None, bucket.name, op=self._op,
                                                      prescale_factor=self._prescale, postscale_factor=self._postscale,
                                                      process_set=self._process_set, sources=moves or None)
@@ -1398,7 +1459,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             error = None
             for bucket in buckets:
                 try:
-                    _ring.synchronize(bucket.handle)
+                    _finish_bucket(bucket.handle)
                 except CollectiveMismatchError as exc:
                     error = error or self._explain(bucket, exc)
                     continue
