@@ -22,6 +22,7 @@ through the same transport over gloo (how it is tested without a GPU); ``off`` s
 """
 
 import contextlib
+import math
 import warnings
 import weakref
 
@@ -1031,14 +1032,16 @@ class _Bucket:
     gradient goes by Horovod's two allgathers (``sparse``: parameter index -> that wait, or None).
     """
 
-    __slots__ = ("index", "params", "offsets", "flat", "array", "views", "device", "ready", "handle", "name",
-                 "contexts", "sparse")
+    __slots__ = ("index", "params", "offsets", "flat", "slots", "array", "views", "device", "ready", "handle",
+                 "name", "contexts", "sparse")
 
-    def __init__(self, index, params, offsets, flat, array, views, device=None):
+    def __init__(self, index, params, offsets, flat, array, views, device=None, shapes=()):
         self.index = index
         self.params = params       # parameter indices
         self.offsets = offsets     # element offset of each parameter in flat
         self.flat = flat           # 1-D torch tensor (the wire dtype)
+        # each parameter's slot of flat in its shape, made once (a step reuses them)
+        self.slots = [flat[o:o + math.prod(shape)].view(shape) for o, shape in zip(offsets, shapes)]
         self.array = array         # the same memory as a numpy array, for the runtime (None on a device)
         self.views = views
         self.device = device       # torch device of a device-transport bucket, else None
@@ -1329,7 +1332,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            else np.zeros(total * itemsize, np.uint8))
                     flat = torch.from_numpy(raw).view(dtype)
                 array = flat.numpy()
-            self._buckets.append(_Bucket(index, members, offsets, flat, array, views, device))
+            self._buckets.append(_Bucket(index, members, offsets, flat, array, views, device,
+                                         [self._params[i].shape for i in members]))
             for i in members:
                 self._bucket_of[i] = index
 
@@ -1398,10 +1402,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat = bucket.flat
         moves = []  # (element offset, fresh gradient as a flat numpy array)
         with torch.no_grad():
-            for i, offset in zip(bucket.params, bucket.offsets):
+            for i, offset, view in zip(bucket.params, bucket.offsets, bucket.slots):
                 p = self._params[i]
                 grad = p.grad
-                view = flat[offset:offset + p.numel()].view(p.shape)
                 if grad is not None and grad.is_sparse:
                     if not self._sparse_as_dense:
                         bucket.sparse[i] = self._sparse_allreduce(p, i)
@@ -1481,12 +1484,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _unpack(self, bucket):
         """Results into ``.grad`` where they are not there already (copied buckets, sparse gradients)."""
         with torch.no_grad():
-            for i, offset in zip(bucket.params, bucket.offsets):
+            for i, out in zip(bucket.params, bucket.slots):
                 p = self._params[i]
                 if i in bucket.sparse:
                     continue
                 if not bucket.views:
-                    out = bucket.flat[offset:offset + p.numel()].view(p.shape)
                     p.grad.copy_(self._compression.decompress(out, bucket.contexts.pop(i, None)))
             for i, gathered in bucket.sparse.items():
                 p = self._params[i]
@@ -1495,8 +1497,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     continue
                 # sparse_as_dense: the reduced dense form goes back to the sparse .grad the
                 # optimizer (SparseAdam) expects, as Horovod does
-                offset = bucket.offsets[bucket.params.index(i)]
-                out = bucket.flat[offset:offset + p.numel()].view(p.shape)
+                out = bucket.slots[bucket.params.index(i)]
                 if not bucket.views:
                     out = self._compression.decompress(out, bucket.contexts.pop(i, None))
                 p.grad = out.to(p.dtype).to_sparse()
