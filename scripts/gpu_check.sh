@@ -2,7 +2,8 @@
 # The GPU checks in one call, for a lent GPU machine (docs/gpu.md): its image has CUDA torch,
 # cupy, numpy, pytest, pytest-timeout and psutil but no MPI and no network, so MPICH and mpi4py
 # travel as wheels in .whl/ (scripts/gpu_wheels.sh fetches them here; the device tool carries
-# .whl). Runs `pytest -m gpu` and the GPU benchmark; every log lands in $OUT (or ./gpu-out).
+# .whl). Runs `pytest -m gpu` and the GPU benchmarks (gpu_allreduce.py, gpu_train.py); every log
+# lands in $OUT (or ./gpu-out).
 #
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
@@ -73,6 +74,8 @@ if [ -n "${GPU_BASELINE:-}" ]; then
 else
   timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
 fi
+echo "== benchmarks/gpu_train.py" | tee "$OUT/gpu-train.txt"
+timeout 150 "$PY" benchmarks/gpu_train.py 2>&1 | tee -a "$OUT/gpu-train.txt"
 if [ -n "${GPU_CPU_BENCH:-}" ]; then
   # the machine's CPUs (many cores, unlike CI's 2): small-message latency and the MLP's efficiency
   # when the engine thread has a core of its own
