@@ -45,6 +45,7 @@ import os
 import socket
 import time
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -137,6 +138,13 @@ def _check(tensors, where):
         raise ValueError(f"{where}: tensors on several devices ({sorted(map(str, devices))}); "
                          "move them to one device")
     return next(iter(devices))
+
+
+class Agreement(NamedTuple):
+    """What every rank agreed to before a device collective."""
+
+    rows: object    # every rank's aux (allgather's first dimensions), an int64 array, or None
+    joined: bool    # some rank has called join(): its zeros go through the ring, not the group
 
 
 class DeviceWork:
@@ -272,13 +280,17 @@ class DeviceTransport:
     # ------------------------------------------------------------------ agreement
     def _agree(self, kind, name, device_type, desc, aux=None, error=None):
         """Agree with every rank on ``desc`` (raises on every rank if anyone differs or failed);
-        re-create the group where a rank abandoned a collective; return every rank's ``aux``
-        (an int; allgather's first dimensions), or None when ``aux`` is None.
+        re-create the group where a rank abandoned a collective. Returns an ``Agreement``: every
+        rank's ``aux`` (an int; allgather's first dimensions; None without ``aux``), and whether
+        some rank has called ``join()`` (then only an allreduce may run, through the ring).
 
-        Without ``aux`` the vote is one element-wise Max over six int64s, which takes the ring's
+        Without ``aux`` the vote is one element-wise Max over seven int64s, which takes the ring's
         prepared lane after the first call (~4x cheaper than an allgather): the fingerprint and
         the generation go in as ``x`` and ``-x``, so ``max(x) != -max(-x)`` exactly when two
-        ranks differ. Every rank sees the same reduced vote, so all take the same branch.
+        ranks differ. Every rank sees the same reduced vote, so all take the same branch. A rank
+        that called ``join()`` contributes zeros to the ring's allreduces: every voting rank
+        puts -1 last, so a 0 there says that some rank joined (its zeros make the rest of the
+        vote meaningless, and it takes no part in the group's transfers).
         """
         group = self._lookup(device_type)
         # a group aborted here (this transport gave a collective up, or the notebook's guard
@@ -289,12 +301,20 @@ class DeviceTransport:
                 raise error
             if aborted:
                 self._rebuild(device_type, [0])
-            return None if aux is None else np.array([aux], np.int64)
+            return Agreement(None if aux is None else np.array([aux], np.int64), False)
         fingerprint = _fingerprint(desc)
         if aux is None:
             vote = np.array([fingerprint, -fingerprint, generation, -generation, aborted,
-                             _BAD_ARGS if error else _OK], np.int64)
+                             _BAD_ARGS if error else _OK, -1], np.int64)
             _ring.allreduce_(vote, op=Max, name="jupyter_ring.device.vote")
+            if vote[6] == 0:
+                if error is not None:
+                    raise error
+                if vote[5] == _BAD_ARGS:  # (no object exchange while a rank is joined)
+                    raise PeerError(f"{kind} '{name}': another rank could not join this collective and raised "
+                                    "its own error there; fix the call on that rank. Every rank raises here so "
+                                    "that none is left waiting.", None, None)
+                return Agreement(None, True)
             bad, differ = vote[5] == _BAD_ARGS, vote[0] != -vote[1]
             rebuild, rows, abandoned = bool(vote[4]) or vote[2] != -vote[3], None, None
         else:
@@ -324,7 +344,7 @@ class DeviceTransport:
                 flags = _ring.allgather_object(aborted, name="jupyter_ring.device.aborted")
                 abandoned = [r for r, flag in enumerate(flags) if flag]
             self._rebuild(device_type, abandoned)
-        return rows
+        return Agreement(rows, False)
 
     def _rebuild(self, device_type, abandoned_on):
         group = self.group(device_type)
@@ -420,7 +440,9 @@ class DeviceTransport:
         else:
             desc = (("device", device_type), ("name", name), ("op", op))
         start = time.perf_counter()
-        self._agree("allreduce", name, device_type, desc, error=error)
+        joined = self._agree("allreduce", name, device_type, desc, error=error).joined
+        if joined:
+            return self._allreduce_with_joined(tensors, op, name, prescale_factor, postscale_factor, start)
         group = self.group(device_type)
         size = _ring.size()
         total = sum(t.numel() for t in tensors)
@@ -463,6 +485,22 @@ class DeviceTransport:
         return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),
                           total * dtype.itemsize, "allreduce", name)
 
+    def _allreduce_with_joined(self, tensors, op, name, prescale_factor, postscale_factor, start):
+        """Some rank has called ``join()``: it takes part in the ring's allreduces with zeros (as
+        in Horovod), never in the group's transfers, so the tensors go through the ring, staged
+        through host memory, on every rank that voted (all of them saw the join in the vote)."""
+        import torch
+
+        for index, t in enumerate(tensors):
+            host = t.detach().to(device="cpu", dtype=torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
+                                 copy=True)
+            _ring.allreduce_(host.numpy(), op=op, name=f"{name}.joined.{index}", prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+            t.copy_(host)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return DeviceWork(self, None, None, f"allreduce '{name}' (a rank joined: through the ring)",
+                          lambda: tensors, [], (start, time.perf_counter()), nbytes, "allreduce", name)
+
     def allreduce_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
         """In-place allreduce of a list of tensors (one fused transfer); blocking."""
         return self.allreduce_async_(tensors, op, name, prescale_factor, postscale_factor).wait()
@@ -483,7 +521,11 @@ class DeviceTransport:
         desc = (("device", device_type), ("name", name), ("root", root),
                 ("dtype", str(getattr(tensor, "dtype", None))), ("shape", tuple(getattr(tensor, "shape", ()))))
         start = time.perf_counter()
-        self._agree("broadcast", name, device_type, desc, error=error)
+        if self._agree("broadcast", name, device_type, desc, error=error).joined:
+            raise CollectiveMismatchError(
+                f"broadcast '{name}': a rank called join() and waits for the others to join; only "
+                "allreduce can run until every rank has joined (as in Horovod). Call join() on this "
+                "rank too, or run this collective before any rank joins.")
         group = self.group(device_type)
         what = f"broadcast '{name}' ({device_type}, {group.kinds[device_type]})"
         contiguous = tensor.is_contiguous()
@@ -528,7 +570,7 @@ class DeviceTransport:
         desc = (("device", device_type), ("name", name), ("dtype", str(getattr(tensor, "dtype", None))),
                 ("trailing shape", tuple(tensor.shape[1:]) if ok else None))
         start = time.perf_counter()
-        rows = self._agree("allgather", name, device_type, desc, aux=tensor.shape[0] if ok else 0, error=error)
+        rows = self._agree("allgather", name, device_type, desc, aux=tensor.shape[0] if ok else 0, error=error).rows
         group = self.group(device_type)
         what = f"allgather '{name}' ({device_type}, {group.kinds[device_type]})"
         most = int(rows.max())

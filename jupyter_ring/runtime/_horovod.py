@@ -163,7 +163,9 @@ def join(device=-1):
     """This rank is out of data: it takes part in the other ranks' allreduces with zeros until
     every rank has called ``join``; returns the rank that joined last (the runtime's join).
 
-    ``device`` is accepted for Horovod's signature and not used (no device transport here).
+    ``device`` is accepted for Horovod's signature and not used. While a rank is joined, the
+    other ranks' allreduces of CUDA tensors (the device transport's) go through the ring with its
+    zeros, staged through host memory; other device collectives raise, as the ring's do.
     """
     return _ring.join()
 

@@ -9,6 +9,8 @@ Run with JUPYTER_RING_DEVICE_TRANSPORT=gloo. Every rank asserts its own results 
   agreement): KeyboardInterrupt here within a second, the peer's transfer fails at once
   (RingError, not a hang), and the next collectives, same name and shape, are exact;
 * a stall: StallError after the stall timeout, the same recovery;
+* a rank that called join(): the others' device allreduces (plain, grouped, DistributedOptimizer's
+  buckets) go through the ring with its zeros, other collectives raise naming join();
 * torch.distributed's default group made by user code (init_process_group) is shared by the
   transport, aborted and re-created in place: the user's own dist.all_reduce and a DDP model made
   before the failure are right afterwards.
@@ -124,6 +126,51 @@ if n > 1:
     transport.before_launch = None
     ring.config().stall_timeout = 60.0
     exact_round("after-stall")
+
+    # ---- join(): the last rank is out of data; the others' device allreduces (plain, grouped,
+    # a DistributedOptimizer's buckets) go through the ring with its zeros, as in Horovod;
+    # other collectives raise on every active rank; join() returns the rank that joined last
+    joiner = n - 1
+    model = torch.nn.Linear(6, 3)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters())
+    opt.zero_grad()
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()  # every rank: the first step learns the bucket order (an object broadcast)
+    before = [p.detach().clone() for p in model.parameters()]
+    if r == joiner:
+        last = hvd.join()
+    else:
+        active = range(n - 1)
+        for length in (0, 1, n + 2, 1009):
+            xs = [torch.randint(-9, 9, (length,), generator=torch.Generator().manual_seed(100 * q + length)).double()
+                  for q in range(n)]
+            got = hvd.allreduce(xs[r], op=hvd.Sum, name=f"joined.sum{length}")
+            want = sum(xs[q] for q in active) if length else xs[r]
+            expect(f"joined Sum {length}", torch.equal(got, want), f"{got[:4]} vs {want[:4]}")
+            got = hvd.allreduce(xs[r], op=hvd.Average, name=f"joined.avg{length}")
+            want = sum(xs[q] for q in active) / n if length else xs[r]
+            expect(f"joined Average (divided by every rank) {length}", torch.allclose(got, want), f"{got[:4]} vs {want[:4]}")
+        pair = [torch.full((4,), float(r + 1)), torch.full((2, 3), float(r + 1))]
+        hvd.grouped_allreduce_(pair, op=hvd.Sum, name="joined.grouped")
+        total = float(sum(q + 1 for q in active))
+        expect("joined grouped", all(torch.equal(t, torch.full_like(t, total)) for t in pair), str(pair))
+        x = torch.ones(2, 6)
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()  # buckets on the transport: averaged over every rank, the joined one's zeros too
+        want_bias = before[1] - (n - 1) / n * 2.0
+        expect("joined DistributedOptimizer", torch.allclose(model.bias.detach(), want_bias),
+               f"{model.bias.tolist()} vs {want_bias.tolist()}")
+        exc = raises("joined broadcast", lambda: hvd.broadcast(torch.ones(3), 0, name="joined.bcast"),
+                     hvd.CollectiveMismatchError)
+        if exc is not None:
+            expect("joined broadcast names join()", "join()" in str(exc), str(exc))
+        last = hvd.join()
+    expect("join returns an active rank (one that joined after the joiner)", last in range(n - 1), str(last))
+    lasts = hvd.allgather(torch.tensor([last]), name="joined.last")
+    expect("join returns the same rank everywhere", bool((lasts == lasts[0]).all()), str(lasts))
+    exact_round("after-join")
 
     # ---- the user's default group, shared by the transport, aborted and re-created in place
     PG.install_recording()
