@@ -11,3 +11,40 @@ def expect_raises(failures, label, exc_types, fn):
         failures.append(f"{label}: raised {type(exc).__name__}: {str(exc)[:200]}")
         return
     failures.append(f"{label}: did not raise")
+
+
+def train_matches_one_process(hvd, dev, failures, steps=4, bucket_bytes=1024):
+    """DistributedOptimizer on ``dev`` (small buckets: several launched during backward), every
+    rank its shard of a batch, against one process's SGD on the full batch. Returns the wrapper."""
+    import torch
+
+    r, n = hvd.rank(), hvd.size()
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(13, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                   torch.nn.Tanh(), torch.nn.Linear(64, 5)).to(dev)
+
+    model, reference = mlp(), mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), bucket_bytes=bucket_bytes)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    batch = 6 * n
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 13, generator=g).to(dev), torch.randn(batch, 5, generator=g).to(dev)
+        per = batch // n
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[r * per:(r + 1) * per]), y[r * per:(r + 1) * per]).backward()
+        launched = [b.handle is not None for b in opt._buckets[:-1]]
+        if step == steps - 1 and (len(opt._buckets) < 3 or not all(launched)):
+            failures.append(f"buckets not launched during backward: {launched}")
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if not torch.allclose(p, q, rtol=1e-4, atol=1e-5):
+            failures.append(f"DistributedOptimizer {name}: {p.flatten()[:3].tolist()} vs one process "
+                            f"{q.flatten()[:3].tolist()}")
+    return opt

@@ -4,11 +4,13 @@ Run with ``JUPYTER_RING_DEVICE_TRANSPORT=off`` (what two ranks sharing one GPU n
 them). The pageable host copy (``_to_numpy``) raises for a CUDA tensor here, so every allreduce
 below must take the pinned path. Checks exact results on every rank at awkward sizes, in place and
 out of place, non-contiguous inputs, scale factors, several collectives in flight at once (each
-holds its own buffer), and that buffers are reused, not allocated per call.
+holds its own buffer), that buffers are reused, not allocated per call, and DistributedOptimizer
+training (host buckets) against one process's SGD.
 """
 
 import sys
 
+import _checks
 import torch
 
 import jupyter_ring.runtime.torch as hvd
@@ -83,6 +85,10 @@ for _ in range(5):
 after = {key: len(v) for key, v in hvd._staging._free.items()}
 if after != before or not all(b.is_pinned() for v in hvd._staging._free.values() for b in v):
     failures.append(f"staging buffers not reused or not pinned: {before} -> {after}")
+# DistributedOptimizer on CUDA parameters with the transport off: host buckets the ring reduces
+opt = _checks.train_matches_one_process(hvd, dev, failures)
+if any(b.device is not None for b in opt._buckets):
+    failures.append(f"buckets on {[str(b.device) for b in opt._buckets]} with the transport off")
 if failures:
     print(f"rank {r}: " + "; ".join(failures[:10]), flush=True)
     sys.exit(1)
