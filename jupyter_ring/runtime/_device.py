@@ -65,6 +65,8 @@ _MODES = ("auto", "gloo", "off")
 _SPIN_SECONDS = 0.002
 # status of a rank in the agreement message
 _OK, _BAD_ARGS = 0, 1
+# free fusion buffers kept per (device, dtype) for later grouped collectives
+_FUSION_KEPT = 4
 
 
 def mode():
@@ -187,7 +189,7 @@ class DeviceTransport:
 
     def __init__(self):
         self._private = {}   # device type -> our own ManagedGroup (when the user has none)
-        self._fusion = {}    # (device, dtype) -> flat fusion buffer
+        self._fusion = {}    # (device, dtype) -> free flat fusion buffers (each lent to one collective)
         self._store = None   # the rendezvous store of our own groups
         self._listener = None
         self._unnamed = {}   # kind -> counter for names of unnamed collectives (same on every rank)
@@ -349,7 +351,7 @@ class DeviceTransport:
     def _rebuild(self, device_type, abandoned_on):
         group = self.group(device_type)
         group.rebuild()
-        # buffers that an abandoned transfer may still write into are never handed out again
+        # a fresh group, fresh buffers (those of abandoned transfers were never given back)
         self._fusion = {k: v for k, v in self._fusion.items() if k[0].type != device_type}
         log.warning("jupyter_ring: %s re-created on every rank after a collective was abandoned "
                     "on rank(s) %s", group.label, abandoned_on)
@@ -391,8 +393,7 @@ class DeviceTransport:
     def _abandon(self, group, what, buffers, why):
         device_type = next(iter(group.backends))
         group.abort(f"{what} abandoned on rank {_ring.rank()} ({why})")
-        for key in [k for k, v in self._fusion.items() if any(v is b for b in buffers)]:
-            del self._fusion[key]
+        # ``buffers`` are never given back: the abandoned transfer may still write into them
         log.info("jupyter_ring: %s abandoned (%s) on %s", what, why, device_type)
 
     # ------------------------------------------------------------------ collectives
@@ -401,13 +402,20 @@ class DeviceTransport:
             self.before_launch(kind, name)
 
     def _fusion_buffer(self, device, dtype, numel):
+        """A flat buffer of at least ``numel`` elements, lent to one collective until its finish
+        gives it back (``_give_back``): two collectives in flight never share one."""
         import torch
 
-        buf = self._fusion.get((device, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
-            self._fusion[(device, dtype)] = buf
-        return buf[:numel]
+        free = self._fusion.get((device, dtype), [])
+        for index, buf in enumerate(free):
+            if buf.numel() >= numel:
+                return free.pop(index)
+        return torch.empty(max(numel, 1), dtype=dtype, device=device)
+
+    def _give_back(self, buf):
+        free = self._fusion.setdefault((buf.device, buf.dtype), [])
+        if len(free) < _FUSION_KEPT:
+            free.append(buf)
 
     def allreduce_async_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
         """Agree, fuse and launch an in-place allreduce of ``tensors``; returns a DeviceWork."""
@@ -452,7 +460,8 @@ class DeviceTransport:
                               "allreduce", name)
         dtype = tensors[0].dtype
         single = len(tensors) == 1 and tensors[0].is_contiguous()
-        flat = tensors[0].view(-1) if single else self._fusion_buffer(device, dtype, total)
+        fused = None if single else self._fusion_buffer(device, dtype, total)
+        flat = tensors[0].view(-1) if single else fused[:total]
         if not single:
             torch.cat([t.reshape(-1) for t in tensors], out=flat)
         wire = flat
@@ -480,6 +489,7 @@ class DeviceTransport:
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
+                self._give_back(fused)  # the copies are ordered before any later use of it
             return tensors
 
         return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),

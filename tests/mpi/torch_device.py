@@ -1,7 +1,8 @@
 """The device transport over gloo on CPU tensors: failures, abort and rebuild, the shared group.
 
 Run with JUPYTER_RING_DEVICE_TRANSPORT=gloo. Every rank asserts its own results and prints
-``TORCH_DEVICE_OK <rank>`` when every case passed. Cases (with 2+ ranks):
+``TORCH_DEVICE_OK <rank>`` when every case passed. Three grouped allreduces in flight at once
+are exact (each holds its own fusion buffer). Cases with 2+ ranks:
 
 * a shape mismatch raises CollectiveMismatchError on every rank, naming both shapes;
 * bad arguments on one rank: that rank's own error there, PeerError naming it on the others;
@@ -65,6 +66,21 @@ def raises(label, fn, kinds):
 
 
 exact_round("start")
+
+# grouped collectives in flight at once: each has its own fusion buffer (a shared one let the
+# second's inputs overwrite the first's before its transfer and copy-out)
+for dtype in (torch.float32, torch.int64):
+    groups = [[torch.full((1000,), (k + 1) * (r + 1), dtype=dtype), torch.full((7,), (k + 1) * (r + 1), dtype=dtype),
+               torch.arange(13, dtype=dtype) * (r + 1)] for k in range(3)]
+    handles = [hvd.grouped_allreduce_async_(g, op=hvd.Sum, name=f"inflight.{dtype}.{k}") for k, g in enumerate(groups)]
+    for k in (2, 0, 1):
+        hvd.synchronize(handles[k])
+    total = n * (n + 1) // 2
+    for k, g in enumerate(groups):
+        want = [torch.full((1000,), (k + 1) * total, dtype=dtype), torch.full((7,), (k + 1) * total, dtype=dtype),
+                torch.arange(13, dtype=dtype) * total]
+        expect(f"grouped in flight {dtype} {k}", all(torch.equal(a, b) for a, b in zip(g, want)),
+               str([t[:3].tolist() for t in g]))
 
 if n > 1:
     # ---- mismatch: every rank raises, naming both shapes
