@@ -38,6 +38,8 @@ def parse():
     parser.add_argument("--repeats", type=int, default=5, help="blocks per configuration, interleaved")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the device buckets' steps (cProfile, top functions by own time)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -112,6 +114,16 @@ def worker(args):
     for _ in range(args.repeats):
         for key, (model, opt) in configs.items():
             times[key].append(block(model, opt, args.steps))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        model, opt = configs["device buckets"]
+        profiler.runcall(block, model, opt, args.steps)
+        print(f"cProfile of {args.steps} steps with device buckets (own time):", flush=True)
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+        sys.stdout.flush()
     dist.destroy_process_group()
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     print("RESULT " + json.dumps({"device": name, "batch": args.batch, "buckets": kinds, "staged": staged,
@@ -127,12 +139,15 @@ def main():
 
     cmd = [find_mpiexec(), "-n", "1", sys.executable, os.path.abspath(__file__), "--worker",
            "--steps", str(args.steps), "--repeats", str(args.repeats), "--batch", str(args.batch),
-           "--device", args.device]
+           "--device", args.device] + (["--profile"] if args.profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), stdin=subprocess.DEVNULL, timeout=600)
     found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not found:
         sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(found[0])
+    if args.profile:
+        start = proc.stdout.find("cProfile of")
+        print(proc.stdout[start:proc.stdout.find("RESULT ")])
     steps = result["step_s"]
     base = steps["plain"]
     print(f"one rank, {result['device']}, MLP 10.5M parameters, batch {result['batch']}: median ms a step "

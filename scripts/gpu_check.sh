@@ -8,7 +8,8 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
 # GPU_BASELINE=<tree> also benchmarks another revision, alternated with this one; GPU_CPU_BENCH=1
-# adds the CPU benchmarks (latency, MLP training) on that machine's cores.
+# adds the CPU benchmarks (latency, MLP training) on that machine's cores; GPU_PROFILE=1 profiles
+# gpu_train.py's device-bucket steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -75,7 +76,7 @@ else
   timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
 fi
 echo "== benchmarks/gpu_train.py" | tee "$OUT/gpu-train.txt"
-timeout 150 "$PY" benchmarks/gpu_train.py 2>&1 | tee -a "$OUT/gpu-train.txt"
+timeout 150 "$PY" benchmarks/gpu_train.py ${GPU_PROFILE:+--profile} 2>&1 | tee -a "$OUT/gpu-train.txt"
 if [ -n "${GPU_CPU_BENCH:-}" ]; then
   # the machine's CPUs (many cores, unlike CI's 2): small-message latency and the MLP's efficiency
   # when the engine thread has a core of its own
