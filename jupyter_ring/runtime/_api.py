@@ -568,17 +568,17 @@ def _reduce(tensor, in_place, average, name, op, prescale, postscale, process_se
     return engine, Reduce(next(_proc.handles), name, explicit, src, None, None, arr.shape, plan)
 
 
-def bucket_allreduce_async_(array, fill, name, op=None, prescale_factor=1.0, postscale_factor=1.0,
+def bucket_allreduce_async_(array, name, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=None, sources=None):
-    """Queue an in-place allreduce of a gradient bucket whose gradients ``fill()`` moves in.
+    """Queue an in-place allreduce of a gradient bucket, with the fresh gradients it still lacks.
 
-    ``fill`` (or None) runs in the engine's executor right before the reduction, not in the
-    caller's thread: torch's backward, which queues the bucket from a gradient hook, goes on with
-    the next layer while the copy runs beside it. ``sources``: ``(element offset, flat array)``
-    pairs of ``array``'s dtype, fresh gradients that the reduction itself puts in their slots:
-    on one host only the blocks the peers read are copied, the rest is read where it lies (the
-    arrays must not change until the handle completes). Run alone, never fused with a
-    neighbour, so every rank runs every bucket as its own collective whatever its neighbours are.
+    ``sources``: ``(element offset, flat array)`` pairs of ``array``'s dtype, fresh gradients
+    that the reduction itself puts in their slots, in the engine's executor (not the caller's
+    thread: torch's backward, which queues the bucket from a gradient hook, goes on with the next
+    layer while the copy runs beside it): on one host only the blocks the peers read are copied,
+    the rest is read where it lies (the arrays must not change until the handle completes). Run
+    alone, never fused with a neighbour, so every rank runs every bucket as its own collective
+    whatever its neighbours are.
     """
     engine, entry = _reduce(array, True, None, name, op, prescale_factor, postscale_factor, process_set)
     members = [C.Member(entry.src, entry.src)]
@@ -593,8 +593,6 @@ def bucket_allreduce_async_(array, fill, name, op=None, prescale_factor=1.0, pos
                                  "give flat arrays of the bucket's dtype inside it")
 
     def run(rt):
-        if fill is not None:
-            fill()
         C.allreduce(rt, members, entry.plan, entry.name, desc, sources=sources)
         if sources:
             sources.clear()  # the fresh gradients are in the bucket now: let them go

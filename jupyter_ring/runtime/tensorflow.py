@@ -1031,7 +1031,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
             flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, key)
             sources = [(offset, _view_of(ts[i])) for i, offset, size in entries]
             _ring.synchronize(_api.bucket_allreduce_async_(
-                flat, None, _n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale, postscale_factor=postscale,
+                flat, _n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale, postscale_factor=postscale,
                 process_set=process_set, sources=sources))
             for i, offset, size in entries:
                 view = flat[offset:offset + size].reshape(shapes[i])

@@ -1436,7 +1436,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except Exception as exc:  # noqa: BLE001 - raised by synchronize(), as a ring bucket's
                 bucket.handle = _LaunchFailed(exc)
             return
-        bucket.handle = _api.bucket_allreduce_async_(bucket.array, None, bucket.name, op=self._op,
+        bucket.handle = _api.bucket_allreduce_async_(bucket.array, bucket.name, op=self._op,
                                                      prescale_factor=self._prescale, postscale_factor=self._postscale,
                                                      process_set=self._process_set, sources=moves or None)
         _api.flush(self._process_set)

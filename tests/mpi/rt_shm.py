@@ -293,7 +293,7 @@ elif mode == "registered":
                         sources.append((a, xs[r][a:b].copy()))
                 before = [arr.copy() for _, arr in sources]
                 alive = [weakref.ref(arr) for _, arr in sources]
-                ring.synchronize(_api.bucket_allreduce_async_(buf, None, f"src.{dtype}.{length}", op=op,
+                ring.synchronize(_api.bucket_allreduce_async_(buf, f"src.{dtype}.{length}", op=op,
                                                               prescale_factor=pre, sources=sources))
                 registered_path = any(p.startswith("shm registered") for p in rt.trace.records[-1][5])
                 if n > 1 and registered_path != (length * dtype.itemsize > THRESHOLD):
@@ -306,7 +306,7 @@ elif mode == "registered":
                 if any(ref() is not None for ref in alive):
                     failures.append(f"sources {dtype} len={length}: the engine still holds a source")
     try:
-        _api.bucket_allreduce_async_(buf, None, "src.bad", sources=[(length - 1, np.zeros(2, dtype))])
+        _api.bucket_allreduce_async_(buf, "src.bad", sources=[(length - 1, np.zeros(2, dtype))])
         failures.append("a source beyond the bucket was accepted")
     except ValueError as exc:
         if "does not fit the bucket" not in str(exc):
