@@ -36,7 +36,6 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _shm
-from ._config import Config
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._pool import ResultPool
 from ._report import reporter
