@@ -147,12 +147,21 @@ def test_activity_record_round_trips_through_the_file(tmp_path):
     try:
         path = str(tmp_path / "rank3.doing")
         assert read_doing(path).state == "running"
-        activity.begin("allreduce", "fc1.weight.grad ✓")
+        name = "fc1.weight.grad ✓"
+        activity.begin("allreduce", name)
         activity.waiting([0, 2])
         record = read_doing(path)
         assert record == activity.doing()
         assert record.waiting_for == (0, 2) and record.name == "fc1.weight.grad ✓"
         assert "waiting for rank(s) 0, 2" in record.describe()
+        activity.end()
+        assert read_doing(path).state == "running"
+        # a loop's next collective of the same name rewrites only the times; the waits are cleared
+        activity.begin("allreduce", name)
+        again = read_doing(path)
+        assert (again.state, again.kind, again.name, again.waiting_for) == ("collective", "allreduce", name, ())
+        activity.begin("broadcast", "w")
+        assert read_doing(path)[1:3] == ("broadcast", "w") == activity.doing()[1:3]
         activity.end()
         assert read_doing(path).state == "running"
     finally:

@@ -27,7 +27,6 @@ class Trace:
         self.totals = {}
         # perf_counter() is monotonic but has no epoch: keep one anchor to place records in time.
         self.anchor = time.time() - time.perf_counter()
-        self.listeners = []
 
     def record(self, kind, name, nbytes, start, end, phases):
         """Store one finished collective; ``phases`` maps phase name to (start, end)."""
@@ -38,8 +37,6 @@ class Trace:
         total[0] += 1
         total[1] += nbytes
         total[2] += end - start
-        for listener in self.listeners:
-            listener(kind, name, nbytes, start, end)
 
     def stats(self):
         """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions)."""

@@ -93,13 +93,20 @@ class Activity:
         self._pid = os.getpid()
 
     def begin(self, kind, name):
-        self.kind, self.name, self.since = kind, name, time.time()
-        self.waiting_for, self.waiting_since = (), 0.0
+        # a loop's collectives repeat their kind and name: the text in the map is written only
+        # when it changes (identity: the same str objects), the rest is the times' one pack_into
+        self.since = time.time()
+        if self.waiting_for:
+            self.waiting_for, self.waiting_since = (), 0.0
+            if self._map is not None:
+                _COUNT.pack_into(self._map, _COUNT_AT, 0)
+        if name is not self.name or kind is not self.kind:
+            self.kind, self.name = kind, name
+            if self._map is not None:
+                text = f"{kind}\t{name}".encode("utf-8", "replace")[:_TEXT]
+                _LENGTH.pack_into(self._map, _LENGTH_AT, len(text))
+                self._map[_TEXT_AT:_TEXT_AT + len(text)] = text
         if self._map is not None:
-            text = f"{kind}\t{name}".encode("utf-8", "replace")[:_TEXT]
-            _LENGTH.pack_into(self._map, _LENGTH_AT, len(text))
-            self._map[_TEXT_AT:_TEXT_AT + len(text)] = text
-            _COUNT.pack_into(self._map, _COUNT_AT, 0)
             self._stamp()
 
     def waiting(self, ranks):
@@ -113,8 +120,9 @@ class Activity:
                 self._stamp()
 
     def end(self):
+        # kind, name and the ranks waited on stay until the next begin: not read while since is 0
         if self.since:
-            self.kind, self.name, self.since, self.waiting_for = "", "", 0.0, ()
+            self.since = 0.0
             if self._map is not None:
                 self._stamp()
 
@@ -146,6 +154,7 @@ class Activity:
         _IDS.pack_into(self._map, _IDS_AT, self._main, self._pid)
         kind, name, since = self.kind, self.name, self.since
         self.waiting_for, waiting = (), self.waiting_for
+        self.kind = self.name = None  # the new map holds no text yet: the next begin writes it
         if since:  # armed mid-collective: write what is known
             self.begin(kind, name)
             self.since = since
