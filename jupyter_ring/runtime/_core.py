@@ -77,6 +77,9 @@ FLAG_PAYLOAD = 1
 
 TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
 _SPIN_SECONDS = 0.002
+# After this long without a collective, the check before the next one tests the notice request
+# as many times as a backlog of peers' messages can need (see Runtime.resync_due)
+_IDLE_SECONDS = 0.001
 _MAIN_THREAD = threading.main_thread().ident
 _DESC_BYTES = 1 << 16
 
@@ -226,6 +229,7 @@ class Runtime:
         self._notice_buf = np.zeros(1, np.int64)
         self._status = MPI.Status()
         self._highest_notice = 0
+        self._checked = 0.0       # when resync_due last ran (perf_counter)
         self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
         self.comm = self._poll_dup(self.ctl, "init")
         self.hosts = self._exchange_hostnames()
@@ -455,10 +459,14 @@ class Runtime:
     def _missing(reqs, peers_of):
         return sorted({peers_of[i] for i, req in enumerate(reqs) if not req.Test()})
 
-    def _poll_notices(self):
-        """Collect RESYNC notices; return the highest generation any peer asked for."""
+    def _poll_notices(self, tests=1):
+        """Collect RESYNC notices (testing the request up to ``tests`` times while it is not
+        complete); return the highest generation any peer asked for."""
         status = self._status
-        if not self._notice_req.Test(status):  # the common case, once per collective
+        for _ in range(tests):
+            if self._notice_req.Test(status):
+                break
+        else:  # the common case, once per collective
             return self._highest_notice
         MPI = self.MPI
         while True:
@@ -535,11 +543,33 @@ class Runtime:
         self._inflight = []
         self.dirty = True
 
+    def resync_due(self):
+        """Whether this rank must resync before its next collective: it gave one up, or a peer
+        did and announced it (the notice request is tested: one ``MPI_Test``).
+
+        Tested before every collective, prepared lanes' too: a header that a peer sent before it
+        gave its collective up still waits on the old communicator, and it may equal the header
+        this rank's next collective expects (a rank that skipped a call, a peer that stalled on
+        it and then calls it again): a small collective would complete with it, silently wrong.
+        Only the notice, which that peer sends before anything else, tells this rank not to take
+        it; once this rank has sent nothing, a resync first is safe for every rank. After an idle
+        gap (this rank computed: whatever peers sent meanwhile waits unprocessed) one ``MPI_Test``
+        is not enough: MPICH moves one message of the backlog a test, so the request is tested
+        up to ``4 + 4·peers`` times then (a few µs, once per gap). In a loop of collectives the
+        backlog is processed as it comes: one test.
+        """
+        if self.dirty:
+            return True
+        now = time.perf_counter()
+        tests = 4 + 4 * len(self.peers) if now - self._checked > _IDLE_SECONDS else 1
+        self._checked = now
+        return self._poll_notices(tests) > self.gen
+
     def run(self, fn, *args):
         """Run one collective with agreement, recovery and retries after a peer's resync."""
         try:  # one frame: this wraps every collective
             for _attempt in range(5):
-                if self.dirty or self._poll_notices() > self.gen:
+                if self.resync_due():
                     self.resync()
                 self.partial = False
                 try:

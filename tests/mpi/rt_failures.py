@@ -101,6 +101,27 @@ elif mode == "stall":
     else:
         time.sleep(timeout + 0.5)
     expect_correct("after stall")
+    # The same on a warm prepared lane: rank 1 gives up a call rank 0 skips, and its next call
+    # of that signature announces its resync. Its header of the given-up call still waits on the
+    # old communicator, equal to what rank 0's lane expects: rank 0 must test the notice before
+    # it takes it for its own call's (its sum would hold the 100). Two ranks only: with more, the
+    # ranks giving up race each other's notices (one seen first rightly restarts, not raises).
+    for _ in range(2):
+        ring.allreduce(np.ones(5), op=ring.Sum, name="w.lane")
+    if n == 2 and r == 1:
+        ring.config().stall_timeout = 0.5
+        try:
+            ring.allreduce(np.full(5, 100.0), op=ring.Sum, name="w.lane")
+        except ring.StallError:
+            pass
+        else:
+            raise AssertionError("no StallError on the lane")
+        ring.config().stall_timeout = timeout  # the resync below waits for rank 0's wake-up
+    elif n == 2:
+        time.sleep(1.0)
+    got = ring.allreduce(np.full(5, r + 1.0), op=ring.Sum, name="w.lane")  # every rank, at every size
+    assert np.array_equal(got, np.full(5, n * (n + 1) / 2)), f"the lane after a peer gave up a call: {got}"
+
 
 elif mode == "interrupt":
     # Every rank gets a real SIGINT while inside (or, rank 0, outside) a collective with the same
