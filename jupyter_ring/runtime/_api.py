@@ -463,19 +463,35 @@ def _blocking(tensor, in_place, average, name, op, prescale, postscale, process_
     way, which leaves a lane behind for the next call when the payload rides in the agreement
     message. The lane skips the checks and lookups only: the ranks still exchange and compare
     headers, so a rank whose call differs still fails every rank with the difference named."""
-    engine, lane, entry = _entry(tensor, in_place, average, name, op, prescale, postscale, process_set)
-    # a lane prepared before a resync or a join is stale: the full way prepares a new one
-    if lane is not None and lane.prepared is not None and lane.prepared.wiring == engine.rt.wiring:
-        return engine.run_now(entry, lane)
+    if type(tensor) is np.ndarray and (name is None or type(name) is str):
+        engine = _proc.engine if process_set is None else _member_engine(process_set)
+        lane = None if engine is None else engine.lanes.get((name, in_place))
+        if (lane is not None and lane.prepared is not None and lane.fits(tensor, op, average, prescale, postscale)
+                and (not in_place or _flat_ok(tensor.flags, True))):
+            if name is None:
+                name, explicit = _auto_name("allreduce", None)
+            else:
+                explicit = name
+            return engine.run_lane(lane, _lane_entry, tensor, in_place, name, explicit)
+    engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
     result = engine.run_now(entry)
     if entry.src.nbytes <= engine.rt.eager_limit and _lane_worthy(tensor, in_place, prescale, postscale):
-        engine.prepare_lane((name, in_place), entry, op, average, prescale, postscale)
+        engine.prepare_lane((name, in_place), C.prepare_lane, entry, op, average, prescale, postscale)
     return result
 
 
+def _lane_entry(lane, tensor, in_place, name, explicit):
+    """The ``Reduce`` entry of a call whose arguments are ``lane``'s signature (no checks): for
+    the ways ``Engine.run_lane`` takes when the call cannot run on the lane."""
+    src = tensor.reshape(-1)  # a contiguous copy of a non-contiguous input (out of place only)
+    return Reduce(next(_proc.handles), name, explicit, src, src if in_place else None,
+                  tensor if in_place else None, lane.shape, lane.plan)
+
+
 def _entry(tensor, in_place, average, name, op, prescale, postscale, process_set):
-    """(engine, lane, entry) of an allreduce: the entry built from the lane of its signature when
-    the engine has one (no checks, no plan lookup), else checked the full way (lane None)."""
+    """(engine, lane, entry) of an async allreduce: the entry built from the lane of its
+    signature when the engine has one (no checks, no plan lookup), else checked the full way
+    (lane None)."""
     if type(tensor) is np.ndarray and (name is None or type(name) is str):
         engine = _proc.engine if process_set is None else _member_engine(process_set)
         lane = None if engine is None else engine.lanes.get((name, in_place))
@@ -485,9 +501,7 @@ def _entry(tensor, in_place, average, name, op, prescale, postscale, process_set
                 name, explicit = _auto_name("allreduce", None)
             else:
                 explicit = name
-            src = tensor.reshape(-1)
-            return engine, lane, Reduce(next(_proc.handles), name, explicit, src, src if in_place else None,
-                                        tensor if in_place else None, lane.shape, lane.plan)
+            return engine, lane, _lane_entry(lane, tensor, in_place, name, explicit)
     engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
     return engine, None, entry
 
@@ -501,6 +515,13 @@ def _lane_worthy(tensor, in_place, prescale, postscale):
 def _flat_ok(flags, in_place):
     """Whether an array with these flags goes on a lane as it is (contiguous; writable in place)."""
     return flags.c_contiguous and (flags.writeable or not in_place)
+
+
+def _lane_of(key, process_set):
+    """(engine, its lane under ``key``) for a blocking call on ``process_set``, lane None when the
+    engine has none (engine None when this rank has no engine there: the full way says why)."""
+    engine = _proc.engine if process_set is None else _member_engine(process_set)
+    return engine, (None if engine is None else engine.lanes.get(key))
 
 
 def _member_engine(process_set):
@@ -647,7 +668,30 @@ def _group(tensors, in_place, average, name, op, prescale, postscale, process_se
 # ------------------------------------------------------------------ other collectives
 def allgather(tensor, name=None, process_set=None):
     """Concatenate every rank's array along dim 0; dim 0 may differ between ranks."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    if type(tensor) is np.ndarray and (name is None or type(name) is str):
+        engine, lane = _lane_of(("allgather", name), process_set)
+        if lane is not None and lane.fits(tensor):
+            name, explicit = _auto_name("allgather", name)
+            return engine.run_lane(lane, _gather_entry, tensor, name, explicit)[0]
+    given = name
+    with _joining("allgather", name, process_set) as engine:
+        name, explicit = _auto_name("allgather", name)
+        arr = _array(tensor, f"allgather '{name}'")
+    out, rows = engine.run_now(_gather_call("allgather", arr, name, explicit))
+    if arr is tensor:  # a numpy array: later calls of its signature may take a lane
+        engine.prepare_lane(("allgather", given), C.prepare_gather_lane, "allgather", arr, rows, explicit)
+    return out
+
+
+def _gather_call(kind, arr, name, explicit):
+    """The entry of an allgather (``kind``: or allgather_object) the full way: its result is
+    (output, every rank's dim 0)."""
+    return Call(next(_proc.handles), kind, name, lambda rt: C.allgather(rt, arr, name, explicit, kind))
+
+
+def _gather_entry(lane, arr, name, explicit):
+    """The entry of a call whose arguments are gather ``lane``'s signature (``Engine.run_lane``)."""
+    return _gather_call(lane.kind, arr, name, explicit)
 
 
 def allgather_async(tensor, name=None, process_set=None):
@@ -661,17 +705,47 @@ def allgather_async(tensor, name=None, process_set=None):
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
     """Return root's array on every rank (every rank passes an array of the same shape)."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return _broadcast(tensor, False, root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank=0, name=None, process_set=None):
     """In-place broadcast into ``tensor``."""
+    return _broadcast(tensor, True, root_rank, name, process_set)
+
+
+def _broadcast(tensor, in_place, root_rank, name, process_set):
+    """A blocking broadcast: on its signature's prepared lane (dtype, shape, root, name, in place
+    or not) when the engine has one, else the full way, which leaves one behind."""
+    key = "broadcast_" if in_place else "broadcast"
+    if type(tensor) is np.ndarray and (name is None or type(name) is str):
+        engine, lane = _lane_of((key, name), process_set)
+        if lane is not None and lane.fits(tensor, root_rank) and (not in_place or _flat_ok(tensor.flags, True)):
+            name, explicit = _auto_name("broadcast", name)
+            return engine.run_lane(lane, _broadcast_entry, tensor, in_place, name, explicit)
+    given = name
     with _joining("broadcast", name, process_set) as engine:
         name, explicit = _auto_name("broadcast", name)
-        arr = _inplace(tensor, f"broadcast_ '{name}'")
-        root = _set_root(process_set, engine, root_rank, f"broadcast_ '{name}'")
-    return engine.run_now(Call(next(_proc.handles), "broadcast", name,
-                               lambda rt: C.broadcast_into(rt, arr, arr, root, name, explicit)))
+        where = f"{key} '{name}'"
+        if in_place:
+            arr = _inplace(tensor, where)
+        else:
+            arr = np.require(_array(tensor, where), requirements="C")  # keeps 0-d
+        root = _set_root(process_set, engine, root_rank, where)
+    result = engine.run_now(_broadcast_call(arr, arr if in_place else np.empty_like(arr), root, name, explicit))
+    if type(tensor) is np.ndarray and type(root_rank) is int:
+        engine.prepare_lane((key, given), C.prepare_cast_lane, arr, root_rank, root, explicit)
+    return result
+
+
+def _broadcast_entry(lane, tensor, in_place, name, explicit):
+    """The entry of a call whose arguments are broadcast ``lane``'s signature (``Engine.run_lane``)."""
+    arr = tensor if in_place else np.require(tensor, requirements="C")
+    return _broadcast_call(arr, arr if in_place else np.empty_like(arr), lane.root, name, explicit)
+
+
+def _broadcast_call(arr, out, root, name, explicit):
+    """The entry of a broadcast of ``arr`` from ``root`` (this set's rank) into ``out``."""
+    return Call(next(_proc.handles), "broadcast", name, lambda rt: C.broadcast_into(rt, arr, out, root, name, explicit))
 
 
 def broadcast_async(tensor, root_rank=0, name=None, process_set=None):
@@ -680,9 +754,7 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=None):
         name, explicit = _auto_name("broadcast", name)
         arr = np.require(_array(tensor, f"broadcast '{name}'"), requirements="C")  # keeps 0-d
         root = _set_root(process_set, engine, root_rank, f"broadcast '{name}'")
-    out = np.empty_like(arr)
-    return _submit(engine, Call(next(_proc.handles), "broadcast", name,
-                                lambda rt: C.broadcast_into(rt, arr, out, root, name, explicit)))
+    return _submit(engine, _broadcast_call(arr, np.empty_like(arr), root, name, explicit))
 
 
 def reducescatter(tensor, op=Average, name=None, process_set=None):
@@ -777,11 +849,20 @@ def _pickle(obj, where):
 
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's picklable object, as a list in rank order."""
+    given = name
     with _joining("allgather_object", name, process_set) as engine:
         name, explicit = _auto_name("allgather_object", name)
         data = _pickle(obj, f"allgather_object '{name}'")
-    return engine.run_now(Call(next(_proc.handles), "allgather_object", name,
-                               lambda rt: C.allgather_object(rt, data, name, explicit)))
+    # the pickles' sizes ride in the headers: a lane of this rank's size (the peers' may change)
+    lane = engine.lanes.get(("allgather_object", given)) if given is None or type(given) is str else None
+    if lane is not None and lane.fits(data):
+        gathered, sizes = engine.run_lane(lane, _gather_entry, data, name, explicit)
+    else:
+        gathered, sizes = engine.run_now(_gather_call("allgather_object", data, name, explicit))
+        if given is None or type(given) is str:
+            engine.prepare_lane(("allgather_object", given), C.prepare_gather_lane, "allgather_object", data, sizes,
+                                explicit)
+    return C.unpickle_gathered(gathered, sizes)
 
 
 def join():

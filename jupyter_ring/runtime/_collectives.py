@@ -18,7 +18,8 @@ from ._errors import RingError
 
 __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
-           "Flat", "eager_one", "allreduce_one", "Lane", "prepare_lane", "run_lane"]
+           "Flat", "eager_one", "allreduce_one", "Lane", "prepare_lane", "GatherLane", "prepare_gather_lane",
+           "CastLane", "prepare_cast_lane", "unpickle_gathered"]
 
 TAG_AG = TAG_DATA + 10
 _SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
@@ -40,6 +41,7 @@ class ReducePlan(NamedTuple):
     scale_post: float     # applied to the result (float Average folds 1/size in)
     divisor: int          # integer Average: floor division of the sum
     serial: int = 0       # the engine's number for this plan: a cheap key (hashing a dtype is not)
+    finish: bool = True   # the result is scaled or divided after the reduction (_finish)
 
 
 class Member(NamedTuple):
@@ -99,7 +101,8 @@ def reduce_plan(rt, dtype, op, prescale, postscale, where, serial=0):
     fn = _reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
     # the scale as a scalar of the tensor's dtype: the hot path multiplies without converting
-    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor, serial)
+    return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor, serial,
+                      scale_post != 1.0 or divisor != 1)
 
 
 def _scale_of(rt, dtype, op, prescale, postscale, where):
@@ -255,9 +258,8 @@ class Lane:
 
     Made by ``prepare_lane`` after a call of the signature was checked the full way; the engine
     keeps one per (name, in place) and takes it only when the call's arguments equal the key
-    fields; a blocking call runs on it only when the runtime's wiring is the one it was prepared
-    on (``run_lane`` checks again, else it runs the full eager body). Holds no caller array:
-    every call copies its own input in.
+    fields; a blocking call runs on it (``Engine.run_lane``) only while the runtime's wiring is
+    the one it was prepared on. Holds no caller array: every call copies its own input in.
     """
 
     # the signature, as the caller passes it (compared on every call)
@@ -271,10 +273,10 @@ class Lane:
     plan: ReducePlan
     desc: tuple           # what the ranks agree on (explains a mismatch)
     prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
-    payload: object       # the send buffer's payload region, flat (None: signature only)
-    terms: object         # every participant's payload in rank order (ours is ``payload``)
-    count: int
+    payload: object       # the send buffer's payload region, shaped as the input (None: signature only)
+    terms: object         # every participant's payload in rank order, shaped (ours is ``payload``)
     nbytes: int
+    pre: object           # the prescale factor as a scalar of the dtype, None when it is 1
 
     def fits(self, arr, op, average, prescale, postscale):
         """Whether a call with these arguments is this lane's signature (``arr`` a numpy array).
@@ -284,6 +286,43 @@ class Lane:
         return (arr.dtype is self.dtype and arr.shape == self.shape and op is self.op
                 and average is self.average and type(prescale) is float and prescale == self.prescale
                 and type(postscale) is float and postscale == self.postscale)
+
+    def run(self, rt, tensor, in_place, name, _explicit):
+        """One blocking allreduce of ``tensor`` (executor lock held, wiring checked): copy in,
+        the prepared exchange, reduce in rank order into ``tensor`` (in place) or a new array,
+        one trace record: ``eager_one``'s work without its lookups, views or reshapes."""
+        start = time.perf_counter()
+        plan = self.plan
+        if self.pre is None:
+            self.payload[...] = tensor
+        else:
+            np.multiply(tensor, self.pre, out=self.payload)
+        peers = rt.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)
+        agreed = time.perf_counter()
+        out = tensor if in_place else np.empty(self.shape, plan.dtype)
+        if peers is None:
+            terms = self.terms
+        else:  # a peer's join notice came instead of its header: it is left out from now on
+            me, dtype, count, shape = rt.rank, plan.dtype, self.payload.size, self.shape
+            terms = [self.payload if q == me else rt.peer_payload(q, dtype, count).reshape(shape)
+                     for q in rt.participants]
+        _reduce_into(out, terms, plan, rt.joined)
+        rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
+        return out
+
+    def renew(self, rt, _result):
+        """Prepare the exchange anew on the runtime's wiring (a call went the full way after a
+        resync or a join; executor lock held); it stays stale where none applies."""
+        self._wire(rt, self.prepared.agreement)
+
+    def _wire(self, rt, own):
+        prepared = rt.prepare(own, self.nbytes)
+        if prepared is not None:
+            dtype, count, shape = self.plan.dtype, int(np.prod(self.shape, dtype=np.int64)), self.shape
+            self.payload = rt.payload_view(dtype, count).reshape(shape)
+            self.terms = [self.payload if q == rt.rank else rt.peer_payload(q, dtype, count).reshape(shape)
+                          for q in rt.participants]
+            self.prepared = prepared
 
 
 def prepare_lane(rt, entry, op, average, prescale, postscale):
@@ -295,44 +334,169 @@ def prepare_lane(rt, entry, op, average, prescale, postscale):
     checks, a blocking one goes the full way (and prepares the exchange then).
     """
     plan = entry.plan
-    src = entry.src
-    dtype, count, nbytes = plan.dtype, src.size, src.nbytes
+    dtype = plan.dtype
     desc = entry.describe()
-    prepared = payload = terms = None
+    pre = None if plan.scale_pre == 1.0 else dtype.type(plan.scale_pre)
+    lane = Lane(entry.src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, None, None, None,
+                entry.src.nbytes, pre)
     if rt is not None:
-        prepared = rt.prepare(rt.agreement("allreduce", dtype, plan.op, -1, count, desc), nbytes)
-    if prepared is not None:
-        payload = rt.payload_view(dtype, count)
-        terms = [payload if q == rt.rank else rt.peer_payload(q, dtype, count) for q in rt.participants]
-    return Lane(src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, prepared, payload,
-                terms, count, nbytes)
+        lane._wire(rt, rt.agreement("allreduce", dtype, plan.op, -1, entry.src.size, desc))
+    return lane
 
 
-def run_lane(rt, lane, src, dst, name):
-    """One allreduce on ``lane`` (``Runtime.run`` body): copy in, start the prepared exchange,
-    poll, check the headers, reduce in rank order, one trace record. ``eager_one``'s work
-    without its lookups; the full body when the runtime's wiring changed since (a resync at the
-    start of this very ``run``, say). Returns the flat output: ``dst``, or a new array."""
-    plan = lane.plan
-    if lane.prepared.wiring != rt.wiring:
-        return eager_one(rt, src, dst, plan, name, lane.desc, None)
-    start = time.perf_counter()
-    payload = lane.payload
-    if plan.scale_pre != 1.0:
-        np.multiply(src, plan.dtype.type(plan.scale_pre), out=payload)
-    else:
-        payload[...] = src
-    if rt.run_prepared(lane.prepared, "allreduce", name, plan.dtype, plan.op, lane.desc):
-        terms = lane.terms
-    else:  # a peer's join notice came instead of its header: it is left out from now on
-        me, dtype, count = rt.rank, plan.dtype, lane.count
-        terms = [payload if q == me else rt.peer_payload(q, dtype, count) for q in rt.participants]
-    agreed = time.perf_counter()
-    if dst is None:
-        dst = np.empty(lane.count, plan.dtype)
-    _reduce_into(dst, terms, plan, rt.joined)
-    rt.trace.record("allreduce", name, lane.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
-    return dst
+@dataclasses.dataclass(slots=True, eq=False)
+class GatherLane:
+    """A blocking allgather (or allgather_object) signature seen before, its exchange prepared.
+
+    This rank's signature is its input's dtype and shape; every rank's dim 0 rides in its
+    header (``aux``), so the lane expects of each peer the header with the rows it sent last
+    time. When every peer sends that, the output's layout is the one computed when the lane was
+    made: one concatenation of the payloads where they lie. A peer whose rows changed sends
+    another header: its rows come from it as on the full way (the lane expects them from then
+    on); another dtype or trailing shape is a mismatch on every rank, as on the full way.
+    """
+
+    kind: str
+    dtype: np.dtype
+    shape: tuple          # this rank's input as passed (compared on every call)
+    desc: tuple
+    prepared: Prepared
+    payload: np.ndarray   # the send buffer's payload region, shaped (rows, *trailing)
+    rows: list            # every rank's dim 0, as last exchanged
+    terms: list           # every rank's payload in rank order, shaped (its rows, *trailing)
+    out_shape: tuple
+
+    def fits(self, arr):
+        """Whether ``arr`` (a numpy array) is this lane's signature."""
+        return arr.dtype is self.dtype and arr.shape == self.shape
+
+    def run(self, rt, arr, name, _explicit):
+        """One blocking allgather of ``arr`` (executor lock held, wiring checked): copy in, the
+        prepared exchange, one concatenation. Returns (output, every rank's dim 0)."""
+        start = time.perf_counter()
+        self.payload[...] = arr
+        peers = rt.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
+        if peers is None:
+            out = np.empty(self.out_shape, self.dtype)
+            np.concatenate(self.terms, out=out)
+            rows = self.rows
+        else:  # another row count on some peer: as the full way, then expected from now on
+            out, rows = _gathered(rt, self.payload, peers, True, self.kind, name)
+            self._expect(rt, rows)
+        rt.trace.record(self.kind, name, out.nbytes, start, time.perf_counter(), {})
+        return out, rows
+
+    def renew(self, rt, result):
+        """Prepare the exchange anew on the runtime's wiring after a full call that returned
+        ``result`` (output, rows); it stays stale where none applies."""
+        self._wire(rt, self.prepared.agreement, result[1])
+
+    def _wire(self, rt, own, rows):
+        """Prepare the exchange (this rank sends its rows and payload) and expect ``rows``."""
+        prepared = rt.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
+        if prepared is not None and len(rows) == rt.size:
+            self.prepared = prepared
+            self.payload = rt.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
+            self._expect(rt, rows)
+
+    def _expect(self, rt, rows):
+        """Expect every rank's dim 0 to be ``rows``: the peers' headers and payload views, the
+        output's shape. When some peer's rows do not fit the agreement message (they come in a
+        message of their own) no header is expected: every call takes the full layout."""
+        rest = self.payload.shape[1:]
+        row_bytes = self.payload.itemsize * int(np.prod(rest, dtype=np.int64))
+        header = self.prepared.header
+        sizes = {p: (rows[p], rows[p] * row_bytes) for p in rt.active}
+        expected = tuple(rt.peer_header(header, *sizes[p]) for p in rt.active)
+        if any(size > rt.eager_limit for _rows, size in sizes.values()):
+            expected = None  # never equal: the views below would not hold those rows
+        self.prepared = self.prepared._replace(expected=expected)
+        self.rows = list(rows)
+        self.terms = [self.payload if q == rt.rank else
+                      rt.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
+                          (rows[q],) + rest) if rows[q] * row_bytes <= rt.eager_limit else None
+                      for q in range(rt.size)]
+        self.out_shape = (sum(rows),) + rest
+
+
+def prepare_gather_lane(rt, kind, arr, rows, explicit_name):
+    """The ``GatherLane`` of ``arr``'s signature after a full allgather that returned ``rows``
+    (executor lock held), or None where none applies (a peer has joined, ``arr`` does not fit
+    the agreement message)."""
+    flat = arr.reshape(1) if arr.ndim == 0 else arr
+    rest = flat.shape[1:]
+    row_elems = int(np.prod(rest, dtype=np.int64))
+    desc = (("name", explicit_name), ("trailing shape", rest))
+    # the input's own memory stands in for the payload view until _wire makes that
+    lane = GatherLane(kind, arr.dtype, arr.shape, desc, None, np.ascontiguousarray(flat), [], [], ())
+    lane._wire(rt, rt.agreement(kind, arr.dtype, 0, -1, row_elems, desc), rows)
+    return lane if lane.prepared is not None else None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class CastLane:
+    """A blocking broadcast signature seen before (dtype, shape, root), its exchange prepared:
+    the root's payload rides in its header's message, the other ranks send the header alone."""
+
+    dtype: np.dtype
+    shape: tuple
+    root_rank: int        # as passed (a global rank), compared on every call
+    root: int             # the root in this runtime's ranks
+    desc: tuple
+    prepared: Prepared
+    payload: np.ndarray   # the root's payload, shaped as the input: the send buffer's on the root,
+    nbytes: int           # its eager buffer's elsewhere
+
+    def fits(self, arr, root_rank):
+        """Whether ``arr`` (a numpy array) and ``root_rank`` are this lane's signature."""
+        return (arr.dtype is self.dtype and arr.shape == self.shape and type(root_rank) is int
+                and root_rank == self.root_rank)
+
+    def run(self, rt, arr, in_place, name, _explicit):
+        """One blocking broadcast (executor lock held, wiring checked): the root copies in, every
+        rank runs the prepared exchange, the others copy the root's payload out."""
+        start = time.perf_counter()
+        is_root = rt.rank == self.root
+        if is_root:
+            self.payload[...] = arr
+        peers = rt.run_prepared(self.prepared, "broadcast", name, self.dtype, 0, self.root, self.desc)
+        out = arr if in_place else np.empty(self.shape, self.dtype)
+        if is_root:
+            if not in_place:
+                out[...] = arr
+        elif peers is None:
+            out[...] = self.payload
+        else:  # every check passed on headers unlike the expected ones (defensive: none is known)
+            out.reshape(-1)[...] = np.frombuffer(peers[self.root].payload, self.dtype, out.size)
+        rt.trace.record("broadcast", name, self.nbytes, start, time.perf_counter(), {})
+        return out
+
+    def renew(self, rt, _result):
+        """Prepare the exchange anew on the runtime's wiring (see ``Lane.renew``)."""
+        self._wire(rt, self.prepared.agreement)
+
+    def _wire(self, rt, own):
+        root, nbytes = self.root, self.nbytes
+        if nbytes > rt.eager_limit:
+            return
+        peers = {p: (0, nbytes if p == root else -1) for p in rt.active}
+        prepared = rt.prepare(own, nbytes if rt.rank == root else -1, peers=peers)
+        if prepared is not None:
+            count = int(np.prod(self.shape, dtype=np.int64))
+            if rt.rank == root:
+                self.payload = rt.payload_view(self.dtype, count).reshape(self.shape)
+            else:
+                self.payload = rt.peer_payload(root, self.dtype, count).reshape(self.shape)
+            self.prepared = prepared
+
+
+def prepare_cast_lane(rt, arr, root_rank, root, explicit_name):
+    """The ``CastLane`` of a broadcast of ``arr`` from ``root`` (this runtime's rank; passed as
+    the global ``root_rank``), executor lock held; None where none applies."""
+    desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
+    lane = CastLane(arr.dtype, arr.shape, root_rank, root, desc, None, None, arr.nbytes)
+    lane._wire(rt, rt.agreement("broadcast", arr.dtype, 0, root, arr.size, desc))
+    return lane if lane.prepared is not None else None
 
 
 def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):
@@ -371,7 +535,7 @@ def _reduce_into(out, terms, plan, joined):
         fn(terms[0], terms[1], out=out)
         for term in terms[2:]:
             fn(out, term, out=out)
-    if plan.scale_post != 1.0 or plan.divisor != 1:
+    if plan.finish:
         _finish(out, plan.scale_post, plan.divisor)
     if joined:
         _joined_zeros(out, plan)
@@ -842,6 +1006,17 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
     desc = (("name", explicit_name), ("trailing shape", rest))
     peers = rt.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
                          payload=_bytes(arr.reshape(-1)) if eager else None)
+    out, rows = _gathered(rt, arr, peers, eager, kind, name)
+    rt.trace.record(kind, name, out.nbytes, start, time.perf_counter(), {})
+    return out, rows
+
+
+def _gathered(rt, arr, peers, eager, kind, name):
+    """The allgather's output from the exchange just made: ``arr`` (this rank's rows, sent in
+    the agreement message when ``eager``, else sent here), every peer's rows from its header
+    (``aux``) and its payload, or received here. Returns (output, every rank's dim 0)."""
+    rest = arr.shape[1:]
+    row_elems = int(np.prod(rest, dtype=np.int64))
     rows = {q: (arr.shape[0] if q == rt.rank else peers[q].aux) for q in range(rt.size)}
     offsets = np.cumsum([0] + [rows[q] for q in range(rt.size)])
     out = np.empty((int(offsets[-1]),) + rest, arr.dtype)
@@ -862,7 +1037,6 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
             peer_of.append(q)
     rt._inflight = reqs
     rt._wait(reqs, f"{kind} '{name}'", peer_of)
-    rt.trace.record(kind, name, out.nbytes, start, time.perf_counter(), {})
     return out, [rows[q] for q in range(rt.size)]
 
 
@@ -970,7 +1144,11 @@ def broadcast_object(rt, data, root, name, explicit_name):
 
 def allgather_object(rt, data, name, explicit_name):
     """Every rank's pickled ``data`` (uint8 array), unpickled, as a list in rank order."""
-    gathered, sizes = allgather(rt, data, name, explicit_name, kind="allgather_object")
+    return unpickle_gathered(*allgather(rt, data, name, explicit_name, kind="allgather_object"))
+
+
+def unpickle_gathered(gathered, sizes):
+    """The objects of an allgather of pickles (``sizes``: every rank's bytes), in rank order."""
     out, offset = [], 0
     for nbytes in sizes:
         out.append(pickle.loads(gathered[offset:offset + nbytes].tobytes()))

@@ -43,7 +43,7 @@ from ._trace import Trace
 from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
-           "Disagree", "Abandoned", "PeerMsg", "JoinNote", "Prepared"]
+           "Disagree", "Abandoned", "Restart", "PeerMsg", "JoinNote", "Prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ _MAIN_THREAD = threading.main_thread().ident
 _DESC_BYTES = 1 << 16
 
 
-class _Restart(Exception):
+class Restart(Exception):
     """A peer asked for a resync while this rank waited: retry the collective on a fresh comm."""
 
 
@@ -137,10 +137,16 @@ class Prepared(NamedTuple):
     runtime's (a resync, a join or a change of the header requests makes a new wiring)."""
 
     wiring: int              # Runtime.wiring when prepared
-    header: bytes            # the whole header every rank on this signature sends alike (pending 1)
+    header: bytes            # the whole header this rank sends on this signature (pending 1)
     reqs: list               # the persistent header receives of the active peers, then the sends
     sends: list              # the persistent sends alone (what an interrupt abandons)
     peer_headers: tuple      # each active peer's received header, a view into its eager buffer
+    expected: tuple          # the whole header each active peer sends on it (allreduce: ``header``)
+
+    @property
+    def agreement(self):
+        """The 24 bytes every rank sends alike on this exchange (``Runtime.agreement``)."""
+        return self.header[:_AGREE_END]
 
 
 class JoinNote(NamedTuple):
@@ -403,7 +409,7 @@ class Runtime:
     def poll(self, done, what, missing, check_notices=True, spin_yield=False):
         """Call ``done()`` until it is true: spin briefly, then back off (signals are handled).
 
-        A peer's RESYNC notice raises ``_Restart``; after ``stall_timeout`` ``StallError`` names
+        A peer's RESYNC notice raises ``Restart``; after ``stall_timeout`` ``StallError`` names
         the ranks that ``missing()`` returns.
         """
         start = time.perf_counter()
@@ -432,7 +438,7 @@ class Runtime:
             if self.abort is not None:
                 raise Abandoned(self.abort)
             if check_notices and self._poll_notices() > self.gen:
-                raise _Restart()
+                raise Restart()
             waited = time.perf_counter() - start
             if waited - named >= 0.25:
                 named = waited
@@ -567,34 +573,50 @@ class Runtime:
 
     def run(self, fn, *args):
         """Run one collective with agreement, recovery and retries after a peer's resync."""
-        try:  # one frame: this wraps every collective
+        try:
             for _attempt in range(5):
                 if self.resync_due():
                     self.resync()
                 self.partial = False
                 try:
-                    result = fn(*args)
-                except _Restart:
-                    self._abandon()
+                    return self.attempt(fn, *args)
+                except Restart:
                     if self.partial:
                         raise RingError(
                             "a peer gave up this collective (interrupted, failed or timed out) after this "
                             "rank had written part of the result into its input tensor (in place), so it "
                             "cannot be retried: the tensor now holds partial results. Recompute it and "
                             "call the collective again on every rank.") from None
-                    continue
-                except (CollectiveMismatchError, PeerError, Recut, Disagree):
-                    self._inflight = []  # every header and description was consumed: nothing in flight
-                    raise
-                except BaseException:
-                    self._abandon()
-                    raise
-                self._inflight = []
-                return result
             raise RingError("a collective was restarted 5 times by peers' resyncs; the ranks are not "
                             "calling the same collectives. Restart the cluster (%ring restart).")
         finally:
-            activity.end()
+            activity.end()  # also after a resync that failed
+
+    def attempt(self, fn, *args):
+        """One try of a collective, ``fn(*args)``, on a runtime that needs no resync first: what it
+        raises leaves the runtime ready for the next one (its requests abandoned and a resync
+        due, or nothing in flight after an exchange every rank completed). A peer's resync met
+        while waiting raises ``Restart`` (``run`` resyncs and tries again)."""
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            self.gave_up(exc)
+            raise
+        self.finished()
+        return result
+
+    def finished(self):
+        """A collective's try completed: nothing of it is in flight, it is no longer in progress."""
+        self._inflight = []
+        activity.end()
+
+    def gave_up(self, exc):
+        """A collective's try raised ``exc``: leave the runtime ready for the next one."""
+        activity.end()
+        if isinstance(exc, (CollectiveMismatchError, PeerError, Recut, Disagree)):
+            self._inflight = []  # every header and description was consumed: nothing in flight
+        else:  # Restart too: what this try sent stays on the old communicator until the resync
+            self._abandon()
 
     # ------------------------------------------------------------------ agreement
     def agreement(self, kind, dtype, op, root, count, desc):
@@ -609,28 +631,41 @@ class Runtime:
                                                        _fingerprint(*desc))
         return own
 
-    def prepare(self, own, nbytes):
-        """The header exchange of an eager collective whose agreement is ``own`` and payload
-        ``nbytes``, made once for a prepared lane; None when it cannot be (a peer has joined, the
-        payload does not fit ``eager_bytes``)."""
+    def prepare(self, own, nbytes, aux=0, peers=None):
+        """The header exchange of an eager collective whose agreement is ``own``, made once for a
+        prepared lane: this rank sends ``aux`` and a payload of ``nbytes`` (-1: none), and
+        ``peers`` maps each active peer to the (aux, payload bytes) it sends (None: what this rank
+        sends). None when it cannot be made (a peer has joined, the payload does not fit
+        ``eager_bytes``)."""
         if self.joined or nbytes > self.eager_limit:
             return None
-        message = self._message(self._sendbuf, own, 0, None, 1, 0, preset=nbytes)
+        message = self._message(self._sendbuf, own, aux, None, 1, 0, preset=nbytes)
         header = bytes(message[:HEADER_BYTES])
         sends = self._header_sends.get(len(message))
         if sends is None:
             sends = self._persistent_sends(message)
         recvs = list(self._header_recvs)
         views = tuple(memoryview(self._eager[p])[:HEADER_BYTES] for p in self.active)
-        return Prepared(self.wiring, header, recvs + sends, sends, views)
+        if peers is None:
+            expected = (header,) * len(self.active)
+        else:
+            expected = tuple(self.peer_header(header, *peers[p]) for p in self.active)
+        return Prepared(self.wiring, header, recvs + sends, sends, views, expected)
 
-    def run_prepared(self, prep, kind, name, dtype, op, desc):
+    def peer_header(self, header, aux, nbytes):
+        """The whole header a peer sends on the prepared exchange whose own header is ``header``
+        when its ``aux`` and payload size (-1: none) are these (``prepare``'s ``peers``)."""
+        flags = FLAG_PAYLOAD if 0 <= nbytes <= self.eager_limit else 0
+        return header[:_AGREE_END] + _TAIL.pack(flags, self.gen, 1, aux, 0)
+
+    def run_prepared(self, prep, kind, name, dtype, op, root, desc):
         """``negotiate`` for a prepared exchange (the caller wrote the payload into
         ``payload_view()``): the same messages, the same waits, the same checks.
 
-        Returns True when every peer sent this very header (the lane's case); else the peers'
-        headers went through every check of ``negotiate`` (which raise as there) and False says
-        the participants changed (a peer's join notice arrived): reduce over ``participants``.
+        Returns None when every peer sent the header the lane expects of it (the lane's case);
+        else the peers' headers went through every check of ``negotiate`` (which raise as
+        there) and the peer -> ``PeerMsg`` dict says what they sent instead (another allgather
+        row count, a peer's join notice: reduce over ``participants`` then).
         """
         activity.begin(kind, name)
         header = prep.header
@@ -643,15 +678,10 @@ class Runtime:
             self._inflight = prep.sends  # the persistent receives are cancelled by resync, not _abandon
             if not MPI.Request.Testall(reqs):
                 self._wait(reqs, lambda: f"{kind} '{name}'", self._waits_on)
-        for view in prep.peer_headers:
-            if view != header:
-                break
-        else:
+        if prep.peer_headers == prep.expected:  # views against bytes: compared byte for byte
             self.negotiable = False
-            return True
-        own = header[:_AGREE_END]
-        self._check_headers(kind, name, dtype, op, -1, desc, own, 1)
-        return False
+            return None
+        return self._check_headers(kind, name, dtype, op, root, desc, header[:_AGREE_END], 1)
 
     def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
                   pending=None, own=None, region=0, preset=None):

@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _collectives as C
-from ._core import Abandoned, Disagree, Recut
+from ._core import Abandoned, Disagree, Recut, Restart
 from ._errors import RingError, StallError
 from ._report import reporter
 
@@ -55,6 +55,8 @@ _NAP = 20e-6  # seconds the background thread sleeps between polls while the cal
 _SETTLE_GRACE = 0.05  # seconds every rank must have waited, blocked, before no common name is a mismatch
 _SETTLE_NAP = 0.02    # longest sleep between two settling exchanges while some rank computes
 _FEED_QUIET = 1.0     # seconds a rank's queue must not grow, while a feeder waits, before it is blocked
+_BUSY = object()      # run_now found the engine busy: the call is queued behind the others
+_QUEUED = object()    # the call was queued first and the ranks settled by name: wait for its handle
 
 
 class _Feeders:
@@ -235,7 +237,8 @@ class Engine:
         self.waiting = 0                       # threads waiting in wait_background
         self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
         self.agreements = {}                   # (name, shape, plan serial) -> packed agreement (the cache)
-        self.lanes = {}                        # (name= as passed, in place) -> C.Lane of its last signature
+        self.lanes = {}                        # (name= as passed, in place) -> C.Lane of its last signature;
+        #                                        (kind, name= as passed) -> GatherLane / CastLane
         self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
         self.sleeping = True                   # the background thread waits for a doorbell
@@ -275,46 +278,113 @@ class Engine:
             self.flush_now = True
             self.wake.set()
 
-    def run_now(self, entry, lane=None):
-        """Run a blocking call: at once in this thread when the engine is idle, else queued.
-
-        ``lane`` (a ``C.Lane`` whose signature is ``entry``'s) runs it prepared on the short path.
-        """
+    def run_now(self, entry):
+        """Run a blocking call: at once in this thread when the engine is idle, else queued."""
         if not self.queue and self.lock.acquire(False):
             self.callers += 1
             try:
-                if self.queue:
-                    queued = False
-                else:
-                    try:
-                        return self._alone(entry, lane)
-                    except Disagree as disagree:
-                        settle = disagree.gen
-                    # the peers run other collectives now: queue this one first (it was called
-                    # before anything queued since) and settle by name with them at once; outside
-                    # the handler, so that an error of the settled round does not chain to Disagree
-                    # (an internal signal: a user's traceback would show it and the runtime's frames)
-                    queued = True
-                    self._queue_first(entry)
-                    self._round(settle=settle)
+                result = _BUSY if self.queue else self._short(entry)
             finally:
                 self.callers -= 1
                 self.lock.release()
-            if queued:
+            if result is _QUEUED:
                 return self.wait(entry.handle)
+            if result is not _BUSY:
+                return result
         self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
         return self.wait(entry.handle)
 
-    def prepare_lane(self, key, entry, op, average, prescale, postscale):
-        """Leave a prepared lane behind for ``entry``'s signature (a ``Reduce`` that just ran the
-        full way), under ``key``; skipped while the engine is busy (a later call prepares it)."""
+    def _short(self, entry):
+        """``entry`` at once in this thread (executor lock held, nothing queued); ``_QUEUED`` when
+        the peers' headers named other collectives and it was settled by name instead."""
+        try:
+            return self._alone(entry)
+        except Disagree as disagree:
+            settle = disagree.gen
+        # outside the handler, so that an error of the settled round does not chain to Disagree
+        # (an internal signal: a user's traceback would show it and the runtime's frames)
+        return self._settle_first(entry, settle)
+
+    def _settle_first(self, entry, gen):
+        """The peers run other collectives now (the exchange of generation ``gen`` said so):
+        queue ``entry`` first (it was called before anything queued since) and settle by name
+        with them at once. Returns ``_QUEUED``: its result waits under its handle."""
+        self._queue_first(entry)
+        self._round(settle=gen)
+        return _QUEUED
+
+    def run_lane(self, lane, full, *args):
+        """A blocking call on its prepared ``lane`` (``C.Lane``, ``GatherLane`` or ``CastLane``):
+        ``lane.run(rt, *args)`` at once in this thread, with what ``run_now``, ``_alone`` and
+        ``Runtime.run`` do around a collective, in one frame and without an entry.
+
+        ``full(lane, *args)`` makes the call's entry for every other way: queued when the engine
+        is busy; the full way at once when a resync is due or the lane's wiring is stale, or
+        after a peer's resync restarted it (``Runtime.run`` resyncs first); queued first and
+        settled by name when the peers' headers named other collectives.
+        """
+        rt = self.rt
+        entry = None
+        if not self.queue and self.lock.acquire(False):
+            try:
+                if self.queue:
+                    result = _BUSY
+                else:
+                    redo = None
+                    if lane.prepared is not None and lane.prepared.wiring == rt.wiring and not rt.resync_due():
+                        rt.pending = 1
+                        while True:
+                            rt.negotiable = True
+                            try:
+                                result = lane.run(rt, *args)
+                            except BaseException as exc:  # Runtime.attempt's handling, one frame less
+                                rt.gave_up(exc)
+                                if type(exc) is Recut:
+                                    continue  # a peer proposed a longer round; it reruns with this one alone
+                                if type(exc) is not Disagree and type(exc) is not Restart:
+                                    raise
+                                redo = exc
+                                break
+                            rt.finished()
+                            return result
+                    # a resync is due, the lane's exchange was prepared before the last one, a
+                    # peer's resync restarted it (its requests were abandoned), or the peers'
+                    # headers named other collectives (Disagree)
+                    self.callers += 1  # a caller blocked on the engine (what settling asks)
+                    try:
+                        entry = full(lane, *args)
+                        if type(redo) is Disagree:
+                            result = self._settle_first(entry, redo.gen)
+                        else:
+                            result = self._short(entry)
+                            if result is not _QUEUED and not rt.dirty:
+                                lane.renew(rt, result)  # on the present wiring, for the next call
+                    finally:
+                        self.callers -= 1
+            finally:
+                self.lock.release()
+            if result is _QUEUED:
+                return self.wait(entry.handle)
+            if result is not _BUSY:
+                return result
+        if entry is None:
+            entry = full(lane, *args)
+        self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
+        return self.wait(entry.handle)
+
+    def prepare_lane(self, key, make, *args):
+        """Leave a prepared lane behind under ``key``: ``make(rt, *args)`` (a lane, or None where
+        none applies) with the executor lock held; skipped while the engine is busy (a later
+        call prepares it)."""
         if self.queue or not self.lock.acquire(False):
             return
         try:
             rt = self.rt
             if self.queue or rt.dirty or self.closed:
                 return
-            self.keep_lane(key, C.prepare_lane(rt, entry, op, average, prescale, postscale))
+            lane = make(rt, *args)
+            if lane is not None:
+                self.keep_lane(key, lane)
         finally:
             self.lock.release()
 
@@ -477,10 +547,9 @@ class Engine:
                 self.done.notify_all()
 
     # ------------------------------------------------------------------ executor (lock held)
-    def _alone(self, entry, lane=None):
+    def _alone(self, entry):
         """One entry as a round of its own: a blocking call on an idle engine runs it at once in
-        the caller's thread (the short path), and so does a round of one entry; on ``lane`` (its
-        signature's prepared lane) when given."""
+        the caller's thread (the short path), and so does a round of one entry."""
         rt = self.rt
         rt.pending = 1
         if type(entry) is not Reduce:
@@ -491,22 +560,18 @@ class Engine:
                 except Recut:
                     continue  # a peer proposed a longer round; it reruns with this one alone
         src = entry.src
-        if lane is not None:
-            body, args = C.run_lane, (rt, lane, src, entry.dst, entry.name)
+        plan = entry.plan
+        key = (entry.explicit, entry.shape, plan.serial)
+        own = self.agreements.get(key)
+        if own is None:  # the response cache: a signature's agreement is packed once
+            if len(self.agreements) > 4096:
+                self.agreements.clear()
+            own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
+                                                      entry.describe())
+        if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
+            body, args = C.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
         else:
-            plan = entry.plan
-            key = (entry.explicit, entry.shape, plan.serial)
-            own = self.agreements.get(key)
-            if own is None:  # the response cache: a signature's agreement is packed once
-                if len(self.agreements) > 4096:
-                    self.agreements.clear()
-                own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
-                                                          entry.describe())
-            if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
-                body, args = C.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
-            else:
-                body, args = C.allreduce_one, (rt, C.Member(src, entry.dst), plan, entry.name, entry.describe,
-                                               own)
+            body, args = C.allreduce_one, (rt, C.Member(src, entry.dst), plan, entry.name, entry.describe, own)
         while True:
             rt.negotiable = True
             try:

@@ -113,15 +113,19 @@ check("allreduce 0-d", ring.allreduce(np.float32(r + 1), op=ring.Sum, name="scal
 from jupyter_ring.runtime import _collectives as _C  # noqa: E402
 
 lane_runs = [0]
-_run_lane = _C.run_lane
+LANE_CLASSES = (_C.Lane, _C.GatherLane, _C.CastLane)
+_lane_bodies = [cls.run for cls in LANE_CLASSES]
 
 
-def counted_lane(*args):
-    lane_runs[0] += 1
-    return _run_lane(*args)
+def counted(body):
+    def run(*args):
+        lane_runs[0] += 1
+        return body(*args)
+    return run
 
 
-_C.run_lane = counted_lane
+for cls, body in zip(LANE_CLASSES, _lane_bodies):
+    cls.run = counted(body)
 LANE_CASES = [(np.float32, ring.Sum, 1.0, 1.0), (np.float64, ring.Average, 1.0, 1.0), (np.int32, ring.Max, 1.0, 1.0),
               (np.int64, ring.Average, 1.0, 1.0), (np.float32, ring.Sum, 0.5, 3.0), (np.uint8, ring.Min, 1.0, 1.0)]
 for length in (0, 1, 13, max(n - 1, 0), 2 * n + 1, 1009):
@@ -156,7 +160,66 @@ for shape in ((3, 5), (3, 5), (5, 3), (5, 3)):
           np.dtype(np.float64))
     check(f"lane named {shape}", ring.allreduce(xs[r], op=ring.Sum, name="reshaped"),
           reference(xs, ring.Sum, np.dtype(np.float64)), np.dtype(np.float64))
-_C.run_lane = _run_lane
+
+# Lanes of allgather (and allgather_object) and broadcast: the same rule. allgather's first dims
+# differ per rank and ride in the headers: a rank whose dim 0 changed goes the full way while
+# the others stay on their lanes, and every rank still gets the right answer (the later calls
+# take the lanes again). Every call's output equals the reference and the full way's
+# (allgather_async / broadcast_async never take a lane) bit for bit.
+ROWS = [lambda q: 0, lambda q: 1, lambda q: 13, lambda q: q + 1, lambda q: (7 * q + 3) % 11, lambda q: 0 if q % 2 else 2]
+for index, rows_of in enumerate(ROWS):
+    for rest, dt in (((3,), np.dtype(np.float64)), ((), np.dtype(np.int32)), ((2, 5), np.dtype(np.uint8))):
+        for call in range(4):  # full way, lane, the last rank's dim 0 changes (full way there), lane
+            seed += 1
+            rows = [rows_of(q) + (3 if call >= 2 and q == n - 1 else 0) for q in range(n)]
+            blocks = [inputs(seed + q, rows[q] * int(np.prod(rest, dtype=int)), dt)[q].reshape((rows[q],) + rest)
+                      for q in range(n)]
+            label = f"allgather lane rows={rows} rest={rest} {dt} call {call}"
+            before = lane_runs[0]
+            got = ring.allgather(blocks[r], name=f"agl.{index}.{rest}")
+            full = ring.synchronize(ring.allgather_async(blocks[r], name=f"agf.{index}.{rest}"))
+            check(label, got, np.concatenate(blocks), dt)
+            if got.shape != full.shape or got.tobytes() != full.tobytes():
+                failures.append(f"{label}: lane result differs from the full way's")
+            fits = blocks[r].nbytes <= ring.config().eager_bytes
+            lanes = int(fits and call in (1, 3) or (call == 2 and r != n - 1 and fits))
+            if lane_runs[0] - before != lanes:
+                failures.append(f"{label}: {lane_runs[0] - before} calls took a lane, want {lanes}")
+for call in range(3):  # anonymous and 0-d
+    check(f"allgather lane 0-d call {call}", ring.allgather(np.int64(r * 10 + call)),
+          np.arange(n, dtype=np.int64) * 10 + call, np.dtype(np.int64))
+for call in range(3):  # pickles of one size on this rank (each rank's own size), then of another
+    pad = "x" * (r * 7 + (40 if call == 2 else 0))
+    objs = ring.allgather_object({"rank": r, "call": call, "pad": pad}, name="agobj")
+    want = [{"rank": q, "call": call, "pad": "x" * (q * 7 + (40 if call == 2 else 0))} for q in range(n)]
+    if objs != want:
+        failures.append(f"allgather_object lane call {call}: {objs}")
+for root in sorted({0, n - 1}):
+    for length in (0, 1, 13, 1009):
+        for in_place in (True, False):
+            for call in range(2):  # the full way, then the lane
+                seed += 1
+                xs = inputs(seed, length, np.dtype(np.float32))
+                label = f"broadcast lane root={root} len={length} in place={in_place} call {call}"
+                before = lane_runs[0]
+                mine = xs[r].copy()
+                if in_place:
+                    got = ring.broadcast_(mine, root_rank=root, name=f"bcl_.{length}")
+                    if got is not mine:
+                        failures.append(f"{label}: broadcast_ returned another array")
+                else:
+                    got = ring.broadcast(mine, root_rank=root, name=f"bcl.{length}")
+                full = ring.synchronize(ring.broadcast_async(xs[r], root_rank=root, name=f"bcf.{length}"))
+                check(label, got, xs[root], np.dtype(np.float32))
+                if got.tobytes() != full.tobytes():
+                    failures.append(f"{label}: lane result differs from the full way's")
+                lanes = int(call > 0 and xs[r].nbytes <= ring.config().eager_bytes)
+                if lane_runs[0] - before != lanes:
+                    failures.append(f"{label}: {lane_runs[0] - before} calls took a lane, want {lanes}")
+check("broadcast lane 0-d", [ring.broadcast(np.float64(r + 0.25 + c), root_rank=n - 1, name="bc0l") for c in range(3)][-1],
+      np.asarray(np.float64(n - 1 + 2.25)), np.dtype(np.float64))
+for cls, body in zip(LANE_CLASSES, _lane_bodies):
+    cls.run = body
 
 # Async + fusion: 37 small tensors of awkward sizes, handles resolved in reverse order.
 seed += 1

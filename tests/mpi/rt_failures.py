@@ -78,6 +78,26 @@ if mode == "mismatch":
     for name in ("lane.s", "lane.d"):
         got = ring.allreduce(np.full(5, r + 1.0, np.float32), op=ring.Sum, name=name)
         assert np.array_equal(got, np.full(5, n * (n + 1) / 2, np.float32)), f"{name} after the mismatch: {got}"
+
+    # allgather and broadcast lanes alike: the last rank's call differs on a warm lane
+    def gather_on_lane():
+        for _ in range(2):
+            ring.allgather(np.ones((r + 1, 3), np.float32), name="lane.g")
+        ring.allgather(np.ones((r + 1, 4 if r == n - 1 else 3), np.float32), name="lane.g")
+
+    def cast_on_lane():
+        for _ in range(2):
+            ring.broadcast_(np.ones(4), root_rank=0, name="lane.b")
+        ring.broadcast_(np.ones(4), root_rank=n - 1 if r == n - 1 else 0, name="lane.b")
+
+    expect_mismatch("allgather lane", gather_on_lane, "allgather 'lane.g': trailing shape (3,) on rank",
+                    f"(4,) on rank {n - 1}")
+    expect_mismatch("broadcast lane", cast_on_lane, "broadcast 'lane.b': root rank 0 on rank", f"{n - 1} on rank {n - 1}")
+    got = ring.allgather(np.full((r + 1, 3), r, np.float32), name="lane.g")
+    assert np.array_equal(got, np.repeat(np.arange(n, dtype=np.float32), np.arange(1, n + 1))[:, None].repeat(3, 1)), got
+    mine = np.full(4, float(r))
+    ring.broadcast_(mine, root_rank=0, name="lane.b")
+    assert np.array_equal(mine, np.zeros(4)), f"lane.b after the mismatch: {mine}"
     expect_mismatch("allgather trailing", lambda: ring.allgather(np.zeros((2, 3 + min(r, 1))), name="ag"),
                     "trailing shape (3,) on rank 0 but (4,) on rank")
 
@@ -122,7 +142,6 @@ elif mode == "stall":
     got = ring.allreduce(np.full(5, r + 1.0), op=ring.Sum, name="w.lane")  # every rank, at every size
     assert np.array_equal(got, np.full(5, n * (n + 1) / 2)), f"the lane after a peer gave up a call: {got}"
 
-
 elif mode == "interrupt":
     # Every rank gets a real SIGINT while inside (or, rank 0, outside) a collective with the same
     # name and shape as the next one; afterwards collectives are exact. As in a notebook, where
@@ -132,7 +151,7 @@ elif mode == "interrupt":
         time.sleep(delay)
         os.kill(os.getpid(), signal.SIGINT)
 
-    def interrupted_loop(delay, length, before=None, name="w.grad"):
+    def interrupted_loop(delay, length, before=None, name="w.grad", also=None):
         deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
         threading.Thread(target=kill_me, args=(delay,), daemon=True).start()
         start = time.perf_counter()
@@ -141,6 +160,8 @@ elif mode == "interrupt":
             if before is not None:
                 before()
             while True:
+                if also is not None:
+                    also()
                 ring.allreduce(np.full(length, 7.0), name=name)
                 rounds += 1
         except KeyboardInterrupt:
@@ -153,18 +174,27 @@ elif mode == "interrupt":
     interrupted_loop(0.3 + 0.15 * r, 100003, before=(lambda: time.sleep(30)) if r == 0 else None)
     ring.barrier()
     expect_correct("after interrupt", seed=99)
-    # inside a prepared lane's wait (the lane of the name is warm on every rank; rank 0 is busy):
-    # then the same name's lane is prepared anew on the fresh communicator and exact
+    # inside a prepared lane's wait (the lanes of the names are warm on every rank; rank 0 is
+    # busy, the others wait in the allgather's lane): then the lanes are prepared anew on the
+    # fresh communicator and exact
     from jupyter_ring.runtime import _api
 
+    def gather():
+        return ring.allgather(np.full((r + 1, 2), r, np.int64), name="w.glane")
+
     for _ in range(2):
+        gather()
         ring.allreduce(np.full(1009, 7.0), name="w.lane")
-    interrupted_loop(0.3 + 0.15 * r, 1009, before=(lambda: time.sleep(30)) if r == 0 else None, name="w.lane")
+    interrupted_loop(0.3 + 0.15 * r, 1009, before=(lambda: time.sleep(30)) if r == 0 else None, name="w.lane",
+                     also=gather)
     for call in range(3):
         got = ring.allreduce(np.full(1009, r + call + 1.0), op=ring.Sum, name="w.lane")
         assert np.array_equal(got, np.full(1009, n * (n + 1) / 2 + n * call)), f"lane call {call} after interrupt: {got[:3]}"
-    lane = _api._proc.engine.lanes[("w.lane", False)]
-    assert lane.prepared.wiring == _api._proc.rt.wiring, "the lane was not prepared anew after the resync"
+        got = gather()
+        assert np.array_equal(got, np.repeat(np.arange(n), np.arange(1, n + 1))[:, None].repeat(2, 1)), got
+    for key in (("w.lane", False), ("allgather", "w.glane")):
+        lane = _api._proc.engine.lanes[key]
+        assert lane.prepared.wiring == _api._proc.rt.wiring, f"lane {key} was not prepared anew after the resync"
     expect_correct("after an interrupt inside a lane", seed=5)
     # and again mid-ring: large buffers, small pieces, interrupts at staggered times
     ring.config().chunk_bytes = 4096
