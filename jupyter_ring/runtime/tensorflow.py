@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the tensorflow adapter needs tensorflow: pip install 'jupyter_ring[tensorflow]'") from exc
 
 import contextlib
-import itertools
+import dataclasses
 import os
 import sys
 import threading
@@ -63,23 +63,25 @@ __all__ = [
 ]
 
 
-# TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
+# TF1 sessions created after init() in graph code with JUPYTER_RING_TF_SESSION_WAIT=inline get at
+# least this many inter-op threads (see init)
 _SESSION_THREADS = 64
 
 
 def init(comm=None, process_sets=None, **config):
     """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
 
-    In TF1 graph code (eager execution disabled when ``init`` runs) it also sets
-    ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is set:
-    a session runs independent collective ops on its inter-op threads, each holding its thread
-    while it waits for the other ranks (_SessionOps), and TensorFlow's default (the CPU count)
-    starves when one ``session.run`` runs more collectives than that. It counts only where no
+    TF1 session ops wait on threads of their own (_SessionWaits), so a session of any size runs
+    any number of them. Only with ``JUPYTER_RING_TF_SESSION_WAIT=inline`` does each hold one of the
+    session's inter-op threads while it waits, and TensorFlow's default (the CPU count) starves
+    when one ``session.run`` runs more collectives than that: then, in TF1 graph code (eager
+    execution disabled when ``init`` runs), ``init`` sets ``TF_NUM_INTEROP_THREADS`` to
+    ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is set. That counts only where no
     session existed yet in the process (TensorFlow sizes its shared pool once, at the first) and
-    for sessions whose ConfigProto leaves ``inter_op_parallelism_threads`` at 0. Where that is
-    not enough, ``JUPYTER_RING_TF_SESSION_WAIT=thread`` (_SessionOp) needs no threads at all.
+    for sessions whose ConfigProto leaves ``inter_op_parallelism_threads`` at 0.
     """
-    if not tf.compat.v1.executing_eagerly_outside_functions() and "TF_NUM_INTEROP_THREADS" not in os.environ:
+    if (not tf.compat.v1.executing_eagerly_outside_functions() and _session_wait() == "inline"
+            and "TF_NUM_INTEROP_THREADS" not in os.environ):
         os.environ["TF_NUM_INTEROP_THREADS"] = str(max(_SESSION_THREADS, os.cpu_count() or 1))
     _init(comm, process_sets, **config)
 
@@ -156,7 +158,7 @@ def _tf_error(exc, in_graph=False, key=None):
 
     A disagreement is FailedPreconditionError as in Horovod, eagerly and inside a graph op (a
     tf.function or a TF1 session: see _GraphErrors); in a TF1 session op (``key``) it also says
-    how a session's threads can starve (_SessionOps).
+    how ops are matched between ranks, and how a session's threads can starve (_SessionOps).
     """
     message = f"{type(exc).__name__}: {exc}"
     if key is not None and isinstance(exc, CollectiveMismatchError) and str(exc).count("[graph op ") >= 2:
@@ -164,13 +166,12 @@ def _tf_error(exc, in_graph=False, key=None):
         message += (
             f" (in the TF1 session op {key}.) A session op is matched by the place of its collective in the "
             "graph ([graph op N], counted as the ops are built), so every rank must build the same collectives "
-            "in the same order and fetch the same ones in each session.run. If they do, each rank's inter-op "
-            "threads all waited for collectives the other ranks had not started yet: give the session more "
-            "threads than the collective ops one session.run runs at once "
-            "(tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or TF_NUM_INTEROP_THREADS before the "
-            "first session), or set JUPYTER_RING_TF_SESSION_WAIT=thread before building the graph (each op "
-            "then waits on a thread of its own; its first run is slower), or order the ops with "
-            "tf.control_dependencies.")
+            "in the same order and fetch the same ones in each session.run. If they do and the ops wait inline "
+            "(JUPYTER_RING_TF_SESSION_WAIT=inline), each rank's inter-op threads all waited for collectives the "
+            "other ranks had not started yet: unset JUPYTER_RING_TF_SESSION_WAIT before building the graph "
+            "(each op then waits on a thread of its own), or give the session more threads than the collective "
+            "ops one session.run runs at once (tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or "
+            "TF_NUM_INTEROP_THREADS before the first session), or order the ops with tf.control_dependencies.")
     if isinstance(exc, (CollectiveMismatchError, PeerError)):
         cls = _GraphDisagreementError if in_graph else tf.errors.FailedPreconditionError
         return cls(None, None, message)
@@ -208,13 +209,13 @@ class _SessionOps:
     rank. Each collective op gets a key when it is built (graphs are built alike on every rank),
     and while it runs its collectives are queued under names made of that key
     (``name(...)``); the engine matches pending collectives between ranks by name (as Horovod
-    does), so the ranks' orders need not agree. The danger: a py_function holds its inter-op
-    thread while it waits, so a rank whose threads all wait for collectives the peers have not
-    started cannot start theirs; the engine then fails those collectives on every rank (every
-    rank blocked, and the queues no longer growing) and the error says so (_tf_error). With
-    ``JUPYTER_RING_TF_SESSION_WAIT=thread`` an op waits on a thread of its own instead
-    (_SessionOp): no starvation, at a higher cost of the op's first run. tf.function needs none of
-    this: it runs py_functions in program order.
+    does), so the ranks' orders need not agree. An op waits on a thread of its own
+    (_SessionWaits), so every op a run fetches waits at once. With
+    ``JUPYTER_RING_TF_SESSION_WAIT=inline`` its py_function holds its inter-op thread while it
+    waits instead, so a rank whose threads all wait for collectives the peers have not started
+    cannot start theirs; the engine then fails those collectives on every rank (every rank
+    blocked, and the queues no longer growing) and the error says so (_tf_error). tf.function
+    needs none of this: it runs py_functions in program order.
     """
 
     def __init__(self):
@@ -287,24 +288,49 @@ class _GraphErrors:
     def _named(self, name):
         return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=name, container=self.CONTAINER)
 
-    def op(self, body, tensors, out_dtypes, out_shapes):
-        """``body(*tensors) -> outputs`` as one tf.py_function; a _GraphDisagreementError it raises
-        fails the graph with FailedPreconditionError, and no output is used before that check."""
+    def py(self, body, out_dtypes, out_shapes):
+        """``body(*tensors) -> outputs`` as a py_function's function, whose outputs are followed by
+        the flag and the handle: a _GraphDisagreementError it raises is returned there."""
 
         def py(*ts):
             try:
                 outs = list(body(*ts))
             except _GraphDisagreementError as exc:
                 # placeholders of the declared shapes (unknown dimensions empty): never read, the
-                # outputs wait for the check below, which fails
+                # outputs wait for the check, which fails
                 outs = [tf.zeros([d or 0 for d in s] if s is not None and s.rank is not None else [0], d)
                         for d, s in zip(out_dtypes, out_shapes)]
                 return outs + [tf.constant(True), self.handle(str(exc))]
             return outs + [tf.constant(False), self.handle()]
 
-        *outs, failed, handle = tf.py_function(py, list(tensors), Tout=list(out_dtypes) + [tf.bool, tf.resource])
+        return py
+
+    @staticmethod
+    def tout(out_dtypes):
+        """The py_function's output dtypes: ``out_dtypes``, the flag and the handle."""
+        return list(out_dtypes) + [tf.bool, tf.resource]
+
+    def op(self, body, tensors, out_dtypes, out_shapes):
+        """``body(*tensors) -> outputs`` as one tf.py_function; a _GraphDisagreementError it raises
+        fails the graph with FailedPreconditionError, and no output is used before that check."""
+        *outs, failed, handle = tf.py_function(self.py(body, out_dtypes, out_shapes), list(tensors),
+                                               Tout=self.tout(out_dtypes))
         check = tf.cond(failed, lambda: tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32),
                         lambda: tf.constant(0, tf.int32))
+        return self._after(check, outs, out_shapes)
+
+    def checked(self, outs, failed, handle, out_shapes):
+        """``outs`` once the check of ``failed`` and ``handle`` passed, in v1 control flow (Switch and
+        Merge: no function added to the graph's library, unlike tf.cond's two); for a TF1 graph,
+        not a function's."""
+        _, on_failure = tf.raw_ops.Switch(data=handle, pred=failed)
+        read = tf.raw_ops.ReadVariableOp(resource=on_failure, dtype=tf.int32)
+        passed = tf.raw_ops.Identity(input=tf.raw_ops.Switch(data=tf.constant(0, tf.int32), pred=failed)[0])
+        check, _ = tf.raw_ops.Merge(inputs=[read, passed])
+        return self._after(check, outs, out_shapes)
+
+    @staticmethod
+    def _after(check, outs, out_shapes):
         with tf.control_dependencies([check]):
             outs = [tf.identity(o) for o in outs]
         for o, shape in zip(outs, out_shapes):
@@ -331,144 +357,126 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
                 for o, d in zip(outs, out_dtypes)]
     key = _session_ops.key(where)
     shapes = [tf.TensorShape(s) if s is not None else None for s in out_shapes]
-    if key is not None and _session_wait() == "thread":
-        return _SessionOp(lambda arrays: _run(fn, arrays, process_set, where, in_graph=True, key=key),
-                          out_dtypes, shapes).build(tensors)
 
     def py(*ts):
+        outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
+        return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
+
+    return _graph_op(py, tensors, out_dtypes, shapes, key)
+
+
+def _graph_op(py, tensors, out_dtypes, out_shapes, key):
+    """``py(*eager tensors) -> outputs`` as a graph op: in a TF1 session (``key``) one that waits on
+    a thread of its own (_SessionWaits) unless ``JUPYTER_RING_TF_SESSION_WAIT=inline``, else one
+    py_function (which holds the thread that runs it: a tf.function runs them in program order)."""
+
+    def guarded(*ts):
         try:
-            outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
+            return py(*ts)
         except Abandoned as exc:  # the wait given up from another thread (engines._torch); a
             # KeyboardInterrupt (a tf.function's py_function runs in the caller's thread) stays one
             raise tf.errors.CancelledError(None, None, f"cancelled: {exc}") from None
-        return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
-    return _graph_errors.op(py, tensors, out_dtypes, shapes)
+    # (inside a function of a TF1 graph, a tf.cond branch say, ops wait inline: _GraphErrors.checked
+    # is for the session's own graph)
+    if (key is not None and out_dtypes and _session_wait() == "thread"
+            and not tf.compat.v1.get_default_graph().building_function):
+        return _session_waits.op(guarded, tensors, out_dtypes, out_shapes)
+    return _graph_errors.op(guarded, tensors, out_dtypes, out_shapes)
 
 
-_SESSION_WAITS = ("inline", "thread")
+_SESSION_WAITS = ("thread", "inline")
 
 
 def _session_wait():
-    """How a TF1 session op waits: ``inline`` (default: its py_function holds the inter-op thread)
-    or ``thread`` (_SessionOp), from ``JUPYTER_RING_TF_SESSION_WAIT`` when the op is built."""
-    wait = os.environ.get("JUPYTER_RING_TF_SESSION_WAIT", "").strip().lower() or "inline"
+    """How a TF1 session op waits: ``thread`` (default: on a thread of its own, _SessionWaits) or
+    ``inline`` (its py_function holds an inter-op thread), from ``JUPYTER_RING_TF_SESSION_WAIT``
+    when the op is built."""
+    wait = os.environ.get("JUPYTER_RING_TF_SESSION_WAIT", "").strip().lower() or "thread"
     if wait not in _SESSION_WAITS:
         raise ValueError(f"JUPYTER_RING_TF_SESSION_WAIT={wait!r}: expected one of {', '.join(_SESSION_WAITS)}; "
-                         "'thread' makes every TF1 session op wait on a thread of its own")
+                         "'inline' makes every TF1 session op wait in its py_function, on an inter-op thread")
     return wait
 
 
-class _Inbox:
-    """The input arrays of a session op's latest run, until its waiting side takes them.
+@dataclasses.dataclass(eq=False)
+class _GraphWaits:
+    """The session ops of one graph that wait on their own threads (_SessionWaits)."""
 
-    Holds one item: a run whose step was cancelled after the op's submit but before its wait
-    leaves its item here, and the next run's submit replaces it, so nothing of an abandoned run
-    reaches the next one.
-    """
+    bodies: list = dataclasses.field(default_factory=list)     # op number -> its py (eager tensors -> outputs)
+    functions: dict = dataclasses.field(default_factory=dict)  # (input dtypes, output dtypes) -> shared function
 
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._item = None
+    def function(self, in_dtypes, out_dtypes):
+        """The one function every op of this signature maps its (number, *inputs) element with."""
+        signature = (tuple(in_dtypes), tuple(out_dtypes))
+        function = self.functions.get(signature)
+        if function is None:
+            bodies = self.bodies
 
-    def put(self, arrays):
-        with self._cv:
-            self._item = arrays
-            self._cv.notify()
+            def dispatch(number, *ts):
+                return bodies[int(number)](*ts)
 
-    def take(self):
-        # never waits long: the graph runs the wait only after its submit (a control dependency)
-        with self._cv:
-            self._cv.wait_for(lambda: self._item is not None)
-            arrays, self._item = self._item, None
-            return arrays
+            def wait(number, *ts):
+                # the check comes after the dataset: the single-threaded executor that runs this
+                # function runs no control flow (tf.cond's Switch)
+                py = _graph_errors.py(dispatch, out_dtypes, [None] * len(out_dtypes))
+                return tf.py_function(py, [number, *ts], Tout=_graph_errors.tout(out_dtypes))
+
+            specs = [tf.TensorSpec([], tf.int64), *(tf.TensorSpec(None, d) for d in in_dtypes)]
+            function = tf.function(wait, input_signature=specs, autograph=False).get_concrete_function()
+            self.functions[signature] = function
+        return function
 
 
-class _SessionOp:
-    """One collective op of a TF1 session graph, whose wait gives its inter-op thread back
-    (``JUPYTER_RING_TF_SESSION_WAIT=thread``).
+class _SessionWaits:
+    """Collective ops of TF1 session graphs that give their inter-op thread back while they wait
+    (the default; ``JUPYTER_RING_TF_SESSION_WAIT=inline`` opts out).
 
     A py_function holds the inter-op thread that runs it until it returns, and a session's pool
     has one thread per CPU by default: a rank whose threads all waited for collectives the peers
     had not started could not start theirs (the peers' threads waiting likewise), so a
-    ``session.run`` of more collective ops than threads could starve. Here the op is split in
-    two. *Submit* is a py_function that only hands the input arrays to the op's ``_Inbox`` and
-    returns. *Wait* is ``IteratorGetNext`` on a one-shot iterator over a generator dataset: an
-    asynchronous kernel that runs the generator on a thread of its own (one per op) and gives
-    the inter-op thread back meanwhile. The generator takes the arrays, runs the collectives
-    (named by the op's key, matched between ranks by name: _SessionOps) and yields the outputs
-    and an error number (0: none). Its exceptions are kept, not raised (a generator that raises
-    is finished for good); only on an error does the graph run a py_function that raises it, or,
-    for ranks that disagree, reads the variable named by the message (_GraphErrors).
-
-    Not the default: a session's first run of a new fetch rebuilds its executors over the whole
-    function library, and each such op adds the dataset's functions to it, so that first run
-    grows with the number of ops built (~0.9 s against ~0.25 s at 40 ops, one process, load ~10;
-    Horovod's test of 96 in-place broadcasts, each run once, did not finish in 800 s). Later runs
-    cost ~0.7 ms more per op than inline (docs/benchmarks.md).
+    ``session.run`` of more collective ops than threads could starve. Here an op is
+    ``DatasetToSingleElement`` over ``MapDataset(TensorDataset((number, *inputs)), f)``:
+    DatasetToSingleElement is an asynchronous kernel, which makes the dataset's one element on a
+    thread of its own (one per op running) and gives the inter-op thread back meanwhile;
+    ``use_inter_op_parallelism=False`` runs ``f`` on that thread too (else its py_function would
+    take an inter-op thread again). ``f`` is one function per graph and dtype signature, shared by
+    every op: a py_function that runs the op's body, found by the op's number, and returns a
+    disagreement as _GraphErrors' ops do; the check follows the dataset, in Switch and Merge
+    (_GraphErrors.checked). So an op adds a dozen nodes and no function to the graph's library, and a
+    session's first run of a new op, which prepares executors over the whole library, costs no
+    more with 100 ops built than with one. Each run makes the dataset anew: nothing of a failed or
+    abandoned run reaches the next one.
     """
 
-    def __init__(self, body, out_dtypes, out_shapes):
-        self.body = body  # list of numpy arrays -> list of numpy arrays; raises as _run does
-        self.out_dtypes = list(out_dtypes)
-        self.out_shapes = list(out_shapes)
-        self.inbox = _Inbox()
-        self.errors = {}  # error number -> the exception the generator caught
-        self.numbers = itertools.count(1)
+    def __init__(self):
+        self.graphs = weakref.WeakKeyDictionary()  # graph -> _GraphWaits
 
-    def _submit(self, *ts):
-        self.inbox.put([_host(t) for t in ts])
-        return np.int32(0)
+    def op(self, py, tensors, out_dtypes, out_shapes):
+        """``py(*eager tensors) -> outputs`` as this op, built in the default graph."""
+        graph = tf.compat.v1.get_default_graph()
+        waits = self.graphs.get(graph)
+        if waits is None:
+            waits = self.graphs[graph] = _GraphWaits()
+        tensors = [tf.convert_to_tensor(t) for t in tensors]
+        function = waits.function([t.dtype for t in tensors], out_dtypes)
+        # the dataset kernels are CPU-only, whatever device the user's scope names
+        with tf.device("/device:CPU:0"):
+            number = tf.constant(len(waits.bodies), tf.int64)
+            waits.bodies.append(py)
+            element = [number, *tensors]
+            dataset = tf.raw_ops.TensorDataset(components=element, output_shapes=[t.shape for t in element])
+            dataset = tf.raw_ops.MapDataset(
+                input_dataset=dataset, other_arguments=[], f=function, output_types=_graph_errors.tout(out_dtypes),
+                output_shapes=[tf.TensorShape(None)] * len(out_dtypes) + [[], []], use_inter_op_parallelism=False)
+            # shapes unknown here (a failed op's placeholders are empty), set once checked
+            *outs, failed, handle = tf.raw_ops.DatasetToSingleElement(
+                dataset=dataset, output_types=_graph_errors.tout(out_dtypes),
+                output_shapes=[tf.TensorShape(None)] * len(out_dtypes) + [[], []])
+            return _graph_errors.checked(outs, failed, handle, out_shapes)
 
-    def _placeholders(self):
-        return tuple(np.zeros([d or 0 for d in s] if s is not None and s.rank is not None else [0],
-                              dtype.as_numpy_dtype)
-                     for dtype, s in zip(self.out_dtypes, self.out_shapes))
 
-    def _generate(self):
-        while True:
-            arrays = self.inbox.take()
-            try:
-                outs = self.body(arrays)
-                element = tuple(np.asarray(o, dtype=d.as_numpy_dtype) for o, d in zip(outs, self.out_dtypes))
-                number = 0
-            except (Exception, Abandoned) as exc:  # noqa: BLE001 - raised by _finish, in the graph's own thread
-                # (a wait given up from another thread raises Abandoned, a BaseException: an
-                # interrupt while the main thread is in session.run, engines._torch)
-                number = next(self.numbers)
-                self.errors[number] = exc if isinstance(exc, Exception) else tf.errors.CancelledError(
-                    None, None, f"cancelled: {exc}")
-                element = self._placeholders()
-            yield element + (np.int64(number),)
-
-    def _finish(self, number):
-        exc = self.errors.pop(int(number))
-        if isinstance(exc, _GraphDisagreementError):
-            return _graph_errors.handle(str(exc))
-        raise exc
-
-    def build(self, tensors):
-        submitted = tf.numpy_function(self._submit, tensors, tf.int32, stateful=True)
-        specs = tuple(tf.TensorSpec(s, d) for d, s in zip(self.out_dtypes, self.out_shapes))
-        dataset = tf.data.Dataset.from_generator(self._generate, output_signature=specs + (tf.TensorSpec([], tf.int64),))
-        # no prefetch, no autotuning thread: an element is made only when the wait asks for it
-        options = tf.data.Options()
-        options.autotune.enabled = False
-        options.experimental_optimization.apply_default_optimizations = False
-        options.experimental_warm_start = False
-        iterator = tf.compat.v1.data.make_one_shot_iterator(dataset.with_options(options))
-        with tf.control_dependencies([submitted]):
-            *outs, number = iterator.get_next()
-        check = tf.cond(tf.not_equal(number, 0),
-                        lambda: tf.raw_ops.ReadVariableOp(resource=tf.py_function(self._finish, [number], tf.resource),
-                                                          dtype=tf.int32),
-                        lambda: tf.constant(0, tf.int32))
-        with tf.control_dependencies([check]):
-            outs = [tf.identity(o) for o in outs]
-        for o, shape in zip(outs, self.out_shapes):
-            if shape is not None:
-                o.set_shape(shape)
-        return outs
+_session_waits = _SessionWaits()
 
 
 def _ref(variable):
@@ -1043,7 +1051,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
 
     if tf.executing_eagerly():
         return fused(*tensors)
-    return _graph_errors.op(fused, tensors, [t.dtype for t in tensors], [t.shape for t in tensors])
+    return _graph_op(fused, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], key)
 
 
 def _reduce_dense(tensors, op, prescale, postscale, names, process_set):

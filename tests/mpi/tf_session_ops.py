@@ -4,13 +4,18 @@ A session runs independent ops on its inter-op threads in any order, differently
 the collectives are matched between ranks by name (each op's build-time key). Checks, every rank
 its own expected values:
 
-1. a default session (``hvd.init()`` in graph code gives it enough inter-op threads): one run
-   fetching 30 allreduces, allgathers, broadcasts, reducescatters and alltoalls of awkward sizes
-   (0, 1, primes, not divisible by the ranks) and dtypes, plus broadcast and allgather gradients,
-   three times over; the same ops built with ``JUPYTER_RING_TF_SESSION_WAIT=thread`` in a session
-   of ONE inter-op thread (no op may hold it while it waits);
-2. ranks that built two collectives in opposite orders, run by a session of one inter-op
-   thread, so that every rank's thread waits for an op its peers never start: every rank gets
+1. ``hvd.init()`` in graph code leaves ``TF_NUM_INTEROP_THREADS`` alone by default (ops wait on
+   threads of their own) and sets it with ``JUPYTER_RING_TF_SESSION_WAIT=inline``;
+2. with the default wait, in a session of ONE inter-op thread (no op may hold it while it
+   waits): one run fetching 30 allreduces, allgathers, broadcasts, reducescatters and alltoalls
+   of awkward sizes (0, 1, primes, not divisible by the ranks) and dtypes, plus broadcast and
+   allgather gradients, three times over; the same ops built with
+   ``JUPYTER_RING_TF_SESSION_WAIT=inline`` in a session of the threads ``init()`` gave;
+3. 96 more ops built into the graph the first session already ran (Horovod's in-place broadcast
+   test builds that many), each run alone once (its first run), then all in one run: the graph's
+   function library does not grow with them (an op adds nodes, no function);
+4. for each wait, ranks that built two collectives in opposite orders, run by a session of one
+   inter-op thread, so that no op is queued under the same name on every rank: every rank gets
    FailedPreconditionError naming the ops and the fixes, within seconds, and the next run works.
 
 Prints ``TF_SESSION_OK <rank>``.
@@ -29,10 +34,19 @@ import tensorflow as tf  # noqa: E402
 import jupyter_ring.runtime.tensorflow as hvd  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
-os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # init() must set it itself
-hvd.init()
-r, n = hvd.rank(), hvd.size()
 failures = []
+os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # init() must set it itself, with the inline wait only
+os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT", None)
+hvd.init()
+if "TF_NUM_INTEROP_THREADS" in os.environ:
+    failures.append(f"init() set TF_NUM_INTEROP_THREADS={os.environ['TF_NUM_INTEROP_THREADS']} for the thread wait")
+hvd.shutdown()
+os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = "inline"
+hvd.init()  # before any session: the inline wait's sessions get its threads
+if os.environ.get("TF_NUM_INTEROP_THREADS") != str(max(64, os.cpu_count() or 1)):
+    failures.append(f"init() with the inline wait set TF_NUM_INTEROP_THREADS={os.environ.get('TF_NUM_INTEROP_THREADS')}")
+os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
+r, n = hvd.rank(), hvd.size()
 SIZES = [0, 1, 2, 3, 5, 7, 13, 17, 31]
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.float16]
 TOLERANCE = {np.float16: 5e-2, np.float32: 1e-4}  # sums of n values of magnitude ~30; else exact
@@ -113,51 +127,81 @@ def build():
     return fetches, expected
 
 
-# inline (the default): ops hold an inter-op thread while they wait; init() gave the default
-# session enough. thread: ops wait on threads of their own, so one inter-op thread does.
-for wait, threads in (("inline", 0), ("thread", 1)):
-    os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
+# thread (the default): ops wait on threads of their own, so one inter-op thread does. inline:
+# ops hold an inter-op thread while they wait; init() gave the default session enough.
+graph = tf.compat.v1.get_default_graph()
+for wait, threads in (("thread", 1), ("inline", 0)):
+    if wait != "thread":
+        os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
     fetches, expected = build()
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads)
+    os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT", None)
+    # (a session shares the process's pool, sized once by the first session that uses it, unless
+    # it has threads of its own)
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads, use_per_session_threads=threads > 0)
     with tf.compat.v1.Session(config=config) as session:
         for repeat in range(3):
             for (label, want, tol), got in zip(expected, session.run(fetches)):
                 check(f"{wait}, run {repeat}: {label}", got, want, tol)
-os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
+
+        if wait == "thread":
+            # new ops in a graph the session already ran: each one's first run, then all at once
+            functions = len(graph.as_graph_def().library.function)
+            many, wants = [], []
+            for i in range(96):
+                size = SIZES[i % len(SIZES)] + i // len(SIZES)
+                xs = every_rank(5000 + i, lambda g, q: g.standard_normal(size).astype(np.float32))
+                if i % 2:
+                    many.append(hvd.broadcast(tf.constant(xs[r]), root_rank=i % n, name=f"many.{i}"))
+                    wants.append((f"many {i}: broadcast[{size}] root {i % n}", xs[i % n], 0.0))
+                else:
+                    many.append(hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum, name=f"many.{i}"))
+                    wants.append((f"many {i}: allreduce[{size}]", sum(x.astype(np.float64) for x in xs), 1e-4))
+            grown = len(graph.as_graph_def().library.function) - functions
+            if grown:
+                failures.append(f"96 session ops added {grown} functions to the graph's library (expected none)")
+            for fetch, (label, want, tol) in zip(many, wants):
+                check(f"{label}, first run", session.run(fetch), want, tol)
+            for (label, want, tol), got in zip(wants, session.run(many)):
+                check(f"{label}, together", got, want, tol)
 
 # opposite orders: rank 0 builds (and so names) "first" before "second", the others "second"
-# before "first", so no name is queued on every rank: each rank's only thread waits for an op its
-# peers never start
-a_in = tf.constant(np.arange(5, dtype=np.float32) + r)
-b_in = tf.constant(np.arange(7, dtype=np.float32) * (r + 1))
-if r == 0:
-    fetch_a = hvd.allreduce(a_in, op=hvd.Sum, name="first")
-    fetch_b = hvd.allreduce(b_in, op=hvd.Sum, name="second")
-else:
-    fetch_b = hvd.allreduce(b_in, op=hvd.Sum, name="second")
-    fetch_a = hvd.allreduce(a_in, op=hvd.Sum, name="first")
-config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
-with tf.compat.v1.Session(config=config) as session:
-    started = time.perf_counter()
-    try:
-        session.run([fetch_a, fetch_b])
-        failures.append("opposite orders: no error")
-    except tf.errors.FailedPreconditionError as exc:
-        text = str(exc)
-        # the op each rank's engine took first (either) meets its peers' other op: the message
-        # names both (the same name at two places of the graph) and the fix
-        named = re.search(r"name (first|second) \[graph op \d+ #0\] on rank 0 but (first|second) \[graph op \d+ #0\] "
-                          r"on ranks? 1\b", text)
-        if not named or "CollectiveMismatchError" not in text or "inter_op_parallelism_threads" not in text or "JUPYTER_RING_TF_SESSION_WAIT=thread" not in text:
-            failures.append(f"opposite orders: the error does not name both ops and the fix: {text[:600]}")
-    except Exception as exc:  # noqa: BLE001 - reported as a failure of this rank
-        failures.append(f"opposite orders: {type(exc).__name__}: {str(exc)[:600]}")
-    took = time.perf_counter() - started
-    if took > 30:
-        failures.append(f"opposite orders: the error took {took:.1f} s")
-    # the engine is clean afterwards: the same session runs a collective again
-    check("after the error", session.run(hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum)),
-          [n * (n - 1) / 2])
+# before "first", so no name is queued on every rank: each rank waits for an op its peers never
+# start (with the inline wait, its only thread does)
+for wait in ("thread", "inline"):
+    os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
+    a_in = tf.constant(np.arange(5, dtype=np.float32) + r)
+    b_in = tf.constant(np.arange(7, dtype=np.float32) * (r + 1))
+    if r == 0:
+        fetch_a = hvd.allreduce(a_in, op=hvd.Sum, name="first")
+        fetch_b = hvd.allreduce(b_in, op=hvd.Sum, name="second")
+    else:
+        fetch_b = hvd.allreduce(b_in, op=hvd.Sum, name="second")
+        fetch_a = hvd.allreduce(a_in, op=hvd.Sum, name="first")
+    after = hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum)
+    os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1, use_per_session_threads=True)
+    with tf.compat.v1.Session(config=config) as session:
+        started = time.perf_counter()
+        try:
+            session.run([fetch_a, fetch_b])
+            failures.append(f"{wait}, opposite orders: no error")
+        except tf.errors.FailedPreconditionError as exc:
+            text = str(exc)
+            # the op each rank's engine took first (either) meets its peers' other op: the message
+            # names both (the same name at two places of the graph) and the fixes
+            named = re.search(r"name (first|second) \[graph op \d+ #0\] on rank 0 but (first|second) "
+                              r"\[graph op \d+ #0\] on ranks? 1\b", text)
+            fixes = ("same order", "JUPYTER_RING_TF_SESSION_WAIT", "inter_op_parallelism_threads")
+            if not named or "CollectiveMismatchError" not in text or not all(f in text for f in fixes):
+                failures.append(f"{wait}, opposite orders: the error does not name both ops and the fixes: "
+                                f"{text[:600]}")
+        except Exception as exc:  # noqa: BLE001 - reported as a failure of this rank
+            failures.append(f"{wait}, opposite orders: {type(exc).__name__}: {str(exc)[:600]}")
+        took = time.perf_counter() - started
+        if took > 30:
+            failures.append(f"{wait}, opposite orders: the error took {took:.1f} s")
+        # the engine is clean afterwards: the same session runs a collective again
+        check(f"{wait}, after the error", session.run(after), [n * (n - 1) / 2])
 
 if failures:
     print(f"rank {r} FAILED:\n  " + "\n  ".join(failures), flush=True)
