@@ -124,8 +124,8 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
 
 def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel):
     """TF1 graph mode: rank 0 sits in ``session.run`` on an op rank 1 never runs (it sleeps). The
-    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits in one of
-    TensorFlow's inter-op threads. The rank's guard gives that wait up, so the cell ends
+    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits on a thread of
+    TensorFlow's (its own, by default). The rank's guard gives that wait up, so the cell ends
     within seconds as an interrupt; the variables stay and the next session.run is right. (Here,
     before the tests below that kill an engine: the module shares one cluster.)"""
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
