@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/session_ops.py [--runs 3] [--ops 20,40,96] [--baseline-src DIR]
 
 Two ranks under ``mpiexec.gforker`` (``-n``), TF1 graph mode, ``--ops`` allreduces of 1 KiB
-float32 tensors in one graph, built with each ``JUPYTER_RING_TF_SESSION_WAIT`` (``thread``: the op
-waits on a thread of its own, the default; ``inline``: its py_function holds an inter-op thread
-while it waits), the configurations alternated run by run. Cases: the first run of each op
+float32 tensors in one graph, built with each ``JUPYTER_RING_TF_SESSION_WAIT`` (``inline``: the
+py_function holds an inter-op thread while it waits, the default; ``thread``: the op waits on a
+thread of its own), the configurations alternated run by run. Cases: the first run of each op
 (median, and the last op's: a session's first run of a new op prepares its executors over the
 graph's whole function library, so it grows with the ops built if each op adds functions), one
 op fetched alone (``session.run(op)``, median of 200 runs), every op fetched in one
