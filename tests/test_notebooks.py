@@ -124,19 +124,19 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
 
 def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel):
     """TF1 graph mode: rank 0 sits in ``session.run`` on an op rank 1 never runs (it sleeps). The
-    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits in one of
-    TensorFlow's inter-op threads (or, with JUPYTER_RING_TF_SESSION_WAIT=thread, on a thread of
-    its own: both are checked). The rank's guard gives that wait up, so the cell ends
+    main thread is in TensorFlow's C++, which never looks at SIGINT; the op waits on a thread of
+    its own (the default) or, with JUPYTER_RING_TF_SESSION_WAIT=inline, in one of TensorFlow's
+    inter-op threads: both are checked. The rank's guard gives that wait up, so the cell ends
     within seconds as an interrupt; the variables stay and the next session.run is right. (Here,
     before the tests below that kill an engine: the module shares one cluster.)"""
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
     kernel.ok("%%distributed\nimport os, time\nimport numpy as np\nos.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
               "import tensorflow as tf\nimport jupyter_ring.runtime.tensorflow as hvd\n"
               "graph = tf.Graph()\nwith graph.as_default():\n"
-              "    lonely = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name='lonely')\n"
-              "    total = hvd.allreduce(tf.constant(np.arange(5.0) * (ring.rank() + 1)), op=hvd.Sum, name='total')\n"
-              "    os.environ['JUPYTER_RING_TF_SESSION_WAIT'] = 'thread'\n"
               "    lonely_thread = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name='lonely_thread')\n"
+              "    total = hvd.allreduce(tf.constant(np.arange(5.0) * (ring.rank() + 1)), op=hvd.Sum, name='total')\n"
+              "    os.environ['JUPYTER_RING_TF_SESSION_WAIT'] = 'inline'\n"
+              "    lonely = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name='lonely')\n"
               "    del os.environ['JUPYTER_RING_TF_SESSION_WAIT']\n"
               "session = tf.compat.v1.Session(graph=graph)\nkept_tf = ring.rank() + 7", timeout=180)
     want = [0.0, 3.0, 6.0, 9.0, 12.0]

@@ -63,26 +63,25 @@ __all__ = [
 ]
 
 
-# TF1 sessions created after init() in graph code with the inline wait (the default) get at least
-# this many inter-op threads (see init)
+# TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
 _SESSION_THREADS = 64
 
 
 def init(comm=None, process_sets=None, **config):
     """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
 
-    By default a TF1 session op holds one of the session's inter-op threads while it waits for
-    the other ranks (_SessionOps), and TensorFlow's default (the CPU count) starves when one
-    ``session.run`` runs more collectives than that: so in TF1 graph code (eager execution
-    disabled when ``init`` runs) ``init`` sets ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS``
-    (or the CPU count, if larger) unless it is set. That counts only where no session existed yet
-    in the process (TensorFlow sizes its shared pool once, at the first) and for sessions whose
-    ConfigProto leaves ``inter_op_parallelism_threads`` at 0. With
-    ``JUPYTER_RING_TF_SESSION_WAIT=thread`` ops wait on threads of their own (_SessionWaits), a
-    session of any size runs any number of them, and ``init`` leaves the variable alone.
+    A TF1 session op waits for the other ranks on a thread of its own by default
+    (_SessionWaits), so a session of any size runs any number of them. An op that waits inline
+    (``JUPYTER_RING_TF_SESSION_WAIT=inline``, or one built inside a function of the graph, a
+    ``tf.cond`` branch say) holds one of the session's inter-op threads while it waits, and
+    TensorFlow's default (the CPU count) starves when one ``session.run`` runs more of those than
+    that: so in TF1 graph code (eager execution disabled when ``init`` runs) ``init`` sets
+    ``TF_NUM_INTEROP_THREADS`` to ``_SESSION_THREADS`` (or the CPU count, if larger) unless it is
+    set. That counts only where no session existed yet in the process (TensorFlow sizes its
+    shared pool once, at the first) and for sessions whose ConfigProto leaves
+    ``inter_op_parallelism_threads`` at 0.
     """
-    if (not tf.compat.v1.executing_eagerly_outside_functions() and _session_wait() == "inline"
-            and "TF_NUM_INTEROP_THREADS" not in os.environ):
+    if not tf.compat.v1.executing_eagerly_outside_functions() and "TF_NUM_INTEROP_THREADS" not in os.environ:
         os.environ["TF_NUM_INTEROP_THREADS"] = str(max(_SESSION_THREADS, os.cpu_count() or 1))
     _init(comm, process_sets, **config)
 
@@ -168,8 +167,9 @@ def _tf_error(exc, in_graph=False, key=None):
             f" (in the TF1 session op {key}.) A session op is matched by the place of its collective in the "
             "graph ([graph op N], counted as the ops are built), so every rank must build the same collectives "
             "in the same order and fetch the same ones in each session.run. If they do and the ops wait inline "
-            "(the default), each rank's inter-op threads all waited for collectives the other ranks had not "
-            "started yet: set JUPYTER_RING_TF_SESSION_WAIT=thread before building the graph (each op then "
+            "(JUPYTER_RING_TF_SESSION_WAIT=inline, or ops built inside a tf.cond branch), each rank's inter-op "
+            "threads all waited for collectives the other ranks had not started yet: unset "
+            "JUPYTER_RING_TF_SESSION_WAIT or set it to thread before building the graph (each op then "
             "waits on a thread of its own), or give the session more threads than the collective "
             "ops one session.run runs at once (tf.compat.v1.ConfigProto(inter_op_parallelism_threads=...), or "
             "TF_NUM_INTEROP_THREADS before the first session), or order the ops with tf.control_dependencies.")
@@ -213,9 +213,9 @@ class _SessionOps:
     does), so the ranks' orders need not agree. The danger: a py_function holds its inter-op
     thread while it waits, so a rank whose threads all wait for collectives the peers have not
     started cannot start theirs; the engine then fails those collectives on every rank (every
-    rank blocked, and the queues no longer growing) and the error says so (_tf_error). With
-    ``JUPYTER_RING_TF_SESSION_WAIT=thread`` an op waits on a thread of its own instead
-    (_SessionWaits): no starvation, at a higher cost per run. tf.function needs none of this: it
+    rank blocked, and the queues no longer growing) and the error says so (_tf_error). By default
+    (``JUPYTER_RING_TF_SESSION_WAIT`` unset or ``thread``) an op waits on a thread of its own
+    instead (_SessionWaits): no starvation, at a higher cost per run; ``inline`` opts out. tf.function needs none of this: it
     runs py_functions in program order.
     """
 
@@ -368,8 +368,8 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
 
 def _graph_op(py, tensors, out_dtypes, out_shapes, key):
     """``py(*eager tensors) -> outputs`` as a graph op: one py_function (which holds the thread that
-    runs it: a tf.function runs them in program order), or in a TF1 session (``key``) with
-    ``JUPYTER_RING_TF_SESSION_WAIT=thread`` one that waits on a thread of its own (_SessionWaits)."""
+    runs it: a tf.function runs them in program order), or in a TF1 session (``key``), unless
+    ``JUPYTER_RING_TF_SESSION_WAIT=inline``, one that waits on a thread of its own (_SessionWaits)."""
 
     def guarded(*ts):
         try:
@@ -390,11 +390,12 @@ _SESSION_WAITS = ("inline", "thread")
 
 
 def _session_wait():
-    """How a TF1 session op waits: ``inline`` (default: its py_function holds an inter-op thread)
-    or ``thread`` (on a thread of its own, _SessionWaits), from ``JUPYTER_RING_TF_SESSION_WAIT``
-    when the op is built. The thread wait cannot starve, but costs ~1.2-1.8x per run and its first
-    run ~1.1-1.7x (docs/benchmarks.md), so it is not the default."""
-    wait = os.environ.get("JUPYTER_RING_TF_SESSION_WAIT", "").strip().lower() or "inline"
+    """How a TF1 session op waits: ``thread`` (default: on a thread of its own, _SessionWaits) or
+    ``inline`` (its py_function holds an inter-op thread), from ``JUPYTER_RING_TF_SESSION_WAIT``
+    when the op is built. The thread wait cannot starve a session of any size; it costs ~0.2-0.5
+    ms more an op than the inline wait (1.2-1.5x, docs/benchmarks.md), which may opt in where
+    the session has threads enough."""
+    wait = os.environ.get("JUPYTER_RING_TF_SESSION_WAIT", "").strip().lower() or "thread"
     if wait not in _SESSION_WAITS:
         raise ValueError(f"JUPYTER_RING_TF_SESSION_WAIT={wait!r}: expected one of {', '.join(_SESSION_WAITS)}; "
                          "'thread' makes every TF1 session op wait on a thread of its own")
@@ -432,7 +433,7 @@ class _GraphWaits:
 
 class _SessionWaits:
     """Collective ops of TF1 session graphs that give their inter-op thread back while they wait
-    (``JUPYTER_RING_TF_SESSION_WAIT=thread``).
+    (the default; ``JUPYTER_RING_TF_SESSION_WAIT=inline`` opts out).
 
     A py_function holds the inter-op thread that runs it until it returns, and a session's pool
     has one thread per CPU by default: a rank whose threads all waited for collectives the peers

@@ -4,13 +4,14 @@ A session runs independent ops on its inter-op threads in any order, differently
 the collectives are matched between ranks by name (each op's build-time key). Checks, every rank
 its own expected values:
 
-1. ``hvd.init()`` in graph code sets ``TF_NUM_INTEROP_THREADS`` for the default (inline) wait and
-   leaves it alone with ``JUPYTER_RING_TF_SESSION_WAIT=thread`` (ops wait on threads of their own);
-2. with ``JUPYTER_RING_TF_SESSION_WAIT=thread``, in a session of ONE inter-op thread (no op may
+1. ops wait on threads of their own by default; ``hvd.init()`` in graph code sets
+   ``TF_NUM_INTEROP_THREADS`` (for ops that wait inline: ``JUPYTER_RING_TF_SESSION_WAIT=inline``,
+   or built inside a tf.cond branch);
+2. with the default (thread) wait, in a session of ONE inter-op thread (no op may
    hold it while it waits): one run fetching 30 allreduces, allgathers, broadcasts,
    reducescatters and alltoalls of awkward sizes (0, 1, primes, not divisible by the ranks) and
-   dtypes, plus broadcast and allgather gradients, three times over; the same ops built with the
-   default (inline) wait in a session of the threads ``init()`` gave;
+   dtypes, plus broadcast and allgather gradients, three times over; the same ops built with
+   ``JUPYTER_RING_TF_SESSION_WAIT=inline`` in a session of the threads ``init()`` gave;
 3. 96 more ops built into the graph the first session already ran (Horovod's in-place broadcast
    test builds that many), each run alone once (its first run), then all in one run: the graph's
    function library does not grow with them (an op adds nodes, no function);
@@ -35,16 +36,13 @@ import jupyter_ring.runtime.tensorflow as hvd  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 failures = []
-os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # init() must set it itself, with the inline wait only
-os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = "thread"
-hvd.init()
-if "TF_NUM_INTEROP_THREADS" in os.environ:
-    failures.append(f"init() set TF_NUM_INTEROP_THREADS={os.environ['TF_NUM_INTEROP_THREADS']} for the thread wait")
-hvd.shutdown()
-os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
-hvd.init()  # before any session: the inline wait's sessions get its threads
+os.environ.pop("TF_NUM_INTEROP_THREADS", None)  # init() must set it itself
+os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT", None)
+hvd.init()  # before any session: ops that wait inline get its threads
+if hvd._session_wait() != "thread":
+    failures.append(f"the default session wait is {hvd._session_wait()!r}, not 'thread'")
 if os.environ.get("TF_NUM_INTEROP_THREADS") != str(max(64, os.cpu_count() or 1)):
-    failures.append(f"init() with the inline wait set TF_NUM_INTEROP_THREADS={os.environ.get('TF_NUM_INTEROP_THREADS')}")
+    failures.append(f"init() in graph code set TF_NUM_INTEROP_THREADS={os.environ.get('TF_NUM_INTEROP_THREADS')}")
 r, n = hvd.rank(), hvd.size()
 SIZES = [0, 1, 2, 3, 5, 7, 13, 17, 31]
 DTYPES = [np.float32, np.float64, np.int32, np.int64, np.float16]
@@ -126,11 +124,11 @@ def build():
     return fetches, expected
 
 
-# thread: ops wait on threads of their own, so one inter-op thread does. inline (the default):
+# thread (the default): ops wait on threads of their own, so one inter-op thread does. inline:
 # ops hold an inter-op thread while they wait; init() gave the default session enough.
 graph = tf.compat.v1.get_default_graph()
 for wait, threads in (("thread", 1), ("inline", 0)):
-    if wait != "inline":
+    if wait == "inline":
         os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
     fetches, expected = build()
     os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT", None)
@@ -145,8 +143,7 @@ for wait, threads in (("thread", 1), ("inline", 0)):
         if wait == "thread":
             # new ops in a graph the session already ran: each one's first run, then all at once
             functions = len(graph.as_graph_def().library.function)
-            os.environ["JUPYTER_RING_TF_SESSION_WAIT"] = wait
-            many, wants = [], []
+            many, wants = [], []  # the default wait
             for i in range(96):
                 size = SIZES[i % len(SIZES)] + i // len(SIZES)
                 xs = every_rank(5000 + i, lambda g, q: g.standard_normal(size).astype(np.float32))
@@ -156,7 +153,6 @@ for wait, threads in (("thread", 1), ("inline", 0)):
                 else:
                     many.append(hvd.allreduce(tf.constant(xs[r]), op=hvd.Sum, name=f"many.{i}"))
                     wants.append((f"many {i}: allreduce[{size}]", sum(x.astype(np.float64) for x in xs), 1e-4))
-            os.environ.pop("JUPYTER_RING_TF_SESSION_WAIT")
             grown = len(graph.as_graph_def().library.function) - functions
             if grown:
                 failures.append(f"96 session ops added {grown} functions to the graph's library (expected none)")
