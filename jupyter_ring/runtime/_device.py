@@ -53,6 +53,7 @@ from .. import runtime as _ring
 from . import _process_groups as PG
 from ._core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
+from ._pool import Lender
 from ._report import reporter
 
 __all__ = ["DeviceTransport", "DeviceWork", "transport", "mode", "routes", "supports", "copies",
@@ -189,7 +190,7 @@ class DeviceTransport:
 
     def __init__(self):
         self._private = {}   # device type -> our own ManagedGroup (when the user has none)
-        self._fusion = {}    # (device, dtype) -> free flat fusion buffers (each lent to one collective)
+        self._fusion = Lender(_FUSION_KEPT)  # flat fusion buffers by (device, dtype), each lent to one collective
         self._store = None   # the rendezvous store of our own groups
         self._listener = None
         self._unnamed = {}   # kind -> counter for names of unnamed collectives (same on every rank)
@@ -352,7 +353,7 @@ class DeviceTransport:
         group = self.group(device_type)
         group.rebuild()
         # a fresh group, fresh buffers (those of abandoned transfers were never given back)
-        self._fusion = {k: v for k, v in self._fusion.items() if k[0].type != device_type}
+        self._fusion.drop(lambda key: key[0].type != device_type)
         log.warning("jupyter_ring: %s re-created on every rank after a collective was abandoned "
                     "on rank(s) %s", group.label, abandoned_on)
 
@@ -403,19 +404,11 @@ class DeviceTransport:
 
     def _fusion_buffer(self, device, dtype, numel):
         """A flat buffer of at least ``numel`` elements, lent to one collective until its finish
-        gives it back (``_give_back``): two collectives in flight never share one."""
+        gives it back: two collectives in flight never share one."""
         import torch
 
-        free = self._fusion.get((device, dtype), [])
-        for index, buf in enumerate(free):
-            if buf.numel() >= numel:
-                return free.pop(index)
-        return torch.empty(max(numel, 1), dtype=dtype, device=device)
-
-    def _give_back(self, buf):
-        free = self._fusion.setdefault((buf.device, buf.dtype), [])
-        if len(free) < _FUSION_KEPT:
-            free.append(buf)
+        return self._fusion.lend((device, dtype), numel,
+                                 lambda: torch.empty(max(numel, 1), dtype=dtype, device=device))
 
     def allreduce_async_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
         """Agree, fuse and launch an in-place allreduce of ``tensors``; returns a DeviceWork."""
@@ -489,7 +482,7 @@ class DeviceTransport:
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
                     offset += t.numel()
-                self._give_back(fused)  # the copies are ordered before any later use of it
+                self._fusion.give_back((device, dtype), fused)  # the copies come before any later use
             return tensors
 
         return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),

@@ -1,4 +1,4 @@
-"""Recycled memory for the results of out-of-place collectives.
+"""Recycled memory: the results of out-of-place collectives, and buffers lent to one collective.
 
 A fresh 64 MiB ``np.empty`` costs as much as the allreduce that fills it: the kernel zeroes and
 maps every page on first touch. ``ResultPool`` hands out arrays over buffers that earlier results
@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["ResultPool"]
+__all__ = ["ResultPool", "Lender"]
 
 MiB = 1 << 20
 
@@ -55,3 +55,34 @@ class ResultPool:
         with self.lock:
             self.free = {}
             self.kept = 0
+
+
+class Lender:
+    """Buffers lent to one collective at a time: ``lend`` hands out a free buffer of ``key`` with
+    at least ``numel`` elements (or ``make()``'s), the collective's finish gives it back. One whose
+    collective failed or was abandoned is never given back (a transfer may still write into it),
+    so it is never lent again. At most ``keep`` free buffers of each key are kept."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.free = {}       # key -> list of buffers (torch tensors: anything with numel())
+        self.lock = threading.Lock()
+
+    def lend(self, key, numel, make):
+        with self.lock:
+            free = self.free.get(key, ())
+            for index, buf in enumerate(free):
+                if buf.numel() >= numel:
+                    return free.pop(index)
+        return make()
+
+    def give_back(self, key, buf):
+        with self.lock:
+            free = self.free.setdefault(key, [])
+            if len(free) < self.keep:
+                free.append(buf)
+
+    def drop(self, keep_key):
+        """Forget the free buffers of every key for which ``keep_key(key)`` is false."""
+        with self.lock:
+            self.free = {k: v for k, v in self.free.items() if keep_key(k)}

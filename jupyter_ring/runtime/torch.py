@@ -41,6 +41,7 @@ from ._horovod import *  # noqa: F403 - capability functions, process sets, time
 from ._horovod import __all__ as _HOROVOD
 from . import _elastic_torch as elastic  # Horovod's elastic API for a fixed world
 from ._horovod import adasum_combine
+from ._pool import Lender
 from ._torch_sync_bn import SyncBatchNorm
 
 __all__ = [
@@ -259,47 +260,32 @@ def _grad_name(name, suffix="grad"):
     return None if name is None else f"{name}.{suffix}"
 
 
-class _Staging:
-    """Page-locked host buffers for CUDA tensors that the ring reduces on the host (two ranks
-    sharing a GPU, ``JUPYTER_RING_DEVICE_TRANSPORT=off``, a process set, a dtype/op pair NCCL
-    lacks): one device-to-host copy into a buffer kept between calls, the ring's reduction in
-    place there, one host-to-device copy back. Against a fresh pageable ``.cpu()`` copy, an
-    out-of-place reduction and a pageable upload, this saves two allocations (page faults on
-    every large call) and one host pass, and the copies run at pinned speed.
+def _staging_buffer(tensor):
+    """(buffer, host view holding ``tensor``'s values, flat): a page-locked buffer of the next
+    power-of-two capacity, lent by ``_staging`` for one collective.
 
-    A buffer is lent to one collective and given back by its finish; one whose collective failed
-    or was abandoned is never given back (the ring may still write into it), so it is never lent
-    again. Capacities are powers of two; at most ``KEEP`` free buffers of each (dtype, capacity)
-    are kept.
+    For CUDA tensors that the ring reduces on the host (two ranks sharing a GPU,
+    ``JUPYTER_RING_DEVICE_TRANSPORT=off``, a process set, a dtype/op pair NCCL lacks): one
+    device-to-host copy into a buffer kept between calls, the ring's reduction in place there,
+    one host-to-device copy back. Against a fresh pageable ``.cpu()`` copy, an out-of-place
+    reduction and a pageable upload, this saves two allocations (page faults on every large call)
+    and one host pass, and the copies run at pinned speed.
     """
-
-    KEEP = 2
-
-    def __init__(self):
-        self._free = {}  # (dtype, capacity) -> [pinned 1-D buffers]
-
-    def lend(self, tensor):
-        """(buffer, host view holding ``tensor``'s values, flat)."""
-        numel = tensor.numel()
-        key = (tensor.dtype, 1 << max(numel - 1, 0).bit_length())
-        free = self._free.get(key)
-        buf = free.pop() if free else torch.empty(key[1], dtype=tensor.dtype, pin_memory=True)
-        host = buf[:numel]
-        host.copy_(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
-        return buf, host
-
-    def give_back(self, buf):
-        free = self._free.setdefault((buf.dtype, buf.numel()), [])
-        if len(free) < self.KEEP:
-            free.append(buf)
+    numel = tensor.numel()
+    capacity = 1 << max(numel - 1, 0).bit_length()
+    buf = _staging.lend((tensor.dtype, capacity), capacity,
+                        lambda: torch.empty(capacity, dtype=tensor.dtype, pin_memory=True))
+    host = buf[:numel]
+    host.copy_(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
+    return buf, host
 
 
-_staging = _Staging()
+_staging = Lender(keep=2)  # pinned host buffers by (dtype, capacity)
 
 
 def _staged_allreduce(tensor, plan, name, process_set, in_place):
-    """Allreduce of a CUDA ``tensor`` through a pinned host buffer (see _Staging)."""
-    buf, host = _staging.lend(tensor)
+    """Allreduce of a CUDA ``tensor`` through a pinned host buffer (see _staging_buffer)."""
+    buf, host = _staging_buffer(tensor)
     pre, post = plan.runtime_scales(tensor)
     handle = _ring.allreduce_async_(host.numpy(), None, name, plan.op, pre, post, process_set)
 
@@ -307,7 +293,7 @@ def _staged_allreduce(tensor, plan, name, process_set, in_place):
         out = tensor.detach() if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         with torch.no_grad():
             out.copy_(host.view(tensor.shape))  # synchronous: the buffer is free after it
-        _staging.give_back(buf)
+        _staging.give_back((buf.dtype, buf.numel()), buf)
         return tensor if in_place else out
     return Handle([handle], finish)
 
@@ -1035,7 +1021,7 @@ class _Bucket:
     __slots__ = ("index", "params", "offsets", "flat", "slots", "array", "views", "device", "ready", "handle",
                  "name", "contexts", "sparse")
 
-    def __init__(self, index, params, offsets, flat, array, views, device=None, shapes=()):
+    def __init__(self, index, params, offsets, flat, array, views, device, shapes):
         self.index = index
         self.params = params       # parameter indices
         self.offsets = offsets     # element offset of each parameter in flat

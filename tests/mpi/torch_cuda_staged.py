@@ -17,19 +17,9 @@ import jupyter_ring.runtime.torch as hvd
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-dev = torch.device("cuda", torch.cuda.current_device())
+dev = _checks.rank_gpu(hvd)
 failures = []
-pageable = hvd._to_numpy
-
-
-def no_pageable(tensor):
-    if tensor.is_cuda:
-        raise AssertionError("a CUDA allreduce went through a pageable host copy")
-    return pageable(tensor)
-
-
-hvd._to_numpy = no_pageable
+_checks.forbid_for_cuda(hvd, "_to_numpy", "a CUDA allreduce went through a pageable host copy")
 
 
 def check(label, got, want):
@@ -78,12 +68,11 @@ for k in reversed(range(4)):
     hvd.synchronize(handles[k])
     check(f"in flight {k}", tensors[k], sum(inputs[k]))
 # buffers are kept and lent again, not allocated per call
-kept = {key: len(v) for key, v in hvd._staging._free.items()}
-before = dict(kept)
+before = {key: len(v) for key, v in hvd._staging.free.items()}
 for _ in range(5):
     hvd.allreduce_(torch.ones(1009, device=dev), op=hvd.Sum, name="reuse")
-after = {key: len(v) for key, v in hvd._staging._free.items()}
-if after != before or not all(b.is_pinned() for v in hvd._staging._free.values() for b in v):
+after = {key: len(v) for key, v in hvd._staging.free.items()}
+if after != before or not all(b.is_pinned() for v in hvd._staging.free.values() for b in v):
     failures.append(f"staging buffers not reused or not pinned: {before} -> {after}")
 # DistributedOptimizer on CUDA parameters with the transport off: host buckets the ring reduces
 opt = _checks.train_matches_one_process(hvd, dev, failures)
