@@ -13,6 +13,38 @@ def expect_raises(failures, label, exc_types, fn):
     failures.append(f"{label}: did not raise")
 
 
+def rank_gpu(hvd):
+    """This rank's GPU (local rank modulo the GPUs there), made current; its torch device."""
+    import torch
+
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def forbid_for_cuda(module, attr, message):
+    """Make ``module.attr(tensor)`` raise AssertionError(``message``) for a CUDA tensor, so a
+    path that must not be taken fails the test instead of passing slowly."""
+    original = getattr(module, attr)
+
+    def forbidden(tensor):
+        if tensor.is_cuda:
+            raise AssertionError(message)
+        return original(tensor)
+    setattr(module, attr, forbidden)
+
+
+def free_port(ring):
+    """A free loopback port picked by rank 0, the same on every rank."""
+    import socket
+
+    port = None
+    if ring.rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    return ring.broadcast_object(port, 0, name="test.free_port")
+
+
 def train_matches_one_process(hvd, dev, failures, steps=4, bucket_bytes=1024):
     """DistributedOptimizer on ``dev`` (small buckets: several launched during backward), every
     rank its shard of a batch, against one process's SGD on the full batch. Returns the wrapper."""

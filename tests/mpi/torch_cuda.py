@@ -18,19 +18,9 @@ from jupyter_ring.runtime import _device
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
-dev = torch.device("cuda", torch.cuda.current_device())
+dev = _checks.rank_gpu(hvd)
 failures = []
-staged = hvd._to_numpy
-
-
-def no_staging(tensor):
-    if tensor.is_cuda:
-        raise AssertionError("a CUDA tensor was staged through host memory")
-    return staged(tensor)
-
-
-hvd._to_numpy = no_staging
+_checks.forbid_for_cuda(hvd, "_to_numpy", "a CUDA tensor was staged through host memory")
 
 
 def check(label, got, want, tol=1e-4):

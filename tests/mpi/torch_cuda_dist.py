@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 
+import _checks
 import torch
 import torch.distributed as dist
 
@@ -35,19 +36,14 @@ def expect(label, ok, detail=""):
 # tested on CPU by tests/test_torch_distributed.py): torchrun's environment from the plan, then
 # the default group as init_backend="auto" makes it. Rank 0 picks the port (no reserved listener:
 # without the guard nothing serves the store on it, so init_process_group's own store binds it).
-port = None
-if r == 0:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-port = ring.broadcast_object(port, 0, name="test.rendezvous")
+port = _checks.free_port(ring)
 hosts = ring.allgather_object(socket.gethostname(), name="test.hosts")
 os.environ.update(torchrun_environment(r, hosts, "127.0.0.1", port, "gpu-test"))
 backend = engine_torch._init_default_group(ring, "auto")
 expect("default backend", backend == "cpu:gloo,cuda:nccl", backend)
 expect("world", dist.is_initialized() and dist.get_world_size() == n and dist.get_rank() == r,
        f"{dist.is_initialized()} {dist.get_world_size() if dist.is_initialized() else None}")
-dev = torch.device("cuda", torch.cuda.current_device())
+dev = _checks.rank_gpu(hvd)
 
 # DDP on CUDA, every rank its shard of a batch; one process on the full batch as reference
 def model():

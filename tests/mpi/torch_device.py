@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+import _checks
 import torch
 import torch.distributed as dist
 
@@ -190,14 +191,7 @@ if n > 1:
 
     # ---- the user's default group, shared by the transport, aborted and re-created in place
     PG.install_recording()
-    port = None
-    if r == 0:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = ring.broadcast_object(port, 0, name="port")
+    port = _checks.free_port(ring)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n))
     dist.init_process_group("gloo")
     world = dist.group.WORLD
