@@ -150,6 +150,52 @@ def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel
         assert sorted(out.splitlines()) == [f"[rank 0] 7 {want}", f"[rank 1] 8 {want}"], (op, out)
 
 
+OFF_MAIN = """%%distributed
+import ctypes, threading, time
+import numpy as np
+if ring.rank() == 1:
+    time.sleep(60)
+else:
+    libc = ctypes.CDLL(None)
+    gate = ctypes.create_string_buffer(64)  # a pthread mutex (all zeros: PTHREAD_MUTEX_INITIALIZER)
+    holding, got = threading.Event(), []
+
+    def hook():  # what autograd's device thread runs: a gradient hook's collective
+        libc.pthread_mutex_lock(gate)
+        holding.set()
+        try:
+            got.append(ring.allreduce(np.ones(5), op=ring.Sum, name='off_main'))
+        except BaseException as exc:
+            got.append(exc)
+        finally:
+            libc.pthread_mutex_unlock(gate)
+
+    threading.Thread(target=hook).start()
+    holding.wait()
+    libc.pthread_mutex_lock(gate)  # backward() waiting for that thread: C, deaf to SIGINT
+    libc.pthread_mutex_unlock(gate)
+"""
+
+
+def test_interrupt_while_another_thread_waits_in_a_collective_and_main_is_in_c(kernel):
+    """CUDA backward: autograd runs ``DistributedOptimizer``'s gradient hooks on its device
+    thread, whose bucket agreement is a ring collective, while the main thread waits for it in
+    C++ and never sees SIGINT. Here the same shape on CPU: the main thread blocks on a pthread
+    mutex (no signal ends that wait) that a thread in ``ring.allreduce`` holds, and rank 1 never
+    calls it. The guard gives that collective up within a second of calling the main thread
+    stuck, so the cell ends as an interrupt (not at the stall timeout); the thread saw the
+    collective cancelled, the variables stay and the next collective is right."""
+    kernel.ok("%%distributed\nkept_off_main = ring.rank() + 11")
+    out, error = kernel.execute(OFF_MAIN, timeout=60, interrupt_after=3.0)
+    assert error is not None and error["ename"] == "CellInterrupted", (out, error)
+    took = time.monotonic() - kernel.interrupted_at
+    assert took < 10, f"the cell returned {took:.1f} s after the interrupt"
+    out = kernel.ok("%%distributed\nprint(kept_off_main, type(got[0]).__name__ if ring.rank() == 0 else '-', "
+                    "ring.allreduce(np.arange(3.0) + ring.rank(), op=ring.Sum, name='after_off_main').tolist())")
+    assert sorted(out.splitlines()) == ["[rank 0] 11 Abandoned [1.0, 3.0, 5.0]",
+                                        "[rank 1] 12 - [1.0, 3.0, 5.0]"], out
+
+
 def test_error_in_notebook_names_first_failing_rank(kernel):
     out, error = kernel.execute("%%distributed\nif ring.rank() == 1:\n    time.sleep(0.2)\n"
                                 "    raise RuntimeError('only rank one')\nring.barrier()")

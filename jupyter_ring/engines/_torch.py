@@ -23,7 +23,8 @@ SIGINT through ``signal.set_wakeup_fd``, checks 0.3 s later whether the main thr
 it was (stuck in C) and then aborts the groups: their connections are shut down, the blocked call
 fails at once on this rank and on its peers, and the pending SIGINT raises KeyboardInterrupt. The
 same goes for ring collectives that other threads wait on while the main thread is in C++ (the
-ops of a TF1 ``session.run``): the monitor gives them up (``abandon_queued``), the session fails,
+ops of a TF1 ``session.run``, the gradient hooks autograd runs on its CUDA device thread while
+``backward()`` blocks): the monitor gives them up (``abandon_queued``), the blocked call fails,
 and the next collective resyncs the ranks.
 The same thread publishes each group's collective count in its store once a second; a rank stuck
 for the stall timeout while a peer has issued fewer collectives gets ``StallError`` naming it.
@@ -194,10 +195,7 @@ class TorchGuard:
         from ..runtime import _api, _progress  # on the rank only (the notebook imports this module too)
 
         groups = self._groups()
-        # ring collectives waited on in other threads while the main thread is in C++ (a TF1
-        # session.run: its ops wait in TensorFlow's threads, runtime.tensorflow._SessionOps)
-        fed = _progress.feeding.count
-        if not (groups or fed) or not self.executing:
+        if not self.executing or not (groups or self._sigint_at is not None):
             return
         now = time.monotonic()
         position = self._main_position()
@@ -210,9 +208,12 @@ class TorchGuard:
                 if groups:
                     self._abort(groups, f"interrupted while rank {self.rank} was blocked in torch "
                                         f"({position[2]})", None)
-                if fed:
-                    # the waits raise on their threads, the blocked call returns with their error,
-                    # the pending SIGINT raises KeyboardInterrupt; the next collective resyncs
+                # ring collectives waited on in other threads while the main thread is in C++:
+                # a TF1 session.run's ops (runtime.tensorflow), the gradient hooks autograd runs
+                # on its CUDA device thread while backward() blocks (runtime.torch). The waits
+                # raise on their threads, the blocked call returns with their error, the pending
+                # SIGINT raises KeyboardInterrupt; the next collective resyncs
+                if _progress.feeding.count or _api.busy():
                     _api.abandon_queued(f"interrupted while rank {self.rank} was blocked in {position[2]}")
         if groups and now - self._last_publish >= _TICK * 2:
             self._last_publish = now

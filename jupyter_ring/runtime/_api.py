@@ -951,6 +951,19 @@ def abandon_queued(reason):
     _proc.epoch += 1
 
 
+def busy():
+    """Whether a collective of this process is queued, running or waited on, in any thread.
+
+    The notebook's guard asks after an interrupt that found the main thread blocked in C++: a
+    collective then waits on another thread (autograd's device thread running gradient hooks, a
+    TF1 session's ops), which no KeyboardInterrupt reaches, and ``abandon_queued`` gives it up.
+    """
+    engines = [s.engine for s in _proc.sets.values() if s.engine is not None]
+    if _proc.engine is not None:
+        engines.append(_proc.engine)
+    return any(e.queue or e.callers or e.lock.locked() for e in engines)
+
+
 def epoch():
     """How many times queued work has been abandoned in this process (see abandon_queued)."""
     return _proc.epoch
