@@ -9,7 +9,8 @@
 #
 # GPU_BASELINE=<tree> also benchmarks another revision, alternated with this one; GPU_CPU_BENCH=1
 # adds the CPU benchmarks (latency, MLP training) on that machine's cores; GPU_PROFILE=1 profiles
-# gpu_train.py's device-bucket steps.
+# gpu_train.py's device-bucket steps. GPU_TESTS=<pytest -k expression> runs only those GPU tests;
+# GPU_BENCH=0 skips the GPU benchmarks (a short check of one change: less device time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -61,7 +62,9 @@ export IPYTHONDIR=/tmp/ipython JUPYTER_RUNTIME_DIR=/tmp/jupyter-runtime
 "$PY" -c "from mpi4py import MPI; print('mpi4py', MPI.Get_library_version().splitlines()[0])" 2>&1 | tee -a "$OUT/env.txt"
 
 echo "== pytest -m gpu" | tee "$OUT/gpu-tests.txt"
-timeout 330 "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider tests/test_torch.py tests/test_cupy.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
+timeout 330 "$PY" -m pytest -m gpu ${GPU_TESTS:+-k "$GPU_TESTS"} -v -rs -p no:cacheprovider \
+  tests/test_torch.py tests/test_cupy.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
+[ "${GPU_BENCH:-1}" = 0 ] && exit 0
 echo "== benchmarks/gpu_allreduce.py" | tee "$OUT/gpu-bench.txt"
 if [ -n "${GPU_BASELINE:-}" ]; then
   # another revision's tree (e.g. `git archive main | tar -x -C .gpubase`, carried): both run on

@@ -1,7 +1,9 @@
 """CUDA tensors through the device transport (NCCL), never staged: prints TORCH_CUDA_OK <rank>.
 
-Collectives of every dtype at awkward sizes, grouped allreduce, and DistributedOptimizer training
-(device buckets, .grad views of them, launched during backward) against one process's SGD.
+Collectives of every dtype at awkward sizes, grouped allreduce, DistributedOptimizer training
+(device buckets, .grad views of them, launched during backward) against one process's SGD, and
+the NCCL communicator aborted (idle, and with an allreduce in flight) and re-created before the
+next collective.
 
 Staging is made impossible: the adapter's host copy (``_to_numpy``) raises for a CUDA tensor, so
 a collective that would stage fails here instead of passing slowly. One GPU per rank (NCCL refuses
@@ -14,7 +16,7 @@ import _checks
 import torch
 
 import jupyter_ring.runtime.torch as hvd
-from jupyter_ring.runtime import _device
+from jupyter_ring.runtime import RingError, _device
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -64,6 +66,30 @@ for b in opt._buckets:
 group = _device.transport().group("cuda")
 if group.kinds["cuda"] != "nccl":
     failures.append(f"the CUDA group is {group.kinds}, not NCCL")
+
+# ---- abort and rebuild of the NCCL communicator: what an interrupt or a stall inside a transfer
+# does (the transport gives the group up; the notebook's guard aborts a user's group it shares),
+# once with nothing in flight and once with a 64 MiB allreduce launched; the group is re-created
+# on every rank before the next collective, which is exact, and training goes on
+big = torch.full((1 << 24,), float(r + 1), device=dev)
+for label, in_flight in (("idle", False), ("in flight", True)):
+    generation, backend = group.generation, group.backends["cuda"]
+    handle = hvd.allreduce_async_(big, op=hvd.Sum, name=f"abandoned {label}") if in_flight else None
+    group.abort(f"test: given up {label}")
+    if handle is not None:
+        try:  # done before the abort (one rank is quick), or failed by it: either is right
+            hvd.synchronize(handle)
+        except RingError as exc:
+            print(f"rank {r}: the allreduce in flight failed with the abort: {str(exc)[:80]}", flush=True)
+    t = torch.arange(1009, dtype=torch.float32, device=dev) + r
+    hvd.allreduce_(t, op=hvd.Sum, name=f"after abort {label}")
+    check(f"allreduce after the abort ({label})", t, torch.arange(1009, dtype=torch.float64) * n + n * (n - 1) / 2)
+    if group.generation != generation + 1 or group.backends["cuda"] is backend or group.aborted:
+        failures.append(f"the NCCL group was not re-created after the abort ({label}): generation "
+                        f"{generation} -> {group.generation}, aborted {group.aborted!r}")
+    if group.kinds["cuda"] != "nccl":
+        failures.append(f"after the abort ({label}) the CUDA group is {group.kinds}, not NCCL")
+_checks.train_matches_one_process(hvd, dev, failures)
 if failures:
     print(f"rank {r}: " + "; ".join(failures[:10]), flush=True)
     sys.exit(1)
