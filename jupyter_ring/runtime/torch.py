@@ -1509,11 +1509,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _learn_order(self):
         # Rank 0's hook order of its first step becomes everyone's bucket order, so that later
         # steps launch each bucket as soon as it is ready (overlap with the rest of backward).
+        # An allreduce, not a broadcast: a rank that called join() before this step answers it
+        # with zeros, as Horovod's join does for every allreduce. Rank 0's order + 1 in a Sum
+        # with everyone else's zeros; all zeros (rank 0 itself joined) keeps the present order.
         root = 0 if _api.is_global(self._process_set) else self._process_set.ranks[0]
-        fired = _ring.broadcast_object(self._fired if _ring.rank() == root else None, root,
-                                       name="DistributedOptimizer.order", process_set=self._process_set)
+        code = np.zeros(len(self._params), np.int64)
+        if _ring.rank() == root:
+            code[:len(self._fired)] = np.asarray(self._fired, np.int64) + 1
+        _ring.allreduce_(code, op=_ring.Sum, name="DistributedOptimizer.order", process_set=self._process_set)
+        fired = [int(i) - 1 for i in code if i > 0]
         seen = set(fired)
-        order = list(fired) + [i for i in self._order if i not in seen]
+        order = fired + [i for i in self._order if i not in seen]
         self._order_learned = True
         if order != self._order:
             # grads of the old buckets stay valid views until their next launch moves them in

@@ -297,6 +297,39 @@ if n > 1:
     check("allreduce after the joins", hvd.allreduce(torch.full((5,), float(r)), op=hvd.Sum, name="after.joins"),
           torch.full((5,), float(n * (n - 1) // 2)))
 
+# ---- join before DistributedOptimizer's first step (uneven data: a rank without a single batch).
+# The first step learns the bucket order by an allreduce the joined rank answers with zeros; with
+# rank 0 joined there is no order to learn and the constructor's stays. Every active rank steps
+# with the sum of the active ranks' gradients over n (Horovod's average with the joined zeros).
+for joiner in sorted({0, n - 1}) if n > 1 else []:
+    def joined_mlp():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+    model, reference = joined_mlp(), joined_mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), bucket_bytes=64)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    active = [q for q in range(n) if q != joiner]
+    if r == joiner:
+        last = hvd.join()
+    else:
+        for step in range(3):
+            batches = [torch.randn(2 + q, 7, generator=torch.Generator().manual_seed(97 * step + q)) for q in range(n)]
+            opt.zero_grad()
+            model(batches[r]).square().mean().backward()
+            opt.step()
+            ref_opt.zero_grad()
+            (sum(reference(batches[q]).square().mean() for q in active) / n).backward()
+            ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):
+                failures.append(f"join before the first step (rank {joiner} joined): {name} "
+                                f"{p.flatten()[:3].tolist()} vs {q.flatten()[:3].tolist()}")
+        last = hvd.join()
+    if hvd.allgather_object(last) != [last] * n or last not in active:
+        failures.append(f"join before the first step (rank {joiner} joined): join returned {last}")
+
 if failures:
     print(f"rank {r}: {len(failures)} failures:\n  " + "\n  ".join(failures[:30]), flush=True)
     sys.exit(1)

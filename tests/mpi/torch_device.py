@@ -144,16 +144,14 @@ if n > 1:
     ring.config().stall_timeout = 60.0
     exact_round("after-stall")
 
-    # ---- join(): the last rank is out of data; the others' device allreduces (plain, grouped,
-    # a DistributedOptimizer's buckets) go through the ring with its zeros, as in Horovod;
-    # other collectives raise on every active rank; join() returns the rank that joined last
+    # ---- join(): the last rank is out of data, before DistributedOptimizer's first step; the
+    # others' device allreduces (plain, grouped, the optimizer's buckets and its first step's
+    # bucket order) go through the ring with its zeros, as in Horovod; other collectives raise on
+    # every active rank; join() returns the rank that joined last
     joiner = n - 1
     model = torch.nn.Linear(6, 3)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters())
-    opt.zero_grad()
-    model(torch.ones(2, 6)).sum().backward()
-    opt.step()  # every rank: the first step learns the bucket order (an object broadcast)
     before = [p.detach().clone() for p in model.parameters()]
     if r == joiner:
         last = hvd.join()
