@@ -22,7 +22,10 @@ Data paths, chosen per process:
   through a CUDA event, so SIGINT and the stall timeout work; a collective given up aborts the
   communicator and every rank makes a new one at the next agreement.
 * **Staged**: device -> pinned host buffer -> the ring runtime -> device. Used when NCCL is missing,
-  for alltoall and reducescatter, or when ``JUPYTER_RING_CUPY_NCCL=0``.
+  for alltoall and reducescatter, for a ``process_set`` other than the global one (as the torch
+  adapter does), or when ``JUPYTER_RING_CUPY_NCCL=0``.
+
+Every collective takes Horovod's ``process_set=`` (a rank outside the set gets a clear error).
 
 Without a CUDA device every collective raises :class:`RingError` naming what is missing.
 """
@@ -169,13 +172,14 @@ def _agree(kind, name, arr, op=None, root=None, rows_may_differ=False):
         _nccl.abort("a peer rank gave a collective up")
 
 
-def _use_nccl(arr):
-    return nccl_available() and _ring.size() > 1 and _nccl_dtype(arr.dtype) is not None
+def _use_nccl(arr, process_set):
+    return (nccl_available() and _ring.size() > 1 and _nccl_dtype(arr.dtype) is not None
+            and _api.is_global(process_set))
 
 
-def _tensor(arr, op=None):
+def _tensor(arr, process_set, op=None):
     """A torch view of ``arr`` (DLPack, no copy) when it goes to the device transport, else None."""
-    if not nccl_available() or _device.mode() == "off":
+    if not nccl_available() or _device.mode() == "off" or not _api.is_global(process_set):
         return None
     try:
         import torch
@@ -199,14 +203,16 @@ def _to_host(arr):
 
 
 # ------------------------------------------------------------------ collectives
-def allreduce(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              process_set=global_process_set):
     """Reduce a cupy array over the ranks (default: Average) into a new cupy array."""
     where = f"allreduce '{name}'"
     _check(arr, where)
-    return allreduce_(arr.copy(), average, name, op, prescale_factor, postscale_factor)
+    return allreduce_(arr.copy(), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
     """In-place allreduce of a C-contiguous cupy array; returns it."""
     where = f"allreduce_ '{name}'"
     _check(arr, where)
@@ -215,13 +221,13 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
     op = _api.resolve_op(op, average, where)
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
-    tensor = _tensor(arr, op)
+    tensor = _tensor(arr, process_set, op)
     if tensor is not None:
         transport = _device.transport()
         transport.allreduce_([tensor], op, transport.auto_name("allreduce", name), prescale_factor,
                              postscale_factor)
         return arr
-    if _use_nccl(arr) and (op not in (Average,) or arr.dtype.kind == "f"):
+    if _use_nccl(arr, process_set) and (op not in (Average,) or arr.dtype.kind == "f"):
         _agree("allreduce", name, arr, op)
         if prescale_factor != 1.0:
             arr *= arr.dtype.type(prescale_factor)
@@ -234,63 +240,64 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
             arr *= arr.dtype.type(scale)
         return arr
     host = _to_host(arr)
-    _ring.allreduce_(host, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    _ring.allreduce_(host, name=name, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                     process_set=process_set)
     arr.set(host)
     return arr
 
 
-def allgather(arr, name=None):
+def allgather(arr, name=None, process_set=global_process_set):
     """Every rank's array concatenated along dim 0 (which may differ between ranks)."""
     where = f"allgather '{name}'"
     _check(arr, where)
     if arr.ndim == 0:
         raise ValueError(f"{where}: needs an array with at least one dimension; pass x.reshape(1)")
-    tensor = _tensor(arr)
+    tensor = _tensor(arr, process_set)
     if tensor is not None:
         transport = _device.transport()
         return cupy.from_dlpack(transport.allgather(tensor, transport.auto_name("allgather", name)))
-    return cupy.asarray(_ring.allgather(_to_host(arr), name=name))
+    return cupy.asarray(_ring.allgather(_to_host(arr), name=name, process_set=process_set))
 
 
-def broadcast_(arr, root_rank=0, name=None):
+def broadcast_(arr, root_rank=0, name=None, process_set=global_process_set):
     """In-place broadcast of root's array into ``arr``; returns it."""
     where = f"broadcast_ '{name}'"
     _check(arr, where)
     if not arr.flags.c_contiguous:
         raise ValueError(f"{where}: the in-place form needs a C-contiguous array")
-    tensor = _tensor(arr)
+    tensor = _tensor(arr, process_set)
     if tensor is not None:
         transport = _device.transport()
         transport.broadcast_(tensor, root_rank, transport.auto_name("broadcast", name))
         return arr
-    if _use_nccl(arr):
+    if _use_nccl(arr, process_set):
         _agree("broadcast", name, arr, root=root_rank)
         stream = cupy.cuda.get_current_stream()
         _nccl.get().bcast(arr.data.ptr, arr.size, _nccl_dtype(arr.dtype), root_rank, stream.ptr)
         _nccl.wait(stream, where)
         return arr
     host = _to_host(arr)
-    _ring.broadcast_(host, root_rank, name=name)
+    _ring.broadcast_(host, root_rank, name=name, process_set=process_set)
     arr.set(host)
     return arr
 
 
-def broadcast(arr, root_rank=0, name=None):
+def broadcast(arr, root_rank=0, name=None, process_set=global_process_set):
     """Root's array, returned as a new cupy array on every rank."""
     _check(arr, f"broadcast '{name}'")
-    return broadcast_(cupy.ascontiguousarray(arr).copy(), root_rank, name)
+    return broadcast_(cupy.ascontiguousarray(arr).copy(), root_rank, name, process_set)
 
 
-def reducescatter(arr, op=Average, name=None):
+def reducescatter(arr, op=Average, name=None, process_set=global_process_set):
     """Reduce over ranks and return this rank's block of dim 0 (staged through host memory)."""
     _check(arr, f"reducescatter '{name}'")
-    return cupy.asarray(_ring.reducescatter(_to_host(arr), op=op, name=name))
+    return cupy.asarray(_ring.reducescatter(_to_host(arr), op=op, name=name, process_set=process_set))
 
 
-def alltoall(arr, splits=None, name=None):
-    """Send ``splits[q]`` rows to rank q, receive theirs: (output, received_splits); staged."""
+def alltoall(arr, splits=None, name=None, process_set=global_process_set):
+    """Send ``splits[q]`` rows to rank q of the set, receive theirs: (output, received_splits); staged."""
     _check(arr, f"alltoall '{name}'")
     if isinstance(splits, cupy.ndarray):
         splits = splits.get()
-    out, received = _ring.alltoall(_to_host(arr), splits, name=name)
+    out, received = _ring.alltoall(_to_host(arr), splits, name=name, process_set=process_set)
     return cupy.asarray(out), np.asarray(received)

@@ -1,4 +1,5 @@
-"""CuPy collectives on a GPU per rank (NCCL or staged, per JUPYTER_RING_CUPY_NCCL). Prints CUPY_OK <rank>."""
+"""CuPy collectives on a GPU per rank (NCCL or staged, per JUPYTER_RING_CUPY_NCCL), reducescatter, alltoall and
+process sets. Prints CUPY_OK <rank>."""
 
 import sys
 
@@ -33,6 +34,43 @@ if n > 1:
     except ring.CollectiveMismatchError:
         pass
 close("after mismatch", ring.allreduce(cp.ones(3, cp.float32), op=ring.Sum, name="after"), np.full(3, n))
+
+# reducescatter and alltoall (staged on every path): rows not divisible by the world size
+rows = np.random.default_rng(7 + r).standard_normal((2 * n + 1, 3)).astype(np.float32)
+every = [np.random.default_rng(7 + q).standard_normal((2 * n + 1, 3)).astype(np.float32) for q in range(n)]
+cut = np.cumsum([0] + [(2 * n + 1) // n + (1 if q < (2 * n + 1) % n else 0) for q in range(n)])
+close("reducescatter Sum", ring.reducescatter(cp.asarray(rows), op=ring.Sum, name="rs"), sum(every)[cut[r]:cut[r + 1]])
+splits = [q + 1 for q in range(n)]  # rank q gets q + 1 rows from everyone
+mine = np.full((sum(splits), 2), r, np.float32)
+out, received = ring.alltoall(cp.asarray(mine), splits, name="a2a")
+close("alltoall", out, np.concatenate([np.full((r + 1, 2), q, np.float32) for q in range(n)]))
+if list(received) != [r + 1] * n:
+    failures.append(f"alltoall received splits {list(received)}")
+
+# process sets (staged through the ring's set, as the torch adapter does): {last rank} alone, and
+# {0, last} of 3 or more; a rank outside a set is told so
+for members in sorted({(n - 1,), (0, n - 1)}):
+    ps = ring.add_process_set(list(members))
+    if r in members:
+        k = members.index(r)
+        xs = [np.random.default_rng(31 + q).standard_normal(1009).astype(np.float32) for q in members]
+        close(f"set {members} allreduce Sum", ring.allreduce(cp.asarray(xs[k]), op=ring.Sum, name="ps", process_set=ps), sum(xs))
+        close(f"set {members} allreduce_ Average", ring.allreduce_(cp.asarray(xs[k]), name="ps_", process_set=ps),
+              sum(xs) / len(members))
+        close(f"set {members} broadcast", ring.broadcast(cp.asarray(xs[k]), members[-1], name="psb", process_set=ps),
+              xs[-1])
+        parts = [np.full((q + 1, 2), q, np.float32) for q in members]
+        close(f"set {members} allgather", ring.allgather(cp.asarray(parts[k]), name="psg", process_set=ps),
+              np.concatenate(parts))
+    else:
+        try:
+            ring.allreduce(cp.ones(3, cp.float32), name="outside", process_set=ps)
+            failures.append(f"allreduce on set {members} from rank {r}, outside it, did not raise")
+        except ValueError as exc:
+            if "not in process set" not in str(exc):
+                failures.append(f"outside set {members}: {exc}")
+    ring.remove_process_set(ps)
+close("after the sets", ring.allreduce(cp.ones(3, cp.float32), op=ring.Sum, name="after_sets"), np.full(3, n))
 if failures:
     print(f"rank {r}: " + "; ".join(failures), flush=True)
     sys.exit(1)
