@@ -11,6 +11,7 @@
 # adds the CPU benchmarks (latency, MLP training) on that machine's cores; GPU_PROFILE=1 profiles
 # gpu_train.py's device-bucket steps. GPU_TESTS=<pytest -k expression> runs only those GPU tests;
 # GPU_BENCH=0 skips the GPU benchmarks (a short check of one change: less device time).
+# GPU_CPU_BENCH also runs overlap.py and allreduce.py (issue 17's figures with a core per engine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -64,26 +65,31 @@ export IPYTHONDIR=/tmp/ipython JUPYTER_RUNTIME_DIR=/tmp/jupyter-runtime
 echo "== pytest -m gpu" | tee "$OUT/gpu-tests.txt"
 timeout 330 "$PY" -m pytest -m gpu ${GPU_TESTS:+-k "$GPU_TESTS"} -v -rs -p no:cacheprovider \
   tests/test_torch.py tests/test_cupy.py 2>&1 | tee -a "$OUT/gpu-tests.txt"
-[ "${GPU_BENCH:-1}" = 0 ] && exit 0
-echo "== benchmarks/gpu_allreduce.py" | tee "$OUT/gpu-bench.txt"
-if [ -n "${GPU_BASELINE:-}" ]; then
-  # another revision's tree (e.g. `git archive main | tar -x -C .gpubase`, carried): both run on
-  # this machine, alternated twice, so their figures compare
-  for round in 1 2; do
-    for tree in "$PWD" "$GPU_BASELINE"; do
-      echo "== tree $tree (round $round)" | tee -a "$OUT/gpu-bench.txt"
-      (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 "$PY" benchmarks/gpu_allreduce.py) 2>&1 | tee -a "$OUT/gpu-bench.txt"
+if [ "${GPU_BENCH:-1}" != 0 ]; then
+  echo "== benchmarks/gpu_allreduce.py" | tee "$OUT/gpu-bench.txt"
+  if [ -n "${GPU_BASELINE:-}" ]; then
+    # another revision's tree (e.g. `git archive main | tar -x -C .gpubase`, carried): both run on
+    # this machine, alternated twice, so their figures compare
+    for round in 1 2; do
+      for tree in "$PWD" "$GPU_BASELINE"; do
+        echo "== tree $tree (round $round)" | tee -a "$OUT/gpu-bench.txt"
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 150 "$PY" benchmarks/gpu_allreduce.py) 2>&1 | tee -a "$OUT/gpu-bench.txt"
+      done
     done
-  done
-else
-  timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
+  else
+    timeout 150 "$PY" benchmarks/gpu_allreduce.py 2>&1 | tee -a "$OUT/gpu-bench.txt"
+  fi
+  echo "== benchmarks/gpu_train.py" | tee "$OUT/gpu-train.txt"
+  timeout 150 "$PY" benchmarks/gpu_train.py ${GPU_PROFILE:+--profile} 2>&1 | tee -a "$OUT/gpu-train.txt"
 fi
-echo "== benchmarks/gpu_train.py" | tee "$OUT/gpu-train.txt"
-timeout 150 "$PY" benchmarks/gpu_train.py ${GPU_PROFILE:+--profile} 2>&1 | tee -a "$OUT/gpu-train.txt"
 if [ -n "${GPU_CPU_BENCH:-}" ]; then
   # the machine's CPUs (many cores, unlike CI's 2): small-message latency and the MLP's efficiency
   # when the engine thread has a core of its own
   echo "== $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/cpu-bench.txt"
   timeout 90 "$PY" benchmarks/latency.py 2>&1 | tee -a "$OUT/cpu-bench.txt"
   timeout 240 "$PY" benchmarks/train_torch.py --repeats 2 2>&1 | tee -a "$OUT/cpu-bench.txt"
+  # issue 17's other CPU figures where each rank's engine thread has a core: overlap with an
+  # emulated backward, bandwidth against memcpy and MPI, 100 x 40 KiB fused against one 4 MiB
+  timeout 150 "$PY" benchmarks/overlap.py --steps 20 2>&1 | tee -a "$OUT/cpu-bench.txt"
+  timeout 240 "$PY" benchmarks/allreduce.py --runs 1 2>&1 | tee -a "$OUT/cpu-bench.txt"
 fi
