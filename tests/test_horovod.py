@@ -143,9 +143,9 @@ def test_session_runs_many_collective_ops_in_any_order(mpirun, n):
     """TF1: one session.run of 32 independent collectives (and gradients) matched by name in
     whatever order each rank's threads run them, in a session of one inter-op thread with the
     default wait (no op holds it while it waits) and with the inline wait in the threads init()
-    gives; 96 new ops' first runs with the graph's function library not growing; ops no rank can
-    pair fail on every rank with FailedPreconditionError naming them and the fix, under both
-    waits, and the session works after."""
+    gives; 96 new ops' first runs with the graph's function library not growing (2 ranks); ops
+    no rank can pair fail on every rank with FailedPreconditionError naming them and the fix,
+    under both waits, and the session works after."""
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
     result = mpirun("tf_session_ops.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     assert sorted(int(line.split()[1]) for line in result.lines("TF_SESSION_OK")) == list(range(n)), result.stdout

@@ -12,9 +12,9 @@ its own expected values:
    reducescatters and alltoalls of awkward sizes (0, 1, primes, not divisible by the ranks) and
    dtypes, plus broadcast and allgather gradients, three times over; the same ops built with
    ``JUPYTER_RING_TF_SESSION_WAIT=inline`` in a session of the threads ``init()`` gave;
-3. 96 more ops built into the graph the first session already ran (Horovod's in-place broadcast
-   test builds that many), each run alone once (its first run), then all in one run: the graph's
-   function library does not grow with them (an op adds nodes, no function);
+3. (at 1-2 ranks) 96 more ops built into the graph the first session already ran (Horovod's
+   in-place broadcast test builds that many), each run alone once (its first run), then all in one
+   run: the graph's function library does not grow with them (an op adds nodes, no function);
 4. for each wait, ranks that built two collectives in opposite orders, run by a session of one
    inter-op thread, so that no op is queued under the same name on every rank: every rank gets
    FailedPreconditionError naming the ops and the fixes, within seconds, and the next run works.
@@ -140,8 +140,9 @@ for wait, threads in (("thread", 1), ("inline", 0)):
             for (label, want, tol), got in zip(expected, session.run(fetches)):
                 check(f"{wait}, run {repeat}: {label}", got, want, tol)
 
-        if wait == "thread":
+        if wait == "thread" and n <= 2:
             # new ops in a graph the session already ran: each one's first run, then all at once
+            # (what this checks is each process's own graph and waits: at 2 ranks only, for time)
             functions = len(graph.as_graph_def().library.function)
             many, wants = [], []  # the default wait
             for i in range(96):
