@@ -69,11 +69,8 @@ class _Feeders:
         self.lock = threading.Lock()
         self.count = 0
 
-    def __call__(self):
-        return self._scope()
-
     @contextlib.contextmanager
-    def _scope(self):
+    def __call__(self):
         with self.lock:
             self.count += 1
         try:
