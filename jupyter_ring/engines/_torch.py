@@ -156,6 +156,7 @@ class TorchGuard:
 
     def _cell_starts(self, _info):
         self._position = None     # the stall clock starts with the cell
+        self._sigint_at = None    # an interrupt that came between cells is not this cell's
         self.executing = True
 
     def _cell_ends(self, _result):
@@ -214,7 +215,11 @@ class TorchGuard:
                 # raise on their threads, the blocked call returns with their error, the pending
                 # SIGINT raises KeyboardInterrupt; the next collective resyncs
                 if _progress.feeding.count or _api.busy():
-                    _api.abandon_queued(f"interrupted while rank {self.rank} was blocked in {position[2]}")
+                    # on a thread of its own: abandon waits for the collective to stop, and this
+                    # thread must go on ticking (stall checks, the next interrupt) whatever happens
+                    why = f"interrupted while rank {self.rank} was blocked in {position[2]}"
+                    threading.Thread(target=_api.abandon_queued, args=(why,), name="jupyter_ring-guard-abandon",
+                                     daemon=True).start()
         if groups and now - self._last_publish >= _TICK * 2:
             self._last_publish = now
             self._publish(groups)
