@@ -13,13 +13,12 @@ checks that a plain ``%%distributed`` cell shows it, once the front end shows it
 Reuses the JupyterLab fixture and chromium settings of tests/browser/test_lab_panel.py.
 """
 
-import os
 import time
 
 import pytest
 
 from conftest import screenshot_path
-from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, ROOT, _run_cell, lab, playwright_api  # noqa: F401
+from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, _run_cell, lab, playwright_api  # noqa: F401
 
 SCREENSHOT = screenshot_path("dashboard.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
 LIVE_SCREENSHOT = screenshot_path("dashboard-live.png")
@@ -63,12 +62,6 @@ ar.wait_for_output(2.0)
 live.finish(ar)
 ar.get()
 """
-
-
-def _wired():
-    """True once ``%%distributed`` shows the dashboard (the cell loop imports LiveDashboard)."""
-    with open(os.path.join(ROOT, "jupyter_ring", "_cell.py")) as f:
-        return "LiveDashboard" in f.read()
 
 
 def _open_notebook(p, lab):
@@ -149,9 +142,6 @@ def test_dashboard_renders_in_jupyterlab(lab):
     assert not [e for e in errors if "widget" in e.lower() or "jr-" in e], errors
 
 
-@pytest.mark.xfail(not _wired(), strict=False,
-                   reason="%%distributed does not show the dashboard yet (front end to wire "
-                          "jupyter_ring.widgets.live.LiveDashboard into _cell.CellRun)")
 def test_distributed_shows_the_dashboard(lab):
     with playwright_api.sync_playwright() as p:
         browser, page = _open_notebook(p, lab)
