@@ -943,10 +943,7 @@ def abandon_queued(reason):
     same calls). Stateful wrappers (DistributedOptimizer) compare :func:`epoch` to drop a step
     that began before.
     """
-    engines = [s.engine for s in _proc.sets.values() if s.engine is not None]
-    if _proc.engine is not None:
-        engines.append(_proc.engine)
-    for engine in engines:
+    for engine in _engines():
         engine.abandon(reason)
     _proc.epoch += 1
 
@@ -958,10 +955,15 @@ def busy():
     collective then waits on another thread (autograd's device thread running gradient hooks, a
     TF1 session's ops), which no KeyboardInterrupt reaches, and ``abandon_queued`` gives it up.
     """
+    return any(e.queue or e.callers or e.lock.locked() for e in _engines())
+
+
+def _engines():
+    """Every engine of this process: the process sets' and the global one."""
     engines = [s.engine for s in _proc.sets.values() if s.engine is not None]
     if _proc.engine is not None:
         engines.append(_proc.engine)
-    return any(e.queue or e.callers or e.lock.locked() for e in engines)
+    return engines
 
 
 def epoch():
