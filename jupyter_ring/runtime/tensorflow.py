@@ -215,8 +215,8 @@ class _SessionOps:
     started cannot start theirs; the engine then fails those collectives on every rank (every
     rank blocked, and the queues no longer growing) and the error says so (_tf_error). By default
     (``JUPYTER_RING_TF_SESSION_WAIT`` unset or ``thread``) an op waits on a thread of its own
-    instead (_SessionWaits): no starvation, at a higher cost per run; ``inline`` opts out. tf.function needs none of this: it
-    runs py_functions in program order.
+    instead (_SessionWaits): no starvation, at a higher cost per run; ``inline`` opts out.
+    tf.function needs none of this: it runs py_functions in program order.
     """
 
     def __init__(self):
@@ -449,9 +449,9 @@ class _SessionWaits:
     (_GraphErrors.checked). So an op adds a dozen nodes and no function to the graph's library, and a
     session's first run of a new op, which prepares executors over the whole library, costs no
     more with 100 ops built than with one. Each run makes the dataset anew: nothing of a failed or
-    abandoned run reaches the next one. Not the default: TensorFlow's graph optimizer works longer
-    on a new op's dataset nodes (its first run ~1.1-1.7x the inline wait's) and each run makes the
-    dataset and hands over to a thread (~1.2-1.8x per run; docs/benchmarks.md).
+    abandoned run reaches the next one. The cost, against the inline wait: TensorFlow's graph
+    optimizer works longer on a new op's dataset nodes (its first run ~1.3-2x) and each run makes
+    the dataset and hands over to a thread (~1.2-1.5x per op, +0.2-0.5 ms; docs/benchmarks.md).
     """
 
     def __init__(self):
