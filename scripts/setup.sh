@@ -72,5 +72,11 @@ echo "[setup] installing torch==2.13.0 (CPU)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
 echo "[setup] installing jupyter_ring[dev,torch,cupy] (editable)"
 .venv/bin/python -m pip install -q -e ".[dev,torch,cupy]"
+# Keras 2 (tf_keras, for TF_USE_LEGACY_KERAS=1: tests/mpi/keras2.py) at TensorFlow's own version,
+# without its dependencies: it requires the package "tensorflow", which would install a second
+# TensorFlow over tensorflow-cpu's files
+tf_version=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("tensorflow-cpu"))')
+echo "[setup] installing tf_keras~=$tf_version (Keras 2, no dependencies)"
+.venv/bin/python -m pip install -q --no-deps "tf_keras~=$tf_version"
 echo "$want" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import mpi4py, ipyparallel, torch; print("mpi4py", mpi4py.__version__, "ipyparallel", ipyparallel.__version__, "torch", torch.__version__)')"

@@ -61,6 +61,24 @@ print('torch' in sys.modules, 'cupy' in sys.modules)
     assert lines[3] == "False False", "the tensorflow adapter must import only tensorflow"
 
 
+def test_keras2_has_the_same_names_and_a_missing_tf_keras_names_the_fix():
+    # TF_USE_LEGACY_KERAS=1: tf.keras is tf_keras, and the adapters follow it with the same names
+    code = f"""
+import jupyter_ring.runtime.tensorflow as t, jupyter_ring.runtime.keras as k
+print(t.LEGACY_KERAS, type(k.DistributedOptimizer).__name__, t.SyncBatchNormalization.__mro__[1].__module__)
+print(sorted(k.__all__) == {sorted(KERAS_PUBLIC)!r}, all(getattr(k, n).__doc__ for n in k.__all__ if n != 'callbacks'))
+"""
+    out = _python(code, TF_USE_LEGACY_KERAS="1", KERAS_BACKEND="tensorflow")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:2] == ["True", "function"] and lines[0].split()[2].startswith("tf_keras."), out.stdout
+    assert lines[1] == "True True", out.stdout
+    code = ("import sys; sys.modules['tf_keras'] = None\n"
+            "try:\n    import jupyter_ring.runtime.tensorflow\nexcept ImportError as e:\n    print(e)\n")
+    out = _python(code, TF_USE_LEGACY_KERAS="1")
+    assert "TF_USE_LEGACY_KERAS='1'" in out.stdout and "pip install 'tf_keras~=" in out.stdout, out
+
+
 @pytest.mark.parametrize("module,extra", [("tensorflow", "the tensorflow adapter needs tensorflow"),
                                           ("keras", "the keras adapter needs tensorflow")])
 def test_missing_tensorflow_names_the_extra(module, extra):
@@ -75,4 +93,13 @@ def test_missing_tensorflow_names_the_extra(module, extra):
 def test_tensorflow_and_keras(mpirun, n):
     result = mpirun("tf_all.py", n, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     ranks = sorted(int(line.split()[1]) for line in result.lines("TF_ALL_OK"))
+    assert ranks == list(range(n)), result.stdout
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_keras2_tf_keras(mpirun, n):
+    """Keras 2 (tf_keras under TF_USE_LEGACY_KERAS=1, which scripts/setup.sh installs): fit with
+    both optimizer families, callbacks, partial and sparse gradients, load_model, SyncBatchNormalization."""
+    result = mpirun("keras2.py", n, timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"})
+    ranks = sorted(int(line.split()[1]) for line in result.lines("KERAS2_OK"))
     assert ranks == list(range(n)), result.stdout

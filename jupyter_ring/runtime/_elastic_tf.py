@@ -93,7 +93,9 @@ class TensorFlowKerasState(_VariablesState):
 
     def _vars(self):
         optimizer = self.optimizer
-        return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+        from .tensorflow import _optimizer_variables
+
+        return list(self.model.variables) + (_optimizer_variables(optimizer) if optimizer is not None else [])
 
 
 KerasState = TensorFlowKerasState

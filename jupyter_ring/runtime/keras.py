@@ -1,4 +1,4 @@
-"""Horovod's Keras API for Keras 3 (TensorFlow backend) on jupyter_ring's ring runtime.
+"""Horovod's Keras API (Keras 3 with the TensorFlow backend, or Keras 2) on jupyter_ring's ring runtime.
 
 ::
 
@@ -13,6 +13,11 @@
 Inside ``model.fit`` the gradients are averaged by one ``tf.py_function`` in the compiled train
 step, so ``fit`` runs in graph mode; ``run_eagerly=True`` works too. XLA (``jit_compile=True``,
 Keras' "auto" choice on GPUs) cannot compile a py_function: compile with ``jit_compile=False``.
+
+Keras 2: as Horovod's ``horovod.tensorflow.keras`` this follows ``tf.keras``. With
+``TF_USE_LEGACY_KERAS=1`` set before TensorFlow's import and the ``tf_keras`` package installed,
+``tf.keras`` is Keras 2; the callbacks then derive from its classes and ``DistributedOptimizer``,
+``load_model`` come from :mod:`._keras2` (Horovod's wrapper: a subclass of the optimizer's class).
 """
 
 import types
@@ -33,7 +38,8 @@ from ._common import __all__ as _COMMON
 from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
 from ._horovod import __all__ as _HOROVOD
 from . import _elastic_keras as elastic  # Horovod's elastic API for a fixed world
-from .tensorflow import Compression, broadcast_variables, init
+from .tensorflow import LEGACY_KERAS, Compression, broadcast_variables, init
+from .tensorflow import _K  # tf.keras: Keras 3 (the keras package), or Keras 2 (tf_keras)
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "allreduce", "allgather",
@@ -239,7 +245,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 
 
 # ------------------------------------------------------------------ callbacks
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(_K.callbacks.Callback):
     """At the start of training, give every rank root's model and optimizer variables.
 
     The optimizer is built first (its slots exist before the first batch), so training starts
@@ -259,14 +265,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             return
         model = self.model
         opt = model.optimizer
-        if opt is not None and not opt.built:
+        if opt is not None and LEGACY_KERAS:
+            from ._keras2 import build_optimizer
+
+            build_optimizer(opt, model.trainable_variables)
+        elif opt is not None and not opt.built:
             opt.build(model.trainable_variables)
-        variables = list(model.variables) + (list(opt.variables) if opt is not None else [])
+        variables = list(model.variables) + (_tf_adapter._optimizer_variables(opt) if opt is not None else [])
         broadcast_variables([v for v in variables if id(v) not in self.local_variables], root_rank=self.root_rank)
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_K.callbacks.Callback):
     """At the end of every epoch, replace each metric in ``logs`` by its average over the ranks.
 
     Put it before callbacks that read the metrics (checkpoints, early stopping, LR schedules).
@@ -289,16 +299,20 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 def _get_lr(optimizer):
+    if LEGACY_KERAS:
+        return float(_K.backend.get_value(optimizer.learning_rate))
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_K.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
 
     ``multiplier``: a number (exponential decay, ``multiplier ** (epoch - start_epoch)``) or a
     function of the (fractional, with ``staircase=False``) epoch; with ``staircase`` the rate
     changes at the first batch of each epoch, otherwise at every batch. ``momentum_correction``
-    is accepted but has no effect: Keras 3 compiles the momentum into the train step as a constant.
+    (Goyal et al.: the momentum scaled by new / old rate for the batch where the rate changes)
+    works where the momentum is a variable, as in Keras 2's legacy optimizers; elsewhere it has no
+    effect (Keras 3 and Keras 2's newer optimizers compile the momentum in as a constant).
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
@@ -313,6 +327,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
+        self.restore_momentum = None
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
 
     def _autodetect_steps_per_epoch(self):
@@ -325,7 +340,20 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                          f"{type(self).__name__}()")
 
     def _adjust_learning_rate(self, epoch):
-        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        opt = self.model.optimizer
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        momentum = getattr(opt, "momentum", None) if self.momentum_correction else None
+        if isinstance(momentum, tf.Variable):
+            old_lr = _get_lr(opt)
+            self.restore_momentum = float(momentum.numpy())
+            if old_lr:
+                momentum.assign(self.restore_momentum * new_lr / old_lr)
+        opt.learning_rate = new_lr
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.restore_momentum is not None:
+            self.model.optimizer.momentum.assign(self.restore_momentum)
+            self.restore_momentum = None
 
     def on_train_begin(self, logs=None):
         if not self.staircase and not self.steps_per_epoch:
@@ -373,7 +401,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_get_lr(self.model.optimizer):g}.")
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(_K.callbacks.ModelCheckpoint):
     """Keep only the best model seen (``save_best_only``) at ``filepath``, which may be set later.
 
     Horovod's: a ModelCheckpoint whose file path the training harness sets (``cb.filepath =
@@ -396,7 +424,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
 
 # ------------------------------------------------------------------ dashboard (owner: widgets)
-class ProgressCallback(keras.callbacks.Callback):
+class ProgressCallback(_K.callbacks.Callback):
     """Report ``fit``'s steps and batch metrics (loss, ...) to the notebook's dashboard.
 
     ``ring.progress(step, total=epochs * steps)`` after every batch, and ``ring.log`` of the
@@ -436,6 +464,9 @@ class ProgressCallback(keras.callbacks.Callback):
         if values:
             _report.log(**values)
 
+
+if LEGACY_KERAS:  # Keras 2 (tf_keras): Horovod's wrapper, a subclass of the optimizer's own class
+    from ._keras2 import DistributedOptimizer, load_model  # noqa: E402,F811
 
 callbacks = types.SimpleNamespace(
     BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,

@@ -20,8 +20,12 @@ Horovod's gradient. Errors are TensorFlow's: ranks that disagree raise
 read, since py_function keeps no error type: see _GraphErrors), bad arguments found while running raise
 ``tf.errors.InvalidArgumentError``, a stall ``tf.errors.DeadlineExceededError`` (``UnknownError``
 inside a graph op). bfloat16 travels
-as float32; GPU tensors are staged through host memory. For Keras 3 ``model.fit`` see
+as float32; GPU tensors are staged through host memory. For Keras ``model.fit`` see
 :mod:`jupyter_ring.runtime.keras`.
+
+Keras is ``tf.keras``, as in Horovod: Keras 3, or Keras 2 (the ``tf_keras`` package) when
+``TF_USE_LEGACY_KERAS=1`` is set before TensorFlow is imported. ``SyncBatchNormalization`` and
+``DistributedOptimizer`` around a Keras optimizer follow that choice (see ``_keras2``).
 """
 
 try:
@@ -62,6 +66,29 @@ __all__ = [
     "PartialDistributedGradientTape", "SyncBatchNormalization",
 ]
 
+
+def _which_keras():
+    """(``tf.keras``'s module, whether it is Keras 2): Keras 2 is the ``tf_keras`` package, which
+    TensorFlow >= 2.16 gives as ``tf.keras`` when TF_USE_LEGACY_KERAS=1 was set before its import."""
+    try:
+        module = tf.keras   # its name is "tensorflow.keras" once a script imported from that path
+        legacy = module.layers.Layer.__module__.startswith("tf_keras.")
+    except ImportError as exc:  # TF_USE_LEGACY_KERAS is set but tf_keras is missing
+        raise ImportError(f"TF_USE_LEGACY_KERAS={os.environ.get('TF_USE_LEGACY_KERAS')!r} asks TensorFlow for "
+                          f"Keras 2, which is the tf_keras package: pip install 'tf_keras~={tf.__version__}' "
+                          "(or unset TF_USE_LEGACY_KERAS to use Keras 3)") from exc
+    return (module if legacy else keras), legacy
+
+
+def _optimizer_variables(optimizer):
+    """A Keras optimizer's variables: a property in Keras 3 and Keras 2, a method of Keras 2's
+    legacy optimizers (``tf.keras.optimizers.legacy``)."""
+    found = optimizer.variables
+    return list(found() if callable(found) and not isinstance(found, list) else found)
+
+
+# Keras as the user's tf.keras sees it: Keras 3 (the keras package), or Keras 2 (tf_keras)
+_K, LEGACY_KERAS = _which_keras()
 
 # TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
 _SESSION_THREADS = 64
@@ -1268,35 +1295,60 @@ def _local_weights(local_layers):
     """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
     if local_layers is None:
         return []
-    if isinstance(local_layers, keras.layers.Layer):
+    if isinstance(local_layers, _K.layers.Layer):
         local_layers = [local_layers]
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    if not all(isinstance(layer, _K.layers.Layer) for layer in local_layers):
         raise ValueError("All local layers must be of keras.layers.Layer type.")
     return [var for layer in local_layers for var in layer.trainable_weights]
 
 
 # ------------------------------------------------------------------ SyncBatchNormalization
-class SyncBatchNormalization(keras.layers.BatchNormalization):
-    """BatchNormalization whose training statistics cover every rank's batch (Horovod's).
+def _synced_moments(layer, inputs, mean, variance, axes):
+    """This rank's batch ``mean`` and ``variance`` over ``axes`` -> every rank's, weighted by count."""
+    if _ring.size() == 1:
+        return mean, variance
+    count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), mean.dtype)
+    stack = tf.stack([mean * count, (variance + tf.square(mean)) * count, tf.ones_like(mean) * count])
+    total = allreduce(stack, op=Sum, name=f"{layer.name}.moments")
+    group_mean = total[0] / total[2]
+    return group_mean, total[1] / total[2] - tf.square(group_mean)
 
-    Mean and variance are combined over the ranks weighted by each rank's count (one allreduce
-    per call); in inference it is the ordinary layer.
-    """
 
-    def __init__(self, fused=False, **kwargs):
-        if fused in (True, None):
-            raise ValueError("SyncBatchNormalization does not support fused=True.")
-        super().__init__(**kwargs)
+def _refuse_fused(fused):
+    if fused in (True, None):
+        raise ValueError("SyncBatchNormalization does not support fused=True.")
 
-    def _moments(self, inputs, mask):
-        mean, variance = super()._moments(inputs, mask)
-        if _ring.size() == 1:
-            return mean, variance
-        rank = len(inputs.shape)
-        kept = [ax % rank for ax in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])]
-        axes = [a for a in range(rank) if a not in kept]
-        count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), mean.dtype)
-        stack = tf.stack([mean * count, (variance + tf.square(mean)) * count, tf.ones_like(mean) * count])
-        total = allreduce(stack, op=Sum, name=f"{self.name}.moments")
-        group_mean = total[0] / total[2]
-        return group_mean, total[1] / total[2] - tf.square(group_mean)
+
+if LEGACY_KERAS:
+    class SyncBatchNormalization(_K.layers.BatchNormalization):
+        """BatchNormalization whose training statistics cover every rank's batch (Horovod's).
+
+        Mean and variance are combined over the ranks weighted by each rank's count (one allreduce
+        per call); in inference it is the ordinary layer. Keras 2 (tf_keras) here.
+        """
+
+        def __init__(self, fused=False, **kwargs):
+            _refuse_fused(fused)
+            kwargs.setdefault("name", "sync_batch_normalization")
+            super().__init__(fused=False, **kwargs)
+
+        def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
+            mean, variance = super()._calculate_mean_and_var(inputs, reduction_axes, keep_dims, mask=mask)
+            return _synced_moments(self, inputs, mean, variance, list(reduction_axes))
+else:
+    class SyncBatchNormalization(keras.layers.BatchNormalization):
+        """BatchNormalization whose training statistics cover every rank's batch (Horovod's).
+
+        Mean and variance are combined over the ranks weighted by each rank's count (one allreduce
+        per call); in inference it is the ordinary layer.
+        """
+
+        def __init__(self, fused=False, **kwargs):
+            _refuse_fused(fused)
+            super().__init__(**kwargs)
+
+        def _moments(self, inputs, mask):
+            mean, variance = super()._moments(inputs, mask)
+            rank = len(inputs.shape)
+            kept = [ax % rank for ax in (self.axis if isinstance(self.axis, (list, tuple)) else [self.axis])]
+            return _synced_moments(self, inputs, mean, variance, [a for a in range(rank) if a not in kept])

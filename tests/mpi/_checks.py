@@ -13,6 +13,17 @@ def expect_raises(failures, label, exc_types, fn):
     failures.append(f"{label}: did not raise")
 
 
+def close(failures, label, got, want, tol):
+    """Append to ``failures`` unless ``got`` and ``want`` have one shape and agree within ``tol``."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        failures.append(f"{label}: shape {got.shape} != {want.shape}")
+    elif not np.allclose(got, want, rtol=tol, atol=tol):
+        failures.append(f"{label}: max abs diff {np.abs(got - want).max():.3g}")
+
+
 def rank_gpu(hvd):
     """This rank's GPU (local rank modulo the GPUs there), made current; its torch device."""
     import torch

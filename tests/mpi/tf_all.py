@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
+import _checks  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -30,11 +31,7 @@ BATCH, STEPS = 12, 4
 
 
 def close(label, got, want, tol):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        failures.append(f"{label}: shape {got.shape} != {want.shape}")
-    elif not np.allclose(got, want, rtol=tol, atol=tol):
-        failures.append(f"{label}: max abs diff {np.abs(got - want).max():.3g}")
+    _checks.close(failures, label, got, want, tol)
 
 
 def same_on_all_ranks(label, arr):
