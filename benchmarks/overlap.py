@@ -34,16 +34,38 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-def parse():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description):
+    """The options of this benchmark and of its TensorFlow twin (overlap_tf.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--compute-ms", type=float, default=4.0, help="emulated backward time per layer")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--bucket-mib", type=float, default=0, help="bucket size (default: one layer)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def parse():
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--bucket-mib", type=float, default=0, help="bucket size (default: one layer)")
     return p.parse_args()
+
+
+def launch(script, args, *extra, **env_extra):
+    """Run ``script --worker`` with ``args``' options under the venv's mpiexec; rank 0's RESULT dict."""
+    from jupyter_ring.launch import find_mpiexec, mpi_env
+
+    env = mpi_env()
+    env.update(OMP_NUM_THREADS="1", **env_extra)
+    cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(script), "--worker",
+           "--layers", str(args.layers), "--width", str(args.width), "--compute-ms", str(args.compute_ms),
+           "--steps", str(args.steps), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"benchmark failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[0][len("RESULT "):])
 
 
 def worker(args):
@@ -124,18 +146,7 @@ def main():
     if args.worker:
         worker(args)
         return
-    from jupyter_ring.launch import find_mpiexec, mpi_env
-
-    env = mpi_env()
-    env.update(OMP_NUM_THREADS="1")
-    cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--layers", str(args.layers), "--width", str(args.width), "--compute-ms", str(args.compute_ms),
-           "--steps", str(args.steps), "--bucket-mib", str(args.bucket_mib)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        sys.exit(f"benchmark failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    t = json.loads(lines[0][len("RESULT "):])
+    t = launch(__file__, args, "--bucket-mib", str(args.bucket_mib))
     grads = args.layers * args.width * args.width * 4 / (1 << 20)
     comm = t["communication"] - t["compute, no sleeps"]
     exposed = t["overlapped"] - t["compute"]

@@ -1054,12 +1054,143 @@ def _view_of(tensor):
         return _host(tensor)
 
 
+# Inside a tf.function the fused gradients are cut into buckets of about this many bytes, in
+# backward order: each bucket's allreduce starts while backward still computes earlier layers
+# (the torch DistributedOptimizer's default and reasoning, docs/runtime.md)
+_BUCKET_BYTES = 8 << 20
+
+
+def _overlap():
+    """Whether gradients inside a tf.function go in buckets that start during backward, read when
+    the function is traced: ``JUPYTER_RING_TF_OVERLAP`` 1 or 0, else where it can pay.
+
+    The engine's thread reduces a bucket while backward goes on: that needs a core the backward
+    does not use. With TensorFlow on a GPU the CPU mostly waits; on the CPU a rank needs a second
+    core. With one core per rank (2 ranks on 2 cores) the reduction only takes turns with the
+    backward on it, and the buckets' extra ops and rounds make the step slower (measured:
+    docs/benchmarks.md), so there the gradients stay one op after backward.
+    """
+    value = os.environ.get("JUPYTER_RING_TF_OVERLAP", "").strip().lower()
+    if value not in ("", "0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"JUPYTER_RING_TF_OVERLAP={value!r}: use 1 (buckets during backward), 0 (one op after "
+                         "backward), or leave it unset (buckets where a rank has a GPU or a second core)")
+    if value:
+        return value in ("1", "on", "true")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * max(1, local_size()) or bool(tf.config.list_logical_devices("GPU"))
+
+
+def _bucket_bytes():
+    """``JUPYTER_RING_TF_BUCKET_BYTES`` (read when a tf.function is traced), else 8 MiB."""
+    value = os.environ.get("JUPYTER_RING_TF_BUCKET_BYTES", "").strip()
+    if not value:
+        return _BUCKET_BYTES
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"JUPYTER_RING_TF_BUCKET_BYTES={value!r}: give a positive number of bytes per "
+                         f"gradient bucket (default {_BUCKET_BYTES})")
+    return int(value)
+
+
+def _buckets(tensors, bucket_bytes):
+    """Indices of ``tensors`` cut into buckets of one dtype and about ``bucket_bytes``, last tensor
+    first (the order backward makes gradients in: the last layer's first)."""
+    buckets, current, size, dtype = [], [], 0, None
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        nbytes = t.shape.num_elements() * t.dtype.size
+        if current and (t.dtype != dtype or size >= bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        dtype = t.dtype
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _InFlight:
+    """Buckets queued by their submit op and not yet waited for, by token (ints travel in graphs)."""
+
+    def __init__(self):
+        self.pending = {}
+        self.tokens = iter(range(1, 1 << 62))
+
+    def add(self, entry):
+        token = next(self.tokens)
+        self.pending[token] = entry
+        return token
+
+    def take(self, token):
+        return self.pending.pop(int(token))
+
+    def forget_all(self):
+        """A wait failed, so the later buckets' waits will not run: drop their handles."""
+        for handle, _flat, _entries in self.pending.values():
+            _api.discard(handle)
+        self.pending.clear()
+
+
+_in_flight = _InFlight()
+
+
+def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, process_set):
+    """Inside a tf.function: per bucket a submit op, which queues the bucket's allreduce as soon as
+    its gradients exist (the engine's thread reduces it while backward goes on), then, after every
+    submit, a wait op per bucket. A tf.function runs its py_functions in program order (automatic
+    control dependencies), so every rank submits and waits in the same order; the wait takes the
+    gradients too, which keeps them alive while the engine reads them as sources."""
+    shapes = [tuple(t.shape.as_list()) for t in tensors]
+    tokens = []
+    for k, bucket in enumerate(buckets):
+        groups = _layout([tensors[i] for i in bucket])
+        bucket_name = f"{name}.bucket{k}"
+
+        def submit(ts, groups=groups, bucket_name=bucket_name, k=k):
+            (np_dtype, (entries, total)), = groups.items()
+            flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, f"bucket{k}")
+            sources = [(offset, _view_of(ts[j])) for j, offset, size in entries]
+            handle = _api.bucket_allreduce_async_(flat, _n(bucket_name), op=op, prescale_factor=prescale,
+                                                  postscale_factor=postscale, process_set=process_set,
+                                                  sources=sources)
+            return [tf.constant(_in_flight.add((handle, flat, entries)), tf.int64)]
+
+        tokens.append(_graph_op(lambda *ts, submit=submit, bucket_name=bucket_name:
+                                _run(submit, ts, process_set, bucket_name, in_graph=True),
+                                [tensors[i] for i in bucket], [tf.int64], [tf.TensorShape([])], None)[0])
+    outs = [None] * len(tensors)
+    for k, (bucket, token) in enumerate(zip(buckets, tokens)):
+
+        def wait(ts, bucket=bucket):
+            handle, flat, entries = _in_flight.take(ts[0].numpy())
+            try:
+                _ring.synchronize(handle)
+            except BaseException:
+                _in_flight.forget_all()
+                raise
+            return [tf.experimental.dlpack.from_dlpack(flat[offset:offset + size].reshape(shapes[bucket[j]])
+                                                       .__dlpack__())
+                    for j, offset, size in entries]
+
+        reduced = _graph_op(lambda *ts, wait=wait, k=k: _run(wait, ts, process_set, f"{name}.bucket{k}", in_graph=True),
+                            [token] + [tensors[i] for i in bucket], [tensors[i].dtype for i in bucket],
+                            [tensors[i].shape for i in bucket], None)
+        for i, r in zip(bucket, reduced):
+            outs[i] = r
+    return outs
+
+
 def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     """Allreduce gradients in place in one aligned buffer per dtype: at most one copy in, none out.
 
     The gradients go to the reduction as sources of the buffer: on one host only the blocks the
     peers read are copied into it, this rank's own block is reduced from the tensors where they
-    lie (half the copy on 2 ranks)."""
+    lie (half the copy on 2 ranks). Inside a tf.function, gradients of more than one bucket start
+    in buckets during backward (_overlapped_gradients)."""
+    if not tf.executing_eagerly() and tf.compat.v1.executing_eagerly_outside_functions() and _overlap():
+        buckets = _buckets(tensors, _bucket_bytes())
+        if len(buckets) > 1:
+            return _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, process_set)
     groups = _layout(tensors)
     shapes = [tuple(t.shape.as_list()) for t in tensors]
     in_graph = not tf.executing_eagerly()

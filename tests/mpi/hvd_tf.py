@@ -81,6 +81,25 @@ if n > 1:
         return hvd.DistributedGradientTape(tape).gradient(loss, [weights])
 
     expect_disagreement("gradient shapes differ (tf.function, fused)", "gradients[1 tensors", tape_step)
+    # in buckets that start during backward (tiny buckets: one per gradient), a bucket's wait
+    # raises it; the later buckets are dropped, and the next step, shapes alike, is exact
+    os.environ.update(JUPYTER_RING_TF_BUCKET_BYTES="8", JUPYTER_RING_TF_OVERLAP="1")
+    trio = [tf.Variable(tf.ones([3])), weights, tf.Variable(tf.ones([4]))]
+    good = [tf.Variable(tf.fill([k + 2], float(r + 1))) for k in range(3)]
+
+    def bucket_step(variables):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * v) for v in variables])
+        return hvd.DistributedGradientTape(tape).gradient(loss, variables)
+
+    expect_disagreement("gradient shapes differ (tf.function, buckets)", "gradients[3 tensors",
+                        tf.function(lambda: bucket_step(trio)))
+    got = tf.function(lambda: bucket_step(good))()
+    os.environ["JUPYTER_RING_TF_OVERLAP"] = "maybe"
+    expect_raises("JUPYTER_RING_TF_OVERLAP=maybe", (ValueError,), tf.function(lambda: bucket_step(good)))
+    del os.environ["JUPYTER_RING_TF_BUCKET_BYTES"], os.environ["JUPYTER_RING_TF_OVERLAP"]
+    close("buckets exact after the mismatch", np.concatenate([g.numpy() for g in got]),
+          np.concatenate([np.full(k + 2, n + 1.0) for k in range(3)]))
     expect_raises("alltoall dim 0 not divisible", (tf.errors.InvalidArgumentError,),
                   lambda: hvd.alltoall(tf.ones([n + 1])))
     close("usable after the errors", hvd.allreduce(tf.ones([2]), op=hvd.Sum, name="after"), [n, n])

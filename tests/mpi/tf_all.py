@@ -109,11 +109,29 @@ def tape_train(distributed, graph):
     return [w.numpy() for w in model.trainable_variables]
 
 
+class Buckets:
+    """Inside a tf.function, gradients in buckets of ``nbytes`` that start during backward (None:
+    the defaults: this small model's gradients are one fused op); read at trace time."""
+
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+    def __enter__(self):
+        if self.nbytes:  # buckets whatever the cores (by default only where a rank has a spare one)
+            os.environ.update(JUPYTER_RING_TF_BUCKET_BYTES=str(self.nbytes), JUPYTER_RING_TF_OVERLAP="1")
+
+    def __exit__(self, *exc):
+        os.environ.pop("JUPYTER_RING_TF_BUCKET_BYTES", None)
+        os.environ.pop("JUPYTER_RING_TF_OVERLAP", None)
+
+
 want = np.concatenate([w.ravel() for w in tape_train(False, False)])
-for graph in (False, True):
-    got = tape_train(True, graph)
-    close(f"DistributedGradientTape graph={graph}", np.concatenate([w.ravel() for w in got]), want, 1e-5)
-    same_on_all_ranks(f"tape graph={graph}", got)
+for graph, nbytes in ((False, None), (True, None), (True, 64)):
+    with Buckets(nbytes):
+        got = tape_train(True, graph)
+    close(f"DistributedGradientTape graph={graph} buckets={nbytes}", np.concatenate([w.ravel() for w in got]), want,
+          1e-5)
+    same_on_all_ranks(f"tape graph={graph} {nbytes}", got)
 
 
 # ---- the fused gradient op reduces in the transport's registered memory on one host (no copy into
@@ -171,11 +189,12 @@ def fit(distributed, run_eagerly):
 
 want, _ = fit(False, False)
 want = np.concatenate([w.ravel() for w in want])
-for eager in (False, True):
-    got, history = fit(True, eager)
-    close(f"keras fit run_eagerly={eager}", np.concatenate([w.ravel() for w in got]), want, 1e-5)
-    same_on_all_ranks(f"keras fit run_eagerly={eager}", got)
-    loss = hvd.allgather(tf.constant([history["loss"][-1]], tf.float64), name=f"loss.{eager}").numpy()
+for eager, nbytes in ((False, None), (True, None), (False, 64)):
+    with Buckets(nbytes):
+        got, history = fit(True, eager)
+    close(f"keras fit run_eagerly={eager} buckets={nbytes}", np.concatenate([w.ravel() for w in got]), want, 1e-5)
+    same_on_all_ranks(f"keras fit run_eagerly={eager} {nbytes}", got)
+    loss = hvd.allgather(tf.constant([history["loss"][-1]], tf.float64), name=f"loss.{eager}.{nbytes}").numpy()
     if not np.all(loss == loss[0]):
         failures.append(f"MetricAverageCallback: epoch losses differ between ranks: {loss}")
 
