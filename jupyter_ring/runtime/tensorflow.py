@@ -1065,19 +1065,19 @@ def _overlap():
     the function is traced: ``JUPYTER_RING_TF_OVERLAP`` 1 or 0, else where it can pay.
 
     The engine's thread reduces a bucket while backward goes on: that needs a core the backward
-    does not use. With TensorFlow on a GPU the CPU mostly waits; on the CPU a rank needs a second
-    core. With one core per rank (2 ranks on 2 cores) the reduction only takes turns with the
-    backward on it, and the buckets' extra ops and rounds make the step slower (measured:
-    docs/benchmarks.md), so there the gradients stay one op after backward.
+    does not use, so a second core per rank. With one core per rank (2 ranks on 2 cores) the
+    reduction only takes turns with the backward on it, and the buckets' extra ops and rounds
+    make the step slower (measured: docs/benchmarks.md), so there the gradients stay one op after
+    backward. (GPU gradients never come here: they are staged through host memory in one op.)
     """
     value = os.environ.get("JUPYTER_RING_TF_OVERLAP", "").strip().lower()
     if value not in ("", "0", "1", "off", "on", "false", "true"):
         raise ValueError(f"JUPYTER_RING_TF_OVERLAP={value!r}: use 1 (buckets during backward), 0 (one op after "
-                         "backward), or leave it unset (buckets where a rank has a GPU or a second core)")
+                         "backward), or leave it unset (buckets where a rank has a second core)")
     if value:
         return value in ("1", "on", "true")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= 2 * max(1, local_size()) or bool(tf.config.list_logical_devices("GPU"))
+    return cores >= 2 * max(1, local_size())
 
 
 def _bucket_bytes():
