@@ -103,3 +103,36 @@ def test_keras2_tf_keras(mpirun, n):
     result = mpirun("keras2.py", n, timeout=300, env={"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1"})
     ranks = sorted(int(line.split()[1]) for line in result.lines("KERAS2_OK"))
     assert ranks == list(range(n)), result.stdout
+
+
+KERAS2_CELL = '''%%distributed
+import os, json
+os.environ["TF_USE_LEGACY_KERAS"] = "1"   # the ranks have not imported TensorFlow yet
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, tensorflow as tf
+import jupyter_ring.runtime.keras as hvd
+hvd.init()
+tf.keras.utils.set_random_seed(hvd.rank())      # different starts: the callback aligns them
+model = tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9))
+model.compile(optimizer=opt, loss="mse", experimental_run_tf_function=False)
+x = np.random.default_rng(hvd.rank()).standard_normal((8, 4)).astype("float32")
+model.fit(x, x[:, :3], batch_size=4, epochs=2, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+w = np.concatenate([v.numpy().ravel() for v in model.weights])
+every = hvd.allgather(w[None])
+print(json.dumps([hvd.LEGACY_KERAS, type(opt).__mro__[2].__module__, bool(np.array_equal(every[0], every[1])),
+                  bool(np.isfinite(w).all() and np.abs(w).sum() > 0)]))
+'''
+
+
+def test_keras2_in_a_notebook_cell():
+    """A %%distributed cell switches its ranks to Keras 2 before importing TensorFlow and trains a
+    Horovod-style Keras 2 model: both ranks end with the same weights."""
+    from real_kernel import cluster_pids, ring_kernel
+
+    with ring_kernel(2) as k:
+        cluster_pids(k)
+        out = k.ok(KERAS2_CELL, timeout=240)
+    want = '[true, "tf_keras.src.optimizers.legacy.gradient_descent", true, true]'
+    assert sorted(line for line in out.splitlines() if want in line) == [f"[rank 0] {want}", f"[rank 1] {want}"], out
