@@ -18,7 +18,7 @@ import dataclasses
 import tensorflow as tf
 
 from . import tensorflow as _tf
-from ._common import Adasum, Average, global_process_set, size
+from ._common import Adasum, Average, global_process_set
 
 keras = tf.keras  # tf_keras: this module is imported only when tf.keras is Keras 2
 
@@ -43,22 +43,12 @@ class _Reduction:
 
     def reduce(self, grads, variables):
         """Every gradient averaged (``op``) over the ranks, but those of local variables."""
-        grads, variables = list(grads), list(variables)
-        shared = [i for i, v in enumerate(variables) if _tf._ref(v) not in self.local]
-        names = [f"{self.name}.gradient.{i}.{getattr(variables[i], 'name', i)}" for i in shared]
-        reduced = _tf._reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared], self.op,
-                                        self.prescale, self.postscale, self.compression, names,
-                                        self.sparse_as_dense, self.process_set)
-        out = list(grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if self.scale_local_gradients and len(shared) < len(out):
-            n = float(self.process_set.size() or size())
-            for i, g in enumerate(out):
-                if i not in shared and g is not None:
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / n)
-        return out
+        variables = list(variables)
+        return _tf._reduce_except_local(
+            list(grads), variables, lambda v: _tf._ref(v) in self.local,
+            [f"{self.name}.gradient.{i}.{getattr(v, 'name', i)}" for i, v in enumerate(variables)], self.op,
+            self.prescale, self.postscale, self.compression, self.sparse_as_dense, self.process_set,
+            self.scale_local_gradients)
 
 
 class _Aggregation:

@@ -136,18 +136,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(variables)
             self.built = True
-        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_vars]
-        shared_set = set(shared)
-        names = [f"gradient.{i}.{getattr(variables[i], 'path', i)}" for i in shared]
-        reduced = _tf_adapter._reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared],
-                                                self._op, self._prescale, self._postscale, self._compression,
-                                                names, self._sparse_as_dense, self._process_set)
-        out = list(grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if self._scale_local_gradients and len(shared) < len(out):
-            n = float(self._process_set.size() or size())
-            out = [g if i in shared_set or g is None else g / n for i, g in enumerate(out)]
+        out = _tf_adapter._reduce_except_local(
+            grads, variables, lambda v: id(v) in self._local_vars,
+            [f"gradient.{i}.{getattr(v, 'path', i)}" for i, v in enumerate(variables)], self._op, self._prescale,
+            self._postscale, self._compression, self._sparse_as_dense, self._process_set, self._scale_local_gradients)
         self.inner_optimizer.apply(out, trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):

@@ -993,6 +993,27 @@ def _reduce_gradients(grads, sources, op, prescale, postscale, compression, name
     return result
 
 
+def _reduce_except_local(grads, sources, is_local, names, op, prescale, postscale, compression, sparse_as_dense,
+                         process_set, scale_local):
+    """:func:`_reduce_gradients` of the gradients whose source is not local (``is_local(source)``);
+    a local one stays this rank's, divided by the set's size with ``scale_local`` (Horovod's
+    ``register_local_var`` / ``register_local_source``). ``names``: one per gradient."""
+    shared = [i for i, s in enumerate(sources) if not is_local(s)]
+    reduced = _reduce_gradients([grads[i] for i in shared], [sources[i] for i in shared], op, prescale, postscale,
+                                compression, [names[i] for i in shared], sparse_as_dense, process_set)
+    out = list(grads)
+    for i, g in zip(shared, reduced):
+        out[i] = g
+    if scale_local and len(shared) < len(out):
+        n = float(_set_size(process_set))
+        kept = set(shared)
+        for i, g in enumerate(out):
+            if i not in kept and g is not None:
+                out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                          if isinstance(g, tf.IndexedSlices) else g / n)
+    return out
+
+
 _FUSED_DTYPES = (tf.float16, tf.float32, tf.float64)
 
 
@@ -1148,11 +1169,8 @@ def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, proce
 
         def submit(ts, groups=groups, bucket_name=bucket_name, k=k):
             (np_dtype, (entries, total)), = groups.items()
-            flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, f"bucket{k}")
-            sources = [(offset, _view_of(ts[j])) for j, offset, size in entries]
-            handle = _api.bucket_allreduce_async_(flat, _n(bucket_name), op=op, prescale_factor=prescale,
-                                                  postscale_factor=postscale, process_set=process_set,
-                                                  sources=sources)
+            handle, flat = _queue_bucket(ts, np_dtype, entries, total, bucket_name, op, prescale, postscale,
+                                         process_set, f"bucket{k}")
             return [tf.constant(_in_flight.add((handle, flat, entries)), tf.int64)]
 
         tokens.append(_graph_op(lambda *ts, submit=submit, bucket_name=bucket_name:
@@ -1168,9 +1186,7 @@ def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, proce
             except BaseException:
                 _in_flight.forget_all()
                 raise
-            return [tf.experimental.dlpack.from_dlpack(flat[offset:offset + size].reshape(shapes[bucket[j]])
-                                                       .__dlpack__())
-                    for j, offset, size in entries]
+            return _views(flat, entries, [shapes[i] for i in bucket])
 
         reduced = _graph_op(lambda *ts, wait=wait, k=k: _run(wait, ts, process_set, f"{name}.bucket{k}", in_graph=True),
                             [token] + [tensors[i] for i in bucket], [tensors[i].dtype for i in bucket],
@@ -1178,6 +1194,22 @@ def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, proce
         for i, r in zip(bucket, reduced):
             outs[i] = r
     return outs
+
+
+def _queue_bucket(ts, np_dtype, entries, total, name, op, prescale, postscale, process_set, buffer_key):
+    """Queue the in-place allreduce of gradients ``ts`` laid out by ``entries`` (``_layout``'s, one
+    dtype, ``total`` elements) in a buffer of their own, whose sources they are. -> (handle, buffer)"""
+    flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, buffer_key)
+    sources = [(offset, _view_of(ts[i])) for i, offset, size in entries]
+    handle = _api.bucket_allreduce_async_(flat, _n(name), op=op, prescale_factor=prescale,
+                                          postscale_factor=postscale, process_set=process_set, sources=sources)
+    return handle, flat
+
+
+def _views(flat, entries, shapes):
+    """The reduced gradients of ``entries`` as TensorFlow tensors viewing ``flat`` (DLPack, no copy)."""
+    return [tf.experimental.dlpack.from_dlpack(flat[offset:offset + size].reshape(shapes[i]).__dlpack__())
+            for i, offset, size in entries]
 
 
 def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
@@ -1199,14 +1231,11 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     def body(ts):
         outs = [None] * len(ts)
         for np_dtype, (entries, total) in groups.items():
-            flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, key)
-            sources = [(offset, _view_of(ts[i])) for i, offset, size in entries]
-            _ring.synchronize(_api.bucket_allreduce_async_(
-                flat, _n(f"{name}.{np_dtype}"), op=op, prescale_factor=prescale, postscale_factor=postscale,
-                process_set=process_set, sources=sources))
-            for i, offset, size in entries:
-                view = flat[offset:offset + size].reshape(shapes[i])
-                outs[i] = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
+            handle, flat = _queue_bucket(ts, np_dtype, entries, total, f"{name}.{np_dtype}", op, prescale, postscale,
+                                         process_set, key)
+            _ring.synchronize(handle)
+            for (i, _offset, _size), view in zip(entries, _views(flat, entries, shapes)):
+                outs[i] = view
         return outs
 
     def fused(*ts):
@@ -1383,21 +1412,10 @@ class DistributedGradientTape:
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        shared = [i for i, s in enumerate(flat_sources) if _ref(s) not in self._local_sources]
-        names = [f"gradient.{i}" for i in shared]
-        reduced = _reduce_gradients([flat[i] for i in shared], [flat_sources[i] for i in shared], self._op,
-                                    self._prescale, self._postscale, self._compression, names,
-                                    self._sparse_as_dense, self.process_set)
-        out = list(flat)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if self.scale_local_gradients and self._local_sources:
-            n = float(_set_size(self.process_set))
-            for i, s in enumerate(flat_sources):
-                if i not in shared and out[i] is not None:
-                    g = out[i]
-                    out[i] = (tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / n)
+        out = _reduce_except_local(flat, flat_sources, lambda s: _ref(s) in self._local_sources,
+                                   [f"gradient.{i}" for i in range(len(flat))], self._op, self._prescale,
+                                   self._postscale, self._compression, self._sparse_as_dense, self.process_set,
+                                   self.scale_local_gradients)
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
