@@ -142,7 +142,7 @@ class Flat:
         self.ends = ends
         self.size = end
 
-    def _spans(self, lo, hi):
+    def spans(self, lo, hi):
         """(array, start in it, start in [lo, hi), count) covering elements [lo, hi)."""
         i = bisect.bisect_right(self.ends, lo)
         ends, arrays = self.ends, self.arrays
@@ -157,12 +157,12 @@ class Flat:
 
     def read(self, lo, hi, out):
         """Copy elements [lo, hi) into ``out``."""
-        for a, at, to, count in self._spans(lo, hi):
+        for a, at, to, count in self.spans(lo, hi):
             np.copyto(out[to:to + count], a[at:at + count])
 
     def write(self, lo, hi, src):
         """Copy ``src`` into elements [lo, hi)."""
-        for a, at, to, count in self._spans(lo, hi):
+        for a, at, to, count in self.spans(lo, hi):
             np.copyto(a[at:at + count], src[to:to + count])
 
 
@@ -767,7 +767,8 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     Pieces of half the slot (``shm_window_bytes`` caps it) are small enough to stay in the
     cache between the copy in, the reduction and the copy out.
     A fused pass (``src`` a ``Flat``) copies its members straight into the slot (applying the
-    prescale there), its own block into scratch, and its results straight out into the members.
+    prescale there), reduces its own block member by member where they lie (with a prescale: a
+    scaled copy in scratch), and copies its results straight out into the members.
     Ranks that called join() take no part: blocks are split among the participants.
     """
     slots = rt.shm
@@ -787,8 +788,9 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     step = cap * n
     slot = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
     count = -(-total // step)
-    direct = type(src) is not Flat  # own block read straight from the input
     pre = None if prescaled else dtype.type(plan.scale_pre)
+    # own block read straight from the input: one array, or the fused members where they lie
+    direct = type(src) is not Flat or pre is None
     own_copy = None if direct else rt.scratch(cap * dtype.itemsize).view(dtype)
     joined = rt.joined
 
@@ -816,8 +818,14 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
         a, c = blocks(k)
         lo, hi = c[index], c[index + 1]
         out = region(me, k, index, hi - lo)
-        own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]
-        _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
+        if type(src) is Flat and direct:  # member by member, each term read where it lies
+            theirs = [None if q == me else region(q, k, index, hi - lo) for q in parts]
+            for arr, at, to, length in src.spans(a + lo, a + hi):
+                _reduce_into(out[to:to + length], [arr[at:at + length] if t is None else t[to:to + length]
+                                                   for t in theirs], plan, joined)
+        else:
+            own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]
+            _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
         rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
         _write(dst, a + lo, a + hi, out)
 
