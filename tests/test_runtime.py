@@ -12,7 +12,7 @@ from jupyter_ring.runtime._trace import Trace, busbw_factor
 
 PUBLIC = {
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "config", "Config", "Sum", "Average", "Min", "Max", "Product", "Adasum",
+    "cross_rank", "config", "Config", "wait_policy", "WaitPolicy", "Sum", "Average", "Min", "Max", "Product", "Adasum",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
@@ -70,6 +70,43 @@ def test_shm_threshold_rejects_nonsense(monkeypatch):
     monkeypatch.setenv("JUPYTER_RING_SHM_THRESHOLD", "soon")
     with pytest.raises(ValueError, match="JUPYTER_RING_SHM_THRESHOLD='soon' is not a number"):
         Config.from_env()
+
+
+def test_wait_policy_yields_where_ranks_outnumber_cores_and_obeys_the_setting(monkeypatch, tmp_path):
+    """Issue 33, item 1: a waiting rank gives its core away only where a peer may need it."""
+    from jupyter_ring.runtime import _waits
+
+    assert _waits.choose("auto", 4, 2.0).mode == "yield"
+    assert _waits.choose("auto", 2, 2.0).mode == "spin"
+    assert _waits.choose("auto", 3, 2.5).yields and not _waits.choose("auto", 2, 2.5).yields
+    assert _waits.choose("spin", 8, 2.0).mode == "spin" and _waits.choose("yield", 1, 16.0).mode == "yield"
+    assert "auto: 4 rank(s) on this host, 2 core(s)" in _waits.choose("auto", 4, 2.0).describe()
+    with pytest.raises(ValueError, match="wait='busy' is not a wait mode; use one of auto, spin, yield"):
+        _waits.choose("busy", 2, 2.0)
+    # cores: the affinity mask, lowered by a cgroup v2 quota and by JupyterHub's CPU_LIMIT
+    mask = len(__import__("os").sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    quota.write_text("max 100000\n")
+    assert _waits.cores_available({}, str(quota)) == mask
+    quota.write_text("50000 100000\n")  # half a core: still one core to run on
+    assert _waits.cores_available({}, str(quota)) == 1.0
+    assert _waits.cores_available({"CPU_LIMIT": "1"}, str(tmp_path / "absent")) == 1.0
+    assert _waits.cores_available({"CPU_LIMIT": "lots"}, str(tmp_path / "absent")) == mask
+    # a long wait naps longer: a peer in a debugger costs its waiters almost nothing
+    assert _waits.next_nap(1e-5, 0.0) == 2e-5 and _waits.next_nap(1e-3, 0.5) == _waits.MAX_NAP
+    assert _waits.next_nap(1e-3, 5.0) == 2e-3 and _waits.next_nap(8e-3, 5.0) == _waits.LONG_NAP
+    monkeypatch.setenv("JUPYTER_RING_WAIT", "Yield")
+    assert Config.from_env().wait == "yield"
+    monkeypatch.setenv("JUPYTER_RING_WAIT", "sometimes")
+    with pytest.raises(ValueError, match="wait must be one of auto, spin, yield .JUPYTER_RING_WAIT., got 'sometimes'"):
+        Config.from_env()
+
+
+@pytest.mark.parametrize("n, wait", [(2, "auto"), (2, "yield"), (4, "auto")])
+def test_waiting_ranks_leave_the_core_and_stay_exact(mpirun, n, wait):
+    """Issue 33, item 1: 4 ranks outnumber this machine's cores (auto yields); every rank
+    checks its policy, waits 2 s for a computing rank at little CPU, and stays exact."""
+    all_ranks_ok(mpirun("rt_waits.py", n, env={"JUPYTER_RING_WAIT": wait}, timeout=120))
 
 
 def test_mismatch_message_names_tensor_ranks_and_values():

@@ -53,8 +53,10 @@ from ._api import (
     stats,
     synchronize,
     timeline,
+    wait_policy,
 )
 from ._config import Config
+from ._waits import WaitPolicy
 from ._core import Adasum, Average, Max, Min, Product, Sum
 from ._report import log, progress, track
 from ._where import Doing, doing
@@ -62,7 +64,7 @@ from ._errors import CollectiveMismatchError, NotInitializedError, PeerError, Ri
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "config", "Config",
+    "cross_rank", "config", "Config", "wait_policy", "WaitPolicy",
     "Sum", "Average", "Min", "Max", "Product", "Adasum",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _collectives as C
 from ._config import Config
+from ._waits import WaitPolicy
 from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
 from ._errors import NotInitializedError, RingError
 from ._progress import Call, Engine, Reduce
@@ -21,7 +22,7 @@ from ._report import reporter
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
-    "cross_rank", "config",
+    "cross_rank", "config", "wait_policy",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "allgather", "allgather_async", "broadcast",
     "broadcast_", "broadcast_async", "reducescatter", "alltoall", "barrier", "broadcast_object",
@@ -229,6 +230,15 @@ def cross_rank():
 def config():
     """The live :class:`Config` (change its fields to tune a running runtime)."""
     return _rt().config
+
+
+def wait_policy() -> WaitPolicy:
+    """How this rank waits for its peers (``spin`` or ``yield``) and why: ``.describe()`` says.
+
+    ``config().wait`` (``JUPYTER_RING_WAIT``: auto, spin, yield) chooses; ``auto`` yields the core
+    between polls where this host runs more ranks than the process may use cores.
+    """
+    return _rt().wait_policy()
 
 
 # ------------------------------------------------------------------ process sets

@@ -875,8 +875,7 @@ def _sync(rt, others, what):
     """Announce this rank's next shared-memory sync point and wait until ``others`` reach it."""
     slots = rt.shm
     value = slots.arrive(rt.gen)
-    rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others),
-            spin_yield=slots.oversubscribed)
+    rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
 
 
 def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):

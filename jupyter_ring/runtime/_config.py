@@ -3,6 +3,8 @@
 import dataclasses
 import os
 
+from ._waits import WAIT_MODES
+
 __all__ = ["Config"]
 
 MiB = 1 << 20
@@ -55,6 +57,10 @@ class Config:
     (benchmarks/allreduce.py --windows); where other work takes the cores, 4 MiB syncs less."""
     trace_records: int = 10000
     """How many recent collective records the trace keeps for ``timeline()``."""
+    wait: str = "auto"
+    """How a waiting rank uses its core: ``spin`` polls back to back at first (a core per rank),
+    ``yield`` gives the core to any other runnable process between polls (ranks outnumber cores),
+    ``auto`` picks ``yield`` where this host runs more ranks than the process may use cores."""
     finalize_timeout: float = 10.0
     """Seconds a rank may spend in MPI_Finalize at exit before it is ended (SIGALRM): a rank
     whose launcher or peers are unreachable (a host cut off) would otherwise wait there forever;
@@ -65,8 +71,12 @@ class Config:
         """Defaults, then ``JUPYTER_RING_*`` variables, then keyword overrides."""
         values = {}
         for field in dataclasses.fields(cls):
+            env = "JUPYTER_RING_" + field.name.upper()
+            if field.type is str:
+                values[field.name] = os.environ.get(env, "").strip().lower() or field.default
+                continue
             read = _env_bytes_or_off if field.name == "shm_threshold" else _env_float
-            value = read("JUPYTER_RING_" + field.name.upper(), field.default)
+            value = read(env, field.default)
             values[field.name] = int(value) if field.type is int else value
         values.update(overrides)
         config = cls(**values)
@@ -84,5 +94,7 @@ class Config:
             raise ValueError(f"cycle_ms must be >= 0 milliseconds, got {self.cycle_ms}")
         if self.eager_bytes < 0 or self.fusion_threshold < 0 or self.shm_threshold < 0:
             raise ValueError("eager_bytes, fusion_threshold and shm_threshold must be >= 0")
+        if self.wait not in WAIT_MODES:
+            raise ValueError(f"wait must be one of {', '.join(WAIT_MODES)} (JUPYTER_RING_WAIT), got {self.wait!r}")
         if self.shm_window_bytes < 1 << 16:
             raise ValueError(f"shm_window_bytes must be at least 65536, got {self.shm_window_bytes}")

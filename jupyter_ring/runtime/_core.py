@@ -12,7 +12,8 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    allreduce above ``shm_threshold`` goes through shared-memory slots instead (``_shm``), if
    every rank offers its slot in the agreement message.
 3. **Waiting.** Every wait is a nonblocking request (or a shared-memory counter) polled from
-   Python: spin briefly, then back off. SIGINT therefore raises KeyboardInterrupt within
+   Python: poll briefly (spinning, or giving the core away where ranks outnumber cores: ``_waits``),
+   then back off. SIGINT therefore raises KeyboardInterrupt within
    milliseconds, a rank that never arrives raises ``StallError`` after ``stall_timeout``.
 4. **Recovery.** An abandoned collective (interrupt, stall, error) can leave messages in flight.
    The rank marks itself dirty; at its next collective it tells every peer (a RESYNC notice on a
@@ -31,11 +32,12 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _shm
+from . import _shm, _waits
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._pool import ResultPool
 from ._report import reporter
@@ -76,7 +78,6 @@ _AGREE_END = _AGREE.size
 FLAG_PAYLOAD = 1
 
 TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
-_SPIN_SECONDS = 0.002
 # After this long without a collective, the check before the next one tests the notice request
 # as many times as a backlog of peers' messages can need (see Runtime.resync_due)
 _IDLE_SECONDS = 0.001
@@ -195,6 +196,8 @@ class Runtime:
         self.world = list(world) if world is not None else list(range(self.size))
         # Set by another thread to give up the collective in progress (its next poll raises).
         self.abort = None
+        # until the hosts are known (init's own waits), as if every rank were on this one
+        self._wait_policy = _waits.choose(config.wait, self.size, _waits.cores_available())
         self.joined = {}          # peer -> JoinNote: peers that called join(), left out of allreduces
         self.active = self.peers  # peers not joined: the ones headers are exchanged with
         self._waits_on = self.peers + self.peers
@@ -240,6 +243,7 @@ class Runtime:
         self.comm = self._poll_dup(self.ctl, "init")
         self.hosts = self._exchange_hostnames()
         self._set_topology()
+        self._wait_policy = _waits.choose(config.wait, self.local_size, self._wait_policy.cores)
         self._eager_buffers()
         self.shm = self._shared_slots()
 
@@ -406,28 +410,38 @@ class Runtime:
             missing = lambda: self._missing(reqs, peers_of)  # noqa: E731
         self.poll(lambda: Testall(reqs), what() if callable(what) else what, missing, check_notices)
 
-    def poll(self, done, what, missing, check_notices=True, spin_yield=False):
-        """Call ``done()`` until it is true: spin briefly, then back off (signals are handled).
+    def wait_policy(self) -> _waits.WaitPolicy:
+        """The wait in force (``config.wait`` resolved for this host's ranks and cores)."""
+        if self._wait_policy.requested != self.config.wait:  # the live config was changed
+            self._wait_policy = _waits.choose(self.config.wait, self.local_size, self._wait_policy.cores)
+        return self._wait_policy
 
-        A peer's RESYNC notice raises ``Restart``; after ``stall_timeout`` ``StallError`` names
-        the ranks that ``missing()`` returns.
+    def poll(self, done: Callable[[], object], what: str, missing: Callable[[], Sequence[int]],
+             check_notices: bool = True) -> None:
+        """Call ``done()`` until it is true: poll at first, then back off (signals are handled).
+
+        How the first polls share the core is the wait policy's (``_waits``). A peer's RESYNC
+        notice raises ``Restart``; after ``stall_timeout`` ``StallError`` names the ranks that
+        ``missing()`` returns.
         """
         start = time.perf_counter()
-        spin_until = start + _SPIN_SECONDS
+        spin_until = start + _waits.SPIN_SECONDS
         # The engine's background thread, while the caller computes, naps between polls instead of
         # spinning: a thread spinning in Python keeps the GIL, and the caller (whose torch and
         # numpy calls let go of it) would wait a whole switch interval (5 ms) to get it back.
         nap = self.nap if threading.get_ident() != _MAIN_THREAD else 0.0
+        # ranks outnumber cores: the peer this rank waits for may need this very core
+        yields = self.wait_policy().yields
         while time.perf_counter() < spin_until:
             if done():
                 return
             if nap:
                 time.sleep(nap)
-            elif spin_yield:
+            elif yields:
                 os.sched_yield()
         config = self.config
         warned = False
-        delay = 1e-5
+        delay = _waits.FIRST_NAP
         named = -1.0  # when the ranks waited on were last told to the activity record (%ring where)
         while True:
             if done():
@@ -459,7 +473,7 @@ class Runtime:
                     "died leaves the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just "
                     "slow.", absent)
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = _waits.next_nap(delay, waited)
 
     @staticmethod
     def _missing(reqs, peers_of):

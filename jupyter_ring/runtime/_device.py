@@ -51,6 +51,7 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _process_groups as PG
+from . import _waits
 from ._core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._pool import Lender
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_ENV = "JUPYTER_RING_DEVICE_TRANSPORT"
 _MODES = ("auto", "gloo", "off")
-_SPIN_SECONDS = 0.002
 # status of a rank in the agreement message
 _OK, _BAD_ARGS = 0, 1
 # free fusion buffers kept per (device, dtype) for later grouped collectives
@@ -364,10 +364,12 @@ class DeviceTransport:
         start = time.perf_counter()
         try:
             if not work.is_completed():
-                spin_until = start + _SPIN_SECONDS
+                spin_until = start + _waits.SPIN_SECONDS
+                yields = _ring.wait_policy().yields  # ranks outnumber cores: the peer may need this one
                 while time.perf_counter() < spin_until and not work.is_completed():
-                    pass
-                delay = 1e-5
+                    if yields:
+                        os.sched_yield()
+                delay = _waits.FIRST_NAP
                 while not work.is_completed():
                     waited = time.perf_counter() - start
                     if waited > config.stall_timeout:
@@ -377,7 +379,7 @@ class DeviceTransport:
                             "is stuck inside the backend. The group is re-created before the next collective.",
                             ())
                     time.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
+                    delay = _waits.next_nap(delay, waited)
             work.wait()  # raises the backend's error; on NCCL, orders the caller's stream after it
         except RuntimeError as exc:
             if isinstance(exc, RingError):

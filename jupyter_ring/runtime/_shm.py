@@ -183,8 +183,6 @@ class SharedSlots:
         self.chunks = []           # this rank's registered memory; a region names (index + 1, offset)
         self.peer_chunks = {}      # (rank, chunk index) -> the peer's _Segment
         self._fence = threading.Lock()
-        # more ranks than cores: a waiting rank yields its core to the rank it waits for
-        self.oversubscribed = size > len(os.sched_getaffinity(0))
         self.probe_path = _path(self.token, "probe")
         segment = _Segment(self.probe_path, _HEADER)
         segment.counter[0] = self.token

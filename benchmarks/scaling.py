@@ -1,0 +1,138 @@
+"""Allreduce as the world grows: jupyter_ring against MPI_Allreduce at 2, 4, 8 ranks, side by side.
+
+    .venv/bin/python benchmarks/scaling.py [--ranks 2,4,8] [--min-kib 4] [--max-mib 64]
+        [--waits auto,spin] [--runs 2] [--json out.json]
+
+For each world size and each wait policy in ``--waits`` (``JUPYTER_RING_WAIT``: auto, spin,
+yield), one ``mpiexec -n N`` run of this script; the runs alternate (``--runs`` rounds of every
+policy), so a machine's slow stretch hits every policy alike. Inside a run, per float32 size,
+the calls are interleaved: a barrier, ``ring.allreduce`` (out of place), a barrier,
+``MPI_Allreduce`` (out of place, same MPI): median wall time of each on rank 0 (every rank waits
+for the slowest, so rank 0's time is the collective's). Prints one table per world size: the
+medians over runs, and ring ÷ MPI per policy. Ranks above this machine's cores are the point:
+a class's 4 ranks on a 2-core server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4,8", help="world sizes, comma-separated")
+    parser.add_argument("--min-kib", type=int, default=4)
+    parser.add_argument("--max-mib", type=int, default=64)
+    parser.add_argument("--waits", default="auto,spin", help="JUPYTER_RING_WAIT values to compare")
+    parser.add_argument("--runs", type=int, default=2, help="rounds of every policy per world size")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def sizes(min_kib: int, max_mib: int) -> list[int]:
+    out, size = [], min_kib * KiB
+    while size <= max_mib * MiB:
+        out.append(size)
+        size *= 4
+    return out
+
+
+def reps_for(nbytes: int, ranks: int) -> int:
+    """Enough calls for a stable median, fewer for large sizes and worlds (a run stays ~1 min)."""
+    return max(5, min(300, int(64 * MiB / max(nbytes, 64 * KiB) / max(1, ranks // 2))))
+
+
+def worker(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    import jupyter_ring.runtime as ring
+
+    ring.init()
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    rows = []
+    for nbytes in sizes(args.min_kib, args.max_mib):
+        x = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+        out = np.empty_like(x)
+        ring.allreduce(x, name="warm")
+        ours, mpis = [], []
+        for _ in range(reps_for(nbytes, n)):
+            comm.Barrier()
+            t = time.perf_counter()
+            ring.allreduce(x, op=ring.Sum, name="x")
+            ours.append(time.perf_counter() - t)
+            comm.Barrier()
+            t = time.perf_counter()
+            comm.Allreduce(x, out, op=MPI.SUM)
+            mpis.append(time.perf_counter() - t)
+        rows.append({"bytes": nbytes, "ring_s": statistics.median(ours), "mpi_s": statistics.median(mpis)})
+    if rank == 0:
+        print("RESULT " + json.dumps({"ranks": n, "wait": ring.wait_policy().describe(), "rows": rows}), flush=True)
+    ring.shutdown()
+
+
+def launch(ranks: int, wait: str, args: argparse.Namespace) -> dict:
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, __file__, "--worker",
+           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib)]
+    env = {**os.environ, "JUPYTER_RING_WAIT": wait, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"{ranks} ranks, wait={wait}: no result\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+
+
+def fmt_size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        worker(args)
+        return
+    waits = [w.strip() for w in args.waits.split(",") if w.strip()]
+    load = os.getloadavg()
+    print(f"# {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} at start, {time.strftime('%H:%M')} UTC")
+    results = []
+    for ranks in [int(r) for r in args.ranks.split(",")]:
+        runs: dict[str, list[dict]] = {w: [] for w in waits}
+        for _ in range(args.runs):
+            for wait in waits:
+                runs[wait].append(launch(ranks, wait, args))
+        chosen = "; ".join(f"{w}: {runs[w][0]['wait']}" for w in waits)
+        print(f"\n## {ranks} ranks ({chosen})\n")
+        head = "| size | MPI_Allreduce µs | " + " | ".join(f"ring µs ({w}) | ÷ MPI" for w in waits) + " |"
+        print(head)
+        print("|" + "---|" * (2 + 2 * len(waits)))
+        for i, row in enumerate(runs[waits[0]][0]["rows"]):
+            mpi = statistics.median(run["rows"][i]["mpi_s"] for w in waits for run in runs[w])
+            cells = [fmt_size(row["bytes"]), f"{mpi * 1e6:,.0f}"]
+            entry = {"ranks": ranks, "bytes": row["bytes"], "mpi_s": mpi}
+            for wait in waits:
+                ours = statistics.median(run["rows"][i]["ring_s"] for run in runs[wait])
+                cells += [f"{ours * 1e6:,.0f}", f"{ours / mpi:.2f}"]
+                entry[f"ring_s_{wait}"] = ours
+            results.append(entry)
+            print("| " + " | ".join(cells) + " |", flush=True)
+    load = os.getloadavg()
+    print(f"\n# load {load[0]:.2f} {load[1]:.2f} at the end, {time.strftime('%H:%M')} UTC")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
