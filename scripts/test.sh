@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+echo "[test] type check (mypy, settings in pyproject.toml)"
+.venv/bin/python -m mypy
 exec .venv/bin/python -m pytest -q --durations=25 "$@"  # the slowest 25: where the suite's time goes

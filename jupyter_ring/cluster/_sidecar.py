@@ -26,7 +26,13 @@ from Jupyter or ipyparallel, so the kernel and the server use it cheaply.
 
 import json
 import os
-from typing import NotRequired, TypedDict
+import sys
+from typing import TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:  # Python 3.10 (requires-python): typing_extensions comes with IPython there
+    from typing_extensions import NotRequired
 
 __all__ = ["Sidecar", "SidecarRank", "VERSION", "sidecar_path", "write_sidecar", "read_sidecar",
            "remove_sidecar", "mark_stopped"]

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from typing import Any, cast
 
 from ._waits import WAIT_MODES
 
@@ -10,7 +11,7 @@ __all__ = ["Config"]
 MiB = 1 << 20
 
 
-def _env_float(name, default):
+def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -20,7 +21,7 @@ def _env_float(name, default):
         raise ValueError(f"{name}={raw!r} is not a number; set it to seconds or bytes, e.g. {name}={default:g}") from None
 
 
-def _env_bytes_or_off(name, default):
+def _env_bytes_or_off(name: str, default: float) -> float:
     """Bytes, where ``off`` (or 0) switches the feature off: 0."""
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("off", "none", "no", "false"):
@@ -28,6 +29,7 @@ def _env_bytes_or_off(name, default):
     return _env_float(name, default)
 
 
+# No ``from __future__ import annotations`` here: from_env reads each field's type as a class.
 @dataclasses.dataclass
 class Config:
     """Tunables of the ring runtime; each has a ``JUPYTER_RING_<NAME>`` environment variable."""
@@ -67,23 +69,23 @@ class Config:
     0 waits without limit."""
 
     @classmethod
-    def from_env(cls, **overrides):
+    def from_env(cls, **overrides: Any) -> "Config":
         """Defaults, then ``JUPYTER_RING_*`` variables, then keyword overrides."""
-        values = {}
+        values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             env = "JUPYTER_RING_" + field.name.upper()
             if field.type is str:
                 values[field.name] = os.environ.get(env, "").strip().lower() or field.default
                 continue
             read = _env_bytes_or_off if field.name == "shm_threshold" else _env_float
-            value = read(env, field.default)
+            value = read(env, cast(float, field.default))  # every field but the str ones is a number
             values[field.name] = int(value) if field.type is int else value
         values.update(overrides)
         config = cls(**values)
         config.validate()
         return config
 
-    def validate(self):
+    def validate(self) -> None:
         if self.stall_timeout <= 0:
             raise ValueError(f"stall_timeout must be > 0 seconds, got {self.stall_timeout}")
         if self.chunk_bytes < 1024:

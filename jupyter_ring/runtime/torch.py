@@ -1573,7 +1573,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 # Each parameter's current gradient hook, so that re-wrapping (a re-run cell) replaces it. Kept
 # here, not on the parameter, so that pickling a model (%ring pull model) stays possible.
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves.
-_HOOKS = {}
+_HOOKS: dict[int, object] = {}
 
 
 def _hook_of(param):
