@@ -9,12 +9,15 @@ in IPython config as ``c.RingMagics.interrupt_grace = 10``.
 import argparse
 import ast
 import atexit
+import difflib
 import inspect
 import os
+import re
 import shlex
 import sys
 import threading
 import time
+from typing import Any, NoReturn
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -30,10 +33,36 @@ from .widgets._tabs import RankTabs, TextSink, _ranges
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
 
 class _ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports errors as IPython UsageErrors instead of exiting the kernel."""
+    """argparse that reports errors as IPython UsageErrors instead of exiting the kernel.
 
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+    Options are never abbreviated (``--n`` is no prefix of ``--nodes``), and an option it does
+    not know gets the nearest one it does as a hint (``--n 2``: did you mean ``-n``?).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        hint = self._nearest_option(message)
+        raise UsageError(f"{self.prog}: {message}{hint}\n{self.format_usage()}")
+
+    def _nearest_option(self, message: str) -> str:
+        """`` (did you mean -n?)`` for the first unknown option in ``message``, or ""."""
+        # a subcommand's unknown options are reported by the top parser: look in every subparser
+        parsers: list[argparse.ArgumentParser] = [self]
+        for action in self._subparsers._group_actions if self._subparsers is not None else ():
+            if isinstance(action.choices, dict):
+                parsers += [p for p in action.choices.values() if isinstance(p, argparse.ArgumentParser)]
+        known = [o for p in parsers for o in p._option_string_actions if o not in ("-h", "--help")]
+        for word in re.findall(r"(?<![\w-])(--?[\w-]+)", message.partition(":")[2]):
+            if word in known:
+                continue
+            bare = word.lstrip("-")
+            near = [o for o in known if o.lstrip("-") == bare] or difflib.get_close_matches(word, known, 1, 0.6)
+            if near:
+                return f" (did you mean {near[0]}?)"
+        return ""
 
     def exit(self, status=0, message=None):
         raise UsageError(message or self.format_help())

@@ -30,11 +30,16 @@ def test_threads_per_rank_divides_the_cpu_share():
 
 def test_share_note_names_the_limit_and_the_overrides():
     assert share_note(1, [], environ={"CPU_LIMIT": "1"}) == ""
-    note = share_note(2, [], environ={"CPU_LIMIT": "1", "MEM_LIMIT": str(4 * GiB)})
+    hub = {"JUPYTERHUB_USER": "student1", "JUPYTERHUB_API_TOKEN": "t"}
+    note = share_note(2, [], environ={"CPU_LIMIT": "1", "MEM_LIMIT": str(4 * GiB), **hub})
     for part in ("-n 2 is more than this server's share", "CPU_LIMIT=1,", "MEM_LIMIT=4.0 GiB: 1 rank)",
                  "starting 2 anyway with 1 thread each", "%ring start without -n",
                  "OMP_NUM_THREADS", "c.Spawner.cpu_limit"):
         assert part in note, (part, note)
+    # no hub, no hub admin to ask (issue 36: a laptop's user was sent to c.Spawner.cpu_limit)
+    note = share_note(3, [], environ={}, cpus=2)
+    assert "-n 3 is more than this server's share (2 cores: 2 ranks)" in note, note
+    assert "admin" not in note and "Spawner" not in note and note.endswith("overrides the threads."), note
     # memory binds too: 3 GiB is one rank's worth (2 GiB each)
     assert "MEM_LIMIT=3.0 GiB: 1 rank)" in share_note(2, [], environ={"MEM_LIMIT": str(3 * GiB)})
     assert "CPU_LIMIT=half" in share_note(9, [], environ={"CPU_LIMIT": "half"})  # shown as given

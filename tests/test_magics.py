@@ -112,6 +112,14 @@ def test_bad_subcommands_are_usage_errors(ip):
     for line in ("", "launch", "start -n x", "start --launcher pbs", "pull"):
         with pytest.raises(UsageError):
             ip.run_line_magic("ring", line)
+    # issue 36: '--n 2' was "ambiguous option: --n could match --nodes, --ntasks-per-node"
+    for line, hint in (("start --n 2", "-n"), ("start --gpu 0", "--gpus"), ("where --all-thread", "--all-threads")):
+        with pytest.raises(UsageError, match=f"unrecognized arguments: {line.split(' ', 1)[1]} .did you mean {hint}.") as info:
+            ip.run_line_magic("ring", line)
+        assert "ambiguous" not in str(info.value)
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("ring", "stop --force")
+    assert "did you mean" not in str(info.value)  # nothing near: no guess
 
 
 def test_state_persists_and_output_is_tagged(ip, capsys):

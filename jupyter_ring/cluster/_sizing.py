@@ -139,12 +139,14 @@ def share_note(n, gpus, environ=None, cpus=None):
             except ValueError:
                 limits.append(f"{var}={raw}")
     threads = threads_per_rank(n, environ, cpus)
+    # only a JupyterHub server (the hub sets JUPYTERHUB_* in it) has an admin to ask for more
+    more = ("; a larger share comes from the hub's admin (c.Spawner.cpu_limit / mem_limit)"
+            if any(var.startswith("JUPYTERHUB_") for var in environ) else "")
     return (f"-n {n} is more than this server's share ({', '.join(limits)}: {fair} "
             f"rank{'s' if fair > 1 else ''}); starting {n} anyway with {threads} "
             f"thread{'s' if threads > 1 else ''} each, so they share that CPU and memory. "
             f"%ring start without -n starts the fair size; OMP_NUM_THREADS set in the kernel "
-            f"overrides the threads; a larger share comes from the hub's admin "
-            f"(c.Spawner.cpu_limit / mem_limit).")
+            f"overrides the threads{more}.")
 
 
 def parse_ranks(text, size):
