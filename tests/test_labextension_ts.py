@@ -1,8 +1,10 @@
 """The lab extension's TypeScript unit tests (jest) and its packaging, run from pytest so that
 CI (scripts/test.sh) covers them."""
 
+import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,11 +50,40 @@ def test_extension_is_installed_and_enabled():
         "\x1b[0m", "").split()), text
 
 
+def _ui_strings(ts_source):
+    """The quoted strings of a TypeScript file that read as text (a word, a space, more words):
+    labels, messages, tooltips. Comments and template literals are left out."""
+    text = re.sub(r"/\*.*?\*/", "", ts_source, flags=re.S)
+    text = re.sub(r"`(?:[^`\\]|\\.)*`", "``", text, flags=re.S)
+    found = set()
+    for line in text.splitlines():
+        for match in re.finditer(r"'([^'\\\n]*)'|\"([^\"\\\n]*)\"|//.*$", line):
+            literal = match.group(1) if match.group(1) is not None else match.group(2)
+            if literal and len(literal) >= 12 and re.fullmatch(r"[A-Za-z][\w .,:;!?()%/+-]* [\w .,:;!?()%/+-]+", literal):
+                found.add(literal)
+    return found
+
+
 def test_built_package_matches_source():
+    """The prebuilt extension the wheel ships is built from this source: the same package
+    (name, version, its jupyterlab section), and every text the source shows users is in the
+    bundle (a source change without a rebuild fails here; scripts/setup.sh rebuilds a stale one)."""
     built = os.path.join(LABEXT, "prebuilt", "package.json")
     if not os.path.exists(built):
         pytest.skip("labextension/prebuilt missing: run scripts/setup.sh")
     with open(built) as f:
         meta = json.load(f)
-    assert meta["name"] == "jupyter-ring"
-    assert meta["jupyterlab"]["_build"]["load"].startswith("static/remoteEntry.")
+    with open(os.path.join(LABEXT, "package.json")) as f:
+        source = json.load(f)
+    assert (meta["name"], meta["version"]) == (source["name"], source["version"]) == ("jupyter-ring", meta["version"])
+    assert {k: v for k, v in meta["jupyterlab"].items() if k != "_build"} == source["jupyterlab"]
+    load = meta["jupyterlab"]["_build"]["load"]
+    assert load.startswith("static/remoteEntry.") and os.path.exists(os.path.join(LABEXT, "prebuilt", load))
+    bundle = "".join(open(path).read() for path in glob.glob(os.path.join(LABEXT, "prebuilt", "static", "*.js")))
+    texts = set()
+    for path in glob.glob(os.path.join(LABEXT, "src", "*.ts")):
+        with open(path) as f:
+            texts |= _ui_strings(f.read())
+    assert len(texts) >= 10, f"too few texts found in labextension/src to compare: {sorted(texts)}"
+    missing = sorted(t for t in texts if t not in bundle)
+    assert not missing, f"in labextension/src but not in the prebuilt bundle (rebuild: scripts/setup.sh): {missing}"

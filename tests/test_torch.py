@@ -175,9 +175,11 @@ def test_cuda_tensors_staged_through_pinned_buffers(mpirun, n):
 @pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here (torch.cuda.device_count() is 0): torch.distributed "
                                       "over NCCL in the cluster's world needs a GPU")
 def test_cluster_torch_distributed_world_on_a_gpu(mpirun):
-    # %ring start's rank setup (engines._torch with init_backend="auto") on one GPU: NCCL default
-    # group, DDP, the runtime sharing the user's communicator, Lightning strategy="ddp"
-    result = mpirun("torch_cuda_dist.py", 1, timeout=300)
-    _all_ranks(result, "TORCH_CUDA_DIST_OK", 1)
+    # %ring start's rank setup (engines._torch with init_backend="auto"), a rank per GPU (NCCL
+    # refuses two ranks on one): NCCL default group, DDP (equal to one process from 2 GPUs on), the
+    # runtime sharing the user's communicator, Lightning strategy="ddp"
+    pytest.importorskip("lightning", reason="the GPU world test trains Lightning too: pip install 'jupyter_ring[frameworks]'")
+    result = mpirun("torch_cuda_dist.py", GPUS, timeout=300)
+    _all_ranks(result, "TORCH_CUDA_DIST_OK", GPUS)
     print(result.lines("TORCH_CUDA_DIST_OK"))
 

@@ -102,8 +102,9 @@ for rows in sorted({0, 1, n - 1, n + 2, 7}):
     check(f"grouped_reducescatter rows {rows} [1]", outs[1], sum(ys)[lo:hi], 1e-9)
     out = hvd.synchronize(hvd.reducescatter_async(xs[r], name=f"rs.{rows}", op=hvd.Average, postscale_factor=2.0))
     check(f"reducescatter_async Average postscale rows {rows}", out, (sum(xs) / n * 2.0)[lo:hi], 1e-4)
-expect_raises("alltoall without splits on dim 0 not divisible", (ValueError,),
-              lambda: hvd.alltoall(torch.zeros(n + 1)) if n > 1 else (_ for _ in ()).throw(ValueError()))
+if n > 1:  # every length divides among one rank: nothing to refuse there
+    expect_raises("alltoall without splits on dim 0 not divisible", (ValueError,),
+                  lambda: hvd.alltoall(torch.zeros(n + 1)))
 out = hvd.alltoall(torch.arange(n, dtype=torch.float32) + 10 * r, name="a2a")
 check("alltoall without splits returns the output alone", out, torch.tensor([10.0 * q + r for q in range(n)]))
 out, received = hvd.synchronize(hvd.alltoall_async(torch.arange(n, dtype=torch.float32) + 10 * r, splits=[1] * n,
@@ -273,10 +274,11 @@ if len(caught) != 1 or "optimizer.step() called without optimizer.skip_synchroni
 if torch.equal(linear.weight.detach(), before) and n > 1:
     failures.append("step after synchronize did not step")
 
-# ---- join: every rank joins at the same point; the same rank is returned everywhere
+# ---- join: every rank joins at the same point, after the same collectives: the last to join is
+# the highest rank among equals, on every rank
 last = hvd.join()
-if len(set(hvd.allgather_object(last))) != 1 or not 0 <= last < n:
-    failures.append(f"join returned {last}")
+if last != n - 1:
+    failures.append(f"join returned {last}, want {n - 1}")
 
 # ---- join after a refused collective (Horovod's test_horovod_join_{allgather,broadcast}): each rank
 # in turn joins first; the others' allgather/broadcast raises on each of them, then they join too.
