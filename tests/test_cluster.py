@@ -15,6 +15,7 @@ from jupyter_ring.cluster._sidecar import read_sidecar, sidecar_path
 from jupyter_ring.cluster._procs import shm_files
 from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
 from real_kernel import alive
+from bounds import GONE_S
 
 GiB = 1 << 30
 
@@ -159,7 +160,7 @@ def test_watchdog_kills_cluster_when_starter_is_sigkilled():
         survivors = _wait_gone(pids, 5)
         gone_after = time.monotonic() - killed_at
         assert survivors == [], f"survived the starter: {[p.cmdline() for p in survivors]}"
-        assert gone_after < 2.5, f"cluster took {gone_after:.1f} s to go"
+        assert gone_after < GONE_S, f"cluster took {gone_after:.1f} s to go"
         deadline = time.monotonic() + 5
         while [f for f in shm if os.path.exists(f)] and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -10,6 +10,7 @@ import pytest
 
 from jupyter_ring.cluster import RingCluster
 from jupyter_ring.widgets.live import ENGINE_SETUP, LiveDashboard, set_publishing
+from bounds import SNAPSHOT_S
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -114,4 +115,4 @@ for i in range(30):
     ar.get()
     delays.sort()
     assert delays, "no snapshot arrived while the cell ran"
-    assert delays[len(delays) // 2] < 0.5, delays
+    assert max(delays) < SNAPSHOT_S, delays  # the typical delay: benchmarks/dashboard.py

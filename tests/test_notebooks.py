@@ -10,6 +10,7 @@ import pytest
 from jupyter_ring import demo
 from real_kernel import alive as _alive
 from real_kernel import cluster_pids, ring_kernel
+from bounds import GONE_S, REPORT_S
 from static_tabs import tab_texts
 
 from jupyter_ring.widgets._tabs import strip_ansi
@@ -374,7 +375,7 @@ def test_dead_engine_is_reported_by_rank_within_2s(kernel):
     took = time.monotonic() - killed[0]
     assert error is not None and error["ename"] == "DeadRankError", (out, error)
     assert "rank 1" in error["evalue"] and "%ring restart" in error["evalue"]
-    assert took < 2.0, f"the dead rank was reported {took:.1f} s after it died"
+    assert took < REPORT_S, f"the dead rank was reported {took:.1f} s after it died"
     assert "ranks ready" in kernel.ok("%ring restart", timeout=90)
 
 
@@ -395,5 +396,5 @@ def test_sigkilled_kernel_leaves_no_cluster_processes(kernel):
     elapsed = time.monotonic() - t0
     assert survivors == [], [p.cmdline() for p in survivors]
     print(f"cluster gone {elapsed:.2f} s after the kernel SIGKILL")
-    assert elapsed < 2.0, f"cluster outlived the kernel by {elapsed:.1f} s"
+    assert elapsed < GONE_S, f"cluster outlived the kernel by {elapsed:.1f} s"
 

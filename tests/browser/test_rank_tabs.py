@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from conftest import screenshot_path
+from bounds import GONE_S
 from test_lab_panel import CHROMIUM, CHROMIUM_ARGS, _run_cell, lab, playwright_api  # noqa: F401
 
 SCREENSHOT = screenshot_path("rank-tabs.png")  # docs/img only with JUPYTER_RING_SCREENSHOTS=docs/img
@@ -135,6 +136,6 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
                 time.sleep(0.02)
             took = time.monotonic() - t0
             assert not _alive(pids), f"survived the kernel: {_alive(pids)}"
-            assert took < 2.0, f"the cluster outlived the kernel by {took:.2f} s"
+            assert took < GONE_S, f"the cluster outlived the kernel by {took:.2f} s"
         finally:
             browser.close()

@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 
 import jupyter_ring.runtime as ring
+from _checks import INTERRUPT_S
 from jupyter_ring.runtime import _api
 from jupyter_ring.runtime._core import OP_NAMES
 
@@ -380,7 +381,7 @@ elif mode == "interrupt":
         except KeyboardInterrupt:
             frames = [f.name for f in traceback.extract_tb(sys.exc_info()[2])]
             latency = time.perf_counter() - start - delay
-            assert latency < 1.0, f"interrupt took {latency:.2f} s to land"
+            assert latency < INTERRUPT_S, f"interrupt took {latency:.2f} s to land"
             print(f"INTERRUPTED {r} after {rounds} rounds, {latency * 1000:.1f} ms after SIGINT, "
                   f"in {frames[-1]}{' (shm)' if '_shared' in frames else ''}", flush=True)
             if hold_rank0:
