@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 
 import _checks
 import torch
@@ -43,10 +44,16 @@ def expect(label, condition, detail=""):
         failures.append(f"{label}: {detail}")
 
 
+def rand_ints(seed, shape, dtype=torch.int64):
+    """Random integers (exact sums in every dtype used here), the same on every rank for a seed."""
+    return torch.randint(-999, 999, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
 def exact_round(tag):
-    """Collectives with awkward sizes, exact on every rank (integers)."""
-    for length in (0, 1, n + 1, 1009):
-        xs = [torch.arange(length, dtype=torch.int64) * (q + 1) + q for q in range(n)]
+    """Collectives with awkward sizes on random data, exact on every rank (integers)."""
+    seed = zlib.crc32(tag.encode())
+    for length in (0, 1, n - 1, n + 1, 1009):
+        xs = [rand_ints(seed + 7919 * q + length, (length,)) for q in range(n)]
         got = hvd.allreduce(xs[r], op=hvd.Sum, name=f"{tag}.sum{length}")
         expect(f"{tag} allreduce {length}", torch.equal(got, sum(xs)), f"{got[:4]} vs {sum(xs)[:4]}")
         root = length % n
@@ -71,15 +78,16 @@ exact_round("start")
 # grouped collectives in flight at once: each has its own fusion buffer (a shared one let the
 # second's inputs overwrite the first's before its transfer and copy-out)
 for dtype in (torch.float32, torch.int64):
-    groups = [[torch.full((1000,), (k + 1) * (r + 1), dtype=dtype), torch.full((7,), (k + 1) * (r + 1), dtype=dtype),
-               torch.arange(13, dtype=dtype) * (r + 1)] for k in range(3)]
+    def member(q, k, length):
+        return rand_ints(1000 * q + 10 * k + length, (length,), dtype)
+
+    lengths = (1000, 7, 13)
+    groups = [[member(r, k, length) for length in lengths] for k in range(3)]
     handles = [hvd.grouped_allreduce_async_(g, op=hvd.Sum, name=f"inflight.{dtype}.{k}") for k, g in enumerate(groups)]
     for k in (2, 0, 1):
         hvd.synchronize(handles[k])
-    total = n * (n + 1) // 2
     for k, g in enumerate(groups):
-        want = [torch.full((1000,), (k + 1) * total, dtype=dtype), torch.full((7,), (k + 1) * total, dtype=dtype),
-                torch.arange(13, dtype=dtype) * total]
+        want = [sum(member(q, k, length) for q in range(n)) for length in lengths]
         expect(f"grouped in flight {dtype} {k}", all(torch.equal(a, b) for a, b in zip(g, want)),
                str([t[:3].tolist() for t in g]))
 
