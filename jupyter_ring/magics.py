@@ -369,6 +369,13 @@ class RingMagics(Magics):
                     "kernel; %ring auto off ends it")
         return "auto mode off: cells run in this kernel; %%distributed cells run on the ranks"
 
+    def _cell_number(self) -> int:
+        """The notebook's count of the cell running now (IPython has moved on to the next)."""
+        running = getattr(self.shell.displayhook, "exec_result", None)
+        if running is not None and running.execution_count is not None:
+            return int(running.execution_count)
+        return int(self.shell.execution_count)
+
     def _auto_transform(self, lines):
         """Input transformer (first of ``input_transformers_cleanup``) for auto mode.
 
@@ -458,7 +465,15 @@ class RingMagics(Magics):
         if args.auto and self.auto_banner:
             print(f"[ring auto] ranks {_ranges(ranks)} of {cluster.size} "
                   "(%%local runs a cell here; %ring auto off)")
-        return CellRun(self, cluster, ranks, cell, args, self._sink(ranks, args)).run()
+        # The ranks number lines and cells as the notebook does. Line 1 is the %%distributed line,
+        # a comment there (IPython drops leading blank lines); in auto mode the cell has no such
+        # line and its own first line is line 1. The last line, a comment the ranks take off,
+        # is the notebook's count: a rank's traceback says Cell In[17] where the notebook does.
+        from .engines._setup import CELL_NUMBER  # the ranks' side of this line
+
+        body = (cell if args.auto else f"# %%distributed {line}".rstrip() + "\n" + cell)
+        body = body.rstrip("\n") + "\n" + CELL_NUMBER.format(self._cell_number())
+        return CellRun(self, cluster, ranks, body, args, self._sink(ranks, args)).run()
 
     @cell_magic
     def local(self, line, cell):

@@ -115,12 +115,36 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
     assert error is not None and error["ename"] == "CellInterrupted", (out, error)
     assert time.monotonic() - t0 < 10
     # the user's interrupt says so, and where every rank was; no rank is blamed (issue 21, 4)
+    # lines numbered as the notebook shows them: line 1 is %%distributed (issue 36, item 5)
     assert error["traceback"] == [
-        "KeyboardInterrupt: interrupted by you; every rank stopped: rank 0 in barrier, line 3: "
-        "ring.barrier(), rank 1 at line 2: time.sleep(60)"], error["traceback"]
+        "KeyboardInterrupt: interrupted by you; every rank stopped: rank 0 in barrier, line 4: "
+        "ring.barrier(), rank 1 at line 3: time.sleep(60)"], error["traceback"]
     out = kernel.ok("%%distributed\nprint('total', ring.allreduce(np.array([kept]), op=ring.Sum, "
                     "name='kept')[0])")
     assert sorted(out.splitlines()) == ["[rank 0] total 3", "[rank 1] total 3"]
+
+
+def test_a_ranks_traceback_numbers_lines_and_cells_as_the_notebook(kernel):
+    """Issue 36, item 5: line 1 is the %%distributed line, the cell is the notebook's In[N]."""
+    def failing(code):
+        messages = []
+        _out, error = kernel.execute(code, messages=messages)
+        count = next(m["content"]["execution_count"] for m in messages if m["msg_type"] == "execute_input")
+        assert error is not None, code
+        return count, strip_ansi("\n".join(error["traceback"]))
+
+    for _ in range(3):  # the notebook's count runs ahead of the ranks' (cells run here only)
+        kernel.ok("pass")
+    count, text = failing("%%distributed\nx = 1\nif ring.rank() == 1:\n    raise ValueError('on purpose')")
+    assert f"Cell In[{count}], line 4" in text and "raise ValueError('on purpose')" in text, text
+    assert f"In[{count - 1}]" not in text and "line 3" not in text, text
+    kernel.ok("%ring auto on")
+    try:  # in auto mode the cell has no %%distributed line: its first line is line 1
+        count, text = failing("y = 2\nif ring.rank() == 0:\n    raise KeyError('auto')")
+        assert f"Cell In[{count}], line 3" in text and "raise KeyError('auto')" in text, text
+    finally:
+        kernel.ok("%ring auto off")
+    assert "[rank 1] 1 2" in kernel.ok("%%distributed\nprint(x, y)"), "the cells' variables"
 
 
 def test_interrupt_inside_a_tf1_session_run_ends_the_cell_and_keeps_state(kernel):

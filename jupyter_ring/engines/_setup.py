@@ -6,10 +6,12 @@ touch CUDA.
 """
 
 import os
+import re
 import socket
 from typing import TypedDict
 
-__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "arm_where", "ascii_logs"]
+__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells", "arm_where",
+           "ascii_logs", "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -78,6 +80,41 @@ def watch_cells():
     events = get_ipython().events
     if _after_cell not in events.callbacks["post_run_cell"]:
         events.register("post_run_cell", _after_cell)
+
+
+# The last line the notebook adds to a cell it sends: the notebook's own execution count.
+CELL_NUMBER = "# jupyter_ring In[{}]"
+_CELL_NUMBER = re.compile(r"# jupyter_ring In\[(\d+)\]\s*")
+
+
+def number_cells() -> None:
+    """Number this rank's cells as the notebook does: a traceback says ``Cell In[17]``, as the
+    notebook's prompt, not the engine's own count (which also counts the cluster's own requests).
+
+    The notebook appends ``CELL_NUMBER`` as the cell's last line (a comment: the cell's other
+    line numbers and its last expression stay as they are); this input transformer, run first on
+    every cell of the rank, takes it off and sets the engine's count, which IPython reads right
+    after the transformers to name the cell. The count may go back (the notebook's runs behind
+    the engine's after ``%ring start``), so the rank keeps no history database, whose rows are
+    keyed on it; nobody reads a rank's history there. Registered once per engine.
+    """
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    shell.history_manager.enabled = False
+    transformers = shell.input_transformers_cleanup
+    if _take_cell_number not in transformers:
+        transformers.insert(0, _take_cell_number)
+
+
+def _take_cell_number(lines: list[str]) -> list[str]:
+    match = _CELL_NUMBER.fullmatch(lines[-1]) if lines else None
+    if match is None:
+        return lines
+    from IPython import get_ipython
+
+    get_ipython().execution_count = int(match.group(1))
+    return lines[:-1]
 
 
 def ascii_logs():
