@@ -371,10 +371,13 @@ class RingMagics(Magics):
 
     def _cell_number(self) -> int:
         """The notebook's count of the cell running now (IPython has moved on to the next)."""
-        running = getattr(self.shell.displayhook, "exec_result", None)
+        shell = self.shell
+        if shell is None:  # only a magic registered with a shell runs
+            raise UsageError("%%distributed runs in an IPython shell")
+        running = getattr(shell.displayhook, "exec_result", None)
         if running is not None and running.execution_count is not None:
             return int(running.execution_count)
-        return int(self.shell.execution_count)
+        return int(shell.execution_count)
 
     def _auto_transform(self, lines):
         """Input transformer (first of ``input_transformers_cleanup``) for auto mode.
