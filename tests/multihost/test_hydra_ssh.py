@@ -125,10 +125,11 @@ def kernel(hosts):
 ALLREDUCE_CHECK = """\
 import numpy as np
 _r, _n = ring.rank(), ring.size()
+def _data(q, length):  # random integers as float64: sums are exact in any order
+    return np.random.default_rng(1000 * q + length).integers(-999, 999, length).astype(np.float64)
 for _len in (0, 1, _n - 1, _n + 1, 13, 1 << 16):
-    _x = np.arange(_len, dtype=np.float64) + _r
-    _y = ring.allreduce(_x, op=ring.Sum, name=f"len{_len}")
-    _want = _n * np.arange(_len, dtype=np.float64) + _n * (_n - 1) / 2
+    _y = ring.allreduce(_data(_r, _len), op=ring.Sum, name=f"len{_len}")
+    _want = sum(_data(q, _len) for q in range(_n))
     assert np.array_equal(_y, _want), (_len, _y[:4], _want[:4])
 print("ok", _r, ring.local_rank(), ring.local_size(), ring.cross_rank(), ring.cross_size())
 """
@@ -170,13 +171,16 @@ from jupyter_ring.runtime import _api
 _rt = _api._rt()
 _n = ring.size()
 # big enough for the pipelined ring (past the eager path), odd rows for reducescatter
-_x = np.arange(3 * (1 << 15) + 1, dtype=np.float64) * (ring.rank() + 1)
-_y = ring.allreduce(_x, op=ring.Sum, name="hops")
-assert np.array_equal(_y, np.arange(_x.size, dtype=np.float64) * _n * (_n + 1) / 2)
-_rows = np.full((2 * _n + 1, 1 << 12), ring.rank() + 1.0)
-_z = ring.reducescatter(_rows, op=ring.Sum, name="rs")
+def _ints(q, shape):  # random integers as float64: sums are exact in any order
+    return np.random.default_rng(q).integers(-999, 999, shape).astype(np.float64)
+_len = 3 * (1 << 15) + 1
+_y = ring.allreduce(_ints(ring.rank(), _len), op=ring.Sum, name="hops")
+assert np.array_equal(_y, sum(_ints(q, _len) for q in range(_n)))
+_shape = (2 * _n + 1, 1 << 12)
+_z = ring.reducescatter(_ints(100 + ring.rank(), _shape), op=ring.Sum, name="rs")
 _mine = 2 + (1 if ring.rank() < 1 else 0)
-assert _z.shape == (_mine, 1 << 12) and np.all(_z == _n * (_n + 1) / 2), _z.shape
+_lo = 2 * ring.rank() + min(ring.rank(), 1)
+assert np.array_equal(_z, sum(_ints(100 + q, _shape) for q in range(_n))[_lo:_lo + _mine]), _z.shape
 _phases = [p for rec in _rt.trace.records if rec[1] == "hops" for p in rec[5]]
 _net = sorted({p.split(" from ")[1] for p in _phases if "(network)" in p})
 print("order", ring.rank(), _rt.ring_order, "network-left", _net)

@@ -54,10 +54,12 @@ def kernel():
 
 
 def exact_allreduce_ok(kernel, tag):
-    """The next cell works: an allreduce of 1,009 values is exact on every rank."""
-    out = kernel.ok("%%distributed\nimport numpy as np\nv = ring.allreduce(np.arange(1009.0) * (ring.rank() + 1), "
-                    f"op=ring.Sum, name='after_{tag}')\n"
-                    "print(bool((v == np.arange(1009.0) * sum(range(1, ring.size() + 1))).all()))")
+    """The next cell works: an allreduce of 1,009 random integers is exact on every rank (each
+    rank builds every rank's input from seeds)."""
+    out = kernel.ok("%%distributed\nimport numpy as np\n"
+                    "data = lambda q: np.random.default_rng(q).integers(-99, 99, 1009).astype(np.float64)\n"
+                    f"v = ring.allreduce(data(ring.rank()), op=ring.Sum, name='after_{tag}')\n"
+                    "print(bool((v == sum(data(q) for q in range(ring.size()))).all()))")
     assert rank_lines(out, 0) == rank_lines(out, 1) == ["True"], out
 
 
@@ -239,13 +241,14 @@ def test_7_ten_thousand_lines_per_rank_arrive_in_order(kernel):
 
 # ------------------------------------------------------------------ 6. soak: 500 cells
 SOAK_CELL = """%%distributed
-n = {n}
-a = ring.allreduce(np.arange(n, dtype=np.int64) * (ring.rank() + 1), op=ring.Sum, name='{kind}a{i}')
-assert (a == np.arange(n, dtype=np.int64) * 3).all(), 'allreduce'
-g = ring.allgather(np.full((ring.rank() + 1, 3), ring.rank(), dtype=np.int64), name='g{i}')
-assert g.tolist() == [[0] * 3] + [[1] * 3] * 2, 'allgather'
-b = ring.broadcast(np.full(n, {i}, dtype=np.int64) if ring.rank() == {root} else np.zeros(n, dtype=np.int64), root_rank={root}, name='b{i}')
-assert (b == {i}).all(), 'broadcast'
+n, me, size = {n}, ring.rank(), ring.size()
+x = lambda q, shape: np.random.default_rng(1000 * {i} + q).integers(-99, 99, shape)
+a = ring.allreduce(x(me, n), op=ring.Sum, name='{kind}a{i}')
+assert (a == sum(x(q, n) for q in range(size))).all(), 'allreduce'
+g = ring.allgather(x(me, (me + 1, 3)), name='g{i}')
+assert (g == np.concatenate([x(q, (q + 1, 3)) for q in range(size)])).all(), 'allgather'
+b = ring.broadcast(x(me, n), root_rank={root} % size, name='b{i}')
+assert (b == x({root} % size, n)).all(), 'broadcast'
 """
 
 
