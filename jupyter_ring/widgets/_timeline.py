@@ -2,9 +2,10 @@
 
 A track per rank, each collective a bar (kind and name, bytes and time in its tooltip), its
 top-level phases (agreement, reduce-scatter, allgather, shared-memory copies) as a strip under
-it; the gaps between bars are the rank's compute. The straggler is the rank that arrives last at
-the collectives (matched across ranks by kind, name and order): its track is marked. Plain
-HTML/SVG, no script: a saved notebook shows it as it was.
+it; the gaps between bars are the rank's compute. The straggler is the rank that arrived last, by
+more than 1 ms, at more than half of the collectives every rank ran (matched across ranks by
+kind, name and order): its track is marked; where no rank is, none is. Plain HTML/SVG, no
+script, scaled to the output's width (a viewBox): a saved notebook shows it as it was.
 """
 
 import html
@@ -12,17 +13,26 @@ from typing import NamedTuple
 
 __all__ = ["TimelineSummary", "summarize", "timeline_html", "timeline_text"]
 
+# a rank is the straggler when it arrived last at more than this share of the matched collectives
+STRAGGLER_SHARE = 0.5
+LATE_S = 1e-3  # ... by more than this: arriving within it is arriving together
+
 _KIND_COLOURS = {"allreduce": "#4c78a8", "allgather": "#59a14f", "broadcast": "#f28e2b",
                  "reducescatter": "#b07aa1", "alltoall": "#76b7b2", "barrier": "#9c755f"}
 _PHASE_COLOURS = {"negotiate": "#bab0ac", "reduce_scatter": "#e15759", "allgather": "#59a14f",
                   "shm-copy-in": "#b07aa1", "shm-reduce": "#ff9da7", "shm-copy-out": "#edc948"}
+# what the legend calls a phase (a strip), apart from the collectives (bars) of the same name
+_PHASE_LABELS = {"negotiate": "agreement", "reduce_scatter": "ring reduce-scatter",
+                 "allgather": "ring allgather", "shm-copy-in": "shared-memory copy in",
+                 "shm-reduce": "shared-memory reduce", "shm-copy-out": "shared-memory copy out"}
 _LABEL_W, _PLOT_W, _TRACK_H, _BAR_H, _PHASE_H, _AXIS_H = 230, 820, 40, 20, 6, 26
 
 
 class TimelineSummary(NamedTuple):
-    """Who arrived last, and by how much: the straggler is the rank late most often."""
+    """Who arrived last, and by how much: the straggler, if any, is the rank that arrived last
+    at more than ``STRAGGLER_SHARE`` of the matched collectives."""
 
-    late_count: dict      # rank -> collectives it arrived at last (by more than 1 ms)
+    late_count: dict      # rank -> collectives it arrived at last (by more than LATE_S)
     late_seconds: dict    # rank -> summed lateness behind the first rank to arrive
     matched: int          # collectives seen on every rank
     straggler: int | None
@@ -49,11 +59,11 @@ def summarize(ranks):
         last_rank = max(starts, key=starts.get)
         for r, t in starts.items():
             late_seconds[r] += t - first
-        if starts[last_rank] - first > 1e-3:
+        if starts[last_rank] - first > LATE_S:
             late_count[last_rank] += 1
     straggler = max(late_count, key=lambda r: (late_count[r], late_seconds[r]), default=None)
-    if straggler is not None and late_count[straggler] == 0:
-        straggler = None
+    if straggler is not None and late_count[straggler] <= STRAGGLER_SHARE * matched:
+        straggler = None  # last now and then, as every rank is: nobody holds the others back
     return TimelineSummary(late_count, late_seconds, matched, straggler)
 
 
@@ -81,8 +91,10 @@ def timeline_html(ranks, seconds):
     summary = summarize(ranks)
     height = _AXIS_H + _TRACK_H * len(order) + 8
     width = _LABEL_W + _PLOT_W + 10
-    out = [f'<div class="jr-timeline"><svg xmlns="http://www.w3.org/2000/svg" width="{width}" '
-           f'height="{height}" font-family="sans-serif" font-size="11">']
+    # scaled to the output area's width (no wider than drawn): nothing is cut off at the right
+    out = [f'<div class="jr-timeline"><svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+           f'width="100%" style="max-width:{width}px" preserveAspectRatio="xMinYMin meet" '
+           'font-family="sans-serif" font-size="11">']
     if not starts:
         out.append(f'<text x="4" y="16">no collectives on any rank in the last {seconds:g} s</text>')
         return "".join(out) + "</svg></div>"
@@ -143,12 +155,36 @@ def timeline_html(ranks, seconds):
             out.append("</g>")
         out.append("</g>")
     out.append("</svg>")
-    legend = " ".join(f'<span style="color:{c}">■ {html.escape(k)}</span>'
-                      for k, c in list(_KIND_COLOURS.items()) + list(_PHASE_COLOURS.items()))
     out.append(f'<div style="font:11px sans-serif;color:#555">last {seconds:g} s, '
-               f'{_fmt_s(span)} shown; bars: collectives, strips: phases, gaps: compute. '
-               f'{legend}</div></div>')
+               f'{_fmt_s(span)} shown; gaps: compute. {_legend(ranks)}<br>{_straggler_note(summary)}'
+               '</div></div>')
     return "".join(out)
+
+
+def _legend(ranks):
+    """The colours drawn, each once: the collectives' (bars), then their phases' (strips)."""
+    kinds, phases = set(), set()
+    for records in ranks.values():
+        for rec in records:
+            kinds.add(rec["kind"])
+            phases.update(name for name, _s, _e in _top_phases(rec["phases"]))
+
+    def swatches(table, present, label=lambda k: k):
+        return " ".join(f'<span style="color:{c}">■ {html.escape(label(k))}</span>'
+                        for k, c in table.items() if k in present)
+    parts = [f"bars: {swatches(_KIND_COLOURS, kinds)}" if kinds & set(_KIND_COLOURS) else "",
+             f"strips: {swatches(_PHASE_COLOURS, phases, _PHASE_LABELS.get)}" if phases & set(_PHASE_COLOURS) else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def _straggler_note(summary):
+    """What makes a straggler, and who is one (or that nobody is)."""
+    rule = (f"a straggler arrives last (by more than {LATE_S * 1e3:g} ms) at more than "
+            f"{STRAGGLER_SHARE:.0%} of the {summary.matched} collectives every rank ran")
+    if summary.straggler is None:
+        return f"no straggler: {rule}"
+    return (f"straggler: rank {summary.straggler}, last at {summary.late_count[summary.straggler]} of "
+            f"{summary.matched} ({rule})")
 
 
 def timeline_text(ranks, seconds):
