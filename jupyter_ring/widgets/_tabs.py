@@ -232,8 +232,10 @@ class RankTabs:
         self.log.append((rank, where, item))
 
     def fail(self, rank, label="✗"):
-        """Mark a rank's tab (title ``rank r ✗``); the first marked rank's tab is selected."""
-        if rank in self.failed or rank not in self.panels:
+        """Mark a rank's tab (title ``rank r ✗``); the first marked rank's tab is selected. A
+        rank marked plainly (its engine's error came first) takes a later, more telling label
+        (``✗ dead`` once its death is diagnosed)."""
+        if rank not in self.panels or self.failed.get(rank) == label or (rank in self.failed and label == "✗"):
             return
         self.failed[rank] = label
         if self.selected is None:
