@@ -178,6 +178,25 @@ def test_same_error_everywhere_is_one_headline_naming_every_rank(ip):
     assert sum("Traceback (most recent call last)" in line for line in lines) == 1, lines
 
 
+def test_a_rank_still_formatting_its_own_error_keeps_it(ip, capsys):
+    """Every rank raises; rank 1 takes 1.5 s to format its error (IPython formatting frames of a
+    large file for the first time took 0.5 s on a loaded host), so the notebook interrupts it
+    meanwhile as a peer of the failed rank 0: that interrupt must not land in the formatting
+    (IPython then shows KeyboardInterrupt instead, or, in the copy it stores for the history,
+    replaces the rank's error with it)."""
+    err = raises_in_cell(ip, "import time\nclass SlowToShow(Exception):\n"
+                             "    def __str__(self):\n"
+                             "        if ring.rank() == 1:\n            time.sleep(1.5)\n"
+                             "        return 'every rank fails'\nraise SlowToShow()")
+    shown = capsys.readouterr()
+    assert "KeyboardInterrupt" not in shown.out + shown.err, shown
+    assert err.ename == "SlowToShow" and err.others == [] and [r for r, _ in err.same] == [0, 1]
+    lines = plain(err._render_traceback_())
+    assert lines[0].startswith("[ranks 0, 1 @ ")
+    assert "interrupted rank(s) 1: a peer rank failed" in lines, lines  # it was interrupted
+    assert cell(ip, "ok = ring.allreduce(np.ones(2), op=ring.Sum, name='after_slow')").success
+
+
 def test_interrupt_during_collective_keeps_state(ip):
     assert cell(ip, "import numpy as np\nkept = ring.rank() * 10").success
     # In two whole-suite runs of 2026-11-26 this in-process shell's SIGINT was lost (the cell ran
