@@ -181,6 +181,18 @@ def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n, path)
     assert len(result.lines("INTERRUPTED")) == 3 * n
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_notebooks_interrupted_cells_leave_nothing_in_the_next_mismatch(mpirun, n):
+    """test_notebooks' shared kernel without %ring restart: interrupts while peers sleep, a
+    collective given up off the main thread, one rank raising while the others wait; then a
+    shape mismatch names only its own collective, raised alike on every rank (the stale 'kept'
+    once negotiated against 'w')."""
+    result = mpirun("rt_failures.py", n, "cells", timeout=120)
+    all_ranks_ok(result)
+    lines = result.lines("MISMATCH")
+    assert len(lines) == 2 * n and len({line.split(" ", 3)[3] for line in lines}) == 1, lines
+
+
 # Shared-memory allreduce: small threshold, eager limit and window keep the lengths around them
 # (threshold - 1 .. several windows) small.
 SHM_ENV = {"JUPYTER_RING_SHM_THRESHOLD": "8192", "JUPYTER_RING_EAGER_BYTES": "1024",
