@@ -62,6 +62,7 @@ class CellRun:
         self.interrupted = {}  # rank -> why it was interrupted
         self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
+        self.unstarted = set()    # ranks signalled before their cell began: signalled again once it has
 
     def run(self):
         stopping = None
@@ -137,6 +138,7 @@ class CellRun:
                     self._interrupt(pending, "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
+                self._signal_late_starters()
                 self._where_if_stuck(pending, now)
         except KeyboardInterrupt:
             unstopped = self._interrupt_all()
@@ -193,7 +195,30 @@ class CellRun:
         for r in todo:
             self.interrupted[r] = why
             self.interrupted_at[r] = now
-        self.cluster.signal_ranks(signal.SIGINT, todo)
+        self._signal(todo)
+
+    def _signal(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks``; those that have not begun the cell yet get it again once they have.
+
+        An engine ignores SIGINT between requests (ipyparallel logs "Ignoring SIGINT"), and one
+        still busy with an earlier request (a completion, a pull, or only slow to start on a
+        loaded host) takes it there: that rank then ran the whole interrupted cell, and its
+        collectives met the next cell's on the other ranks ("called allreduce on rank 0 but
+        barrier on rank 1").
+        """
+        self.unstarted |= {r for r in ranks if not self.execution.started(r)}
+        self.cluster.signal_ranks(signal.SIGINT, ranks)
+
+    def _signal_late_starters(self) -> None:
+        """Signal again the ranks signalled before their cell began, now that it has."""
+        if not self.unstarted:
+            return
+        pending = set(self.execution.pending())
+        begun = [r for r in sorted(self.unstarted) if self.execution.started(r) or r not in pending]
+        self.unstarted.difference_update(begun)
+        late = [r for r in begun if r in pending]
+        if late:
+            self.cluster.signal_ranks(signal.SIGINT, late)
 
     def _where_if_stuck(self, pending, now):
         """Show where the ranks are, once, when a collective stalled (the missing ranks first)
@@ -229,19 +254,18 @@ class CellRun:
 
     def _interrupt_all(self):
         """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
-        ar = self.execution.ar
-        self.cluster.signal_ranks(signal.SIGINT)
+        self._signal(list(range(self.cluster.size)))
         grace = self.magics.interrupt_grace
-        finished = ar.wait(min(_WHERE_AFTER, grace))
+        finished = self._await_ranks(min(_WHERE_AFTER, grace))
         if not finished:
             late = self.execution.pending()
             if late and not self.where_shown:
                 self._show_where(late, f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s "
                                        "after the interrupt; where the ranks are (innermost frame "
                                        "first):")
-            finished = ar.wait(max(0.0, grace - _WHERE_AFTER))
+            finished = self._await_ranks(max(0.0, grace - _WHERE_AFTER))
         try:
-            ar.wait_for_output(1.0)
+            self.execution.ar.wait_for_output(1.0)
         except Exception:
             pass
         self._deliver(final=True)
@@ -251,6 +275,17 @@ class CellRun:
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
         return pending
+
+    def _await_ranks(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every rank's reply, signalling late starters; True if all came."""
+        deadline = time.monotonic() + seconds
+        while not self.execution.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.execution.wait(min(_TICK, left))
+            self._signal_late_starters()
+        return True
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):

@@ -51,6 +51,7 @@ class CellExecution:
         self._arrivals = collections.deque()   # appended on the IO thread, taken on ours
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
+        self._started = set()                  # ranks whose cell has begun (IO thread adds)
         view = client[list(engine_ids)]
         idents, targets = client._build_targets(list(engine_ids))
         self._futures = []
@@ -68,6 +69,11 @@ class CellExecution:
 
     def _on_iopub(self, rank, msg):
         kind = msg["header"]["msg_type"]
+        if kind == "execute_input":
+            # ipykernel publishes it once the request's SIGINT handler raises KeyboardInterrupt
+            # (pre_handler_hook): before, ipyparallel's engine ignores SIGINT ("Ignoring SIGINT")
+            self._started.add(rank)
+            self._wake.set()
         if kind in DELIVERED:
             self._arrivals.append(Arrival(rank, kind, msg["content"]))
             self.last_arrival = time.monotonic()
@@ -97,6 +103,10 @@ class CellExecution:
         """Whether the rank's (every rank's) output is complete: its engine went idle."""
         futures = self._futures if rank is None else [self._futures[self._index[rank]]]
         return all(f.output.done() for f in futures)
+
+    def started(self, rank: int) -> bool:
+        """Whether the rank has begun this cell: from then on SIGINT interrupts it."""
+        return rank in self._started
 
     def pending(self):
         """Ranks that have not replied yet."""

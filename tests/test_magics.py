@@ -197,35 +197,57 @@ def test_a_rank_still_formatting_its_own_error_keeps_it(ip, capsys):
     assert cell(ip, "ok = ring.allreduce(np.ones(2), op=ring.Sum, name='after_slow')").success
 
 
+def _interrupt_in(seconds):
+    """A timer that sends this process SIGINT in ``seconds`` (as the kernel's Interrupt does)."""
+    # the process's own handler: a test that left another one would hide this test's interrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
 def test_interrupt_during_collective_keeps_state(ip):
     assert cell(ip, "import numpy as np\nkept = ring.rank() * 10").success
-    # In two whole-suite runs of 2026-11-26 this in-process shell's SIGINT was lost (the cell ran
-    # its 60 s; never when this file or its neighbours ran alone; cause not found). A handler
-    # left by an earlier test in this process is put back here; a second SIGINT 3 s later keeps
-    # the suite from depending on the first. The kernel's own first interrupt is asserted by
-    # test_notebooks::test_interrupt_in_kernel_during_collective_keeps_state and the reliability
-    # and browser tests, in real kernels.
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        print(f"SIGINT handler left by an earlier test: {signal.getsignal(signal.SIGINT)!r}")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (1.5, 4.5)]
     t0 = time.monotonic()
-    for timer in timers:
-        timer.start()
+    timer = _interrupt_in(1.5)
     try:
-        # rank 0 waits in the barrier for rank 1, which sleeps: only an interrupt ends this
+        # rank 0 waits in the barrier for rank 1, which sleeps: only the interrupt ends this
         result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(60)\nring.barrier()")
     finally:
-        for timer in timers:
-            timer.cancel()
+        timer.cancel()
     elapsed = time.monotonic() - t0
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
     assert elapsed < 10, f"the interrupt took {elapsed:.1f} s"
     assert cell(ip, "z = ring.allreduce(np.array([kept + 1.0]), op=ring.Sum, name='z')").success
     ip.run_line_magic("ring", "pull z --all")
     assert [v.tolist() for v in ip.user_ns["z"]] == [[12.0], [12.0]]
     ip.run_line_magic("ring", "pull kept --rank 1")
     assert ip.user_ns["kept"] == 10
+
+
+def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip):
+    """Rank 1 is still busy with another request (a completion, a pull, or a slow start on a
+    loaded host) when the interrupt comes: the SIGINT lands there, or is ignored between
+    requests, so rank 1 ran the whole cell and its barrier met the next cell's allreduce. The
+    first interrupt must stop every rank: a rank signalled before its cell began is signalled
+    again once it has."""
+    cluster = ip.magics_manager.registry["RingMagics"].cluster
+    busy = cluster.client[cluster.engine_ids[1]].execute("import time; time.sleep(2.5)", block=False)
+    t0 = time.monotonic()
+    timer = _interrupt_in(1.5)
+    try:
+        result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(20)\nring.barrier()")
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - t0
+    busy.wait(10)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
+    assert elapsed < 10, f"the interrupt took {elapsed:.1f} s"
+    t1 = time.monotonic()
+    assert cell(ip, "late = ring.allreduce(np.ones(3), op=ring.Sum, name='after_late')").success
+    assert time.monotonic() - t1 < 5
 
 
 def test_timeout_interrupts_and_names_it(ip):
