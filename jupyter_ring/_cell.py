@@ -9,10 +9,14 @@ arrivals the loop wakes every ``_TICK`` seconds for what is due by the clock: th
 peer interrupts, ``--timeout``, the live views' redraws.
 """
 
+import contextlib
 import re
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
@@ -107,13 +111,18 @@ class CellRun:
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
-        execution = self.execution = CellExecution(
-            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
+        # An interrupt while the requests go out is the cell's: raised below, where the ranks that
+        # got theirs are interrupted too (raised here, it left them running the whole cell)
+        with _sigint_noted() as interrupted:
+            execution = self.execution = CellExecution(
+                cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
         magics = self.magics
         t0 = time.monotonic()
         first_failure = None
         next_health_check = t0 + magics.health_interval
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             while not execution.done():
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
                 if execution.done():
@@ -405,6 +414,26 @@ class CellRun:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
                                reasons=self.interrupted, full_traceback=full)
+
+
+@contextlib.contextmanager
+def _sigint_noted() -> Iterator[list[int]]:
+    """SIGINT during the block is noted in the list it yields, not raised (on the main thread,
+    where Python runs signal handlers; elsewhere the block runs as it is)."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        noted.append(signum)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
 
 
 def _stall_ranks(error):

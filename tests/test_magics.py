@@ -250,6 +250,33 @@ def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip):
     assert time.monotonic() - t1 < 5
 
 
+def test_interrupt_while_the_cell_is_being_sent_stops_the_ranks(ip, monkeypatch):
+    """The interrupt lands in the notebook while the cell's requests go out (the kernel's main
+    thread slowed down on a loaded host: 2 s here, after the requests left): the ranks that got
+    theirs must be interrupted too, not left running the cell."""
+    from jupyter_ring import _cell
+
+    class SlowToSend(_cell.CellExecution):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            time.sleep(2.0)
+
+    monkeypatch.setattr(_cell, "CellExecution", SlowToSend)
+    t0 = time.monotonic()
+    timer = _interrupt_in(1.0)
+    try:
+        result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(20)\nring.barrier()")
+    finally:
+        timer.cancel()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), result.error_in_exec
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    t1 = time.monotonic()
+    assert cell(ip, "sent = ring.allreduce(np.ones(3), op=ring.Sum, name='after_sent')").success
+    assert time.monotonic() - t1 < 5
+
+
 def test_timeout_interrupts_and_names_it(ip):
     t0 = time.monotonic()
     err = raises_in_cell(ip, "import time\ntime.sleep(60)", "--timeout 1")
