@@ -9,6 +9,7 @@ arrivals the loop wakes every ``_TICK`` seconds for what is due by the clock: th
 peer interrupts, ``--timeout``, the live views' redraws.
 """
 
+import argparse
 import contextlib
 import re
 import signal
@@ -17,10 +18,16 @@ import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
+
+if TYPE_CHECKING:  # the front end's modules import this one
+    from .cluster._ring import RingCluster
+    from .magics import RingMagics
+    from .widgets._tabs import RankTabs, TextSink
 
 __all__ = ["CellRun", "routes_to_ranks"]
 
@@ -48,7 +55,8 @@ _CR = re.compile(r".*\r(?=[^\n])")
 class CellRun:
     """One cell on ``ranks`` of ``cluster``, shown through ``sink`` (see ``widgets._tabs``)."""
 
-    def __init__(self, magics, cluster, ranks, cell, args, sink):
+    def __init__(self, magics: "RingMagics", cluster: "RingCluster", ranks: list[int], cell: str,
+                 args: argparse.Namespace, sink: "RankTabs | TextSink") -> None:
         self.magics = magics
         self.cluster = cluster
         self.ranks = ranks
@@ -106,7 +114,7 @@ class CellRun:
         return self.execution is not None and any(
             ABORT_NOTE in text for text in self.execution.stderr())
 
-    def _run(self):
+    def _run(self) -> None:
         cluster = self.cluster
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
@@ -196,7 +204,7 @@ class CellRun:
                 self.sink.fail(rank, "✗ dead")
         raise DeadRankError(message, dead)
 
-    def _interrupt(self, ranks, why):
+    def _interrupt(self, ranks: list[int], why: str) -> None:
         todo = [r for r in ranks if r not in self.interrupted]
         if not todo:
             return
@@ -261,7 +269,7 @@ class CellRun:
             text = f"(the ranks' stacks could not be read: {type(exc).__name__}: {exc})"
         print(f"{why}\n{text}", file=sys.stderr)
 
-    def _interrupt_all(self):
+    def _interrupt_all(self) -> list[int]:
         """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
         self._signal(list(range(self.cluster.size)))
         grace = self.magics.interrupt_grace

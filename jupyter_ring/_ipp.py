@@ -20,7 +20,10 @@ import collections
 import functools
 import threading
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from ipyparallel import Client
 
 __all__ = ["Arrival", "CellExecution"]
 
@@ -43,7 +46,7 @@ class CellExecution:
     ``ar`` is the public ``AsyncResult`` of the requests (``wait``, ``wait_for_output``, ``data``).
     """
 
-    def __init__(self, client, engine_ids, ranks, code):
+    def __init__(self, client: "Client", engine_ids: list[int], ranks: list[int], code: str) -> None:
         from ipyparallel.client.asyncresult import AsyncResult
 
         self.ranks = list(ranks)
@@ -67,7 +70,7 @@ class CellExecution:
         future.add_done_callback(self._on_done)
         future.output.add_done_callback(self._on_done)
 
-    def _on_iopub(self, rank, msg):
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
         if kind == "execute_input":
             # ipykernel publishes it once the request's SIGINT handler raises KeyboardInterrupt

@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import psutil
@@ -178,7 +179,8 @@ def test_same_error_everywhere_is_one_headline_naming_every_rank(ip):
     assert sum("Traceback (most recent call last)" in line for line in lines) == 1, lines
 
 
-def test_a_rank_still_formatting_its_own_error_keeps_it(ip, capsys):
+def test_a_rank_still_formatting_its_own_error_keeps_it(ip: InteractiveShell,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Every rank raises; rank 1 takes 1.5 s to format its error (IPython formatting frames of a
     large file for the first time took 0.5 s on a loaded host), so the notebook interrupts it
     meanwhile as a peer of the failed rank 0: that interrupt must not land in the formatting
@@ -197,7 +199,7 @@ def test_a_rank_still_formatting_its_own_error_keeps_it(ip, capsys):
     assert cell(ip, "ok = ring.allreduce(np.ones(2), op=ring.Sum, name='after_slow')").success
 
 
-def _interrupt_in(seconds):
+def _interrupt_in(seconds: float) -> threading.Timer:
     """A timer that sends this process SIGINT in ``seconds`` (as the kernel's Interrupt does)."""
     # the process's own handler: a test that left another one would hide this test's interrupt
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
@@ -206,7 +208,7 @@ def _interrupt_in(seconds):
     return timer
 
 
-def test_interrupt_during_collective_keeps_state(ip):
+def test_interrupt_during_collective_keeps_state(ip: InteractiveShell) -> None:
     assert cell(ip, "import numpy as np\nkept = ring.rank() * 10").success
     t0 = time.monotonic()
     timer = _interrupt_in(1.5)
@@ -226,7 +228,7 @@ def test_interrupt_during_collective_keeps_state(ip):
     assert ip.user_ns["kept"] == 10
 
 
-def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip):
+def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip: InteractiveShell) -> None:
     """Rank 1 is still busy with another request (a completion, a pull, or a slow start on a
     loaded host) when the interrupt comes: the SIGINT lands there, or is ignored between
     requests, so rank 1 ran the whole cell and its barrier met the next cell's allreduce. The
@@ -250,14 +252,15 @@ def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip):
     assert time.monotonic() - t1 < 5
 
 
-def test_interrupt_while_the_cell_is_being_sent_stops_the_ranks(ip, monkeypatch):
+def test_interrupt_while_the_cell_is_being_sent_stops_the_ranks(ip: InteractiveShell,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The interrupt lands in the notebook while the cell's requests go out (the kernel's main
     thread slowed down on a loaded host: 2 s here, after the requests left): the ranks that got
     theirs must be interrupted too, not left running the cell."""
     from jupyter_ring import _cell
 
     class SlowToSend(_cell.CellExecution):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             time.sleep(2.0)
 

@@ -9,7 +9,7 @@ import pytest
 
 from jupyter_ring import demo
 from real_kernel import alive as _alive
-from real_kernel import cluster_pids, ring_kernel
+from real_kernel import Kernel, cluster_pids, ring_kernel
 from static_tabs import tab_texts
 
 from jupyter_ring.widgets._tabs import strip_ansi
@@ -205,7 +205,7 @@ def test_error_in_notebook_names_first_failing_rank(kernel):
     assert text.index("[rank 1 @") < text.index("[rank 0 @")
 
 
-def test_mismatch_is_everybodys_error_shown_once_without_runtime_frames(kernel):
+def test_mismatch_is_everybodys_error_shown_once_without_runtime_frames(kernel: Kernel) -> None:
     """A shape mismatch (issue 21, item 6): one headline for the ranks that all raised it, the
     user's frame and no runtime frame, one traceback in all (the rank
     tabs point to it); JUPYTER_RING_FULL_TRACEBACK shows the runtime's frames again."""

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from typing import Any, Callable
 
 import pytest
 
@@ -182,7 +183,8 @@ def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n, path)
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_a_notebooks_interrupted_cells_leave_nothing_in_the_next_mismatch(mpirun, n):
+def test_a_notebooks_interrupted_cells_leave_nothing_in_the_next_mismatch(mpirun: Callable[..., Any],
+                                                                         n: int) -> None:
     """test_notebooks' shared kernel without %ring restart: interrupts while peers sleep, a
     collective given up off the main thread, one rank raising while the others wait; then a
     shape mismatch names only its own collective, raised alike on every rank (the stale 'kept'

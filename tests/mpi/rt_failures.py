@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -208,7 +209,7 @@ elif mode == "cells":
     # naming only its own collective: nothing of the interrupted cells may take part in it.
     from jupyter_ring.runtime import _api
 
-    def interrupted_cell(body, delay=1.0):
+    def interrupted_cell(body: Callable[[], None], delay: float = 1.0) -> BaseException | None:
         """Run ``body`` as a cell that every rank's SIGINT ends ``delay`` s in; its failure is
         the cell's, and what it queued is abandoned, as on an engine."""
         deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
@@ -226,7 +227,7 @@ elif mode == "cells":
         time.sleep(max(0.0, deadline - time.time()))
         return failed
 
-    def barrier_while_peers_sleep():  # test_interrupt_in_kernel_during_collective_keeps_state
+    def barrier_while_peers_sleep() -> None:  # test_interrupt_in_kernel_during_collective_keeps_state
         if r != 0:
             time.sleep(30)
         ring.barrier()
@@ -238,10 +239,10 @@ elif mode == "cells":
         total = ring.allreduce(np.array([kept]), op=ring.Sum, name="kept")
         assert total[0] == n * (n + 1) // 2, f"rank {r}: kept {total}"
 
-    def off_main():  # ...while_another_thread_waits_in_a_collective: the guard abandons it
+    def off_main() -> None:  # ...while_another_thread_waits_in_a_collective: the guard abandons it
         got = []
         if r == 0:
-            def hook():
+            def hook() -> None:
                 try:
                     got.append(ring.allreduce(np.ones(5), op=ring.Sum, name="off_main"))
                 except BaseException as exc:  # noqa: BLE001 - what the thread saw
@@ -260,7 +261,7 @@ elif mode == "cells":
     got = ring.allreduce(np.arange(3.0) + r, op=ring.Sum, name="after_off_main")
     assert np.array_equal(got, n * np.arange(3.0) + n * (n - 1) / 2), f"rank {r}: after_off_main {got}"
 
-    def one_rank_raises():  # test_error_in_notebook_names_first_failing_rank
+    def one_rank_raises() -> None:  # test_error_in_notebook_names_first_failing_rank
         if r == n - 1:
             time.sleep(0.2)
             raise RuntimeError("only the last rank")
