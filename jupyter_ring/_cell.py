@@ -9,14 +9,26 @@ arrivals the loop wakes every ``_TICK`` seconds for what is due by the clock: th
 peer interrupts, ``--timeout``, the live views' redraws.
 """
 
+import argparse
+import contextlib
 import re
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
+
+if TYPE_CHECKING:  # the front end's modules import this one
+    from .cluster._ring import RingCluster
+    from .magics import RingMagics
+    from .widgets._tabs import RankTabs, TextSink
+    from .widgets.live import LiveDashboard
 
 __all__ = ["CellRun", "routes_to_ranks"]
 
@@ -44,7 +56,8 @@ _CR = re.compile(r".*\r(?=[^\n])")
 class CellRun:
     """One cell on ``ranks`` of ``cluster``, shown through ``sink`` (see ``widgets._tabs``)."""
 
-    def __init__(self, magics, cluster, ranks, cell, args, sink):
+    def __init__(self, magics: "RingMagics", cluster: "RingCluster", ranks: list[int], cell: str,
+                 args: argparse.Namespace, sink: "RankTabs | TextSink") -> None:
         self.magics = magics
         self.cluster = cluster
         self.ranks = ranks
@@ -54,14 +67,16 @@ class CellRun:
         self.sink = sink
         # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
         self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
-        self.dashboard = None
-        self.execution = None
+        self.dashboard: "LiveDashboard | None" = None
+        # the CellExecution once the cell's requests are sent (run() checks; the rest runs after)
+        self.execution: CellExecution = None  # type: ignore[assignment]
         self._steps_noted = -float("inf")
-        self.partial = {}     # (rank, stream name) -> text after the last newline, not shown yet
-        self.results = {}     # rank -> execute_result content (shown after the output)
-        self.interrupted = {}  # rank -> why it was interrupted
-        self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
+        self.partial: dict[tuple[int, str], str] = {}  # (rank, stream) -> text after the last newline, not shown yet
+        self.results: dict[int, dict[str, Any]] = {}   # rank -> execute_result content (shown after the output)
+        self.interrupted: dict[int, str] = {}          # rank -> why it was interrupted
+        self.interrupted_at: dict[int, float] = {}     # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
+        self.unstarted: set[int] = set()  # ranks signalled before their cell began: signalled again once it has
 
     def run(self):
         stopping = None
@@ -101,18 +116,23 @@ class CellRun:
         return self.execution is not None and any(
             ABORT_NOTE in text for text in self.execution.stderr())
 
-    def _run(self):
+    def _run(self) -> None:
         cluster = self.cluster
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
-        execution = self.execution = CellExecution(
-            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
+        # An interrupt while the requests go out is the cell's: raised below, where the ranks that
+        # got theirs are interrupted too (raised here, it left them running the whole cell)
+        with _sigint_noted() as interrupted:
+            execution = self.execution = CellExecution(
+                cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
         magics = self.magics
         t0 = time.monotonic()
         first_failure = None
         next_health_check = t0 + magics.health_interval
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             while not execution.done():
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
                 if execution.done():
@@ -137,6 +157,7 @@ class CellRun:
                     self._interrupt(pending, "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
+                self._signal_late_starters()
                 self._where_if_stuck(pending, now)
         except KeyboardInterrupt:
             unstopped = self._interrupt_all()
@@ -187,7 +208,7 @@ class CellRun:
                 self.sink.fail(rank, "✗ dead")
         raise DeadRankError(message, dead)
 
-    def _interrupt(self, ranks, why):
+    def _interrupt(self, ranks: list[int], why: str) -> None:
         todo = [r for r in ranks if r not in self.interrupted]
         if not todo:
             return
@@ -195,7 +216,30 @@ class CellRun:
         for r in todo:
             self.interrupted[r] = why
             self.interrupted_at[r] = now
-        self.cluster.signal_ranks(signal.SIGINT, todo)
+        self._signal(todo)
+
+    def _signal(self, ranks: list[int]) -> None:
+        """SIGINT to ``ranks``; those that have not begun the cell yet get it again once they have.
+
+        An engine ignores SIGINT between requests (ipyparallel logs "Ignoring SIGINT"), and one
+        still busy with an earlier request (a completion, a pull, or only slow to start on a
+        loaded host) takes it there: that rank then ran the whole interrupted cell, and its
+        collectives met the next cell's on the other ranks ("called allreduce on rank 0 but
+        barrier on rank 1").
+        """
+        self.unstarted |= {r for r in ranks if not self.execution.started(r)}
+        self.cluster.signal_ranks(signal.SIGINT, ranks)
+
+    def _signal_late_starters(self) -> None:
+        """Signal again the ranks signalled before their cell began, now that it has."""
+        if not self.unstarted:
+            return
+        pending = set(self.execution.pending())
+        begun = [r for r in sorted(self.unstarted) if self.execution.started(r) or r not in pending]
+        self.unstarted.difference_update(begun)
+        late = [r for r in begun if r in pending]
+        if late:
+            self.cluster.signal_ranks(signal.SIGINT, late)
 
     def _where_if_stuck(self, pending, now):
         """Show where the ranks are, once, when a collective stalled (the missing ranks first)
@@ -229,21 +273,20 @@ class CellRun:
             text = f"(the ranks' stacks could not be read: {type(exc).__name__}: {exc})"
         print(f"{why}\n{text}", file=sys.stderr)
 
-    def _interrupt_all(self):
+    def _interrupt_all(self) -> list[int]:
         """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
-        ar = self.execution.ar
-        self.cluster.signal_ranks(signal.SIGINT)
+        self._signal(list(range(self.cluster.size)))
         grace = self.magics.interrupt_grace
-        finished = ar.wait(min(_WHERE_AFTER, grace))
+        finished = self._await_ranks(min(_WHERE_AFTER, grace))
         if not finished:
             late = self.execution.pending()
             if late and not self.where_shown:
                 self._show_where(late, f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s "
                                        "after the interrupt; where the ranks are (innermost frame "
                                        "first):")
-            finished = ar.wait(max(0.0, grace - _WHERE_AFTER))
+            finished = self._await_ranks(max(0.0, grace - _WHERE_AFTER))
         try:
-            ar.wait_for_output(1.0)
+            self.execution.ar.wait_for_output(1.0)
         except Exception:
             pass
         self._deliver(final=True)
@@ -253,6 +296,17 @@ class CellRun:
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
         return pending
+
+    def _await_ranks(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every rank's reply, signalling late starters; True if all came."""
+        deadline = time.monotonic() + seconds
+        while not self.execution.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.execution.wait(min(_TICK, left))
+            self._signal_late_starters()
+        return True
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):
@@ -372,6 +426,26 @@ class CellRun:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
                                reasons=self.interrupted, full_traceback=full)
+
+
+@contextlib.contextmanager
+def _sigint_noted() -> Iterator[list[int]]:
+    """SIGINT during the block is noted in the list it yields, not raised (on the main thread,
+    where Python runs signal handlers; elsewhere the block runs as it is)."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        noted.append(signum)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        if previous is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, previous)
 
 
 def _stall_ranks(error):

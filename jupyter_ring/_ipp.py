@@ -20,7 +20,10 @@ import collections
 import functools
 import threading
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from ipyparallel import Client
 
 __all__ = ["Arrival", "CellExecution"]
 
@@ -43,14 +46,15 @@ class CellExecution:
     ``ar`` is the public ``AsyncResult`` of the requests (``wait``, ``wait_for_output``, ``data``).
     """
 
-    def __init__(self, client, engine_ids, ranks, code):
+    def __init__(self, client: "Client", engine_ids: list[int], ranks: list[int], code: str) -> None:
         from ipyparallel.client.asyncresult import AsyncResult
 
         self.ranks = list(ranks)
         self._index = {rank: i for i, rank in enumerate(self.ranks)}
-        self._arrivals = collections.deque()   # appended on the IO thread, taken on ours
+        self._arrivals: collections.deque[tuple[int, str, Any]] = collections.deque()  # IO thread appends, ours takes
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
+        self._started: set[int] = set()        # ranks whose cell has begun (IO thread adds)
         view = client[list(engine_ids)]
         idents, targets = client._build_targets(list(engine_ids))
         self._futures = []
@@ -66,8 +70,13 @@ class CellExecution:
         future.add_done_callback(self._on_done)
         future.output.add_done_callback(self._on_done)
 
-    def _on_iopub(self, rank, msg):
+    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
+        if kind == "execute_input":
+            # ipykernel publishes it once the request's SIGINT handler raises KeyboardInterrupt
+            # (pre_handler_hook): before, ipyparallel's engine ignores SIGINT ("Ignoring SIGINT")
+            self._started.add(rank)
+            self._wake.set()
         if kind in DELIVERED:
             self._arrivals.append(Arrival(rank, kind, msg["content"]))
             self.last_arrival = time.monotonic()
@@ -97,6 +106,10 @@ class CellExecution:
         """Whether the rank's (every rank's) output is complete: its engine went idle."""
         futures = self._futures if rank is None else [self._futures[self._index[rank]]]
         return all(f.output.done() for f in futures)
+
+    def started(self, rank: int) -> bool:
+        """Whether the rank has begun this cell: from then on SIGINT interrupts it."""
+        return rank in self._started
 
     def pending(self):
         """Ranks that have not replied yet."""

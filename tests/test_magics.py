@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import psutil
@@ -186,35 +187,105 @@ def test_same_error_everywhere_is_one_headline_naming_every_rank(ip):
     assert sum("Traceback (most recent call last)" in line for line in lines) == 1, lines
 
 
-def test_interrupt_during_collective_keeps_state(ip):
+def test_a_rank_still_formatting_its_own_error_keeps_it(ip: InteractiveShell,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Every rank raises; rank 1 takes 1.5 s to format its error (IPython formatting frames of a
+    large file for the first time took 0.5 s on a loaded host), so the notebook interrupts it
+    meanwhile as a peer of the failed rank 0: that interrupt must not land in the formatting
+    (IPython then shows KeyboardInterrupt instead, or, in the copy it stores for the history,
+    replaces the rank's error with it)."""
+    err = raises_in_cell(ip, "import time\nclass SlowToShow(Exception):\n"
+                             "    def __str__(self):\n"
+                             "        if ring.rank() == 1:\n            time.sleep(1.5)\n"
+                             "        return 'every rank fails'\nraise SlowToShow()")
+    shown = capsys.readouterr()
+    assert "KeyboardInterrupt" not in shown.out + shown.err, shown
+    assert err.ename == "SlowToShow" and err.others == [] and [r for r, _ in err.same] == [0, 1]
+    lines = plain(err._render_traceback_())
+    assert lines[0].startswith("[ranks 0, 1 @ ")
+    assert "interrupted rank(s) 1: a peer rank failed" in lines, lines  # it was interrupted
+    assert cell(ip, "ok = ring.allreduce(np.ones(2), op=ring.Sum, name='after_slow')").success
+
+
+def _interrupt_in(seconds: float) -> threading.Timer:
+    """A timer that sends this process SIGINT in ``seconds`` (as the kernel's Interrupt does)."""
+    # the process's own handler: a test that left another one would hide this test's interrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_interrupt_during_collective_keeps_state(ip: InteractiveShell) -> None:
     assert cell(ip, "import numpy as np\nkept = ring.rank() * 10").success
-    # In two whole-suite runs of 2026-11-26 this in-process shell's SIGINT was lost (the cell ran
-    # its 60 s; never when this file or its neighbours ran alone; cause not found). A handler
-    # left by an earlier test in this process is put back here; a second SIGINT 3 s later keeps
-    # the suite from depending on the first. The kernel's own first interrupt is asserted by
-    # test_notebooks::test_interrupt_in_kernel_during_collective_keeps_state and the reliability
-    # and browser tests, in real kernels.
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        print(f"SIGINT handler left by an earlier test: {signal.getsignal(signal.SIGINT)!r}")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in (1.5, 4.5)]
     t0 = time.monotonic()
-    for timer in timers:
-        timer.start()
+    timer = _interrupt_in(1.5)
     try:
-        # rank 0 waits in the barrier for rank 1, which sleeps: only an interrupt ends this
+        # rank 0 waits in the barrier for rank 1, which sleeps: only the interrupt ends this
         result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(60)\nring.barrier()")
     finally:
-        for timer in timers:
-            timer.cancel()
+        timer.cancel()
     elapsed = time.monotonic() - t0
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
     assert elapsed < 10, f"the interrupt took {elapsed:.1f} s"
     assert cell(ip, "z = ring.allreduce(np.array([kept + 1.0]), op=ring.Sum, name='z')").success
     ip.run_line_magic("ring", "pull z --all")
     assert [v.tolist() for v in ip.user_ns["z"]] == [[12.0], [12.0]]
     ip.run_line_magic("ring", "pull kept --rank 1")
     assert ip.user_ns["kept"] == 10
+
+
+def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip: InteractiveShell) -> None:
+    """Rank 1 is still busy with another request (a completion, a pull, or a slow start on a
+    loaded host) when the interrupt comes: the SIGINT lands there, or is ignored between
+    requests, so rank 1 ran the whole cell and its barrier met the next cell's allreduce. The
+    first interrupt must stop every rank: a rank signalled before its cell began is signalled
+    again once it has."""
+    cluster = ip.magics_manager.registry["RingMagics"].cluster
+    busy = cluster.client[cluster.engine_ids[1]].execute("import time; time.sleep(2.5)", block=False)
+    t0 = time.monotonic()
+    timer = _interrupt_in(1.5)
+    try:
+        result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(20)\nring.barrier()")
+    finally:
+        timer.cancel()
+    elapsed = time.monotonic() - t0
+    busy.wait(10)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
+    assert elapsed < 10, f"the interrupt took {elapsed:.1f} s"
+    t1 = time.monotonic()
+    assert cell(ip, "late = ring.allreduce(np.ones(3), op=ring.Sum, name='after_late')").success
+    assert time.monotonic() - t1 < 5
+
+
+def test_interrupt_while_the_cell_is_being_sent_stops_the_ranks(ip: InteractiveShell,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interrupt lands in the notebook while the cell's requests go out (the kernel's main
+    thread slowed down on a loaded host: 2 s here, after the requests left): the ranks that got
+    theirs must be interrupted too, not left running the cell."""
+    from jupyter_ring import _cell
+
+    class SlowToSend(_cell.CellExecution):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            time.sleep(2.0)
+
+    monkeypatch.setattr(_cell, "CellExecution", SlowToSend)
+    t0 = time.monotonic()
+    timer = _interrupt_in(1.0)
+    try:
+        result = cell(ip, "import time\nif ring.rank() == 1:\n    time.sleep(20)\nring.barrier()")
+    finally:
+        timer.cancel()
+    assert isinstance(result.error_in_exec, KeyboardInterrupt), result.error_in_exec
+    assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.undo()
+    t1 = time.monotonic()
+    assert cell(ip, "sent = ring.allreduce(np.ones(3), op=ring.Sum, name='after_sent')").success
+    assert time.monotonic() - t1 < 5
 
 
 def test_timeout_interrupts_and_names_it(ip):

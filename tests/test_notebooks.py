@@ -9,7 +9,7 @@ import pytest
 
 from jupyter_ring import demo
 from real_kernel import alive as _alive
-from real_kernel import cluster_pids, ring_kernel
+from real_kernel import Kernel, cluster_pids, ring_kernel
 from bounds import GONE_S, REPORT_S
 from static_tabs import tab_texts
 
@@ -230,13 +230,10 @@ def test_error_in_notebook_names_first_failing_rank(kernel):
     assert text.index("[rank 1 @") < text.index("[rank 0 @")
 
 
-def test_mismatch_is_everybodys_error_shown_once_without_runtime_frames(kernel):
+def test_mismatch_is_everybodys_error_shown_once_without_runtime_frames(kernel: Kernel) -> None:
     """A shape mismatch (issue 21, item 6): one headline for the ranks that all raised it, the
     user's frame and no runtime frame, one traceback in all (the rank
     tabs point to it); JUPYTER_RING_FULL_TRACEBACK shows the runtime's frames again."""
-    # fresh ranks: after the interrupts of the tests above, rank 1 was seen negotiating a
-    # stale 'kept' (a runtime matter, reported separately)
-    kernel.ok("%ring restart", timeout=90)
     messages = []
     out, error = kernel.execute("%%distributed\nimport numpy as np\n"
                                 "ring.allreduce(np.zeros(3 + ring.rank()), name='w')", messages=messages)

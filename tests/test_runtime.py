@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from typing import Any, Callable
 
 import pytest
 
@@ -216,6 +217,19 @@ def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n, path)
     result = mpirun("rt_failures.py", n, "interrupt", env=PATHS[path], timeout=90)
     all_ranks_ok(result)
     assert len(result.lines("INTERRUPTED")) == 3 * n
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_notebooks_interrupted_cells_leave_nothing_in_the_next_mismatch(mpirun: Callable[..., Any],
+                                                                         n: int) -> None:
+    """test_notebooks' shared kernel without %ring restart: interrupts while peers sleep, a
+    collective given up off the main thread, one rank raising while the others wait; then a
+    shape mismatch names only its own collective, raised alike on every rank (the stale 'kept'
+    once negotiated against 'w')."""
+    result = mpirun("rt_failures.py", n, "cells", timeout=120)
+    all_ranks_ok(result)
+    lines = result.lines("MISMATCH")
+    assert len(lines) == 2 * n and len({line.split(" ", 3)[3] for line in lines}) == 1, lines
 
 
 # Shared-memory allreduce: small threshold, eager limit and window keep the lengths around them

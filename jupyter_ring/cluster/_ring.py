@@ -39,6 +39,7 @@ import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
 _jr_engine.number_cells()
+_jr_engine.keep_own_errors()
 _jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())

@@ -7,11 +7,14 @@ touch CUDA.
 
 import os
 import re
+import signal
 import socket
-from typing import TypedDict
+import threading
+from types import FrameType
+from typing import Any, TypedDict
 
-__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells", "arm_where",
-           "ascii_logs", "CELL_NUMBER"]
+__all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
+           "keep_own_errors", "arm_where", "ascii_logs", "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -115,6 +118,43 @@ def _take_cell_number(lines: list[str]) -> list[str]:
 
     get_ipython().execution_count = int(match.group(1))
     return lines[:-1]
+
+
+def keep_own_errors() -> None:
+    """A rank whose cell raised keeps its own error: a SIGINT while IPython formats it is dropped.
+
+    The notebook interrupts the ranks still running ``peer_interrupt_delay`` (0.3 s) after the
+    first one failed, to free those waiting for it. A rank that raised too (a mismatch every rank
+    raises alike) may still be formatting its traceback then: IPython formats it twice (shown,
+    then stored in the history), and the first time it meets frames of a file it reads and
+    highlights the whole file, 0.5 s on a loaded 2-core host. An interrupt landing there turned
+    the rank's error into KeyboardInterrupt ("interrupted: a peer rank failed"), so a mismatch
+    every rank raised read as rank 0's alone. The cell has ended on this rank by then, which is
+    all the interrupt asks. Registered once per engine.
+    """
+    from IPython import get_ipython
+
+    formatter = get_ipython().InteractiveTB
+    structured = formatter.structured_traceback
+    if getattr(structured, "_jr_keeps_errors", False):
+        return
+
+    def structured_traceback(*args: Any, **kwargs: Any) -> list[str]:
+        if threading.current_thread() is not threading.main_thread():
+            return structured(*args, **kwargs)
+        previous = signal.signal(signal.SIGINT, _too_late)
+        try:
+            return structured(*args, **kwargs)
+        finally:
+            if previous is not None:  # None: a handler not set from Python, which cannot be put back
+                signal.signal(signal.SIGINT, previous)
+
+    structured_traceback._jr_keeps_errors = True  # type: ignore[attr-defined]
+    formatter.structured_traceback = structured_traceback
+
+
+def _too_late(_signum: int, _frame: FrameType | None) -> None:
+    """SIGINT while a failed cell's error is formatted: the cell is over on this rank already."""
 
 
 def ascii_logs():

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -201,6 +202,85 @@ elif mode == "interrupt":
     ring.config().chunk_bytes = 4096
     interrupted_loop(0.2 + 0.05 * r, 400009)
     expect_correct("after mid-ring interrupt", seed=7)
+
+elif mode == "cells":
+    # test_notebooks' shared kernel, cell by cell, without the kernel: after each failed cell
+    # every rank abandons what it queued (engines/_setup._after_cell); interrupts reach every
+    # rank together (a shared deadline); then a mismatch must be raised alike on every rank,
+    # naming only its own collective: nothing of the interrupted cells may take part in it.
+    from jupyter_ring.runtime import _api
+
+    def interrupted_cell(body: Callable[[], None], delay: float = 1.0) -> BaseException | None:
+        """Run ``body`` as a cell that every rank's SIGINT ends ``delay`` s in; its failure is
+        the cell's, and what it queued is abandoned, as on an engine."""
+        deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - a cell's failure, as IPython catches it
+            _api.abandon_queued(f"the cell failed on this rank ({type(exc).__name__})")
+            failed = exc
+        else:
+            failed = None
+        finally:
+            timer.cancel()
+        time.sleep(max(0.0, deadline - time.time()))
+        return failed
+
+    def barrier_while_peers_sleep() -> None:  # test_interrupt_in_kernel_during_collective_keeps_state
+        if r != 0:
+            time.sleep(30)
+        ring.barrier()
+
+    kept = r + 1
+    for _ in range(2):
+        exc = interrupted_cell(barrier_while_peers_sleep)
+        assert isinstance(exc, KeyboardInterrupt), f"rank {r}: {exc!r}"
+        total = ring.allreduce(np.array([kept]), op=ring.Sum, name="kept")
+        assert total[0] == n * (n + 1) // 2, f"rank {r}: kept {total}"
+
+    def off_main() -> None:  # ...while_another_thread_waits_in_a_collective: the guard abandons it
+        got = []
+        if r == 0:
+            def hook() -> None:
+                try:
+                    got.append(ring.allreduce(np.ones(5), op=ring.Sum, name="off_main"))
+                except BaseException as exc:  # noqa: BLE001 - what the thread saw
+                    got.append(exc)
+
+            thread = threading.Thread(target=hook)
+            thread.start()
+            time.sleep(0.5)
+            _api.abandon_queued("the main thread is stuck in C and was interrupted")
+            thread.join(10)
+            assert type(got[0]).__name__ == "Abandoned", got
+        else:
+            time.sleep(30)
+
+    interrupted_cell(off_main)
+    got = ring.allreduce(np.arange(3.0) + r, op=ring.Sum, name="after_off_main")
+    assert np.array_equal(got, n * np.arange(3.0) + n * (n - 1) / 2), f"rank {r}: after_off_main {got}"
+
+    def one_rank_raises() -> None:  # test_error_in_notebook_names_first_failing_rank
+        if r == n - 1:
+            time.sleep(0.2)
+            raise RuntimeError("only the last rank")
+        ring.barrier()
+
+    exc = interrupted_cell(one_rank_raises)
+    assert isinstance(exc, RuntimeError if r == n - 1 else KeyboardInterrupt), f"rank {r}: {exc!r}"
+    # test_mismatch_is_everybodys_error_shown_once_without_runtime_frames, without a restart
+    for attempt in range(2):
+        try:
+            ring.allreduce(np.zeros(3 + r), name="w")
+        except ring.CollectiveMismatchError as exc:
+            want = "allreduce 'w': shape (3,) on rank 0 but (4,) on rank 1"
+            assert str(exc).startswith(want), f"rank {r}: {exc}"
+            print(f"MISMATCH {r} {attempt}: {exc}", flush=True)
+        else:
+            raise AssertionError(f"rank {r}: no mismatch")
+    expect_correct("after the notebook's cells")
 
 elif mode == "reinit":
     ring.init()  # a second init is a no-op
