@@ -38,6 +38,7 @@ _jr_device = _jr_engine.bind_device(_jr_gpus)
 import jupyter_ring.runtime as ring
 ring.init()
 _jr_engine.watch_cells()
+_jr_engine.reply_always()
 _jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())
