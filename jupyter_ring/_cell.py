@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from ._ipp import CellExecution
+from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
 
@@ -62,6 +62,7 @@ class CellRun:
         self.interrupted = {}  # rank -> why it was interrupted
         self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
+        self.lost_noted = False   # ranks that went idle without a reply are named once
 
     def run(self):
         stopping = None
@@ -142,6 +143,7 @@ class CellRun:
             unstopped = self._interrupt_all()
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
             raise CellInterrupted("you", errors, unstopped) from None
+        self._note_lost()
         self._wait_for_output()
         self._deliver(final=True)
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
@@ -195,9 +197,10 @@ class CellRun:
             self.interrupted_at[r] = now
         self.cluster.signal_ranks(signal.SIGINT, todo)
 
-    def _where_if_stuck(self, pending, now):
+    def _where_if_stuck(self, pending: list[int], now: float) -> None:
         """Show where the ranks are, once, when a collective stalled (the missing ranks first)
-        or an interrupted rank still runs a second later: which line each one is on."""
+        or an interrupted rank still runs a second later: which line each one is on. A rank
+        whose engine went idle is not running, only its reply is late (see ``_note_lost``)."""
         if self.where_shown or not pending:
             return
         missing = []
@@ -205,7 +208,9 @@ class CellRun:
             error = self.execution.error(rank)
             if error is not None and _ename(error) == "StallError":
                 missing += [r for r in _stall_ranks(error) if r not in missing]
-        late = [r for r in pending if now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
+        running = self.execution.running()
+        late = [r for r in pending
+                if r in running and now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
         if missing:
             why = (f"a collective stalled waiting for rank(s) {_join(missing)}; where the ranks "
                    "are (innermost frame first):")
@@ -227,30 +232,44 @@ class CellRun:
             text = f"(the ranks' stacks could not be read: {type(exc).__name__}: {exc})"
         print(f"{why}\n{text}", file=sys.stderr)
 
-    def _interrupt_all(self):
-        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
-        ar = self.execution.ar
+    def _interrupt_all(self) -> list[int]:
+        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said.
+        The ranks that did not stop, in a list: a rank that went idle without a reply stopped."""
+        execution = self.execution
         self.cluster.signal_ranks(signal.SIGINT)
         grace = self.magics.interrupt_grace
-        finished = ar.wait(min(_WHERE_AFTER, grace))
+        finished = execution.wait_done(min(_WHERE_AFTER, grace))
         if not finished:
-            late = self.execution.pending()
+            late = execution.running()
             if late and not self.where_shown:
                 self._show_where(late, f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s "
                                        "after the interrupt; where the ranks are (innermost frame "
                                        "first):")
-            finished = ar.wait(max(0.0, grace - _WHERE_AFTER))
+            finished = execution.wait_done(max(0.0, grace - _WHERE_AFTER))
+            if not finished and not execution.running():
+                # every rank left went idle: its reply is late or lost (lost REPLY_GRACE s later)
+                finished = execution.wait_done(REPLY_GRACE)
         try:
-            ar.wait_for_output(1.0)
+            execution.ar.wait_for_output(1.0)
         except Exception:
             pass
         self._deliver(final=True)
-        pending = [] if finished else self.execution.pending()  # some may have just stopped
+        self._note_lost()
+        pending = [] if finished else execution.pending()  # some may have just stopped
         if pending:
             print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
         return pending
+
+    def _note_lost(self) -> None:
+        """Name, once, the ranks whose cell ended without a reply (their engine went idle)."""
+        lost = self.execution.lost()
+        if lost and not self.lost_noted:
+            self.lost_noted = True
+            print(f"(rank(s) {_join(lost)} finished the cell but never sent its reply, which an "
+                  "interrupt outside the cell's code can cost an engine; what they raised, if "
+                  "anything, is read from their output. The ranks are fine.)", file=sys.stderr)
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):

@@ -20,9 +20,14 @@ import collections
 import functools
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = ["Arrival", "CellExecution"]
+
+# Seconds a rank's engine may be idle after a request (its iopub status for it said so) before a
+# reply that has not come counts as lost: the engine sends the reply first, but the two travel
+# different paths through the controller.
+REPLY_GRACE = 2.0
 
 # the iopub messages a cell's output is made of (``data_message``: a datapub publication, merged
 # by ipyparallel into the request's ``data`` dict before the callback runs)
@@ -51,6 +56,7 @@ class CellExecution:
         self._arrivals = collections.deque()   # appended on the IO thread, taken on ours
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
+        self._idle_at: dict[int, float] = {}   # rank -> when its engine went idle (IO thread)
         view = client[list(engine_ids)]
         idents, targets = client._build_targets(list(engine_ids))
         self._futures = []
@@ -60,11 +66,11 @@ class CellExecution:
                 message_future_hook=functools.partial(self._hook, rank)))
         self.ar = AsyncResult(client, self._futures, fname="execute", targets=targets, owner=True)
 
-    def _hook(self, rank, future):
+    def _hook(self, rank: int, future: Any) -> None:
         # before the request is handed to the IO thread: nothing of it can have arrived yet
         future.iopub_callbacks.append(functools.partial(self._on_iopub, rank))
         future.add_done_callback(self._on_done)
-        future.output.add_done_callback(self._on_done)
+        future.output.add_done_callback(functools.partial(self._on_idle, rank))
 
     def _on_iopub(self, rank, msg):
         kind = msg["header"]["msg_type"]
@@ -73,7 +79,11 @@ class CellExecution:
             self.last_arrival = time.monotonic()
             self._wake.set()
 
-    def _on_done(self, _future):
+    def _on_done(self, _future: Any) -> None:
+        self._wake.set()
+
+    def _on_idle(self, rank: int, _future: Any) -> None:
+        self._idle_at[rank] = time.monotonic()
         self._wake.set()
 
     # ------------------------------------------------------------------ the notebook's thread
@@ -89,24 +99,54 @@ class CellExecution:
             out.append(self._arrivals.popleft())
         return out
 
-    def done(self):
-        """Whether every rank has replied (finished, failed or been failed by the controller)."""
-        return all(f.done() for f in self._futures)
+    def wait_done(self, timeout: float) -> bool:
+        """Block until :meth:`done`, at most ``timeout`` seconds; whether it is."""
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.wait(min(0.1, left))
+        return True
+
+    def done(self) -> bool:
+        """Whether every rank has replied (finished, failed or been failed by the controller), or
+        went idle without a reply (:meth:`lost`)."""
+        lost = self.lost()
+        return all(f.done() or r in lost for r, f in zip(self.ranks, self._futures))
+
+    def lost(self) -> list[int]:
+        """Ranks whose engine went idle after this request ``REPLY_GRACE`` s ago with no reply.
+
+        Their cell has ended; the reply will not come (an engine that lost it: ipykernel sends
+        none when a KeyboardInterrupt escapes its handler outside the cell's code). What the
+        rank raised, if anything, is in its output (:meth:`error`).
+        """
+        now = time.monotonic()
+        return [r for r, f in zip(self.ranks, self._futures)
+                if not f.done() and now - self._idle_at.get(r, now) >= REPLY_GRACE]
+
+    def running(self) -> list[int]:
+        """Ranks without a reply whose engine has not gone idle either: still in the cell."""
+        return [r for r, f in zip(self.ranks, self._futures)
+                if not f.done() and not f.output.done()]
 
     def output_done(self, rank=None):
         """Whether the rank's (every rank's) output is complete: its engine went idle."""
         futures = self._futures if rank is None else [self._futures[self._index[rank]]]
         return all(f.output.done() for f in futures)
 
-    def pending(self):
-        """Ranks that have not replied yet."""
-        return [r for r, f in zip(self.ranks, self._futures) if not f.done()]
+    def pending(self) -> list[int]:
+        """Ranks that have not replied yet (those whose reply is :meth:`lost` aside)."""
+        lost = self.lost()
+        return [r for r, f in zip(self.ranks, self._futures) if not f.done() and r not in lost]
 
-    def error(self, rank):
-        """The rank's remote error (ipyparallel's RemoteError, EngineError ...), else None."""
+    def error(self, rank: int) -> BaseException | None:
+        """The rank's remote error (ipyparallel's RemoteError, EngineError ...), else None; for a
+        rank whose reply is :meth:`lost`, the error its output showed (its iopub ``error``)."""
         future = self._futures[self._index[rank]]
         if not future.done():
-            return None
+            return future.output.metadata["error"] if rank in self.lost() else None
         exc = future.exception()
         if exc is not None:
             return exc

@@ -124,3 +124,27 @@ def test_an_interrupt_while_a_rank_sends_its_reply_is_ignored_and_the_cell_ends(
         kernel.ok(UNHOOK)
     assert rank_values(kernel, "late") == {0: "1", 1: "2"}
     state_kept(kernel, "reply")
+
+
+@pytest.mark.parametrize("interrupt", [None, "kernel"])
+def test_a_rank_that_goes_idle_without_replying_ends_the_cell(kernel, tmp_path, interrupt):
+    """Rank 1 loses its reply (a KeyboardInterrupt escapes ipykernel's handler, as a late SIGINT
+    did): its engine goes idle, and the cell ends a moment later, saying so, instead of waiting
+    for ever. The toolbar's interrupt meanwhile ends it too, and says nothing of ranks that "did
+    not stop" or of %ring restart: the ranks are fine, and keep their variables."""
+    arm, mark = str(tmp_path / "arm"), str(tmp_path / "mark")
+    kernel.ok(REPLY_HOOK.format(arm=arm, mark=mark, action="raise KeyboardInterrupt"))
+    try:
+        open(arm, "w").close()
+        out, error = ends(kernel, "%%distributed\nlost = ring.rank() + 1",
+                          lambda: interrupt == "kernel" and os.path.exists(mark))
+    finally:
+        kernel.ok(UNHOOK)
+    assert "rank(s) 1 finished the cell but never sent its reply" in out, out
+    assert "did not stop" not in out and "%ring restart" not in out, out
+    if interrupt is None:
+        assert error is None, (out, error)
+    else:
+        assert error is not None and error["ename"] == "CellInterrupted", (out, error)
+    assert rank_values(kernel, "lost") == {0: "1", 1: "2"}
+    state_kept(kernel, f"lost_{interrupt}")
