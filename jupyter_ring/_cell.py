@@ -63,6 +63,7 @@ class CellRun:
         self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
         self.lost_noted = False   # ranks that went idle without a reply are named once
+        self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
 
     def run(self):
         stopping = None
@@ -102,7 +103,11 @@ class CellRun:
         return self.execution is not None and any(
             ABORT_NOTE in text for text in self.execution.stderr())
 
-    def _run(self):
+    def _run(self) -> None:
+        with _DeferredInterrupt() as self.interrupts:
+            self._run_cell()
+
+    def _run_cell(self) -> None:
         cluster = self.cluster
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
@@ -116,6 +121,7 @@ class CellRun:
         try:
             while not execution.done():
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
+                self.interrupts.raise_pending()
                 if execution.done():
                     break  # every rank replied: what is left is the output's end, below
                 if kernel_stopping(magics.shell) is not None:
@@ -161,6 +167,7 @@ class CellRun:
         started = time.monotonic()
         while not execution.output_done():
             execution.wait(min(_TICK, grace))
+            self.interrupts.raise_pending()
             self._deliver()
             self.sink.flush()
             if time.monotonic() - max(started, execution.last_arrival) >= grace:
@@ -389,6 +396,51 @@ class CellRun:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
                                reasons=self.interrupted, full_traceback=full)
+
+
+class _DeferredInterrupt:
+    """While a cell runs: SIGINT (the toolbar's interrupt) is noted, and raised as
+    KeyboardInterrupt where the loop checks (``raise_pending``), not at whatever line it lands.
+
+    Raised anywhere, it can leave a lock that ipyparallel's IO thread needs held for ever:
+    ``threading.Condition.__enter__`` is Python code, and an exception between its acquire and
+    the ``with`` body skips the release (CPython's bpo-29988). A Future's condition left held
+    while this thread polled ``done()`` stopped the client's IO thread in its next
+    ``set_result``: no reply, output or signal got through again, the ranks never heard the
+    interrupt or Where?, and the cell said they "did not stop". One still pending when the cell
+    ends is raised then. Off the main thread (no signal handler can be set) nothing changes.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: object = None
+        self._installed = False
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._note)
+            self._installed = True
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, kind: type | None, *_rest: object) -> None:
+        if self._installed:
+            previous = self._previous
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None
+                          else previous)
+            self._installed = False
+        if kind is None:
+            self.raise_pending()
+
+    def _note(self, _signum: int, _frame: object) -> None:
+        self.pending = True
+
+    def raise_pending(self) -> None:
+        """Raise KeyboardInterrupt if SIGINT came since the last call."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
 
 
 def _stall_ranks(error):
