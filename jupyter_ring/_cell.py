@@ -13,6 +13,9 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
@@ -413,7 +416,7 @@ class _DeferredInterrupt:
 
     def __init__(self) -> None:
         self.pending = False
-        self._previous: object = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
         self._installed = False
 
     def __enter__(self) -> "_DeferredInterrupt":
@@ -433,7 +436,7 @@ class _DeferredInterrupt:
         if kind is None:
             self.raise_pending()
 
-    def _note(self, _signum: int, _frame: object) -> None:
+    def _note(self, _signum: int, _frame: FrameType | None) -> None:
         self.pending = True
 
     def raise_pending(self) -> None:

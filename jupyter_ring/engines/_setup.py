@@ -98,7 +98,7 @@ def reply_always() -> None:
     from IPython import get_ipython
 
     kernel = get_ipython().kernel
-    if getattr(kernel.do_execute, "_jupyter_ring", False):
+    if getattr(kernel, "_jupyter_ring_replies", False):
         return
     run = kernel.do_execute
 
@@ -114,8 +114,8 @@ def reply_always() -> None:
             reply = _interrupted_reply(kernel)
         return reply
 
-    do_execute._jupyter_ring = True
     kernel.do_execute = do_execute
+    kernel._jupyter_ring_replies = True
 
 
 def _interrupted_reply(kernel: Any) -> dict:

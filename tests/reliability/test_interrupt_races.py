@@ -17,7 +17,9 @@ import os
 import queue
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from real_kernel import Kernel, cluster_pids, ring_kernel
@@ -46,23 +48,31 @@ if ring.rank() == 1:
 UNHOOK = "%%distributed\nget_ipython().kernel.__dict__.pop('finish_metadata', None)"
 
 
+class Ring(NamedTuple):
+    """The module's kernel, its cluster's file (the panel's handle on it), and the folder where
+    each rank marks that its cell began."""
+
+    kernel: Kernel
+    cluster_file: str
+    started: str
+
+
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+def ring(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ring]:
     with ring_kernel(2) as k:
-        k.started = str(tmp_path_factory.mktemp("started"))  # each rank's mark: its cell began
         cluster_pids(k)
-        k.cluster_file = k.ok("print(get_ipython().magics_manager.registry['RingMagics'].cluster"
-                              ".ipp_cluster.cluster_file)").strip().splitlines()[-1]
+        cluster_file = k.ok("print(get_ipython().magics_manager.registry['RingMagics'].cluster"
+                            ".ipp_cluster.cluster_file)").strip().splitlines()[-1]
         k.ok("%%distributed\nimport os, time\nimport numpy as np\nkept = 10 * ring.rank() + 7")
         # the ranks' tracebacks in one line: hundreds of interrupted cells, each formatted fast
         k.ok("%%distributed\nget_ipython().InteractiveTB.set_mode('Minimal')")
-        yield k
+        yield Ring(k, cluster_file, str(tmp_path_factory.mktemp("started")))
 
 
-def panel(action: str, kernel: Kernel) -> dict:
+def panel(action: str, ring: Ring) -> dict:
     """The Ring panel's Interrupt or Where? on the kernel's cluster, as its route runs it."""
     route = interrupt_cluster if action == "interrupt" else where_cluster
-    return asyncio.run(route(kernel.cluster_file))
+    return asyncio.run(route(ring.cluster_file))
 
 
 def ends(kernel: Kernel, code: str, during: Callable[[], bool] | None = None,
@@ -104,19 +114,20 @@ def state_kept(kernel: Kernel, tag: str) -> None:
     assert got == {0: "[0.0, 3.0, 6.0, 9.0, 12.0]", 1: "[0.0, 3.0, 6.0, 9.0, 12.0]"}, got
 
 
-def test_an_interrupt_while_a_rank_sends_its_reply_is_ignored_and_the_cell_ends(kernel,
-                                                                                 tmp_path):
+def test_an_interrupt_while_a_rank_sends_its_reply_is_ignored_and_the_cell_ends(
+        ring: Ring, tmp_path: Path) -> None:
     """The panel's Interrupt lands on rank 1 after its cell's code ended, while it sends its reply
     (held there 2 s): the cell ends without error. Before, that reply was never sent."""
+    kernel = ring.kernel
     arm, mark = str(tmp_path / "arm"), str(tmp_path / "mark")
     kernel.ok(REPLY_HOOK.format(arm=arm, mark=mark, action="time.sleep(2)"))
     try:
         open(arm, "w").close()
-        sent = []
+        sent: list[dict] = []
 
         def interrupt_in_the_reply() -> bool:
             if not sent and os.path.exists(mark):
-                sent.append(panel("interrupt", kernel))
+                sent.append(panel("interrupt", ring))
             return False
 
         out, error = ends(kernel, "%%distributed\nlate = ring.rank() + 1", interrupt_in_the_reply)
@@ -130,11 +141,13 @@ def test_an_interrupt_while_a_rank_sends_its_reply_is_ignored_and_the_cell_ends(
 
 
 @pytest.mark.parametrize("interrupt", [None, "kernel"])
-def test_a_rank_that_goes_idle_without_replying_ends_the_cell(kernel, tmp_path, interrupt):
+def test_a_rank_that_goes_idle_without_replying_ends_the_cell(ring: Ring, tmp_path: Path,
+                                                              interrupt: str | None) -> None:
     """Rank 1 loses its reply (a KeyboardInterrupt escapes ipykernel's handler, as a late SIGINT
     did): its engine goes idle, and the cell ends a moment later, saying so, instead of waiting
     for ever. The toolbar's interrupt meanwhile ends it too, and says nothing of ranks that "did
     not stop" or of %ring restart: the ranks are fine, and keep their variables."""
+    kernel = ring.kernel
     arm, mark = str(tmp_path / "arm"), str(tmp_path / "mark")
     kernel.ok(REPLY_HOOK.format(arm=arm, mark=mark, action="raise KeyboardInterrupt"))
     try:
@@ -222,24 +235,24 @@ def use_debuggers(kernel: Kernel, i: int) -> None:
     debug_in_kernel(kernel, ["where", "up", "c"] if i % 2 else ["p 1 + 1", "q"])
 
 
-def one_sequence(kernel: Kernel, rng: random.Random) -> tuple[str, str, float]:
+def one_sequence(ring: Ring, rng: random.Random) -> tuple[str, str, float]:
     """A cell, maybe the panel's Where?, then the panel's or the toolbar's Interrupt, at random
     moments once every rank has begun the cell (an interrupt that reaches a rank before its cell
     is not that cell's, by design); the cell must end, with an interrupt's message only.
     (kind, by, seconds to end)."""
     kind = rng.choice(sorted(CELLS))
-    marks = [os.path.join(kernel.started, str(r)) for r in (0, 1)]
+    marks = [os.path.join(ring.started, str(r)) for r in (0, 1)]
     for mark in marks:
         if os.path.exists(mark):
             os.remove(mark)
     code = CELLS[kind].format(slow=rng.randrange(2), seconds=round(rng.uniform(0, 0.15), 3))
     code = code.replace("%%distributed\n", "%%distributed\nopen(os.path.join("
-                        f"{kernel.started!r}, str(ring.rank())), 'w').close()\n", 1)
+                        f"{ring.started!r}, str(ring.rank())), 'w').close()\n", 1)
     where_at = rng.uniform(0, 0.1) if rng.random() < 0.5 else None
     interrupt_at = rng.uniform(0, 0.2)
     by = rng.choice(["panel", "kernel"])
     started = time.monotonic()
-    begun = []  # when every rank had begun the cell
+    begun: list[float] = []  # when every rank had begun the cell
     done = {"where": where_at is None, "interrupt": False}
 
     def during() -> bool:
@@ -248,17 +261,17 @@ def one_sequence(kernel: Kernel, rng: random.Random) -> tuple[str, str, float]:
                 return False
             begun.append(time.monotonic())
         elapsed = time.monotonic() - begun[0]
-        if not done["where"] and elapsed >= where_at:
+        if not done["where"] and where_at is not None and elapsed >= where_at:
             done["where"] = True
-            panel("where", kernel)
+            panel("where", ring)
         if not done["interrupt"] and elapsed >= interrupt_at:
             done["interrupt"] = True
             if by == "kernel":
                 return True
-            panel("interrupt", kernel)
+            panel("interrupt", ring)
         return False
 
-    out, error = ends(kernel, code, during)
+    out, error = ends(ring.kernel, code, during)
     took = time.monotonic() - started
     context = f"{kind} cell, Where? at {where_at}, {by} interrupt at {interrupt_at:.2f} s"
     assert "did not stop" not in out and "%ring restart" not in out, (context, out)
@@ -272,18 +285,19 @@ def one_sequence(kernel: Kernel, rng: random.Random) -> tuple[str, str, float]:
     return kind, by, took
 
 
-def test_hundreds_of_where_and_interrupt_sequences_end_every_cell_with_state_kept(kernel):
+def test_hundreds_of_where_and_interrupt_sequences_end_every_cell_with_state_kept(
+        ring: Ring) -> None:
     """Issue 36's stress: SEQUENCES cells, each with the panel's Where? (half of them) and the
     panel's or the toolbar's Interrupt at a random moment, on the issue's cell, on a training
     loop, or on a cell that ends by itself; every 50th after pdb on the ranks and %debug in the
     kernel. Every cell ends, none blames a rank, and the ranks keep their variables."""
-    rng = random.Random(36)
+    kernel, rng = ring.kernel, random.Random(36)
     t0 = time.monotonic()
-    times, lost = [], 0
+    times = []
     for i in range(SEQUENCES):
         if i % 50 == 10:
             use_debuggers(kernel, i)
-        kind, by, took = one_sequence(kernel, rng)
+        _kind, _by, took = one_sequence(ring, rng)
         times.append(took)
         if i % 30 == 29:
             state_kept(kernel, f"stress{i}")
