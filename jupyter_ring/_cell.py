@@ -10,17 +10,15 @@ peer interrupts, ``--timeout``, the live views' redraws.
 """
 
 import argparse
-import contextlib
 import re
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from ._ipp import CellExecution
+from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
 
@@ -77,6 +75,8 @@ class CellRun:
         self.interrupted_at: dict[int, float] = {}     # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
         self.unstarted: set[int] = set()  # ranks signalled before their cell began: signalled again once it has
+        self.lost_noted = False   # ranks that went idle without a reply are named once
+        self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
 
     def run(self):
         stopping = None
@@ -117,24 +117,28 @@ class CellRun:
             ABORT_NOTE in text for text in self.execution.stderr())
 
     def _run(self) -> None:
+        with _DeferredInterrupt() as self.interrupts:
+            self._run_cell()
+
+    def _run_cell(self) -> None:
         cluster = self.cluster
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
-        # An interrupt while the requests go out is the cell's: raised below, where the ranks that
-        # got theirs are interrupted too (raised here, it left them running the whole cell)
-        with _sigint_noted() as interrupted:
-            execution = self.execution = CellExecution(
-                cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
+        # An interrupt while the requests go out is the cell's (self.interrupts notes it): raised
+        # in the try below, where the ranks that got theirs are interrupted too (raised here, it
+        # left them running the whole cell)
+        execution = self.execution = CellExecution(
+            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
         magics = self.magics
         t0 = time.monotonic()
         first_failure = None
         next_health_check = t0 + magics.health_interval
         try:
-            if interrupted:
-                raise KeyboardInterrupt
+            self.interrupts.raise_pending()
             while not execution.done():
                 execution.wait(min(_TICK, max(0.0, next_health_check - time.monotonic())))
+                self.interrupts.raise_pending()
                 if execution.done():
                     break  # every rank replied: what is left is the output's end, below
                 if kernel_stopping(magics.shell) is not None:
@@ -163,6 +167,7 @@ class CellRun:
             unstopped = self._interrupt_all()
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
             raise CellInterrupted("you", errors, unstopped) from None
+        self._note_lost()
         self._wait_for_output()
         self._deliver(final=True)
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
@@ -180,6 +185,7 @@ class CellRun:
         started = time.monotonic()
         while not execution.output_done():
             execution.wait(min(_TICK, grace))
+            self.interrupts.raise_pending()
             self._deliver()
             self.sink.flush()
             if time.monotonic() - max(started, execution.last_arrival) >= grace:
@@ -241,9 +247,10 @@ class CellRun:
         if late:
             self.cluster.signal_ranks(signal.SIGINT, late)
 
-    def _where_if_stuck(self, pending, now):
+    def _where_if_stuck(self, pending: list[int], now: float) -> None:
         """Show where the ranks are, once, when a collective stalled (the missing ranks first)
-        or an interrupted rank still runs a second later: which line each one is on."""
+        or an interrupted rank still runs a second later: which line each one is on. A rank
+        whose engine went idle is not running, only its reply is late (see ``_note_lost``)."""
         if self.where_shown or not pending:
             return
         missing = []
@@ -251,7 +258,9 @@ class CellRun:
             error = self.execution.error(rank)
             if error is not None and _ename(error) == "StallError":
                 missing += [r for r in _stall_ranks(error) if r not in missing]
-        late = [r for r in pending if now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
+        running = self.execution.running()
+        late = [r for r in pending
+                if r in running and now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
         if missing:
             why = (f"a collective stalled waiting for rank(s) {_join(missing)}; where the ranks "
                    "are (innermost frame first):")
@@ -274,23 +283,29 @@ class CellRun:
         print(f"{why}\n{text}", file=sys.stderr)
 
     def _interrupt_all(self) -> list[int]:
-        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said."""
+        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said.
+        The ranks that did not stop, in a list: a rank that went idle without a reply stopped."""
+        execution = self.execution
         self._signal(list(range(self.cluster.size)))
         grace = self.magics.interrupt_grace
         finished = self._await_ranks(min(_WHERE_AFTER, grace))
         if not finished:
-            late = self.execution.pending()
+            late = execution.running()
             if late and not self.where_shown:
                 self._show_where(late, f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s "
                                        "after the interrupt; where the ranks are (innermost frame "
                                        "first):")
             finished = self._await_ranks(max(0.0, grace - _WHERE_AFTER))
+            if not finished and not execution.running():
+                # every rank left went idle: its reply is late or lost (lost REPLY_GRACE s later)
+                finished = self._await_ranks(REPLY_GRACE)
         try:
-            self.execution.ar.wait_for_output(1.0)
+            execution.ar.wait_for_output(1.0)
         except Exception:
             pass
         self._deliver(final=True)
-        pending = [] if finished else self.execution.pending()  # some may have just stopped
+        self._note_lost()
+        pending = [] if finished else execution.pending()  # some may have just stopped
         if pending:
             print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
                   f"{self.magics.interrupt_grace:g} s of SIGINT; they may be stuck outside Python. "
@@ -307,6 +322,15 @@ class CellRun:
             self.execution.wait(min(_TICK, left))
             self._signal_late_starters()
         return True
+
+    def _note_lost(self) -> None:
+        """Name, once, the ranks whose cell ended without a reply (their engine went idle)."""
+        lost = self.execution.lost()
+        if lost and not self.lost_noted:
+            self.lost_noted = True
+            print(f"(rank(s) {_join(lost)} finished the cell but never sent its reply, which an "
+                  "interrupt outside the cell's code can cost an engine; what they raised, if "
+                  "anything, is read from their output. The ranks are fine.)", file=sys.stderr)
 
     # ----------------------------------------------------------------------------- output
     def _deliver(self, final=False):
@@ -428,24 +452,49 @@ class CellRun:
                                reasons=self.interrupted, full_traceback=full)
 
 
-@contextlib.contextmanager
-def _sigint_noted() -> Iterator[list[int]]:
-    """SIGINT during the block is noted in the list it yields, not raised (on the main thread,
-    where Python runs signal handlers; elsewhere the block runs as it is)."""
-    noted: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield noted
-        return
+class _DeferredInterrupt:
+    """While a cell runs: SIGINT (the toolbar's interrupt) is noted, and raised as
+    KeyboardInterrupt where the loop checks (``raise_pending``), not at whatever line it lands.
 
-    def note(signum: int, _frame: FrameType | None) -> None:
-        noted.append(signum)
+    Raised anywhere, it can leave a lock that ipyparallel's IO thread needs held for ever:
+    ``threading.Condition.__enter__`` is Python code, and an exception between its acquire and
+    the ``with`` body skips the release (CPython's bpo-29988). A Future's condition left held
+    while this thread polled ``done()`` stopped the client's IO thread in its next
+    ``set_result``: no reply, output or signal got through again, the ranks never heard the
+    interrupt or Where?, and the cell said they "did not stop". One still pending when the cell
+    ends is raised then. Off the main thread (no signal handler can be set) nothing changes.
+    """
 
-    previous = signal.signal(signal.SIGINT, note)
-    try:
-        yield noted
-    finally:
-        if previous is not None:  # None: a handler not set from Python, which cannot be put back
-            signal.signal(signal.SIGINT, previous)
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self._installed = False
+
+    def __enter__(self) -> "_DeferredInterrupt":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._note)
+            self._installed = True
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, kind: type | None, *_rest: object) -> None:
+        if self._installed:
+            previous = self._previous
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None
+                          else previous)
+            self._installed = False
+        if kind is None:
+            self.raise_pending()
+
+    def _note(self, _signum: int, _frame: FrameType | None) -> None:
+        self.pending = True
+
+    def raise_pending(self) -> None:
+        """Raise KeyboardInterrupt if SIGINT came since the last call."""
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
 
 
 def _stall_ranks(error):

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Arrival", "CellExecution"]
 
+# Seconds a rank's engine may be idle after a request (its iopub status for it said so) before a
+# reply that has not come counts as lost: the engine sends the reply first, but the two travel
+# different paths through the controller.
+REPLY_GRACE = 2.0
+
 # the iopub messages a cell's output is made of (``data_message``: a datapub publication, merged
 # by ipyparallel into the request's ``data`` dict before the callback runs)
 DELIVERED = frozenset({"stream", "display_data", "execute_result", "data_message"})
@@ -55,6 +60,7 @@ class CellExecution:
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
         self._started: set[int] = set()        # ranks whose cell has begun (IO thread adds)
+        self._idle_at: dict[int, float] = {}   # rank -> when its engine went idle (IO thread)
         view = client[list(engine_ids)]
         idents, targets = client._build_targets(list(engine_ids))
         self._futures = []
@@ -64,11 +70,11 @@ class CellExecution:
                 message_future_hook=functools.partial(self._hook, rank)))
         self.ar = AsyncResult(client, self._futures, fname="execute", targets=targets, owner=True)
 
-    def _hook(self, rank, future):
+    def _hook(self, rank: int, future: Any) -> None:
         # before the request is handed to the IO thread: nothing of it can have arrived yet
         future.iopub_callbacks.append(functools.partial(self._on_iopub, rank))
         future.add_done_callback(self._on_done)
-        future.output.add_done_callback(self._on_done)
+        future.output.add_done_callback(functools.partial(self._on_idle, rank))
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
@@ -82,7 +88,11 @@ class CellExecution:
             self.last_arrival = time.monotonic()
             self._wake.set()
 
-    def _on_done(self, _future):
+    def _on_done(self, _future: Any) -> None:
+        self._wake.set()
+
+    def _on_idle(self, rank: int, _future: Any) -> None:
+        self._idle_at[rank] = time.monotonic()
         self._wake.set()
 
     # ------------------------------------------------------------------ the notebook's thread
@@ -98,9 +108,37 @@ class CellExecution:
             out.append(self._arrivals.popleft())
         return out
 
-    def done(self):
-        """Whether every rank has replied (finished, failed or been failed by the controller)."""
-        return all(f.done() for f in self._futures)
+    def wait_done(self, timeout: float) -> bool:
+        """Block until :meth:`done`, at most ``timeout`` seconds; whether it is."""
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.wait(min(0.1, left))
+        return True
+
+    def done(self) -> bool:
+        """Whether every rank has replied (finished, failed or been failed by the controller), or
+        went idle without a reply (:meth:`lost`)."""
+        lost = self.lost()
+        return all(f.done() or r in lost for r, f in zip(self.ranks, self._futures))
+
+    def lost(self) -> list[int]:
+        """Ranks whose engine went idle after this request ``REPLY_GRACE`` s ago with no reply.
+
+        Their cell has ended; the reply will not come (an engine that lost it: ipykernel sends
+        none when a KeyboardInterrupt escapes its handler outside the cell's code). What the
+        rank raised, if anything, is in its output (:meth:`error`).
+        """
+        now = time.monotonic()
+        return [r for r, f in zip(self.ranks, self._futures)
+                if not f.done() and now - self._idle_at.get(r, now) >= REPLY_GRACE]
+
+    def running(self) -> list[int]:
+        """Ranks without a reply whose engine has not gone idle either: still in the cell."""
+        return [r for r, f in zip(self.ranks, self._futures)
+                if not f.done() and not f.output.done()]
 
     def output_done(self, rank=None):
         """Whether the rank's (every rank's) output is complete: its engine went idle."""
@@ -111,15 +149,17 @@ class CellExecution:
         """Whether the rank has begun this cell: from then on SIGINT interrupts it."""
         return rank in self._started
 
-    def pending(self):
-        """Ranks that have not replied yet."""
-        return [r for r, f in zip(self.ranks, self._futures) if not f.done()]
+    def pending(self) -> list[int]:
+        """Ranks that have not replied yet (those whose reply is :meth:`lost` aside)."""
+        lost = self.lost()
+        return [r for r, f in zip(self.ranks, self._futures) if not f.done() and r not in lost]
 
-    def error(self, rank):
-        """The rank's remote error (ipyparallel's RemoteError, EngineError ...), else None."""
+    def error(self, rank: int) -> BaseException | None:
+        """The rank's remote error (ipyparallel's RemoteError, EngineError ...), else None; for a
+        rank whose reply is :meth:`lost`, the error its output showed (its iopub ``error``)."""
         future = self._futures[self._index[rank]]
         if not future.done():
-            return None
+            return future.output.metadata["error"] if rank in self.lost() else None
         exc = future.exception()
         if exc is not None:
             return exc

@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any, TypedDict
 
 __all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
-           "keep_own_errors", "arm_where", "ascii_logs", "CELL_NUMBER"]
+           "keep_own_errors", "reply_always", "arm_where", "ascii_logs", "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -155,6 +155,52 @@ def keep_own_errors() -> None:
 
 def _too_late(_signum: int, _frame: FrameType | None) -> None:
     """SIGINT while a failed cell's error is formatted: the cell is over on this rank already."""
+
+
+def reply_always() -> None:
+    """Make every cell's execute request get its reply, whenever an interrupt reaches the rank.
+
+    ipykernel raises KeyboardInterrupt on SIGINT for the whole time it handles a request, not only
+    while the cell's code runs: one that lands after the code ended (the reply being built, the
+    output flushed, the reply sent) or before it began escapes the request's handler, which logs
+    "KeyboardInterrupt caught in kernel." and sends no reply. The rank goes idle, and the notebook
+    waits for that reply forever. Interrupts come at any moment: the Ring panel's, the kernel's
+    peer interrupt 0.3 s after another rank failed. So: once the cell's request has run (reply
+    built), SIGINT is ignored until ipykernel restores its between-requests handler (which ignores
+    it too); one that escapes before that is the request's reply, a KeyboardInterrupt error.
+    Registered once per engine.
+    """
+    from IPython import get_ipython
+
+    kernel = get_ipython().kernel
+    if getattr(kernel, "_jupyter_ring_replies", False):
+        return
+    run = kernel.do_execute
+
+    async def do_execute(*args: Any, **kwargs: Any) -> dict:
+        try:
+            try:
+                reply = await run(*args, **kwargs)
+            finally:
+                # the cell is over: what is left is the reply (flush, send), not the cell's
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            reply = _interrupted_reply(kernel)
+        return reply
+
+    kernel.do_execute = do_execute
+    kernel._jupyter_ring_replies = True
+
+
+def _interrupted_reply(kernel: Any) -> dict:
+    """The execute reply of a request interrupted outside its cell's code (as ipykernel's)."""
+    return {"status": "error", "ename": "KeyboardInterrupt",
+            "evalue": "interrupted while the engine started or ended the cell, outside its code",
+            "traceback": ["KeyboardInterrupt: interrupted while the engine started or ended the "
+                          "cell, outside its code"],
+            "execution_count": kernel.execution_count, "user_expressions": {}, "payload": [],
+            "engine_info": kernel.get_engine_info(method="execute")}
 
 
 def ascii_logs():
