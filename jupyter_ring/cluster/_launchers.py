@@ -137,6 +137,8 @@ def curve_client():
     from traitlets.log import get_logger
 
     logger = get_logger()   # the running application's log (the kernel's), else traitlets'
+    if isinstance(logger, logging.LoggerAdapter):  # traitlets allows one as Application.log
+        logger = logger.logger  # an adapter has no filters of its own: its logger holds them
     quiet = _NoSigningWarning()
     logger.addFilter(quiet)
     try:
