@@ -114,7 +114,7 @@ def atomic_cluster_class() -> type[ipp.Cluster]:
     """
     import ipyparallel as ipp
 
-    class AtomicCluster(ipp.Cluster):
+    class AtomicCluster(ipp.Cluster):  # type: ignore[misc]  # ipyparallel: no types, so Any
         @classmethod
         def from_dict(cls, d: dict[str, object], **kwargs: object) -> ipp.Cluster:
             # ipyparallel's server extension loads every cluster file it finds (by the class
