@@ -30,8 +30,8 @@ from ._signals import signal_engines
 from ._where import RankWhere, collect_where, where_dir
 
 if TYPE_CHECKING:
-    # ipyparallel ships no type information (no py.typed, no stubs), and psutil none that is
-    # installed here: mypy reads their classes as Any, and the names say which object is meant
+    # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its classes as
+    # Any, and the names say which object is meant (psutil's come from types-psutil)
     import ipyparallel as ipp
     import psutil
 
