@@ -18,6 +18,7 @@ code written against earlier releases working.
 """
 
 import re
+from collections.abc import Sequence
 
 __all__ = ["JupyterRingError", "ClusterError", "DeadRankError", "ClusterNotFound",
            "DistributedError", "CellInterrupted", "trim_traceback", "where_stopped"]
@@ -37,7 +38,7 @@ class DeadRankError(ClusterError):
     ``ranks`` lists the dead ranks.
     """
 
-    def __init__(self, message, ranks):
+    def __init__(self, message: str, ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
 

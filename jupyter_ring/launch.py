@@ -3,11 +3,12 @@
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 
 __all__ = ["find_mpiexec", "local_mpiexec", "mpi_env"]
 
 
-def find_mpiexec(name="mpiexec"):
+def find_mpiexec(name: str = "mpiexec") -> str:
     """The ``mpiexec`` of the active environment: beside ``sys.executable``, else on PATH.
 
     ipyparallel only looks on PATH, which in a notebook often lacks the venv's ``bin/``.
@@ -23,7 +24,7 @@ def find_mpiexec(name="mpiexec"):
     return found
 
 
-def local_mpiexec():
+def local_mpiexec() -> str:
     """The launcher for a one-host job: MPICH's ``mpiexec.gforker`` beside ``mpiexec``, if any.
 
     MPICH's default ``mpiexec`` (Hydra) listens on 0.0.0.0 for its PMI control port, whatever
@@ -38,7 +39,7 @@ def local_mpiexec():
     return mpiexec
 
 
-def mpi_env(base=None, one_host=True):
+def mpi_env(base: Mapping[str, str] | None = None, one_host: bool = True) -> dict[str, str]:
     """Environment for MPI ranks: loopback-only UCX on one host, root flags for Open MPI."""
     env = dict(os.environ if base is None else base)
     if one_host:

@@ -30,8 +30,23 @@ This package never imports torch, tensorflow or cupy: the engines do, after thei
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from ..errors import ClusterError, DeadRankError
+
+if TYPE_CHECKING:  # the lazy exports below, as a type checker (and a reader) should see them
+    from ._machine import Machine as Machine, routable_address as routable_address
+    from ._plan import (ENVIRONMENT_LAYERS as ENVIRONMENT_LAYERS, LaunchPlan as LaunchPlan,
+                        Shape as Shape, SlurmJob as SlurmJob, TorchWorld as TorchWorld,
+                        plan_launch as plan_launch, torchrun_environment as torchrun_environment)
+    from ._ring import RingCluster as RingCluster, format_table as format_table
+    from ._signals import signal_cluster as signal_cluster, signal_engines as signal_engines
+    from ._sizing import (THREAD_VARS as THREAD_VARS, HostSlot as HostSlot,
+                          default_size as default_size, host_slots as host_slots,
+                          parse_ranks as parse_ranks, share_note as share_note,
+                          threads_per_rank as threads_per_rank, visible_gpus as visible_gpus)
+    from ._where import (RankWhere as RankWhere, collect_where as collect_where,
+                         format_where as format_where)
 
 # name -> the submodule that defines it. Imported on first use: the watchdog process
 # (``python -m jupyter_ring.cluster._watchdog``) and the Ring panel's listing import only the
@@ -51,7 +66,7 @@ _EXPORTS = {
 __all__ = ["ClusterError", "DeadRankError", *_EXPORTS]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -60,5 +75,5 @@ def __getattr__(name):
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

@@ -6,11 +6,15 @@ read against a log captured from a real death.
 """
 
 import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..engines._setup import RankRow
 
 __all__ = ["describe_death"]
 
 
-def describe_death(dead, rows, engine_ids, output):
+def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
+                   engine_ids: Sequence[int], output: str) -> str:
     """A message for the ``dead`` ranks: which died first and how, and the fix.
 
     ``rows``: the ranks' rows (``rank``, ``host``); ``engine_ids[rank]``: the rank's engine id;
@@ -25,7 +29,7 @@ def describe_death(dead, rows, engine_ids, output):
         if others:
             head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
     else:
-        where = {}
+        where: dict[str, list[str]] = {}
         for r in dead:
             where.setdefault(hosts.get(r, "?"), []).append(str(r))
         head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} @ {host}"
@@ -36,7 +40,8 @@ def describe_death(dead, rows, engine_ids, output):
             f"with the same arguments.")
 
 
-def _first_death(output, eid_rank, hosts):
+def _first_death(output: str, eid_rank: Mapping[int, int],
+                 hosts: Mapping[int, str]) -> tuple[int, str, str] | None:
     """``(rank, host, how)`` of the rank whose nanny logged its death first, or None.
 
     The nanny of the engine that died first logs it first; mpiexec's own report names whichever

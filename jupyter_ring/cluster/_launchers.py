@@ -6,13 +6,24 @@ classes, as in ipyparallel: ``--launcher slurm`` is :mod:`._slurm`'s launcher cl
 ipyparallel only when a cluster is made.
 """
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ._machine import ensure_profile
+
+if TYPE_CHECKING:
+    # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its classes as
+    # Any, and the names here say which object is meant
+    import ipyparallel as ipp
+
+    from ._plan import LaunchPlan
 
 __all__ = ["ipp_cluster", "ipp_log", "atomic_cluster_class", "curve_client"]
 
@@ -25,7 +36,7 @@ class _GoneLogFilter(logging.Filter):
     notebook as stderr although nothing failed: the file it wanted gone is gone.
     """
 
-    def filter(self, record):
+    def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         return not (msg.startswith("Failed to remove ") and "No such file or directory" in msg)
 
@@ -33,7 +44,7 @@ class _GoneLogFilter(logging.Filter):
 logging.getLogger("jupyter_ring.cluster.ipyparallel").addFilter(_GoneLogFilter())
 
 
-def ipp_log(name="jupyter_ring.cluster.ipyparallel"):
+def ipp_log(name: str = "jupyter_ring.cluster.ipyparallel") -> logging.Logger:
     """The logger to hand an ``ipyparallel.Cluster``: its errors only, less the gone-log one.
 
     ipyparallel logs to the running application's log otherwise (the notebook's stderr in a
@@ -48,7 +59,7 @@ def ipp_log(name="jupyter_ring.cluster.ipyparallel"):
     return log
 
 
-def ipp_cluster(plan, log=None):
+def ipp_cluster(plan: LaunchPlan, log: logging.Logger | None = None) -> ipp.Cluster:
     """An ``ipyparallel.Cluster`` configured by ``plan`` (nothing started yet)."""
     import ipyparallel as ipp
     from traitlets.config import Config
@@ -84,7 +95,7 @@ def ipp_cluster(plan, log=None):
                        send_engines_connection_env=plan.send_engines_connection_env)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type[ipp.Cluster]:
     # the cluster file names its class, "jupyter_ring.cluster._launchers.AtomicCluster", and
     # readers import it by that name; made on first use, as this module imports no ipyparallel
     if name == "AtomicCluster":
@@ -93,7 +104,7 @@ def __getattr__(name):
 
 
 @functools.cache
-def atomic_cluster_class():
+def atomic_cluster_class() -> type[ipp.Cluster]:
     """``ipyparallel.Cluster`` whose cluster file is replaced atomically.
 
     ipyparallel rewrites ``cluster-<id>.json`` in place (open "w", then dump) at every start and
@@ -103,9 +114,9 @@ def atomic_cluster_class():
     """
     import ipyparallel as ipp
 
-    class AtomicCluster(ipp.Cluster):
+    class AtomicCluster(ipp.Cluster):  # type: ignore[misc]  # ipyparallel: no types, so Any
         @classmethod
-        def from_dict(cls, d, **kwargs):
+        def from_dict(cls, d: dict[str, object], **kwargs: object) -> ipp.Cluster:
             # ipyparallel's server extension loads every cluster file it finds (by the class
             # named in it: this one) and, when a process it did not start ends, logs its whole
             # output as a warning (an exit code it cannot know counts as a failure): 150 lines
@@ -113,7 +124,7 @@ def atomic_cluster_class():
             kwargs.setdefault("log", ipp_log())
             return super().from_dict(d, **kwargs)
 
-        def write_cluster_file(self):
+        def write_cluster_file(self) -> None:
             os.makedirs(os.path.dirname(self.cluster_file), exist_ok=True)
             tmp = f"{self.cluster_file}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
@@ -124,12 +135,12 @@ def atomic_cluster_class():
 
 
 class _NoSigningWarning(logging.Filter):
-    def filter(self, record):
+    def filter(self, record: logging.LogRecord) -> bool:
         return "Message signing is disabled" not in record.getMessage()
 
 
 @contextlib.contextmanager
-def curve_client():
+def curve_client() -> Iterator[None]:
     """While an ipyparallel Client of a CurveZMQ cluster is made: drop jupyter_client's
     "Message signing is disabled" warning, which is wrong there (ipyparallel leaves the HMAC key
     empty because CurveZMQ encrypts and authenticates every message) and lands in the notebook
@@ -137,6 +148,8 @@ def curve_client():
     from traitlets.log import get_logger
 
     logger = get_logger()   # the running application's log (the kernel's), else traitlets'
+    if isinstance(logger, logging.LoggerAdapter):  # traitlets allows one as Application.log
+        logger = logger.logger  # an adapter has no filters of its own: its logger holds them
     quiet = _NoSigningWarning()
     logger.addFilter(quiet)
     try:

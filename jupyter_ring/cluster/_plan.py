@@ -18,20 +18,62 @@ hosts the ranks report and rank 0's port, once they run (``RingCluster`` applies
 """
 
 import os
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..launch import mpi_env
 from ._machine import Machine
 from ._sizing import (THREAD_VARS, HostSlot, default_size, host_slots, share_note,
                       threads_per_rank, visible_gpus)
 
-__all__ = ["LaunchPlan", "SlurmJob", "Shape", "TorchWorld", "plan_launch", "engine_environment",
-           "torchrun_environment", "ENVIRONMENT_LAYERS", "SLURM_LAUNCHER"]
+__all__ = ["LaunchPlan", "LaunchOptions", "SlurmJob", "Shape", "TorchWorld", "plan_launch",
+           "EnvironmentLayer", "engine_environment", "torchrun_environment", "ENVIRONMENT_LAYERS",
+           "SLURM_LAUNCHER"]
 
 # The engine launcher of ``--launcher slurm`` (an import path: it is also what ipyparallel
 # writes into the cluster file, and what the Ring panel's server imports to stop the job).
 SLURM_LAUNCHER = "jupyter_ring.cluster._slurm.RingSlurmEngineSetLauncher"
+
+
+class LaunchOptions(Protocol):
+    """What :func:`plan_launch` reads of its options: :class:`RingCluster`'s traits of these names
+    (read-only here, so any object with such attributes will do)."""
+
+    @property
+    def n(self) -> int | None: ...
+    @property
+    def gpus(self) -> str: ...
+    @property
+    def launcher(self) -> str: ...
+    @property
+    def hosts(self) -> Sequence[str]: ...
+    @property
+    def hostfile(self) -> str: ...
+    @property
+    def nodes(self) -> int | None: ...
+    @property
+    def ntasks_per_node(self) -> int | None: ...
+    @property
+    def partition(self) -> str: ...
+    @property
+    def time_limit(self) -> str: ...
+    @property
+    def controller_ip(self) -> str: ...
+    @property
+    def heartbeat_period(self) -> int: ...
+    @property
+    def heartbeat_tolerance(self) -> float: ...
+    @property
+    def controller_db(self) -> str: ...
+    @property
+    def encrypt(self) -> bool: ...
+    @property
+    def engine_timeout(self) -> float: ...
+    @property
+    def engine_env(self) -> Sequence[str]: ...
+    @property
+    def torch_distributed(self) -> bool: ...
 
 
 class SlurmJob(NamedTuple):
@@ -89,7 +131,7 @@ class LaunchPlan:
     torch: TorchWorld = TorchWorld("127.0.0.1", None)
 
 
-def plan_launch(options, machine=None):
+def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> LaunchPlan:
     """The :class:`LaunchPlan` for ``options`` (RingCluster traits) on ``machine``.
 
     Raises ValueError for options that cannot work (bad hosts, no rank, a malformed
@@ -101,8 +143,8 @@ def plan_launch(options, machine=None):
     gpus = visible_gpus(options.gpus, environ, machine.driver_gpus if asks_driver else 0)
     launcher = options.launcher
     # inside salloc/sbatch on several nodes, Hydra's mpiexec reads the allocation itself
-    allocation = (launcher == "mpi" and not options.hosts and not options.hostfile
-                  and machine.slurm_allocation())
+    allocation = (machine.slurm_allocation()
+                  if launcher == "mpi" and not options.hosts and not options.hostfile else [])
     one_host = (launcher == "mpi" and not options.hosts and not options.hostfile
                 and not allocation)
     if launcher == "slurm" or allocation:
@@ -124,7 +166,7 @@ def plan_launch(options, machine=None):
     mpiexec = machine.local_mpiexec if one_host else machine.mpiexec
     # gforker says how each rank ended (the signal) only when asked; death diagnosis reads it
     exitinfo = ("-exitinfo",) if mpiexec.endswith("gforker") else ()
-    engine_args = ()
+    engine_args: tuple[str, ...] = ()
     if not one_host:
         # An engine whose controller is unreachable (its host cut off, the kernel's host gone)
         # shuts itself down after this many missed heartbeats (ipyparallel's default, 50, is
@@ -155,7 +197,8 @@ def plan_launch(options, machine=None):
                          "auto" if options.torch_distributed else None))
 
 
-def _size(options, environ, slots, allocation, gpus, cpus):
+def _size(options: LaunchOptions, environ: Mapping[str, str], slots: Sequence[HostSlot],
+          allocation: Sequence[str], gpus: Sequence[str], cpus: int) -> int:
     if options.n is not None:
         return options.n
     if allocation and environ.get("SLURM_NTASKS", "").isdigit():
@@ -163,13 +206,13 @@ def _size(options, environ, slots, allocation, gpus, cpus):
     if options.launcher == "slurm" and options.nodes:
         return options.nodes * (options.ntasks_per_node or 1)
     if slots and all(k for _, k in slots):
-        return sum(k for _, k in slots)  # --hosts a:2,b:2 -> 4 ranks
+        return sum(k for _, k in slots if k)  # --hosts a:2,b:2 -> 4 ranks
     if slots:
         return len(slots)  # one rank per host named without a count
     return default_size(gpus, environ, cpus)
 
 
-def _controller_args(options):
+def _controller_args(options: LaunchOptions) -> tuple[str, ...]:
     # the controller declares an engine dead after heartbeat_tolerance seconds of missed beats
     misses = max(3, round(options.heartbeat_tolerance * 1000 / options.heartbeat_period))
     return (f"--HeartMonitor.period={options.heartbeat_period}",
@@ -181,7 +224,7 @@ def _controller_args(options):
             "--log-level=ERROR")
 
 
-def _mpi_args(options, machine):
+def _mpi_args(options: LaunchOptions, machine: Machine) -> tuple[str, ...]:
     if options.hostfile:
         return ("--hostfile" if machine.mpi_flavour == "openmpi" else "-f", options.hostfile)
     if not options.hosts:
@@ -192,7 +235,7 @@ def _mpi_args(options, machine):
     return ("-launcher", "ssh") + args if options.launcher == "ssh" else args
 
 
-def _check_slurm(job):
+def _check_slurm(job: SlurmJob) -> None:
     for flag, value in (("nodes", job.nodes), ("ntasks-per-node", job.ntasks_per_node),
                         ("partition", job.partition), ("time", job.time_limit)):
         # one #SBATCH line each, and the script is a str.format template: no spaces or braces
@@ -201,12 +244,14 @@ def _check_slurm(job):
 
 
 # ------------------------------------------------------------------ the engines' environment
-def _mpi_layer(env, options, machine, shape):
+def _mpi_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
+               shape: Shape) -> None:
     """Loopback-only UCX on one host, Open MPI's root and oversubscription flags (kernel wins)."""
     env.update(mpi_env(env, one_host=shape.one_host))
 
 
-def _thread_layer(env, options, machine, shape):
+def _thread_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
+                  shape: Shape) -> None:
     """One host: each rank's share of the cores as its thread pools' size (kernel wins)."""
     if shape.one_host:
         threads = str(threads_per_rank(shape.n, machine.environ, machine.cpus))
@@ -214,7 +259,8 @@ def _thread_layer(env, options, machine, shape):
             env.setdefault(var, threads)
 
 
-def _user_layer(env, options, machine, shape):
+def _user_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
+                shape: Shape) -> None:
     """``RingCluster.engine_env``: the user's NAME=VALUE entries, over everything else."""
     for item in options.engine_env:
         name, sep, value = item.partition("=")
@@ -223,12 +269,15 @@ def _user_layer(env, options, machine, shape):
         env[name] = value
 
 
+# A layer: layer(env, options, machine, shape) adds its variables to env.
+EnvironmentLayer = Callable[[MutableMapping[str, str], LaunchOptions, Machine, Shape], None]
+
 # Applied in order over a copy of the kernel's environment; each layer says whether the kernel's
 # own value wins (setdefault) or its value does. Signature: layer(env, options, machine, shape).
-ENVIRONMENT_LAYERS = (_mpi_layer, _thread_layer, _user_layer)
+ENVIRONMENT_LAYERS: tuple[EnvironmentLayer, ...] = (_mpi_layer, _thread_layer, _user_layer)
 
 
-def engine_environment(options, machine, shape):
+def engine_environment(options: LaunchOptions, machine: Machine, shape: Shape) -> dict[str, str]:
     """The engines' environment as the variables that differ from the kernel's."""
     env = dict(machine.environ)
     for layer in ENVIRONMENT_LAYERS:
@@ -237,7 +286,8 @@ def engine_environment(options, machine, shape):
 
 
 # ------------------------------------------------------------------ torchrun's world
-def torchrun_environment(rank, hosts, master_addr, master_port, run_id):
+def torchrun_environment(rank: int, hosts: Sequence[str], master_addr: str, master_port: int,
+                         run_id: str) -> dict[str, str]:
     """torchrun's environment for ``rank``, where ``hosts[r]`` is the host rank r runs on.
 
     Nodes are numbered in the order of their first rank (GROUP_RANK); LOCAL_RANK counts the

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from typing import TypedDict
 
 import psutil
@@ -26,7 +27,7 @@ __all__ = ["SHM_DIR", "live_process", "process_trees", "kill_processes", "wait_e
 SHM_DIR = "/dev/shm"
 
 
-def live_process(pid):
+def live_process(pid: object) -> psutil.Process | None:
     """A ``psutil.Process`` for ``pid`` if it runs (not a zombie) and we may see it, else None."""
     if not isinstance(pid, int) or pid <= 0:
         return None
@@ -39,7 +40,8 @@ def live_process(pid):
         return None
 
 
-def process_trees(pids, known=None):
+def process_trees(pids: Iterable[int], known: dict[int, psutil.Process] | None = None
+                  ) -> dict[int, psutil.Process]:
     """The processes ``pids`` and all their descendants as ``{pid: Process}``, merged into
     ``known`` (processes seen before, whose children may have been re-parented since)."""
     found = {} if known is None else known
@@ -57,7 +59,7 @@ def process_trees(pids, known=None):
     return found
 
 
-def kill_processes(procs):
+def kill_processes(procs: Iterable[psutil.Process]) -> None:
     """SIGKILL each of ``procs`` (Process objects); those already gone are skipped."""
     for proc in procs:
         try:
@@ -66,7 +68,7 @@ def kill_processes(procs):
             pass
 
 
-def wait_exit(procs, timeout):
+def wait_exit(procs: Iterable[psutil.Process | int], timeout: float) -> list[psutil.Process]:
     """Wait up to ``timeout`` seconds in all for ``procs`` (Processes or pids) to exit; returns
     the ones still alive."""
     objs = []
@@ -77,11 +79,12 @@ def wait_exit(procs, timeout):
             except psutil.Error:
                 continue
         objs.append(proc)
+    alive: list[psutil.Process]
     _, alive = psutil.wait_procs(objs, timeout=timeout)
     return alive
 
 
-def shm_files(pids):
+def shm_files(pids: Iterable[int]) -> set[str]:
     """The files in /dev/shm that the processes ``pids`` have mapped and that still have a name.
 
     Read from /proc/<pid>/maps (readable for our own processes only); a file already unlinked
@@ -103,7 +106,7 @@ def shm_files(pids):
     return found
 
 
-def remove_shm_files(paths):
+def remove_shm_files(paths: Iterable[str]) -> list[str]:
     """Unlink ``paths``: regular files of /dev/shm owned by this user. Returns those removed.
 
     Called for a cluster being stopped or killed. Unlinking only removes the name: a rank still
@@ -125,7 +128,7 @@ def remove_shm_files(paths):
     return removed
 
 
-def cluster_file_patterns(profile_dir, cluster_id, sidecar=True):
+def cluster_file_patterns(profile_dir: str, cluster_id: str, sidecar: bool = True) -> list[str]:
     """Glob patterns of every file a cluster leaves in its profile: ipyparallel's cluster file,
     the controller's connection files, the processes' logs, the ranks' ``%ring where`` files
     (``_where.where_dir``), and (``sidecar``) the Ring panel's sidecar (``_sidecar.sidecar_path``)."""
@@ -141,7 +144,7 @@ def cluster_file_patterns(profile_dir, cluster_id, sidecar=True):
     return patterns
 
 
-def remove_files(patterns):
+def remove_files(patterns: Iterable[str]) -> list[str]:
     """Remove the files matching the glob ``patterns`` (a cluster's files once its processes are
     gone: no reader may find a cluster file whose processes are dead). Returns those removed."""
     removed = []
@@ -170,12 +173,12 @@ class PidFile(TypedDict):
 class Watchdog:
     """The kernel's side: starts the watchdog process and keeps its pid file current."""
 
-    def __init__(self, folder):
+    def __init__(self, folder: str) -> None:
         self.folder = folder      # owner-only: the profile's security dir
-        self.proc = None
-        self.path = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.path: str | None = None
 
-    def start(self):
+    def start(self) -> None:
         """Start the process, watching nothing yet."""
         fd, self.path = tempfile.mkstemp(prefix="jupyter_ring_watch_", suffix=".json",
                                          dir=self.folder)
@@ -185,7 +188,8 @@ class Watchdog:
             [sys.executable, "-m", "jupyter_ring.cluster._watchdog", str(os.getpid()), self.path],
             stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def watch(self, pids, shm=(), files=()):
+    def watch(self, pids: Iterable[int], shm: Iterable[str] = (),
+              files: Iterable[str] = ()) -> None:
         """Tell the watchdog the current root pids, shared-memory files and the cluster's file
         patterns (atomic rename: it never reads half a file)."""
         if self.path is None:
@@ -195,7 +199,7 @@ class Watchdog:
             json.dump(PidFile(pids=list(pids), shm=sorted(shm), files=list(files)), f)
         os.replace(tmp, self.path)
 
-    def stop(self):
+    def stop(self) -> None:
         """Stop the process (the cluster is stopped) and remove its files."""
         proc, self.proc = self.proc, None
         if proc is not None:

@@ -5,23 +5,35 @@ its ranks; planning, launching, process trees, signals and death diagnosis are t
 other modules.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import socket
 import time
+from collections.abc import Container, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
+from ..engines._setup import RankRow
 from ..errors import ClusterError, DeadRankError
 from ._death import describe_death
 from ._launchers import curve_client, ipp_cluster
-from ._plan import plan_launch, torchrun_environment
+from ._machine import Machine
+from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
-from ._sidecar import read_sidecar, remove_sidecar, write_sidecar
+from ._sidecar import RankProgress, SidecarRow, read_sidecar, remove_sidecar, write_sidecar
 from ._signals import signal_engines
-from ._where import collect_where, where_dir
+from ._where import RankWhere, collect_where, where_dir
+
+if TYPE_CHECKING:
+    # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its classes as
+    # Any, and the names say which object is meant (psutil's come from types-psutil)
+    import ipyparallel as ipp
+    import psutil
 
 __all__ = ["RingCluster", "format_table"]
 
@@ -124,42 +136,57 @@ class RingCluster(LoggingConfigurable):
                                   "has a GPU). Without it the ranks still get torchrun's "
                                   "environment, so init_process_group() works in a cell.")
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.ipp_cluster = None
-        self.client = None
-        self.view = None
-        self.ranks = []          # rows of the start table (engines._setup.RankRow), index = rank
-        self.engine_ids = []     # ipyparallel engine id of each rank
-        self.steps = {}          # rank -> {"step", "total"}: the last progress the dashboard saw
+        self.ipp_cluster: ipp.Cluster | None = None
+        self.client: ipp.Client | None = None
+        self.view: ipp.DirectView | None = None
+        self.ranks: list[RankRow] = []   # rows of the start table, index = rank
+        self.engine_ids: list[int] = []  # ipyparallel engine id of each rank
+        self.steps: dict[int, RankProgress] = {}  # rank -> the last progress the dashboard saw
         self.size = 0
         self.note = ""           # the plan's share note: more ranks than the share
         self.address = ""        # the address the controller listens on (multi-host: routable)
-        self._watchdog = None
-        self._shm = set()        # /dev/shm files the local ranks mapped (MPI's segments)
+        self._watchdog: Watchdog | None = None
+        self._shm: set[str] = set()  # /dev/shm files the local ranks mapped (MPI's segments)
         self._user_umask = 0o022  # the kernel's umask, read (and put back) by start()
-        self.torch_backend = None  # the default process group --torch-distributed made, or None
-        self._repair = None      # engine id -> its re-creation of aborted torch groups, in flight
-        self._repair_notes = []  # the answers of those that finished
+        self.torch_backend: str | None = None  # the default process group --torch-distributed made
+        # engine id -> its re-creation of aborted torch groups, in flight
+        self._repair: dict[int, ipp.AsyncResult] | None = None
+        self._repair_notes: list[str | None] = []  # the answers of those finished (None: no note)
 
-    def __enter__(self):
+    def __enter__(self) -> RingCluster:
         if not self.running:
             self.start()
         return self
 
-    def __exit__(self, *exc_info):
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     # ----------------------------------------------------------------------------- lifecycle
     @property
-    def running(self):
+    def running(self) -> bool:
         return self.ipp_cluster is not None
 
-    def plan(self, machine=None):
+    @property
+    def _running_cluster(self) -> ipp.Cluster:
+        """The ipyparallel Cluster; ClusterError when none runs (callers check ``running``)."""
+        if self.ipp_cluster is None:
+            raise ClusterError("no cluster is running; start one with %ring start")
+        return self.ipp_cluster
+
+    @property
+    def _running_client(self) -> ipp.Client:
+        """The cluster's Client; ClusterError when none runs (callers check ``running`` first)."""
+        if self.client is None:
+            raise ClusterError("no cluster is running; start one with %ring start")
+        return self.client
+
+    def plan(self, machine: Machine | None = None) -> LaunchPlan:
         """The :class:`LaunchPlan` ``start()`` would carry out on ``machine`` (default: here)."""
         return plan_launch(self, machine)
 
-    def start(self):
+    def start(self) -> list[RankRow]:
         """Start controller and engines, bind devices, ``ring.init()``; return the rank rows."""
         if self.running:
             raise ClusterError("a cluster is already running; %ring restart replaces it")
@@ -194,8 +221,8 @@ class RingCluster(LoggingConfigurable):
             os.umask(self._user_umask)
         return self.ranks
 
-    def _setup_ranks(self, plan):
-        client = self.client
+    def _setup_ranks(self, plan: LaunchPlan) -> None:
+        client = self._running_client
         ids = sorted(client.ids)
         view = client[ids]
         view.push({"_jr_gpus": None if plan.gpus is None else list(plan.gpus),
@@ -220,11 +247,12 @@ class RingCluster(LoggingConfigurable):
         self._write_sidecar()
 
     @property
-    def where_dir(self):
+    def where_dir(self) -> str:
         """The folder where the ranks keep their stacks and collective for ``%ring where``."""
-        return where_dir(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
+        cluster = self._running_cluster
+        return where_dir(cluster.profile_dir, cluster.cluster_id)
 
-    def _start_torch(self, world, rendezvous):
+    def _start_torch(self, world: TorchWorld, rendezvous: tuple[str, int]) -> None:
         """Give every rank torchrun's environment (computed here, from the plan's world, the
         hosts the ranks reported and rank 0's reserved port) and its torch.distributed guard;
         with --torch-distributed, the default process group."""
@@ -232,8 +260,8 @@ class RingCluster(LoggingConfigurable):
 
         hosts = [row["host"] for row in self.ranks]
         address, port = rendezvous
-        run_id = self.ipp_cluster.cluster_id
-        pending = [self.client[eid].apply_async(
+        run_id = self._running_cluster.cluster_id
+        pending = [self._running_client[eid].apply_async(
             _torch.start, torchrun_environment(rank, hosts, address, port, run_id),
             world.init_backend) for rank, eid in enumerate(self.engine_ids)]
         deadline = time.monotonic() + self.setup_timeout
@@ -243,7 +271,7 @@ class RingCluster(LoggingConfigurable):
                                    f"{self.setup_timeout:g} s")
         self.torch_backend = pending[0].get()
 
-    def repair_torch(self, wait):
+    def repair_torch(self, wait: float) -> str:
         """After a failed cell: re-create on every rank the torch.distributed groups some rank
         aborted (``engines._torch.repair``, collective over the ranks). Returns its note for the
         user, or "" (nothing to re-create). The ranks run requests in order, so the repair always
@@ -255,12 +283,12 @@ class RingCluster(LoggingConfigurable):
         self._repair_notes = []
         return self.torch_repair_note(wait)
 
-    def _send_repair(self, engine_id):
+    def _send_repair(self, engine_id: int) -> ipp.AsyncResult:
         from ..engines import _torch
 
-        return self.client[engine_id].apply_async(_torch.repair)
+        return self._running_client[engine_id].apply_async(_torch.repair)
 
-    def torch_repair_note(self, wait=0.0):
+    def torch_repair_note(self, wait: float = 0.0) -> str:
         """The note of the last repair once it has finished (waiting up to ``wait`` s), else "".
 
         An engine whose cell just failed aborts the requests that reach it before it has finished
@@ -294,21 +322,24 @@ class RingCluster(LoggingConfigurable):
                 return ""
             time.sleep(0.02)
 
-    def _write_sidecar(self):
+    def _write_sidecar(self) -> None:
         """The Ring panel reads the ranks' devices, steps and the owner kernel from it."""
+        cluster = self._running_cluster
         try:
-            write_sidecar(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id,
-                          [dict(row, **self.steps.get(row["rank"], {})) for row in self.ranks])
+            write_sidecar(cluster.profile_dir, cluster.cluster_id,
+                          [SidecarRow(rank=row["rank"], host=row["host"], pid=row["pid"],
+                                      device=row["device"], **self.steps.get(row["rank"], {}))
+                           for row in self.ranks])
         except OSError as exc:
             log.warning("could not write the Ring panel's sidecar file: %s", exc)
 
-    def record_steps(self, steps):
+    def record_steps(self, steps: Mapping[int, RankProgress]) -> None:
         """Note each rank's ``{"step": s, "total": t}`` (from the dashboard) for the Ring panel."""
         if self.running and steps and steps != self.steps:
             self.steps = dict(steps)
             self._write_sidecar()
 
-    def stop(self):
+    def stop(self) -> None:
         """Stop engines, then the controller (in this order it takes ~0.5 s), then the watchdog.
 
         Shared-memory files that the ranks had mapped and that are still there at the end (ranks
@@ -316,7 +347,7 @@ class RingCluster(LoggingConfigurable):
         """
         self._release(stop_processes=True)
 
-    def _release(self, stop_processes):
+    def _release(self, stop_processes: bool) -> None:
         """Let go of the cluster: its processes (``stop_processes``), client, files, watchdog,
         shared memory and rank rows; ``running`` is False after it."""
         shm = self._shm | shm_files(self._local_rank_pids())
@@ -350,7 +381,7 @@ class RingCluster(LoggingConfigurable):
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
         self._repair, self.torch_backend = None, None
 
-    def stopped_by(self):
+    def stopped_by(self) -> str | None:
         """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while
         it is this kernel's to stop. Stopped from outside: its cluster file is gone and its
         controller has exited (a rank that died leaves both: that is a dead rank)."""
@@ -359,16 +390,16 @@ class RingCluster(LoggingConfigurable):
             return None
         if live_process(getattr(cluster.controller, "pid", None)) is not None:
             return None
-        side = read_sidecar(cluster.profile_dir, cluster.cluster_id) or {}
-        return side.get("stopped_by") or "a process outside this kernel"
+        side = read_sidecar(cluster.profile_dir, cluster.cluster_id)
+        return (side.get("stopped_by") if side else None) or "a process outside this kernel"
 
-    def forget(self):
+    def forget(self) -> None:
         """Let go of a cluster stopped from outside (see ``stopped_by``): close the client, remove
         what is left of its files and shared memory, stop the watchdog; ``running`` is then
         False and ``start()`` starts a new cluster."""
         self._release(stop_processes=False)
 
-    def kill(self):
+    def kill(self) -> None:
         """SIGKILL every process of the cluster now (used at interpreter exit)."""
         procs = self.processes()
         shm = self._shm | shm_files([p.pid for p in procs])
@@ -378,19 +409,19 @@ class RingCluster(LoggingConfigurable):
         remove_files(cluster_files(self.ipp_cluster))
 
     # ------------------------------------------------------------------------------- status
-    def processes(self):
+    def processes(self) -> list[psutil.Process]:
         """psutil.Process objects of the controller, mpiexec and every engine (and nanny)."""
         return list(process_trees(_root_pids(self.ipp_cluster) + self._local_rank_pids()).values())
 
-    def _local_rank_pids(self):
+    def _local_rank_pids(self) -> list[int]:
         """Pids of the ranks on this host: a rank's pid on another host is no process here (and
         must never be signalled here: it may be an unrelated process of this host)."""
         me = socket.gethostname()
         return [row["pid"] for row in self.ranks if row["host"] == me]
 
-    def dead_ranks(self):
+    def dead_ranks(self) -> list[int]:
         """Ranks whose engine has unregistered from the controller (died or was killed)."""
-        if self.client is None:
+        if self.client is None or self.ipp_cluster is None:
             return []
         if any(es.state == "after" for es in self.ipp_cluster.engines.values()):
             return list(range(self.size))  # mpiexec has exited: every rank is gone
@@ -409,7 +440,7 @@ class RingCluster(LoggingConfigurable):
             dead = self.dead_ranks()
         return dead
 
-    def check_alive(self, ranks=None):
+    def check_alive(self, ranks: Container[int] | None = None) -> None:
         """Raise DeadRankError naming the dead ranks and the fix; else return quietly."""
         if not self.running:
             raise ClusterError("no cluster is running; start one with %ring start")
@@ -419,18 +450,18 @@ class RingCluster(LoggingConfigurable):
         if dead:
             raise DeadRankError(self.describe_death(dead), dead)
 
-    def describe_death(self, dead):
+    def describe_death(self, dead: Iterable[int]) -> str:
         """A message for dead ranks: which died first and how (nanny log, mpiexec report), the fix."""
         output = ""
         try:
-            for engine_set in self.ipp_cluster.engines.values():
+            for engine_set in self._running_cluster.engines.values():
                 output += _read(getattr(engine_set, "output_file", ""))
         except Exception:
             output = ""
         return describe_death(dead, self.ranks, self.engine_ids, output)
 
     # ----------------------------------------------------------------------------- signals
-    def signal_ranks(self, sig, ranks=None):
+    def signal_ranks(self, sig: int, ranks: Iterable[int] | None = None) -> None:
         """Send ``sig`` to the ranks' engines (all by default) through their ipyparallel nannies
         (see ``_signals``: never through mpiexec)."""
         if not self.running:
@@ -439,28 +470,28 @@ class RingCluster(LoggingConfigurable):
         signal_engines(self.client, sig, [self.engine_ids[r] for r in ranks])
 
     # ---------------------------------------------------------------------------- watchdog
-    def where(self, ranks=None, timeout=3.0):
+    def where(self, ranks: Iterable[int] | None = None, timeout: float = 3.0) -> list[RankWhere]:
         """Every rank's (or ``ranks``') stack and collective, read from outside the ranks: a list
         of :class:`RankWhere` (see ``_where``); works while a cell runs and on a stuck rank."""
         return collect_where(self.where_dir, self.ranks,
                              lambda rs, sig: self.signal_ranks(sig, rs), ranks, timeout)
 
-    def _watch(self):
+    def _watch(self) -> None:
         """Tell the watchdog the cluster's current root pids, shared-memory files and files."""
         if self._watchdog is not None:
             self._watchdog.watch(_root_pids(self.ipp_cluster) + self._local_rank_pids(), self._shm,
                                  cluster_files(self.ipp_cluster))
 
-    def _stop_watchdog(self):
+    def _stop_watchdog(self) -> None:
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:
             watchdog.stop()
 
 
-def _root_pids(cluster):
+def _root_pids(cluster: ipp.Cluster | None) -> list[int]:
     """Pids of the controller and of each engine set's launcher (mpiexec) of an ipyparallel
     Cluster, those started so far."""
-    pids = []
+    pids: list[int] = []
     if cluster is None:
         return pids
     for launcher in [cluster.controller] + list(cluster.engines.values()):
@@ -470,14 +501,14 @@ def _root_pids(cluster):
     return pids
 
 
-def cluster_files(cluster):
+def cluster_files(cluster: ipp.Cluster | None) -> list[str]:
     """Glob patterns of the files of an ipyparallel Cluster (``_procs.cluster_file_patterns``)."""
     if cluster is None:
         return []
     return cluster_file_patterns(cluster.profile_dir, cluster.cluster_id)
 
 
-def _read(path):
+def _read(path: str) -> str:
     if not path:
         return ""
     try:
@@ -487,7 +518,7 @@ def _read(path):
         return ""
 
 
-def format_table(rows):
+def format_table(rows: Iterable[RankRow]) -> str:
     """The compact rank table printed by ``%ring start`` and ``%ring status``."""
     header = ("rank", "host", "pid", "device")
     lines = [header] + [(str(r["rank"]), r["host"], str(r["pid"]), r["device"]) for r in rows]

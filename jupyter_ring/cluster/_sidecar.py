@@ -27,15 +27,16 @@ from Jupyter or ipyparallel, so the kernel and the server use it cheaply.
 import json
 import os
 import sys
-from typing import TypedDict
+from collections.abc import Iterable
+from typing import TypedDict, cast
 
 if sys.version_info >= (3, 11):
     from typing import NotRequired
 else:  # Python 3.10 (requires-python): typing_extensions comes with IPython there
     from typing_extensions import NotRequired
 
-__all__ = ["Sidecar", "SidecarRank", "VERSION", "sidecar_path", "write_sidecar", "read_sidecar",
-           "remove_sidecar", "mark_stopped"]
+__all__ = ["Sidecar", "SidecarRank", "SidecarRow", "RankProgress", "VERSION", "sidecar_path",
+           "write_sidecar", "read_sidecar", "remove_sidecar", "mark_stopped"]
 
 VERSION = 1
 
@@ -51,6 +52,25 @@ class SidecarRank(TypedDict):
     total: int | float | None
 
 
+class RankProgress(TypedDict, total=False):
+    """A rank's last ``ring.progress()`` as the dashboard saw it (``RingCluster.record_steps``)."""
+
+    step: int | float | None
+    total: int | float | None
+
+
+class SidecarRow(TypedDict):
+    """A row :func:`write_sidecar` records: the start row's (``RankRow``) rank, host, pid and
+    device, with the rank's progress once the dashboard has seen one."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    step: NotRequired[int | float | None]
+    total: NotRequired[int | float | None]
+
+
 class Sidecar(TypedDict):
     """The sidecar file's JSON object."""
 
@@ -62,12 +82,13 @@ class Sidecar(TypedDict):
     stopped_by: NotRequired[str]  # who stopped the cluster from outside the kernel
 
 
-def sidecar_path(profile_dir, cluster_id):
+def sidecar_path(profile_dir: str, cluster_id: str) -> str:
     """The sidecar file of cluster ``cluster_id`` in ``profile_dir``."""
     return os.path.join(profile_dir, "security", f"jupyter_ring-{cluster_id}.json")
 
 
-def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_file=None):
+def write_sidecar(profile_dir: str, cluster_id: str, ranks: Iterable[SidecarRow],
+                  kernel_pid: int | None = None, connection_file: str | None = None) -> str:
     """Record ``ranks`` (rows with rank, host, pid, device) and the owner kernel; owner-only file.
 
     Called in the kernel after the ranks are up (``RingCluster`` does, at the end of its start,
@@ -86,7 +107,7 @@ def write_sidecar(profile_dir, cluster_id, ranks, kernel_pid=None, connection_fi
     return _write(profile_dir, cluster_id, data)
 
 
-def mark_stopped(profile_dir, cluster_id, by):
+def mark_stopped(profile_dir: str, cluster_id: str, by: str) -> bool:
     """Note in the sidecar that ``by`` stopped the cluster (the kernel reads it, then removes
     it). False when there is no sidecar to mark."""
     data = read_sidecar(profile_dir, cluster_id)
@@ -97,7 +118,7 @@ def mark_stopped(profile_dir, cluster_id, by):
     return True
 
 
-def _write(profile_dir, cluster_id, data):
+def _write(profile_dir: str, cluster_id: str, data: Sidecar) -> str:
     path = sidecar_path(profile_dir, cluster_id)
     tmp = path + ".tmp"
     # 0o600: the connection-file path and pids are nobody else's business on a shared host.
@@ -108,7 +129,7 @@ def _write(profile_dir, cluster_id, data):
     return path
 
 
-def read_sidecar(profile_dir, cluster_id):
+def read_sidecar(profile_dir: str, cluster_id: str) -> Sidecar | None:
     """The sidecar's dict, or None when there is none or it is unreadable."""
     try:
         with open(sidecar_path(profile_dir, cluster_id)) as f:
@@ -117,10 +138,10 @@ def read_sidecar(profile_dir, cluster_id):
         return None
     if not isinstance(data, dict) or data.get("cluster_id") != cluster_id:
         return None
-    return data
+    return cast(Sidecar, data)  # this cluster's JSON object, in write_sidecar's format
 
 
-def remove_sidecar(profile_dir, cluster_id):
+def remove_sidecar(profile_dir: str, cluster_id: str) -> None:
     """Delete the sidecar (missing is fine)."""
     try:
         os.remove(sidecar_path(profile_dir, cluster_id))
@@ -128,7 +149,7 @@ def remove_sidecar(profile_dir, cluster_id):
         pass
 
 
-def _connection_file():
+def _connection_file() -> str | None:
     try:
         from ipykernel.connect import get_connection_file
 

@@ -7,15 +7,25 @@ aborts the whole job on the second, so two quick presses of Interrupt would kill
 its variables. Through the nannies any number of interrupts only interrupt, on one host or many.
 """
 
+from __future__ import annotations
+
 import os
 import signal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import ClusterError
+
+if TYPE_CHECKING:
+    # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its Client as Any
+    import ipyparallel as ipp
 
 __all__ = ["signal_engines", "signal_cluster"]
 
 
-def signal_engines(client, sig=signal.SIGINT, engine_ids=None, timeout=None):
+def signal_engines(client: ipp.Client, sig: int = signal.SIGINT,
+                   engine_ids: Iterable[int] | None = None,
+                   timeout: float | None = None) -> list[int]:
     """Send ``sig`` to the engines ``engine_ids`` (default: every registered one) of ``client``.
 
     Those no longer registered are skipped. ``timeout`` None: return at once; else wait that
@@ -41,7 +51,8 @@ def signal_engines(client, sig=signal.SIGINT, engine_ids=None, timeout=None):
     return targets
 
 
-def signal_cluster(profile_dir, cluster_id, sig=signal.SIGINT, timeout=10.0):
+def signal_cluster(profile_dir: str, cluster_id: str, sig: int = signal.SIGINT,
+                   timeout: float = 10.0) -> list[int]:
     """Connect to cluster ``cluster_id``'s controller (from its files in ``profile_dir``), send
     ``sig`` to every engine through its nanny, and disconnect. Blocking: the Ring panel's server
     runs it in a thread. Returns the engine ids signalled; ClusterError when the controller
@@ -67,7 +78,7 @@ def signal_cluster(profile_dir, cluster_id, sig=signal.SIGINT, timeout=10.0):
     return targets
 
 
-def _name(sig):
+def _name(sig: int) -> str:
     try:
         return signal.Signals(sig).name
     except ValueError:

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["GiB", "THREAD_VARS", "HostSlot", "visible_gpus", "default_size", "threads_per_rank", "share_note",
@@ -31,7 +32,7 @@ class HostSlot(NamedTuple):
     ranks: int | None
 
 
-def cpu_count():
+def cpu_count() -> int:
     """Cores this process may run on (its affinity mask)."""
     try:
         return len(os.sched_getaffinity(0))
@@ -39,7 +40,7 @@ def cpu_count():
         return os.cpu_count() or 1
 
 
-def nvidia_gpu_count():
+def nvidia_gpu_count() -> int:
     """GPUs the NVIDIA driver reports, without importing a framework (0 when there is none)."""
     try:
         return len([d for d in os.listdir("/proc/driver/nvidia/gpus") if d])
@@ -55,7 +56,8 @@ def nvidia_gpu_count():
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def visible_gpus(spec="auto", environ=None, driver_gpus=None):
+def visible_gpus(spec: str = "auto", environ: Mapping[str, str] | None = None,
+                 driver_gpus: int | None = None) -> list[str]:
     """GPU ids (strings) the ranks may use: ``"auto"``, ``"none"`` or a list like ``"0,2"``.
 
     ``auto`` respects the kernel's ``CUDA_VISIBLE_DEVICES`` (CUDA's rule: the list ends at the
@@ -83,7 +85,8 @@ def visible_gpus(spec="auto", environ=None, driver_gpus=None):
     return [str(i) for i in range(count)]
 
 
-def default_size(gpus, environ=None, cpus=None):
+def default_size(gpus: Sequence[str], environ: Mapping[str, str] | None = None,
+                 cpus: int | None = None) -> int:
     """One rank per GPU; else min(cores, JupyterHub's CPU_LIMIT, MEM_LIMIT / 2 GiB), at least 1."""
     if gpus:
         return len(gpus)
@@ -99,7 +102,7 @@ def default_size(gpus, environ=None, cpus=None):
     return max(1, min(limits))
 
 
-def _cpu_share(environ, cpus):
+def _cpu_share(environ: Mapping[str, str], cpus: int) -> float:
     """Cores this process may use: the affinity mask, lowered by JupyterHub's CPU_LIMIT."""
     try:
         limit = float(environ.get("CPU_LIMIT", "").strip() or cpus)
@@ -108,7 +111,8 @@ def _cpu_share(environ, cpus):
     return max(1.0, min(float(cpus), limit))
 
 
-def threads_per_rank(n, environ=None, cpus=None):
+def threads_per_rank(n: int, environ: Mapping[str, str] | None = None,
+                     cpus: int | None = None) -> int:
     """Threads each of ``n`` ranks on this host may use: its CPU share (cores, CPU_LIMIT) / n, >= 1.
 
     Without this every rank's OpenMP/MKL/torch pool takes every core: n ranks on c cores run
@@ -119,7 +123,8 @@ def threads_per_rank(n, environ=None, cpus=None):
     return max(1, int(_cpu_share(environ, cpus) // n))
 
 
-def share_note(n, gpus, environ=None, cpus=None):
+def share_note(n: int, gpus: Sequence[str], environ: Mapping[str, str] | None = None,
+               cpus: int | None = None) -> str:
     """What to tell a user who asks (``-n``) for more ranks than their share; "" when within it."""
     environ = os.environ if environ is None else environ
     cpus = cpu_count() if cpus is None else cpus
@@ -149,9 +154,9 @@ def share_note(n, gpus, environ=None, cpus=None):
             f"overrides the threads{more}.")
 
 
-def parse_ranks(text, size):
+def parse_ranks(text: str, size: int) -> list[int]:
     """``"0,2-3"`` -> ``[0, 2, 3]``; ValueError naming the bad part and the valid range."""
-    ranks = []
+    ranks: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
         match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
@@ -169,7 +174,7 @@ def parse_ranks(text, size):
     return sorted(ranks)
 
 
-def host_slots(hosts, hostfile=""):
+def host_slots(hosts: Iterable[str], hostfile: str = "") -> list[HostSlot]:
     """``[HostSlot(host, K or None), ...]`` from ``--hosts a:2,b`` or a Hydra hostfile (``host[:K]`` lines).
 
     ValueError names the bad entry and the form expected.

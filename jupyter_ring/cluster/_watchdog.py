@@ -24,6 +24,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
+from typing import TypedDict
 
 import psutil
 
@@ -35,7 +37,16 @@ POLL_S = 0.05         # how often the parent is checked: the kill happens within
 REFRESH_S = 1.0       # how often the process trees are re-read
 
 
-def _read_roots(path, cache):
+class _Cache(TypedDict, total=False):
+    """What :func:`_read_roots` last read of the pid file (``_procs.PidFile``), and its mtime."""
+
+    pids: list[int]
+    shm: list[str]
+    files: list[str]
+    mtime: int
+
+
+def _read_roots(path: str, cache: _Cache) -> list[int]:
     """The pids in ``path``, re-read only when the file changed (``cache["shm"]``: its files)."""
     try:
         mtime = os.stat(path).st_mtime_ns
@@ -54,12 +65,13 @@ def _read_roots(path, cache):
     return cache.get("pids", [])
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Watch PARENT_PID; when it is gone, kill the trees in PID_FILE and remove their shm files."""
     argv = sys.argv[1:] if argv is None else argv
     parent, path = int(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the kernel's terminal is not for us
-    cache, known = {}, {}
+    cache: _Cache = {}
+    known: dict[int, psutil.Process] = {}
     last_refresh = 0.0
     while True:
         roots = _read_roots(path, cache)

@@ -15,10 +15,15 @@ rank is reported as unreadable, with the ``py-spy dump`` command that reads it o
 import linecache
 import os
 import re
+import signal
 import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-from ..runtime._where import WHERE_SIGNAL, Doing, doing_path, parse_stacks, read_doing, stack_path
+from ..engines._setup import RankRow
+from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, doing_path, parse_stacks,
+                              read_doing, stack_path)
+from ._sidecar import SidecarRank
 
 __all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json"]
 
@@ -45,24 +50,26 @@ class RankWhere(NamedTuple):
     host: str
     pid: int
     doing: Doing | None
-    threads: tuple      # of runtime._where.ThreadStack, the rank's main thread first
+    threads: tuple[ThreadStack, ...]  # the rank's main thread first
     problem: str        # "" when the stacks were read
     seconds: float      # from the signal to the dump read
 
 
-def where_dir(profile_dir, cluster_id):
+def where_dir(profile_dir: str, cluster_id: str) -> str:
     """The folder of cluster ``cluster_id``'s where files (owner-only, beside its sidecar)."""
     return os.path.join(profile_dir, "security", f"jupyter_ring-{cluster_id}-where")
 
 
-def _size(path):
+def _size(path: str) -> int | None:
     try:
         return os.stat(path).st_size
     except OSError:
         return None
 
 
-def collect_where(directory, rows, send, ranks=None, timeout=3.0):
+def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
+                  send: Callable[[list[int], signal.Signals], object],
+                  ranks: Iterable[int] | None = None, timeout: float = 3.0) -> list[RankWhere]:
     """Signal ``ranks`` (default: every row's) with ``send(ranks, WHERE_SIGNAL)`` and read their
     stacks and records; a :class:`RankWhere` per rank, in the order of ``ranks``.
 
@@ -76,15 +83,16 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
     records = {r: read_doing(doing_path(directory, r)) for r in ranks}
     sent = time.monotonic()
     send([r for r in ranks if before[r] is not None], WHERE_SIGNAL)
-    seen, done = {}, {}
+    seen: dict[int, tuple[int, float]] = {}
+    done: dict[int, float] = {}
     waiting = [r for r in ranks if before[r] is not None]
     deadline = sent + timeout
     while waiting and time.monotonic() < deadline:
         time.sleep(0.003)
         now = time.monotonic()
         for r in list(waiting):
-            size = _size(stack_path(directory, r))
-            if size is None or size <= before[r]:
+            size, start = _size(stack_path(directory, r)), before[r]
+            if size is None or start is None or size <= start:
                 continue
             last = seen.get(r)
             if last is None or last[0] != size:
@@ -96,7 +104,8 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
     for r in ranks:
         row = by_rank[r]
         doing = records[r]
-        problem, threads = "", ()
+        problem = ""
+        threads: Sequence[ThreadStack] = ()
         if before[r] is None:
             problem = (f"no stack file {stack_path(directory, r)} here" +
                        (f": rank {r} runs on {row['host']}, whose files reach this host only "
@@ -113,7 +122,7 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
                            f"`py-spy dump --pid {row['pid']}` on {row['host']} reads it from outside")
         if not problem:
             with open(stack_path(directory, r), "rb") as fh:
-                fh.seek(before[r])
+                fh.seek(before[r] or 0)  # not None: a rank without a stack file has a problem
                 text = fh.read().decode("utf-8", "replace")
             threads = _main_first(parse_stacks(text), doing)
         out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
@@ -121,22 +130,22 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
     return out
 
 
-def _remote(row):
+def _remote(row: RankRow | SidecarRank) -> bool:
     import socket
 
     return row["host"] not in (socket.gethostname(), "localhost")
 
 
-def _main_first(threads, doing):
+def _main_first(threads: Iterable[ThreadStack], doing: Doing | None) -> list[ThreadStack]:
     main = doing.main_thread if doing is not None else 0
     return sorted(threads, key=lambda t: t.thread != main)
 
 
-def _plumbing(frame):
+def _plumbing(frame: Frame) -> bool:
     return any(part in frame.file for part in _PLUMBING)
 
 
-def _user_frames(thread, main):
+def _user_frames(thread: ThreadStack, main: bool) -> tuple[list[Frame], int, int]:
     """The thread's frames without the engine's plumbing and without jupyter_ring's own innermost
     frames (innermost first), how many plumbing frames hid, and how many of jupyter_ring's.
 
@@ -152,14 +161,15 @@ def _user_frames(thread, main):
     return kept[own:], len(thread.frames) - len(kept), own
 
 
-def _state_line(item, now):
+def _state_line(item: RankWhere, now: float) -> str:
     head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
     if item.doing is None:
         return f"{head}: (no collective record)"
     return f"{head}: {item.doing.describe(now)}"
 
 
-def format_where(items, all_threads=False, now=None):
+def format_where(items: Iterable[RankWhere], all_threads: bool = False,
+                 now: float | None = None) -> str:
     """Plain text: a block per rank, its state line then its main thread's frames, innermost
     first, each with its source line where this host can read the file."""
     now = time.time() if now is None else now
@@ -194,7 +204,7 @@ def format_where(items, all_threads=False, now=None):
     return "\n".join(blocks)
 
 
-def where_json(items, now=None):
+def where_json(items: Iterable[RankWhere], now: float | None = None) -> list[dict[str, object]]:
     """The same for the Ring panel's route: a dict per rank (frames innermost first)."""
     now = time.time() if now is None else now
     out = []

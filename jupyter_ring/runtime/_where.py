@@ -61,7 +61,7 @@ class Doing(NamedTuple):
     pid: int = 0
     main_thread: int = 0
 
-    def describe(self, now=None):
+    def describe(self, now: float | None = None) -> str:
         """``inside allreduce 'grad' for 3.2 s, waiting for rank(s) 1 for 3.1 s``, or ``running``."""
         if self.state == "running":
             return "running (not in a collective)"
@@ -196,16 +196,16 @@ def disarm():
     activity.disarm()
 
 
-def stack_path(directory, rank):
+def stack_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.stacks")
 
 
-def doing_path(directory, rank):
+def doing_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.doing")
 
 
 # ---------------------------------------------------------------------- readers (other processes)
-def read_doing(path):
+def read_doing(path: str) -> Doing | None:
     """The :class:`Doing` record a rank keeps in ``path``; None when it is not there."""
     try:
         with open(path, "rb") as fh:
@@ -244,25 +244,26 @@ class ThreadStack(NamedTuple):
 
     thread: int
     current: bool       # the thread the signal was delivered to
-    frames: tuple       # of Frame
+    frames: tuple[Frame, ...]
 
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+|\?\?\?) in (.*)$')
 
 
-def parse_stacks(text):
+def parse_stacks(text: str) -> list[ThreadStack]:
     """faulthandler's all-threads dump as a list of :class:`ThreadStack`."""
-    threads, current = [], None
+    threads: list[ThreadStack] = []
+    frames: list[list[Frame]] = []  # of each thread in threads, as they are read
     for line in text.splitlines():
         head = _THREAD.match(line)
         if head:
-            current = ThreadStack(int(head.group(2), 16), head.group(1) == "Current thread", [])
-            threads.append(current)
+            threads.append(ThreadStack(int(head.group(2), 16), head.group(1) == "Current thread", ()))
+            frames.append([])
             continue
         frame = _FRAME.match(line)
-        if frame and current is not None:
+        if frame and frames:
             number = frame.group(2)
-            current.frames.append(Frame(frame.group(1), int(number) if number.isdigit() else 0,
-                                        frame.group(3).strip()))
-    return [t._replace(frames=tuple(t.frames)) for t in threads]
+            frames[-1].append(Frame(frame.group(1), int(number) if number.isdigit() else 0,
+                                    frame.group(3).strip()))
+    return [t._replace(frames=tuple(f)) for t, f in zip(threads, frames)]
