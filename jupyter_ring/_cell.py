@@ -13,10 +13,15 @@ import re
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
+from ._debug import Debuggers
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
+
+if TYPE_CHECKING:
+    from .cluster._ring import RingCluster
 
 __all__ = ["CellRun", "routes_to_ranks"]
 
@@ -62,6 +67,7 @@ class CellRun:
         self.interrupted = {}  # rank -> why it was interrupted
         self.interrupted_at = {}  # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
+        self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
 
     def run(self):
         stopping = None
@@ -106,6 +112,14 @@ class CellRun:
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
+        debuggers = self.debuggers = Debuggers(cluster.where_dir, self.ranks)
+        debuggers.listen()  # before the requests leave: a breakpoint() on a rank gets a prompt
+        try:
+            self._run_cell(cluster, debuggers)
+        finally:
+            debuggers.close()
+
+    def _run_cell(self, cluster: "RingCluster", debuggers: Debuggers) -> None:
         execution = self.execution = CellExecution(
             cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
         magics = self.magics
@@ -131,10 +145,19 @@ class CellRun:
                         self.sink.fail(rank)  # live: the tab is marked and selected at once
                 self.sink.flush()
                 self._poll_dashboard()
+                if debuggers.waiting():
+                    # a rank at a breakpoint: the prompt is the user's; the time spent there does
+                    # not count towards --timeout
+                    self._deliver()
+                    self.sink.flush()
+                    t0 += debuggers.attend()
+                    now = time.monotonic()
                 pending = execution.pending()
                 if (first_failure is not None and magics.interrupt_peers and pending
                         and now - first_failure >= magics.peer_interrupt_delay):
-                    self._interrupt(pending, "a peer rank failed")
+                    # a rank held in a debugger is left to the user (its next step may be `c`)
+                    held = debuggers.held()
+                    self._interrupt([r for r in pending if r not in held], "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
                 self._where_if_stuck(pending, now)
