@@ -17,11 +17,14 @@ STALL_TIMEOUT = 2
 
 @pytest.fixture(scope="module")
 def kernel():
-    os.environ["JUPYTER_RING_STALL_TIMEOUT"] = str(STALL_TIMEOUT)  # inherited by kernel and ranks
+    # inherited by the kernel and its ranks: a short stall timeout, and the warning before it
+    short = {"JUPYTER_RING_STALL_TIMEOUT": str(STALL_TIMEOUT), "JUPYTER_RING_STALL_WARNING": "1"}
+    os.environ.update(short)
     try:
         k = Kernel()
     finally:
-        del os.environ["JUPYTER_RING_STALL_TIMEOUT"]
+        for name in short:
+            del os.environ[name]
     k.pids = []
     try:
         k.ok("%load_ext jupyter_ring")
@@ -156,6 +159,9 @@ def test_a_peer_waiting_for_a_rank_in_the_debugger_does_not_stall(kernel):
     out, error = kernel.execute(HELD, answer=hold, timeout=60)
     assert error is None, (error, out)
     assert "StallError" not in out, out
+    # the stall warning (1 s here) says why rank 0 waits
+    assert re.search(r"rank 0 has waited \d+ s in allreduce 'held' for rank\(s\) \[1\]; rank 1 is "
+                     r"in the debugger \(not a stall", out), out
     assert "rank 0 total=[3.0, 3.0, 3.0]" in out and "rank 1 total=[3.0, 3.0, 3.0]" in out, out
     share = seen["cpu_used"] / seen["seconds"]
     print(f"rank 0 waiting {seen['seconds']:.1f} s for rank 1 at a breakpoint: {share:.2%} of a core")

@@ -468,7 +468,8 @@ class Runtime:
                     held = hold.peers()
                     if held:
                         stall_from = waited
-                        if held != held_told:
+                        # said when the stall warning would have been: a short pause stays quiet
+                        if held != held_told and waited > config.stall_warning:
                             held_told = held
                             self._tell_held(what, absent_ranks, held, waited)
                     elif held_told:
@@ -498,9 +499,10 @@ class Runtime:
         absent = self.name_of(missing)
         ranks = ", ".join(map(str, held))
         note = f"rank {ranks} is in the debugger" if len(held) == 1 else f"ranks {ranks} are in the debugger"
-        log.warning("jupyter_ring: rank %d waits in %s for rank(s) %s; %s (not a stall: the stall "
-                    "timeout counts again once it leaves)", self.world[self.rank], what, absent, note)
-        reporter.stalled(f"{what} ({note})", absent, waited)
+        log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s; %s (not a stall: "
+                    "the stall timeout counts again once it leaves)", self.world[self.rank], waited,
+                    what, absent, note)
+        reporter.stalled(what, absent, waited, held)
 
     @staticmethod
     def _missing(reqs, peers_of):
