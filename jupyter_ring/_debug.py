@@ -185,11 +185,12 @@ class Debuggers:
         absent = [r for r in targets if r not in waiting]
         if absent:
             self.show(f"(not at a prompt, skipped: rank(s) {_spans(absent)})\n")
-        self._send({r: command for r in targets if r in waiting}, waiting)
+        self._send({r: command for r in targets if r in waiting}, waiting, labelled=True)
 
-    def _send(self, lines: dict[int, str], waiting: dict[int, records.Prompt]) -> None:
-        """Answer each rank's prompt; wait briefly for their next prompts and show what they said,
-        labelled by rank when there are several."""
+    def _send(self, lines: dict[int, str], waiting: dict[int, records.Prompt],
+              labelled: bool = False) -> None:
+        """Answer each rank's prompt; wait briefly for their next prompts. ``labelled`` (a cast):
+        show what each said under its rank's label, here; else the next prompt shows it."""
         for rank, line in lines.items():
             seq = waiting[rank]["seq"]
             records.write_record(records.reply_path(self.directory, rank),
@@ -206,7 +207,7 @@ class Debuggers:
                 pending.discard(rank)
                 prompt = now[rank]
                 self.last[rank] = prompt
-                if len(lines) > 1:
+                if labelled:
                     self.shown[rank] = prompt["seq"]
                     self.show(f"[rank {rank}]\n" + _ended(prompt["text"]) if prompt["text"] else
                               f"[rank {rank}] (nothing printed)\n")
@@ -214,7 +215,7 @@ class Debuggers:
                 return
 
     def _continue_all(self, waiting: dict[int, records.Prompt]) -> None:
-        self._send({rank: "c" for rank in waiting}, waiting)
+        self._send({rank: "c" for rank in waiting}, waiting, labelled=True)
 
 
 def _ended(text: str) -> str:

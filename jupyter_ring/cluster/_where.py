@@ -18,6 +18,7 @@ import re
 import time
 from typing import NamedTuple
 
+from ..runtime._debugger import read_held
 from ..runtime._where import WHERE_SIGNAL, Doing, doing_path, parse_stacks, read_doing, stack_path
 
 __all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json"]
@@ -48,6 +49,7 @@ class RankWhere(NamedTuple):
     threads: tuple      # of runtime._where.ThreadStack, the rank's main thread first
     problem: str        # "" when the stacks were read
     seconds: float      # from the signal to the dump read
+    debugger: str = ""  # where it is stopped, while the rank is held in a debugger (issue 35)
 
 
 def where_dir(profile_dir, cluster_id):
@@ -74,6 +76,7 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
     before = {r: _size(stack_path(directory, r)) for r in ranks}
     # read as the signal leaves, so that each record and its stack describe the same moment
     records = {r: read_doing(doing_path(directory, r)) for r in ranks}
+    held = {r: read_held(directory, r) or "" for r in ranks}
     sent = time.monotonic()
     send([r for r in ranks if before[r] is not None], WHERE_SIGNAL)
     seen, done = {}, {}
@@ -117,7 +120,7 @@ def collect_where(directory, rows, send, ranks=None, timeout=3.0):
                 text = fh.read().decode("utf-8", "replace")
             threads = _main_first(parse_stacks(text), doing)
         out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
-                             done.get(r, 0.0)))
+                             done.get(r, 0.0), held[r]))
     return out
 
 
@@ -154,6 +157,8 @@ def _user_frames(thread, main):
 
 def _state_line(item, now):
     head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
+    if item.debugger:
+        return f"{head}: in the debugger (pdb), stopped at {item.debugger}"
     if item.doing is None:
         return f"{head}: (no collective record)"
     return f"{head}: {item.doing.describe(now)}"
@@ -216,6 +221,6 @@ def where_json(items, now=None):
                     "doing": doing.describe(now) if doing else "",
                     "kind": doing.kind if doing else "", "name": doing.name if doing else "",
                     "waiting_for": list(doing.waiting_for) if doing else [],
-                    "problem": item.problem, "threads": threads,
+                    "problem": item.problem, "threads": threads, "debugger": item.debugger,
                     "seconds": round(item.seconds, 4)})
     return out
