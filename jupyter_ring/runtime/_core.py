@@ -449,6 +449,7 @@ class Runtime:
         # so a collective that completes sooner never lists the folder.
         stall_from = 0.0
         held_told: list[int] = []
+        held_now = False
         while True:
             if done():
                 if warned or held_told:
@@ -466,6 +467,7 @@ class Runtime:
                 activity.waiting(absent_ranks)
                 if waited >= 0.25:
                     held = hold.peers()
+                    held_now = bool(held)
                     if held:
                         stall_from = waited
                         # said when the stall warning would have been: a short pause stays quiet
@@ -492,7 +494,8 @@ class Runtime:
                     "died leaves the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just "
                     "slow.", absent)
             time.sleep(delay)
-            delay = _waits.next_nap(delay, waited)
+            # a rank held in a debugger waits for a person: nap longer (SIGINT still ends a nap)
+            delay = _waits.HELD_NAP if held_now else _waits.next_nap(delay, waited)
 
     def _tell_held(self, what: str, missing: Sequence[int], held: Sequence[int], waited: float) -> None:
         """Say, once per change, that this wait is on ranks held in a debugger: not a stall."""
