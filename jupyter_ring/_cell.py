@@ -112,7 +112,8 @@ class CellRun:
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
-        debuggers = self.debuggers = Debuggers(cluster.where_dir, self.ranks)
+        debuggers = self.debuggers = Debuggers(cluster.where_dir, self.ranks,
+                                               before_ask=self._show_output)
         debuggers.listen()  # before the requests leave: a breakpoint() on a rank gets a prompt
         try:
             self._run_cell(cluster, debuggers)
@@ -148,8 +149,6 @@ class CellRun:
                 if debuggers.waiting():
                     # a rank at a breakpoint: the prompt is the user's; the time spent there does
                     # not count towards --timeout
-                    self._deliver()
-                    self.sink.flush()
                     t0 += debuggers.attend()
                     now = time.monotonic()
                 pending = execution.pending()
@@ -170,6 +169,11 @@ class CellRun:
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
         self._show_results()
         self._raise_errors()
+
+    def _show_output(self) -> None:
+        """Show the ranks' output that has come (before a debugger's prompt: it came first)."""
+        self._deliver()
+        self.sink.flush()
 
     def _wait_for_output(self):
         """Wait for the ranks' last output (their IOPub idle), showing it as it comes.

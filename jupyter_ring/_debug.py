@@ -46,20 +46,22 @@ class Debuggers:
     """The prompts of the cell's ranks (``ranks``), served through ``ask`` and ``show``.
 
     ``directory`` is the cluster's where folder. ``ask`` defaults to the kernel's ``input()``,
-    ``show`` to writing on the kernel's stdout (the cell's output, below the rank tabs).
+    ``show`` to writing on the kernel's stdout (the cell's output, below the rank tabs);
+    ``before_ask`` runs before each question (the cell shows the ranks' output that came).
     """
 
     def __init__(self, directory: str, ranks: Sequence[int],
                  ask: Callable[[str], str] | None = None,
-                 show: Callable[[str], None] | None = None) -> None:
+                 show: Callable[[str], None] | None = None,
+                 before_ask: Callable[[], None] | None = None) -> None:
         self.directory = directory
         self.ranks = list(ranks)
         self.ask = ask or _input
         self.show = show or _write
+        self.before_ask = before_ask
         self.current: int | None = None
         self.answered: dict[int, int] = {}  # rank -> the seq of the last prompt answered
         self.shown: dict[int, int] = {}     # rank -> the seq of the last prompt whose text was shown
-        self.last: dict[int, records.Prompt] = {}
         self.announced: tuple[int, ...] = ()
         self.can_ask = True
 
@@ -95,10 +97,11 @@ class Debuggers:
             return 0.0
         started = time.monotonic()
         while waiting:
-            self.last.update(waiting)
             if not self.can_ask:
                 self._continue_all(waiting)
             else:
+                if self.before_ask is not None:
+                    self.before_ask()
                 rank = self.current if self.current in waiting else min(waiting)
                 self._announce(rank, waiting)
                 self.current = rank
@@ -206,7 +209,6 @@ class Debuggers:
             for rank in sorted(pending & set(now)):
                 pending.discard(rank)
                 prompt = now[rank]
-                self.last[rank] = prompt
                 if labelled:
                     self.shown[rank] = prompt["seq"]
                     self.show(f"[rank {rank}]\n" + _ended(prompt["text"]) if prompt["text"] else

@@ -138,3 +138,17 @@ def test_ring_where_says_a_rank_is_in_the_debugger(tmp_path):
     assert where_json([item])[0]["debugger"] == "12.py:3 in <module>"
     hold.leave()
     assert records.held_ranks(str(tmp_path)) == [] and not hold.anyone()
+
+
+def test_the_mark_of_a_killed_rank_holds_nobody(tmp_path):
+    """A rank killed at its prompt leaves its mark: its peers must still be able to stall."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    with open(records.held_path(str(tmp_path), 2), "w") as fh:
+        json.dump({"pid": int(gone.stdout), "host": socket.gethostname(), "where": "x.py:1"}, fh)
+    assert records.held_ranks(str(tmp_path)) == []

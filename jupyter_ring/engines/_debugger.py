@@ -56,7 +56,6 @@ class RankDebugger:
             print(f"(breakpoint() on rank {self.rank} skipped: no %%distributed cell of the notebook "
                   "is there to show its prompt)", file=sys.stderr)
             return
-        _flush_output()  # what the cell printed before the breakpoint comes first
         debugger = RankPdb(self)
         if header is not None:
             debugger.message(header)
@@ -119,6 +118,7 @@ class PromptChannel:
         self._out.clear()
         # pdb writes its prompt just before reading: the kernel shows its own, with the rank
         text = text[:-len(self.prompt)] if text.endswith(self.prompt) else text
+        _flush_output()  # what a stepped line printed goes out before the prompt
         return self.debugger.ask(text, self.where()) + "\n"
 
     def where(self) -> str:

@@ -4,8 +4,9 @@ Everything lives in the cluster's where folder (``<profile>/security/jupyter_rin
 0700, beside the ``%ring where`` files; ``cluster/_where.where_dir``), one small file per fact:
 
 - ``rank<r>.held``: exists while rank r is inside its debugger's interaction (at the prompt, or
-  running a command typed there); its text says where it stopped. Peers waiting in a collective
-  list the folder every 0.25 s (``Runtime.poll``): a rank held in a debugger is not a stall.
+  running a command typed there): its pid, host and where it stopped. Peers waiting in a
+  collective list the folder every 0.25 s (``Runtime.poll``): a rank held in a debugger is not a
+  stall (unless its process is gone: a killed rank's mark holds nobody).
 - ``rank<r>.prompt``: a :class:`Prompt`, written by the rank when its debugger wants a line.
 - ``rank<r>.reply``: a :class:`Reply`, written by the notebook kernel; the rank takes it and
   removes both files.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from typing import TypedDict
 
 __all__ = ["Prompt", "Reply", "Hold", "hold", "held_path", "prompt_path", "reply_path",
@@ -106,17 +108,36 @@ def _ranks_with(directory: str, suffix: str) -> list[int]:
 
 
 def held_ranks(directory: str) -> list[int]:
-    """The ranks held in a debugger now: one listing of the folder (a few µs)."""
-    return _ranks_with(directory, _HELD)
+    """The ranks held in a debugger now: one listing of the folder (a few µs when none is), then
+    each mark read: a mark whose process died on this host is left by a killed rank, not held
+    (it would keep its peers from ever stalling)."""
+    here = socket.gethostname()
+    out = []
+    for rank in _ranks_with(directory, _HELD):
+        record = read_record(held_path(directory, rank))
+        if record is None:
+            continue
+        pid = record.get("pid")
+        if record.get("host") == here and isinstance(pid, int) and not _alive(pid):
+            continue
+        out.append(rank)
+    return out
 
 
 def read_held(directory: str, rank: int) -> str | None:
     """Where rank ``rank`` is held ("12.py:3 in <module>"), or None when it is not."""
+    record = read_record(held_path(directory, rank))
+    return None if record is None else str(record.get("where") or "?")
+
+
+def _alive(pid: int) -> bool:
     try:
-        with open(held_path(directory, rank), encoding="utf-8") as fh:
-            return fh.read()
-    except OSError:
-        return None
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process took the number: not ours, but alive
+        return True
+    return True
 
 
 def waiting_prompts(directory: str) -> dict[int, Prompt]:
@@ -151,12 +172,8 @@ class Hold:
         """Mark this rank held (its debugger's prompt is up, or a command typed there runs)."""
         if self.directory is None:
             return
-        path = held_path(self.directory, self.rank)
-        temporary = f"{path}.{os.getpid()}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(where)
-        os.replace(temporary, path)
+        write_record(held_path(self.directory, self.rank),
+                     {"pid": os.getpid(), "host": socket.gethostname(), "where": where})
 
     def leave(self) -> None:
         if self.directory is not None:
