@@ -14,10 +14,12 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback)
@@ -77,6 +79,7 @@ class CellRun:
         self.unstarted: set[int] = set()  # ranks signalled before their cell began: signalled again once it has
         self.lost_noted = False   # ranks that went idle without a reply are named once
         self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
+        self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
 
     def run(self):
         stopping = None
@@ -117,14 +120,20 @@ class CellRun:
             ABORT_NOTE in text for text in self.execution.stderr())
 
     def _run(self) -> None:
-        with _DeferredInterrupt() as self.interrupts:
-            self._run_cell()
-
-    def _run_cell(self) -> None:
         cluster = self.cluster
         note = cluster.torch_repair_note()  # the previous cell's, if it came late
         if note:
             print(f"(after the previous cell) {note}", file=sys.stderr)
+        debuggers = self.debuggers = Debuggers(cluster.where_dir, self.ranks,
+                                               before_ask=self._show_output)
+        debuggers.listen()  # before the requests leave: a breakpoint() on a rank gets a prompt
+        try:
+            with _DeferredInterrupt() as self.interrupts:
+                self._run_cell(cluster, debuggers)
+        finally:
+            debuggers.close()
+
+    def _run_cell(self, cluster: "RingCluster", debuggers: Debuggers) -> None:
         # An interrupt while the requests go out is the cell's (self.interrupts notes it): raised
         # in the try below, where the ranks that got theirs are interrupted too (raised here, it
         # left them running the whole cell)
@@ -155,10 +164,18 @@ class CellRun:
                         self.sink.fail(rank)  # live: the tab is marked and selected at once
                 self.sink.flush()
                 self._poll_dashboard()
+                if debuggers.waiting():
+                    # a rank at a breakpoint: the prompt is the user's; the time spent there does
+                    # not count towards --timeout
+                    with self.interrupts.immediate():  # the kernel's input() ends on an interrupt
+                        t0 += debuggers.attend()
+                    now = time.monotonic()
                 pending = execution.pending()
                 if (first_failure is not None and magics.interrupt_peers and pending
                         and now - first_failure >= magics.peer_interrupt_delay):
-                    self._interrupt(pending, "a peer rank failed")
+                    # a rank held in a debugger is left to the user (its next step may be `c`)
+                    held = debuggers.held()
+                    self._interrupt([r for r in pending if r not in held], "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
                 self._signal_late_starters()
@@ -173,6 +190,11 @@ class CellRun:
         self._poll_dashboard()  # a cell that ended before the first poll still gets its dashboard
         self._show_results()
         self._raise_errors()
+
+    def _show_output(self) -> None:
+        """Show the ranks' output that has come (before a debugger's prompt: it came first)."""
+        self._deliver()
+        self.sink.flush()
 
     def _wait_for_output(self):
         """Wait for the ranks' last output (their IOPub idle), showing it as it comes.
@@ -495,6 +517,21 @@ class _DeferredInterrupt:
         if self.pending:
             self.pending = False
             raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[None]:
+        """Within the block SIGINT raises at once, as it usually does: a prompt the user answers
+        (the kernel's ``input()`` for a rank's debugger) must end on an interrupt, and no
+        ipyparallel future is polled there."""
+        if not self._installed:
+            yield
+            return
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            self.raise_pending()
+            yield
+        finally:
+            signal.signal(signal.SIGINT, self._note)
 
 
 def _stall_ranks(error):

@@ -39,22 +39,37 @@ class Kernel:
         # not wait_for_ready: without a manager it reads a heartbeat not yet beating as death
         self.kc.kernel_info(reply=True, timeout=60)
 
-    def execute(self, code, timeout=60, interrupt_after=None, messages=None, interrupt_when=None):
+    def execute(self, code, timeout=60, interrupt_after=None, messages=None, interrupt_when=None,
+                answer=None):
         """Run ``code``; return (text, error). The text is what a reader of the saved notebook
         sees: streams, execute results and each display's final text/plain (an
         update_display_data replaces the display it names). ``messages`` collects every iopub
         message of the request. With ``interrupt_after`` the kernel gets an interrupt_request
         that many seconds after the request (or once ``interrupt_when()`` is true);
         ``self.interrupted_at`` (monotonic) and
-        ``self.interrupted_wall`` (time.time) note when."""
+        ``self.interrupted_wall`` (time.time) note when. ``answer(prompt, text)`` answers the
+        kernel's input requests (``input()``; text: the output so far): it returns the line, or
+        None to leave the request unanswered for now (it is asked again)."""
         # stop_on_error=False: ipykernel 7 aborts (empty reply, no error) a request that reaches
         # the kernel right after a failed one, before it has finished "aborting the queue"; this
         # harness sends one request at a time and never wants one aborted
-        msg_id = self.kc.execute(code, stop_on_error=False)
+        msg_id = self.kc.execute(code, stop_on_error=False, allow_stdin=answer is not None)
         deadline = time.monotonic() + timeout
         interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
         parts, error = [], None  # [display_id or None, text]
+        request = None  # the input request not answered yet
         while True:
+            if answer is not None:
+                if request is None:
+                    try:
+                        request = self.kc.get_stdin_msg(timeout=0.005)
+                    except queue.Empty:
+                        pass
+                if request is not None:
+                    line = answer(request["content"]["prompt"], "".join(t for _, t in parts))
+                    if line is not None:
+                        self.kc.input(line)
+                        request = None
             if interrupt_when is not None and interrupt_when():
                 interrupt_at, interrupt_when = time.monotonic(), None
             if interrupt_at is not None and time.monotonic() >= interrupt_at:
@@ -64,7 +79,7 @@ class Kernel:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reply in {timeout} s to {code!r}; output so far: {parts}")
             try:
-                msg = self.kc.get_iopub_msg(timeout=0.1)
+                msg = self.kc.get_iopub_msg(timeout=0.1 if answer is None else 0.005)
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:

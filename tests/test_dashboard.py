@@ -206,6 +206,17 @@ def test_stall_banner_names_the_waiting_rank_the_tensor_and_the_missing_ranks():
     assert state.banner() == "" and 'class="jr-banner"' not in render_html(state)
 
 
+def test_a_wait_on_a_rank_in_the_debugger_is_a_pause_not_a_stall():
+    state = DashboardState(2)
+    state.ingest(0, snap(0, t=5, stall={"what": "allreduce 'grads'", "missing": [1], "waited": 12.0,
+                                        "rank": 0, "held": [1]}))
+    state.ingest(1, snap(1, t=5))
+    assert state.banner() == ("rank 0 has waited 12 s in allreduce 'grads' for rank(s) 1 "
+                              "(rank 1 is in the debugger)")
+    page = render_html(state)
+    assert "<b>Waiting:</b>" in page and "Stalled" not in page
+
+
 def test_eta_from_rate_and_total():
     state = DashboardState(1)
     run_ranks(state, {0: 20.0}, seconds=2, total=100)

@@ -211,6 +211,19 @@ def test_a_rank_that_skips_a_collective_gives_stallerror_not_a_hang(mpirun, n, p
     assert len(result.lines("STALL")) == n - 1
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_peers_of_a_rank_held_in_a_debugger_wait_without_stalling(mpirun, n, tmp_path):
+    """Issue 35: a rank at a breakpoint is not a stall, for a peer that waits on it directly
+    and for one that waits on it through another (any rank held stops every stall clock)."""
+    env = {"JUPYTER_RING_STALL_TIMEOUT": "1", "JUPYTER_RING_STALL_WARNING": "0.5"}
+    result = mpirun("rt_failures.py", n, "held", str(tmp_path), env=env, timeout=90)
+    all_ranks_ok(result)
+    assert len(result.lines("HELD")) == 2 * n
+    assert "StallError" not in result.stdout + result.stderr
+    told = [line for line in result.stderr.splitlines() if f"rank {n - 1} is in the debugger" in line]
+    assert len(told) >= n - 1, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_interrupt_inside_a_collective_then_correct_collectives(mpirun, n, path):

@@ -130,14 +130,14 @@ def remove_shm_files(paths: Iterable[str]) -> list[str]:
 
 def cluster_file_patterns(profile_dir: str, cluster_id: str, sidecar: bool = True) -> list[str]:
     """Glob patterns of every file a cluster leaves in its profile: ipyparallel's cluster file,
-    the controller's connection files, the processes' logs, the ranks' ``%ring where`` files
-    (``_where.where_dir``), and (``sidecar``) the Ring panel's sidecar (``_sidecar.sidecar_path``)."""
+    the controller's connection files, the processes' logs, the ranks' ``%ring where`` and debugger
+    files (``_where.where_dir``), and (``sidecar``) the Ring panel's sidecar (``_sidecar.sidecar_path``)."""
     cid = glob.escape(cluster_id)
     security = os.path.join(glob.escape(profile_dir), "security")
     patterns = [os.path.join(security, f"cluster-{cid}.json"),
                 os.path.join(security, f"ipcontroller-{cid}-*.json"),
                 os.path.join(glob.escape(profile_dir), "log", f"*{cid}*"),
-                os.path.join(security, f"jupyter_ring-{cid}-where", "rank*"),
+                os.path.join(security, f"jupyter_ring-{cid}-where", "*"),
                 os.path.join(security, f"jupyter_ring-{cid}-where")]  # emptied by the line above
     if sidecar:
         patterns.append(os.path.join(security, f"jupyter_ring-{cid}.json"))

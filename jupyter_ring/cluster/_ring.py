@@ -56,6 +56,7 @@ _jr_engine.reply_always()
 _jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())
+_jr_engine.arm_debugger(_jr_where, ring.rank())
 import jupyter_ring.engines._torch as _jr_torch
 _jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr

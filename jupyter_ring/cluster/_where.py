@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from ..engines._setup import RankRow
+from ..runtime._debugger import read_held
 from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, doing_path, parse_stacks,
                               read_doing, stack_path)
 from ._sidecar import SidecarRank
@@ -53,6 +54,7 @@ class RankWhere(NamedTuple):
     threads: tuple[ThreadStack, ...]  # the rank's main thread first
     problem: str        # "" when the stacks were read
     seconds: float      # from the signal to the dump read
+    debugger: str = ""  # where it is stopped, while the rank is held in a debugger (issue 35)
 
 
 def where_dir(profile_dir: str, cluster_id: str) -> str:
@@ -81,6 +83,7 @@ def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
     before = {r: _size(stack_path(directory, r)) for r in ranks}
     # read as the signal leaves, so that each record and its stack describe the same moment
     records = {r: read_doing(doing_path(directory, r)) for r in ranks}
+    held = {r: read_held(directory, r) or "" for r in ranks}
     sent = time.monotonic()
     send([r for r in ranks if before[r] is not None], WHERE_SIGNAL)
     seen: dict[int, tuple[int, float]] = {}
@@ -126,7 +129,7 @@ def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
                 text = fh.read().decode("utf-8", "replace")
             threads = _main_first(parse_stacks(text), doing)
         out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
-                             done.get(r, 0.0)))
+                             done.get(r, 0.0), held[r]))
     return out
 
 
@@ -163,6 +166,8 @@ def _user_frames(thread: ThreadStack, main: bool) -> tuple[list[Frame], int, int
 
 def _state_line(item: RankWhere, now: float) -> str:
     head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
+    if item.debugger:
+        return f"{head}: in the debugger (pdb), stopped at {item.debugger}"
     if item.doing is None:
         return f"{head}: (no collective record)"
     return f"{head}: {item.doing.describe(now)}"
@@ -226,6 +231,6 @@ def where_json(items: Iterable[RankWhere], now: float | None = None) -> list[dic
                     "doing": doing.describe(now) if doing else "",
                     "kind": doing.kind if doing else "", "name": doing.name if doing else "",
                     "waiting_for": list(doing.waiting_for) if doing else [],
-                    "problem": item.problem, "threads": threads,
+                    "problem": item.problem, "threads": threads, "debugger": item.debugger,
                     "seconds": round(item.seconds, 4)})
     return out

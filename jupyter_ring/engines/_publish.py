@@ -36,6 +36,7 @@ class Stall(TypedDict):
     missing: list[int]
     waited: float         # seconds
     rank: int
+    held: list[int]       # ranks in a debugger: then the wait is no stall (issue 35)
 
 
 class Snapshot(TypedDict):

@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any, TypedDict
 
 __all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
-           "keep_own_errors", "reply_always", "arm_where", "ascii_logs", "CELL_NUMBER"]
+           "keep_own_errors", "reply_always", "arm_where", "arm_debugger", "ascii_logs", "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -244,5 +244,19 @@ def arm_where(directory, rank):
 
     try:
         _where.arm(directory, rank)
+    except OSError:
+        pass
+
+
+def arm_debugger(directory: str, rank: int) -> None:
+    """Make ``breakpoint()`` and ``pdb.set_trace()`` on this rank open a pdb prompt in the
+    notebook, and mark the rank held while it is there (``engines/_debugger.py``).
+
+    Never fails the setup: where the folder cannot be written, a breakpoint is skipped as before.
+    """
+    from . import _debugger
+
+    try:
+        _debugger.install(directory, rank)
     except OSError:
         pass

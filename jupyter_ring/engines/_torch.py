@@ -253,6 +253,11 @@ class TorchGuard:
         still = now - self._still_since
         if still < stall:
             return
+        from ..runtime._debugger import hold
+
+        if hold.anyone():  # a rank held in a debugger is a pause, not a stall: the clock restarts
+            self._still_since = now
+            return
         for group in groups:
             mine = self._sequence(group)
             behind = []

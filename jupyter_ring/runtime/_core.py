@@ -42,6 +42,7 @@ from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
 from ._pool import ResultPool
 from ._report import reporter
 from ._trace import Trace
+from ._debugger import hold
 from ._where import activity
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
@@ -443,9 +444,15 @@ class Runtime:
         warned = False
         delay = _waits.FIRST_NAP
         named = -1.0  # when the ranks waited on were last told to the activity record (%ring where)
+        # The stall clock: seconds waited since a peer was last seen held in a debugger (a rank
+        # at a breakpoint is not a stall). Checked at the same 0.25 s cadence, from 0.25 s on,
+        # so a collective that completes sooner never lists the folder.
+        stall_from = 0.0
+        held_told: list[int] = []
+        held_now = False
         while True:
             if done():
-                if warned:
+                if warned or held_told:
                     reporter.stalled(None, (), 0.0)
                 activity.waiting(())
                 return
@@ -456,24 +463,49 @@ class Runtime:
             waited = time.perf_counter() - start
             if waited - named >= 0.25:
                 named = waited
-                activity.waiting(missing())
-            if waited > config.stall_warning and not warned:
+                absent_ranks = missing()
+                activity.waiting(absent_ranks)
+                if waited >= 0.25:
+                    held = hold.peers()
+                    held_now = bool(held)
+                    if held:
+                        stall_from = waited
+                        # said when the stall warning would have been: a short pause stays quiet
+                        if held != held_told and waited > config.stall_warning:
+                            held_told = held
+                            self._tell_held(what, absent_ranks, held, waited)
+                    elif held_told:
+                        held_told = []
+                        reporter.stalled(None, (), 0.0)
+            stalled = waited - stall_from
+            if stalled > config.stall_warning and not warned:
                 warned = True
                 absent = self.name_of(missing())
                 log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s",
-                            self.world[self.rank], waited, what, absent)
-                reporter.stalled(what, absent, waited)
-            if waited > config.stall_timeout:
+                            self.world[self.rank], stalled, what, absent)
+                reporter.stalled(what, absent, stalled)
+            if stalled > config.stall_timeout:
                 absent = self.name_of(missing())
                 reporter.stalled(None, (), 0.0)
                 raise StallError(
-                    f"{what}: rank {self.world[self.rank]} waited {waited:.1f} s for rank(s) {absent}, "
+                    f"{what}: rank {self.world[self.rank]} waited {stalled:.1f} s for rank(s) {absent}, "
                     f"which never arrived (stall timeout {config.stall_timeout:g} s). Every rank must "
                     "call the same collectives in the same order; a rank that raised, skipped a call or "
                     "died leaves the others waiting. Raise JUPYTER_RING_STALL_TIMEOUT if a rank is just "
                     "slow.", absent)
             time.sleep(delay)
-            delay = _waits.next_nap(delay, waited)
+            # a rank held in a debugger waits for a person: nap longer (SIGINT still ends a nap)
+            delay = _waits.HELD_NAP if held_now else _waits.next_nap(delay, waited)
+
+    def _tell_held(self, what: str, missing: Sequence[int], held: Sequence[int], waited: float) -> None:
+        """Say, once per change, that this wait is on ranks held in a debugger: not a stall."""
+        absent = self.name_of(missing)
+        ranks = ", ".join(map(str, held))
+        note = f"rank {ranks} is in the debugger" if len(held) == 1 else f"ranks {ranks} are in the debugger"
+        log.warning("jupyter_ring: rank %d has waited %.0f s in %s for rank(s) %s; %s (not a stall: "
+                    "the stall timeout counts again once it leaves)", self.world[self.rank], waited,
+                    what, absent, note)
+        reporter.stalled(what, absent, waited, held)
 
     @staticmethod
     def _missing(reqs, peers_of):

@@ -43,6 +43,7 @@ import numpy as np
 
 from . import _collectives as C
 from ._core import Abandoned, Disagree, Recut, Restart
+from ._debugger import hold
 from ._errors import RingError, StallError
 from ._report import reporter
 
@@ -242,6 +243,7 @@ class Engine:
         self.names = {}                        # name -> handle of every queued entry (unique)
         self.callers = 0                       # caller threads blocked on this engine (wait, run_now)
         self.unsettled_since = None            # when settling by name first found no common name
+        self.held_checked = 0.0                # when settling last looked for ranks held in a debugger
         self.offered = None                    # the entries of this rank's last offer, and since when
 
     # ------------------------------------------------------------------ caller side
@@ -657,9 +659,14 @@ class Engine:
         with self.qlock:
             mine = [entry for entry in self.queue if entry.handle not in finished]
         since = self.unsettled_since
-        waited = 0.0 if since is None else time.perf_counter() - since
-        entries = tuple((_kind(e), e.name) for e in mine)
         now = time.perf_counter()
+        waited = 0.0 if since is None else now - since
+        if waited >= 0.25 and now - self.held_checked >= 0.25:
+            # a rank held in a debugger (this one included) is not a stall: the clock starts over
+            self.held_checked = now
+            if hold.anyone():
+                self.unsettled_since, waited = now, 0.0
+        entries = tuple((_kind(e), e.name) for e in mine)
         if self.offered is None or self.offered[0] != entries:
             self.offered = (entries, now)
         # with feeders (see _Feeders) a waiting caller is blocked only once the queue stopped growing

@@ -9,6 +9,7 @@ a few local fields, and nothing is printed.
 import math
 import threading
 import time
+from collections.abc import Sequence
 
 __all__ = ["Reporter", "progress", "log", "track", "set_publisher", "flush"]
 
@@ -133,13 +134,16 @@ class Reporter:
             "elapsed": time.time() - self.started, "time": time.time(), "final": final,
         }
 
-    def stalled(self, what, missing, waited):
+    def stalled(self, what, missing, waited, held: Sequence[int] = ()) -> None:
         """The runtime tells us who waits on what; published at once for the dashboard's banner.
+
+        ``held``: ranks in a debugger, which make the wait no stall (the banner says so).
 
         The engine's background thread waits too, but a publisher (the kernel's sockets) is the
         main thread's alone: from another thread the state is kept for ``flush_stall``.
         """
-        self.stall = {"what": what, "missing": list(missing), "waited": waited, "rank": self.rank} if what else None
+        self.stall = {"what": what, "missing": list(missing), "waited": waited, "rank": self.rank,
+                      "held": list(held)} if what else None
         if self.publisher is not None:
             if threading.current_thread() is threading.main_thread():
                 self.publish()

@@ -5,8 +5,8 @@ and a peer's resync notice are seen within milliseconds. What it does between tw
 what a wait costs the machine:
 
 - ``spin``: poll back to back for ``SPIN_SECONDS``, then sleep between polls, doubling the sleep
-  up to ``MAX_NAP`` (``LONG_NAP`` once a wait has lasted ``LONG_WAIT``: a peer at a breakpoint
-  costs its waiters well under 1 % of a core). Right when every rank has a core: a peer's message
+  up to ``MAX_NAP`` (``LONG_NAP`` once a wait has lasted ``LONG_WAIT``; ``HELD_NAP`` while a
+  rank waited on is held in a debugger: a peer at a breakpoint costs its waiters ~0.1 % of a core). Right when every rank has a core: a peer's message
   is seen within a microsecond.
 - ``yield``: the same, but every poll of the first phase gives the core to any other runnable
   process (``sched_yield``). Where ranks outnumber cores, the peer a rank waits for is often
@@ -27,14 +27,15 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = ["WAIT_MODES", "WaitPolicy", "cores_available", "choose", "next_nap",
-           "SPIN_SECONDS", "MAX_NAP", "LONG_WAIT", "LONG_NAP"]
+           "SPIN_SECONDS", "MAX_NAP", "LONG_WAIT", "LONG_NAP", "HELD_NAP"]
 
 WAIT_MODES = ("auto", "spin", "yield")
 SPIN_SECONDS = 0.002   # polls back to back (or yielding) before the first sleep
 FIRST_NAP = 1e-5
 MAX_NAP = 1e-3         # the longest sleep between polls in a wait's first LONG_WAIT seconds
 LONG_WAIT = 1.0
-LONG_NAP = 1e-2        # ... and after: a long wait (a peer computing, or in a debugger) costs ~0.1 % CPU
+LONG_NAP = 1e-2        # ... and after: a long wait (a peer computing) costs ~0.5 % of a core
+HELD_NAP = 5e-2        # ... while a rank waited on is held in a debugger: a person types (~0.1 %)
 
 _CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 

@@ -85,7 +85,9 @@ def render_banner(state):
     text = state.banner()
     if not text:
         return ""
-    return f'<div class="jr-banner"><b>Stalled:</b> {_e(text)}</div>'
+    # every waiting rank waits for ranks in a debugger: paused by the user, not stalled
+    head = "Waiting" if all(stall["held"] for stall in state.stalls()) else "Stalled"
+    return f'<div class="jr-banner"><b>{head}:</b> {_e(text)}</div>'
 
 
 def linear_ticks(lo, hi, count=5):

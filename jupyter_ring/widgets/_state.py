@@ -440,14 +440,15 @@ class DashboardState:
         return choose_scale(self.y_scale, min(ys), max(ys)) if ys else "linear"
 
     def stalls(self):
-        """The stall of every waiting rank: [{rank, what, missing, waited}], by rank."""
+        """The stall of every waiting rank: [{rank, what, missing, waited, held}], by rank."""
         out = []
         for rank, state in self.ranks.items():
             stall = state.stall
             if stall and stall.get("what"):
                 out.append({"rank": rank, "what": stall["what"],
                             "missing": list(stall.get("missing") or []),
-                            "waited": float(stall.get("waited") or 0.0)})
+                            "waited": float(stall.get("waited") or 0.0),
+                            "held": list(stall.get("held") or [])})
         return out
 
     def banner(self):
@@ -455,8 +456,13 @@ class DashboardState:
         lines = []
         for stall in self.stalls():
             missing = ", ".join(str(r) for r in stall["missing"]) or "?"
-            lines.append(f"rank {stall['rank']} has waited {stall['waited']:.0f} s in "
-                         f"{stall['what']} for rank(s) {missing}")
+            line = (f"rank {stall['rank']} has waited {stall['waited']:.0f} s in "
+                    f"{stall['what']} for rank(s) {missing}")
+            held = stall["held"]
+            if held:  # a rank at a breakpoint: a pause, not a stall
+                line += (f" (rank {held[0]} is in the debugger)" if len(held) == 1 else
+                         f" (ranks {', '.join(map(str, held))} are in the debugger)")
+            lines.append(line)
         return "\n".join(lines)
 
     def series(self, metric=None, max_points=500):

@@ -297,6 +297,51 @@ elif mode == "reinit":
     ring.init()
     assert ring.size() == n and ring.rank() == r
     expect_correct("after reinit")
+elif mode == "held":
+    # The last rank is held in a debugger (the marker engines/_debugger.py keeps while pdb has
+    # the rank; usage: rt_failures.py held FOLDER) for three stall timeouts, twice: the peers wait
+    # for it in an allreduce, then in the background engine's agreement by name (the held rank
+    # queued another name first: the queues disagree until it queues theirs); neither raises
+    # StallError, the results are exact, and a wait that outlasts the stall warning says the rank
+    # is in the debugger (on stderr, checked by the test).
+    from jupyter_ring.runtime._debugger import hold
+
+    hold.arm(sys.argv[2], r)
+    timeout = float(os.environ["JUPYTER_RING_STALL_TIMEOUT"])
+    held = n - 1
+    total = n * (n + 1) / 2
+
+    def held_for_a_while():
+        if r == held:
+            hold.enter("rt_failures.py:1 in <module>")
+            time.sleep(3 * timeout)
+            hold.leave()
+
+    def by_name(name):
+        return ring.allreduce_async(np.ones(5) * (r + 1), op=ring.Sum, name=name)
+
+    held_for_a_while()
+    start = time.perf_counter()
+    got = ring.allreduce(np.ones(5) * (r + 1), op=ring.Sum, name="after_the_hold")
+    waited = time.perf_counter() - start
+    assert got.tolist() == [total] * 5, got
+    assert r == held or waited > 2 * timeout, f"rank {r} waited only {waited:.1f} s"
+    print(f"HELD {r} allreduce waited {waited:.1f}s", flush=True)
+
+    start = time.perf_counter()
+    if r == held:
+        first = by_name("other")
+        held_for_a_while()
+        got = ring.synchronize(by_name("theirs"))
+        assert ring.synchronize(first).tolist() == [total] * 5
+    else:
+        got = ring.synchronize(by_name("theirs"))
+        waited = time.perf_counter() - start
+        assert ring.synchronize(by_name("other")).tolist() == [total] * 5
+        assert waited > 2 * timeout, f"rank {r} waited only {waited:.1f} s"
+    assert got.tolist() == [total] * 5, got
+    print(f"HELD {r} by name waited {time.perf_counter() - start:.1f}s", flush=True)
+    expect_correct("after the hold")
 else:
     raise SystemExit(f"unknown mode {mode}")
 
