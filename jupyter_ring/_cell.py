@@ -84,7 +84,7 @@ class CellRun:
             # also on error and interrupt: the dashboard and the tabs become static
             if self.dashboard is not None:
                 try:
-                    self.dashboard.finish(self.execution and self.execution.ar)
+                    self.dashboard.finish(self.execution and self.execution.ar, self._outcomes())
                     self._note_steps()
                 except Exception as exc:  # never hide the cell's own outcome
                     print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
@@ -309,6 +309,36 @@ class CellRun:
         if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
             self._steps_noted = now
             self._note_steps()
+
+    def _outcomes(self) -> dict[int, str]:
+        """How the cell ended on each rank where it did not end well, for the frozen dashboard:
+        its row shows that at the rank's last step, never "done" with a full bar."""
+        execution = self.execution
+        if execution is None:
+            return {}
+        try:
+            dead = set(self.cluster.dead_ranks())
+        except Exception:  # the cluster is going away: the ranks' own replies still tell
+            dead = set()
+        pending = set(execution.pending())
+        outcomes = {}
+        for rank in self.ranks:
+            error = execution.error(rank)
+            if rank in dead:
+                outcomes[rank] = "died"
+            elif rank in pending:
+                outcomes[rank] = "no reply"
+            elif error is None:
+                continue
+            elif _ename(error) == "KeyboardInterrupt":
+                outcomes[rank] = "interrupted"
+            elif _ename(error) == "StallError":
+                outcomes[rank] = "stalled"
+            elif _ename(error) == "EngineError":
+                outcomes[rank] = "died"
+            else:
+                outcomes[rank] = "failed"
+        return outcomes
 
     def _note_steps(self):
         state = self.dashboard.state
