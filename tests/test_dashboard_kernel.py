@@ -1,0 +1,86 @@
+"""The dashboard shows what is so (issue 36, item 3), in a real kernel on a real 2-rank cluster:
+cells in a row, as a new user runs them in JupyterLab. One kernel for the whole module."""
+
+import re
+
+import pytest
+
+from real_kernel import ring_kernel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with ring_kernel(2) as k:
+        yield k
+
+
+def dashboards(messages):
+    """The (text/plain, text/html) of every dashboard the cell displayed, as last updated."""
+    shown = {}
+    for m in messages:
+        if m["msg_type"] in ("display_data", "update_display_data"):
+            data = m["content"]["data"]
+            if "jr-dash" in data.get("text/html", ""):
+                key = (m["content"].get("transient") or {}).get("display_id") or len(shown)
+                shown[key] = (data.get("text/plain", ""), data["text/html"])
+    return list(shown.values())
+
+
+def run(kernel, code):
+    messages = []
+    kernel.ok("%%distributed\n" + code, messages=messages, timeout=120)
+    return dashboards(messages)
+
+
+def test_each_cell_shows_its_own_progress_and_torch_distributed_collectives(kernel):
+    # a training cell that overruns its total, then a cell that only steps once (item 1)
+    (text, _), = run(kernel, """
+import time, torch
+import numpy as np
+import jupyter_ring.runtime.torch as hvd
+model = torch.nn.Linear(4, 1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+ring.progress(0, total=30, desc='short')
+for i in range(35):
+    opt.zero_grad()
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    ring.log(loss=loss.item())
+    time.sleep(0.01)
+""")
+    assert "rank 0: step 35/30" in text and "rank 1: step 35/30" in text, text
+    (text, page), = run(kernel, "opt.step()")
+    for rank in (0, 1):
+        line = next(line for line in text.splitlines() if line.startswith(f"rank {rank}:"))
+        assert line.startswith(f"rank {rank}: step 1,"), text    # no total, no label, no loss
+        assert "loss" not in line and "allreduce 1x" in line and "since ring.init()" in line, text
+    assert "short" not in page and "/ 30" not in page and "jr-series" not in page
+
+    # a cell that does not train: a total set, a collective, a print (item 2)
+    assert run(kernel, "ring.progress(0, total=10)\n"
+                       "x = ring.allreduce(np.ones(3), name='x')\nprint(ring.rank())") == []
+
+    # DDP on gloo: its gradient allreduces count; the chart starts at step 1 as above (items 4, 5)
+    (text, page), = run(kernel, """
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group('gloo')
+ddp = DDP(torch.nn.Linear(4, 1))
+ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for xb in ring.track(range(20), desc='DDP'):
+    ddp_opt.zero_grad()
+    l = ddp(torch.ones(8, 4) * (1 + ring.rank())).pow(2).mean()
+    l.backward()
+    ddp_opt.step()
+    ring.log(loss=l.item())
+    time.sleep(0.01)
+""")
+    for rank in (0, 1):
+        line = next(line for line in text.splitlines() if line.startswith(f"rank {rank}:"))
+        assert line.startswith(f"rank {rank}: step 20/20 (100%)") and "allreduce 20x" in line, text
+        assert re.search(r"comm \d+%", line), text
+    firsts = set(re.findall(r'class="jr-series" data-rank="\d" data-points="\d+" data-first="([^"]+)"', page))
+    assert firsts == {"1"}, firsts
