@@ -30,17 +30,18 @@ class Reporter:
 
     def reset(self) -> None:
         """Forget this rank's progress, metrics and stall: a new cell (or a new run) starts."""
-        self.step = 0
-        self.total = None
-        self.desc = None
-        self.metrics = {}
-        self.pending = []       # (step, wall time, metrics) not yet published
+        self.step: int | float = 0
+        self.total: int | float | None = None
+        self.desc: str | None = None
+        self.metrics: dict[str, float | str] = {}
+        # (step, wall time, metrics) not yet published
+        self.pending: list[tuple[int | float, float, dict[str, float | str]]] = []
         self.started = time.time()
         self.last_publish = 0.0
         self.dirty = False
-        self.stall = None
+        self.stall: dict[str, Any] | None = None
         self.stall_unsent = False
-        self.rate_mark = (time.perf_counter(), 0)
+        self.rate_mark: tuple[float, int | float] = (time.perf_counter(), 0)
         self.rate = 0.0
         self.comm_mark = (time.perf_counter(), 0.0)
         self.comm_share = 0.0
@@ -50,7 +51,7 @@ class Reporter:
         self.active = False
         # inside ring.track's loop body: the number (from 1) of the step the body computes, and
         # the completed step it starts from (a point logged there belongs to the step computed)
-        self.in_step = None
+        self.in_step: tuple[int, int] | None = None
         # the trace's totals when the cell started: a snapshot's ``comm`` is the cell's own
         self.comm_base = self._comm_totals()
 

@@ -123,7 +123,7 @@ def _allreduce_hook(state: "weakref.ref[Any]", bucket: Any) -> Any:
     import torch.distributed as dist
 
     model = state()
-    group = getattr(model, "process_group", None) or dist.group.WORLD
+    group: Any = getattr(model, "process_group", None) or dist.group.WORLD
     tensor = bucket.buffer()
     tensor.div_(group.size())
     return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
