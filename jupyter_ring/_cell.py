@@ -82,6 +82,11 @@ class CellRun:
                 raise
         finally:
             # also on error and interrupt: the dashboard and the tabs become static
+            if self.dashboard is None and self.execution is not None and self.magics._dashboard_ready:
+                # snapshots that reported no work would pile up in the client's metadata
+                from .widgets import live
+
+                live.discard_snapshots(self.execution.ar)
             if self.dashboard is not None:
                 try:
                     self.dashboard.finish(self.execution and self.execution.ar, self._outcomes())
@@ -301,7 +306,10 @@ class CellRun:
                 # the client's metadata for the rest of the session
                 live.discard_snapshots(ar)
                 return
-            if not live.has_snapshots(ar):  # copies keys: safe against the IO thread
+            # made once a rank reports work (a step, a metric, a stall): a cell that only sets a
+            # total, or only runs collectives, gets no widgets at all (copies keys: safe
+            # against the IO thread)
+            if not live.has_snapshots(ar, work=True):
                 return
             self.dashboard = live.LiveDashboard(self.ranks)
         self.dashboard.poll(ar)

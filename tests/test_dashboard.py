@@ -604,3 +604,15 @@ def test_the_comm_table_counts_the_cells_collectives_and_gives_the_totals_on_a_s
     assert "communication in this cell" in page
     assert "since ring.init() (or ring.reset_stats()): rank 0: 1630 allreduces" in page
     assert "1630 allreduces since ring.init()" in state.summary()
+
+
+def test_only_snapshots_that_report_work_make_a_cell_a_dashboard():
+    """Item 2: %%distributed makes its LiveDashboard (widgets) once a snapshot reports work."""
+    from jupyter_ring.engines._publish import snapshot_key
+    from jupyter_ring.widgets.live import has_snapshots
+
+    engines = [{snapshot_key(1): snap(0, step=0, total=10, t=1)}, {}]
+    assert has_snapshots(engines) and not has_snapshots(engines, work=True)
+    engines[1][snapshot_key(1)] = snap(1, step=0, t=1, history=[(0, 1.0, {"loss": 1.0})],
+                                       metrics={"loss": 1.0})
+    assert has_snapshots(engines, work=True)

@@ -28,14 +28,21 @@ def dashboards(messages):
     return list(shown.values())
 
 
-def run(kernel, code):
-    messages = []
+def run(kernel, code, messages=None):
+    messages = [] if messages is None else messages
     kernel.ok("%%distributed\n" + code, messages=messages, timeout=120)
     return dashboards(messages)
 
 
+def progress_bars(messages):
+    """How many progress bar widgets (a dashboard's rows) the cell made."""
+    return sum(1 for m in messages if m["msg_type"] == "comm_open"
+               and m["content"].get("data", {}).get("state", {}).get("_model_name") == "FloatProgressModel")
+
+
 def test_each_cell_shows_its_own_progress_and_torch_distributed_collectives(kernel):
     # a training cell that overruns its total, then a cell that only steps once (item 1)
+    first = []
     (text, _), = run(kernel, """
 import time, torch
 import numpy as np
@@ -50,7 +57,8 @@ for i in range(35):
     opt.step()
     ring.log(loss=loss.item())
     time.sleep(0.01)
-""")
+""", first)
+    assert progress_bars(first) == 2, "a bar per rank"
     assert "rank 0: step 35/30" in text and "rank 1: step 35/30" in text, text
     (text, page), = run(kernel, "opt.step()")
     for rank in (0, 1):
@@ -60,8 +68,10 @@ for i in range(35):
     assert "short" not in page and "/ 30" not in page and "jr-series" not in page
 
     # a cell that does not train: a total set, a collective, a print (item 2)
+    messages = []
     assert run(kernel, "ring.progress(0, total=10)\n"
-                       "x = ring.allreduce(np.ones(3), name='x')\nprint(ring.rank())") == []
+                       "x = ring.allreduce(np.ones(3), name='x')\nprint(ring.rank())", messages) == []
+    assert progress_bars(messages) == 0  # not even a widget that is never shown
 
     # DDP on gloo: its gradient allreduces count; the chart starts at step 1 as above (items 4, 5)
     (text, page), = run(kernel, """

@@ -17,9 +17,9 @@ import collections
 import math
 import statistics
 import time
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["DashboardState", "RankState", "downsample", "ENDINGS"]
+__all__ = ["DashboardState", "RankState", "downsample", "ENDINGS", "reports_work"]
 
 # How a cell ended on a rank (``DashboardState.freeze(outcomes=...)``), as its row says it.
 ENDINGS = {"done": "done", "interrupted": "interrupted", "stalled": "stalled", "failed": "failed",
@@ -30,6 +30,14 @@ _MAX_POINTS = 20000
 
 # The chart's y-axis is logarithmic by default when max > _LOG_RATIO * min (all values > 0).
 _LOG_RATIO = 10 ** 1.5
+
+
+def reports_work(snapshot: Mapping[str, Any]) -> bool:
+    """Whether a rank's snapshot reports work: a step (not 0), a logged metric, or a stall. A
+    cell none of whose ranks reports work gets no dashboard (a total alone is no training)."""
+    step = snapshot.get("step")
+    return bool(snapshot.get("history") or snapshot.get("metrics") or snapshot.get("stall")
+                or (isinstance(step, (int, float)) and step != 0))
 
 
 class _Sample(NamedTuple):
@@ -122,10 +130,10 @@ class RankState:
 
     @property
     def reported_work(self) -> bool:
-        """This cell made the rank report work: a step, a logged metric, or a stall."""
-        step = self.step
-        return bool(self.history or self.metrics or self.stall
-                    or (isinstance(step, (int, float)) and step != 0))
+        """This cell made the rank report work: a step, a logged metric, or a stall (see
+        :func:`reports_work`)."""
+        return bool(self.history) or reports_work({"step": self.step, "metrics": self.metrics,
+                                                   "stall": self.stall})
 
     def add_sample(self, snapshot, window, min_span):
         """Take the newest snapshot's time, step and comm time into the window; re-measure.

@@ -22,7 +22,7 @@ of the ranks: snapshots name their rank.
 import time
 
 from ..engines._publish import KEY_PREFIX
-from ._state import DashboardState
+from ._state import DashboardState, reports_work
 from .dashboard import Dashboard
 
 __all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "has_snapshots", "discard_snapshots",
@@ -56,11 +56,17 @@ def take_snapshots(data):
     return out
 
 
-def has_snapshots(ar):
-    """Whether any rank has published a snapshot into ``ar`` not yet taken (safe while ipyparallel's
-    IO thread adds keys: each dict's keys are copied in one step)."""
-    return any(isinstance(key, str) and key.startswith(KEY_PREFIX)
-               for data in _data_dicts(ar) for key in list(data))
+def has_snapshots(ar: object, work: bool = False) -> bool:
+    """Whether any rank has published a snapshot into ``ar`` not yet taken (``work``: one that
+    reports work, see ``_state.reports_work``); safe while ipyparallel's IO thread adds keys:
+    each dict's keys are copied in one step."""
+    for data in _data_dicts(ar):
+        for key in list(data):
+            if isinstance(key, str) and key.startswith(KEY_PREFIX):
+                snapshot = data.get(key)
+                if not work or (isinstance(snapshot, dict) and reports_work(snapshot)):
+                    return True
+    return False
 
 
 def discard_snapshots(ar):
