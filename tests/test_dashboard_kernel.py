@@ -94,3 +94,25 @@ for xb in ring.track(range(20), desc='DDP'):
         assert re.search(r"comm \d+%", line), text
     firsts = set(re.findall(r'class="jr-series" data-rank="\d" data-points="\d+" data-first="([^"]+)"', page))
     assert firsts == {"1"}, firsts
+
+
+def test_an_interrupted_cell_shows_each_rank_interrupted_at_its_real_step(kernel):
+    """Item 3: a rank that stalled or was interrupted showed '0 … done' with a full bar."""
+    messages = []
+    out, error = kernel.execute("""%%distributed
+import time
+import numpy as np
+for i in ring.track(range(1000), desc='train'):
+    if ring.rank() == 1 and i == 7:
+        time.sleep(60)
+    ring.allreduce(np.ones(4), name='g')
+    ring.log(loss=1.0 / (i + 1))
+    time.sleep(0.01)
+""", timeout=60, interrupt_after=4.0, messages=messages)
+    assert error is not None and error["ename"] == "CellInterrupted", (out, error)
+    (text, page), = dashboards(messages)
+    lines = text.splitlines()
+    # rank 1 sleeps inside its 8th step (7 done), rank 0 waits inside that step's allreduce
+    assert lines[0].startswith("rank 0: step 7/1000 (1%), interrupted"), text
+    assert lines[1].startswith("rank 1: step 7/1000 (1%), interrupted"), text
+    assert page.count(">interrupted<") == 2 and "width:100.0%" not in page and ">done<" not in page
