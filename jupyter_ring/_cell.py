@@ -100,9 +100,14 @@ class CellRun:
                 raise
         finally:
             # also on error and interrupt: the dashboard and the tabs become static
+            if self.dashboard is None and self.execution is not None and self.magics._dashboard_ready:
+                # snapshots that reported no work would pile up in the client's metadata
+                from .widgets import live
+
+                live.discard_snapshots(self.execution.ar)
             if self.dashboard is not None:
                 try:
-                    self.dashboard.finish(self.execution and self.execution.ar)
+                    self.dashboard.finish(self.execution and self.execution.ar, self._outcomes())
                     self._note_steps()
                 except Exception as exc:  # never hide the cell's own outcome
                     print(f"(the dashboard could not finish: {exc})", file=sys.stderr)
@@ -401,7 +406,10 @@ class CellRun:
                 # the client's metadata for the rest of the session
                 live.discard_snapshots(ar)
                 return
-            if not live.has_snapshots(ar):  # copies keys: safe against the IO thread
+            # made once a rank reports work (a step, a metric, a stall): a cell that only sets a
+            # total, or only runs collectives, gets no widgets at all (copies keys: safe
+            # against the IO thread)
+            if not live.has_snapshots(ar, work=True):
                 return
             self.dashboard = live.LiveDashboard(self.ranks)
         self.dashboard.poll(ar)
@@ -409,6 +417,36 @@ class CellRun:
         if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
             self._steps_noted = now
             self._note_steps()
+
+    def _outcomes(self) -> dict[int, str]:
+        """How the cell ended on each rank where it did not end well, for the frozen dashboard:
+        its row shows that at the rank's last step, never "done" with a full bar."""
+        execution = self.execution
+        if execution is None:
+            return {}
+        try:
+            dead = set(self.cluster.dead_ranks())
+        except Exception:  # the cluster is going away: the ranks' own replies still tell
+            dead = set()
+        pending = set(execution.pending())
+        outcomes = {}
+        for rank in self.ranks:
+            error = execution.error(rank)
+            if rank in dead:
+                outcomes[rank] = "died"
+            elif rank in pending:
+                outcomes[rank] = "no reply"
+            elif error is None:
+                continue
+            elif _ename(error) == "KeyboardInterrupt":
+                outcomes[rank] = "interrupted"
+            elif _ename(error) == "StallError":
+                outcomes[rank] = "stalled"
+            elif _ename(error) == "EngineError":
+                outcomes[rank] = "died"
+            else:
+                outcomes[rank] = "failed"
+        return outcomes
 
     def _note_steps(self):
         state = self.dashboard.state

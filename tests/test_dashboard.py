@@ -11,15 +11,18 @@ import time
 import pytest
 
 from jupyter_ring.runtime._report import Reporter
-from jupyter_ring.widgets._render import render_chart, render_html
+from jupyter_ring.widgets._render import rank_cells, render_chart, render_html
 from jupyter_ring.widgets._state import DashboardState, downsample, format_seconds
 
 
 def snap(rank, step=0, total=None, rate=0.0, history=(), t=0.0, final=False, stall=None,
-         metrics=None, comm=None, comm_share=0.0):
-    return {"rank": rank, "step": step, "total": total, "desc": None, "rate": rate,
-            "metrics": metrics or {}, "history": list(history), "comm": comm or {},
-            "comm_share": comm_share, "stall": stall, "elapsed": t, "time": t, "final": final}
+         metrics=None, comm=None, comm_share=0.0, comm_total=None):
+    out = {"rank": rank, "step": step, "total": total, "desc": None, "rate": rate,
+           "metrics": metrics or {}, "history": list(history), "comm": comm or {},
+           "comm_share": comm_share, "stall": stall, "elapsed": t, "time": t, "final": final}
+    if comm_total is not None:
+        out["comm_total"] = comm_total
+    return out
 
 
 def run_ranks(state, rates, seconds, start=100.0, hz=5.0, total=None, share=0.0, offsets=None,
@@ -513,3 +516,114 @@ def test_live_chart_keeps_up_with_the_rows_while_it_is_cheap_and_backs_off_when_
     fixed = LiveDashboard(1, display=False, chart_interval=0.5)  # an explicit interval holds
     fixed._chart_cost = 0.0
     assert fixed.current_chart_interval() == 0.5
+
+
+# ------------------------------------------------------------------ issue 36, item 3: what is so
+def test_each_cell_starts_from_nothing_on_the_engines(clock):
+    """Item 1: the publisher's pre_execute starts the reporter's new cell: an opt.step()-only
+    cell after a 350-step run reports step 1, no label, no total, no loss."""
+    from jupyter_ring.engines._publish import Publisher
+
+    sent = []
+    reporter = Reporter()
+    publisher = Publisher(sent.append, reporter)
+    reporter.publisher = publisher
+    publisher.pre_execute()
+    reporter.progress(0, total=300, desc="short")
+    for step in range(1, 351):
+        reporter.log(loss=1.0 / step)
+        reporter.progress(step)
+    publisher.post_execute()
+    publisher.pre_execute()
+    reporter.progress(reporter.step + 1)   # DistributedOptimizer.step()
+    publisher.post_execute()
+    last = next(iter(sent[-1].values()))
+    assert (last["step"], last["total"], last["desc"], last["metrics"]) == (1, None, None, {})
+
+
+def test_no_dashboard_is_shown_until_a_rank_reports_work():
+    """Item 2: a total alone (ring.progress(0, total=N)), or only a final word, is no training."""
+    from jupyter_ring.engines._publish import snapshot_key
+    from jupyter_ring.widgets.live import LiveDashboard
+
+    live = LiveDashboard(2, min_interval=0.0)
+    shown = []
+    live.dashboard.display = lambda: shown.append(True)
+    engine = {snapshot_key(1): snap(0, step=0, total=100, t=1),
+              snapshot_key(2): snap(0, step=0, total=100, t=2, final=True)}
+    live.poll([engine])
+    live.finish([engine])
+    assert not live.shown and not shown and not live.state.reported_work()
+    for work in ({"step": 1}, {"metrics": {"loss": 0.5}, "history": [(0, 1.0, {"loss": 0.5})]},
+                 {"stall": {"what": "barrier", "missing": [1], "waited": 11.0, "rank": 0}}):
+        live = LiveDashboard(2, min_interval=0.0)
+        live.dashboard.display = lambda: shown.append(True)
+        live.poll([{snapshot_key(1): {**snap(0, total=100, t=1), **work}}])
+        assert live.shown, work
+
+
+def _interrupted_state():
+    """Rank 0 finished its 40 steps; rank 1 reported step 17 of 40, rank 2 no total and step 0
+    (it stalled before its first step); the final words of 1 and 2 came after the interrupt."""
+    state = DashboardState(3)
+    state.ingest(0, snap(0, step=40, total=40, t=1, final=True))
+    state.ingest(1, snap(1, step=17, total=40, t=1, final=True))
+    state.ingest(2, snap(2, step=0, t=1, final=True))
+    state.freeze({1: "interrupted", 2: "stalled"})
+    return state
+
+
+def test_an_interrupted_or_stalled_rank_shows_so_at_its_real_step_never_done():
+    """Item 3: such a rank showed '0 … done' with a full bar."""
+    from jupyter_ring.widgets import Dashboard
+
+    state = _interrupted_state()
+    cells = [rank_cells(state, r) for r in range(3)]
+    assert [c["eta"] for c in cells] == ["done", "interrupted", "stalled"]
+    assert [c["step"] for c in cells] == ["40 / 40", "17 / 40", "0"]
+    assert [state.ranks[r].bar_fraction for r in range(3)] == [1.0, 17 / 40, 0.0]
+    page = render_html(state)
+    assert 'width:42.5%' in page and 'width:0.0%' in page and page.count('width:100.0%') == 1
+    assert page.count("jr-rank-row jr-stopped") == 2
+    rows = Dashboard(state=state)._rows.children
+    assert [r.bar.value for r in rows] == [1.0, 17 / 40, 0.0]
+    assert [r.bar.bar_style for r in rows] == ["success", "danger", "danger"]
+    assert "rank 1: step 17/40 (42%), interrupted" in state.summary()
+    with pytest.raises(ValueError, match="interrupted"):
+        DashboardState(1).freeze({0: "crashed"})
+
+
+def test_a_cell_that_ended_well_short_of_its_total_says_ended():
+    state = DashboardState(1)
+    state.ingest(0, snap(0, step=1279, total=3000, t=1, final=True))
+    state.freeze()
+    assert rank_cells(state, 0)["eta"] == "ended"
+
+
+def test_the_comm_table_counts_the_cells_collectives_and_gives_the_totals_on_a_second_line():
+    """Item 6: 1,630 allreduces shown for a 50-step cell (the count since ring.init())."""
+    state = DashboardState(2)
+    for rank in (0, 1):
+        cell = {"allreduce": {"count": 50, "bytes": 50 * 4096, "time_s": 0.5, "busbw": 1e6}}
+        total = {"allreduce": {"count": 1630, "bytes": 1630 * 4096, "time_s": 9.0, "busbw": 1e6}}
+        state.ingest(rank, snap(rank, step=50, t=1, comm=cell, comm_total=total, final=True))
+    state.freeze()
+    page = render_html(state)
+    rows = re.findall(r'<tr class="jr-comm-row" data-rank="(\d)"><td class="jr-l">rank \d</td><td>(\d+)</td>',
+                      page)
+    assert rows == [("0", "50"), ("1", "50")]
+    assert "communication in this cell" in page
+    assert "since ring.init() (or ring.reset_stats()): rank 0: 1630 allreduces" in page
+    assert "1630 allreduces since ring.init()" in state.summary()
+
+
+def test_only_snapshots_that_report_work_make_a_cell_a_dashboard():
+    """Item 2: %%distributed makes its LiveDashboard (widgets) once a snapshot reports work."""
+    from jupyter_ring.engines._publish import snapshot_key
+    from jupyter_ring.widgets.live import has_snapshots
+
+    engines = [{snapshot_key(1): snap(0, step=0, total=10, t=1)}, {}]
+    assert has_snapshots(engines) and not has_snapshots(engines, work=True)
+    engines[1][snapshot_key(1)] = snap(1, step=0, t=1, history=[(0, 1.0, {"loss": 1.0})],
+                                       metrics={"loss": 1.0})
+    assert has_snapshots(engines, work=True)

@@ -40,7 +40,7 @@ def simulate(clock, size=2, steps=600, step_s=0.01, comm_s=lambda i: 0.004, offs
     snapshot as (publish time, rank, seq, snapshot), in publication order."""
     ranks = [Rank(r, size) for r in range(size)]
     clock.now += idle  # the reporters were created at import, minutes before the cell
-    t0 = clock.now
+    t0 = clock.cell_start = clock.now
     published = []
 
     def publish(r, rank):
@@ -69,12 +69,14 @@ def simulate(clock, size=2, steps=600, step_s=0.01, comm_s=lambda i: 0.004, offs
     return published
 
 
-def replay(published, state, delay=0.02, each=None):
-    """Ingest the snapshots as they arrive (``delay`` s after publication); ``each(t)`` after each."""
+def replay(published, state, delay=0.02, each=None, origin=None):
+    """Ingest the snapshots as they arrive (``delay`` s after publication); ``each(t)`` after each,
+    ``t`` in seconds since ``origin`` (default: the first publication)."""
+    origin = published[0][0] if origin is None else origin
     for when, rank, seq, snapshot in published:
         state.ingest(rank, snapshot, seq=seq, received=when + delay)
         if each is not None:
-            each(when + delay - published[0][0])
+            each(when + delay - origin)
 
 
 # ------------------------------------------------------------------------- the first seconds
@@ -91,7 +93,8 @@ def test_first_seconds_of_lockstep_ranks_show_no_false_figure_and_no_straggler(c
         cells = [rank_cells(state, r) for r in (0, 1)]
         seen.append((t, cells, state.stragglers(), render_html(state)))
 
-    replay(published, state, each=look)
+    # times from the cell's start: ring.progress(0, total) alone publishes nothing (no work yet)
+    replay(published, state, each=look, origin=clock.cell_start)
     wrong = []  # every wrong reading, so that a failure shows them all
     for t, cells, stragglers, page in seen:
         if stragglers or "(straggler)" in page:

@@ -12,7 +12,10 @@ builds it, this publisher numbers it and sends it, ``widgets._state.DashboardSta
 Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's reporter.
 """
 
-from typing import TypedDict
+from typing import TYPE_CHECKING, Callable, TypedDict
+
+if TYPE_CHECKING:
+    from ..runtime._report import Reporter
 
 __all__ = ["KEY_PREFIX", "MAX_RATE", "Snapshot", "CommTotals", "Stall", "Publisher",
            "snapshot_key", "install", "uninstall", "enable"]
@@ -21,7 +24,8 @@ KEY_PREFIX = "jupyter_ring/"
 
 
 class CommTotals(TypedDict):
-    """One kind of collective's totals on this rank since ``ring.init()``."""
+    """One kind of collective's totals on this rank: over the cell (``Snapshot.comm``) or since
+    ``ring.init()``/``ring.reset_stats()`` (``Snapshot.comm_total``)."""
 
     count: int
     bytes: int
@@ -50,10 +54,11 @@ class Snapshot(TypedDict):
     metrics: dict[str, float | str]               # latest value of each ring.log() metric
     # points logged since the previous snapshot: (step, wall time, {metric: value})
     history: list[tuple[int | float, float, dict[str, float | str]]]
-    comm: dict[str, CommTotals]                   # by collective ("allreduce", ...)
+    comm: dict[str, CommTotals]                   # this cell's, by collective ("allreduce", ...)
+    comm_total: dict[str, CommTotals]             # since ring.init() or ring.reset_stats()
     comm_share: float                             # fraction of the last ~0.5 s spent in comm
     stall: Stall | None
-    elapsed: float                                # seconds since the reporter was reset
+    elapsed: float                                # seconds since the cell started
     time: float                                   # wall time of the snapshot
     final: bool                                   # the cell ended: the last word for this cell
 
@@ -66,11 +71,13 @@ def snapshot_key(seq):
 class Publisher:
     """The reporter's publisher on one engine: numbers snapshots and sends each under its own key.
 
-    Registered for IPython's ``pre_execute``/``post_execute`` events too: when a cell that
-    reported anything ends, the latest state is published at once, marked ``final``.
+    Registered for IPython's ``pre_execute``/``post_execute`` events too: when a cell starts the
+    reporter forgets the previous cell's steps, total, label, metrics and collectives (each
+    cell's dashboard shows its own); when a cell that reported anything ends, the latest state
+    is published at once, marked ``final``.
     """
 
-    def __init__(self, send, reporter):
+    def __init__(self, send: Callable[[dict[str, Snapshot]], object], reporter: "Reporter") -> None:
         self.send = send            # ipyparallel.datapub.publish_data, or a stand-in in tests
         self.reporter = reporter
         self.seq = 0
@@ -84,8 +91,10 @@ class Publisher:
         self.sent_in_cell = True
         self.send({snapshot_key(self.seq): snapshot})
 
-    def pre_execute(self):
+    def pre_execute(self) -> None:
         self.sent_in_cell = False
+        if self.reporter.publisher is self:
+            self.reporter.new_cell()
 
     def post_execute(self):
         reporter = self.reporter

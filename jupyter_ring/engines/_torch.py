@@ -43,12 +43,14 @@ import socket
 import sys
 import threading
 import time
+from types import ModuleType
 
 __all__ = ["reserve", "start", "repair", "TorchGuard", "ABORT_NOTE"]
 
 log = logging.getLogger(__name__)
 
 _WATCHED = "torch.distributed.distributed_c10d"
+_DDP = "torch.nn.parallel.distributed"  # imported by ``import torch``, after _WATCHED
 # how the guard's note on stderr starts: the notebook re-creates the groups after a cell whose
 # output has it (and only then: a failed cell that touched no torch group costs nothing more)
 ABORT_NOTE = "[jupyter_ring] torch.distributed:"
@@ -135,16 +137,22 @@ class TorchGuard:
         events.register("post_run_cell", self._cell_ends)
         self._thread = threading.Thread(target=self._monitor, name="jupyter_ring-torch-guard", daemon=True)
         self._thread.start()
-        if _WATCHED in sys.modules:
-            self.on_torch_distributed(sys.modules[_WATCHED])
-        else:
-            sys.meta_path.insert(0, _AfterImport(_WATCHED, self.on_torch_distributed))
+        for name, callback in ((_WATCHED, self.on_torch_distributed), (_DDP, self.on_ddp)):
+            if name in sys.modules:
+                callback(sys.modules[name])
+            else:
+                sys.meta_path.insert(0, _AfterImport(name, callback))
 
-    def on_torch_distributed(self, _module):
-        """torch.distributed was imported: record its groups; rank 0 serves the rendezvous store."""
+    def on_torch_distributed(self, module: ModuleType) -> None:
+        """torch.distributed was imported: record its groups, count its collectives for the
+        dashboard; rank 0 serves the rendezvous store."""
         from ..runtime import _process_groups as PG
+        from ..runtime import _torch_comm
 
         PG.install_recording()
+        # torch.distributed may be half-imported (it imports this module first): its own
+        # ``from .distributed_c10d import *`` then copies the counted functions
+        _torch_comm.install_counting(module, sys.modules.get("torch.distributed"))
         if self.listener is not None and self.server is None:
             import datetime
 
@@ -153,6 +161,12 @@ class TorchGuard:
             self.server = TCPStore(self.address, self.listener.getsockname()[1], None, True,
                                    timeout=datetime.timedelta(minutes=30), wait_for_workers=False,
                                    multi_tenant=True, master_listen_fd=self.listener.fileno())
+
+    def on_ddp(self, module: ModuleType) -> None:
+        """DDP was imported: its models count their gradient allreduces (``runtime._torch_comm``)."""
+        from ..runtime import _torch_comm
+
+        _torch_comm.count_ddp(module.DistributedDataParallel)
 
     def _cell_starts(self, _info):
         self._position = None     # the stall clock starts with the cell

@@ -10,8 +10,13 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from ._trace import busbw_factor
 
 __all__ = ["Reporter", "progress", "log", "track", "set_publisher", "flush"]
+
+_T = TypeVar("_T")
 
 
 class Reporter:
@@ -24,29 +29,47 @@ class Reporter:
         self.trace = None       # the runtime's Trace, set by init(): comm figures come from it
         self.reset()
 
-    def reset(self):
-        self.step = 0
-        self.total = None
-        self.desc = None
-        self.metrics = {}
-        self.pending = []       # (step, wall time, metrics) not yet published
+    def reset(self) -> None:
+        """Forget this rank's progress, metrics and stall: a new cell (or a new run) starts."""
+        self.step: int | float = 0
+        self.total: int | float | None = None
+        self.desc: str | None = None
+        self.metrics: dict[str, float | str] = {}
+        # (step, wall time, metrics) not yet published
+        self.pending: list[tuple[int | float, float, dict[str, float | str]]] = []
         self.started = time.time()
         self.last_publish = 0.0
         self.dirty = False
-        self.stall = None
+        self.stall: dict[str, Any] | None = None
         self.stall_unsent = False
-        self.rate_mark = (time.perf_counter(), 0)
+        self.rate_mark: tuple[float, int | float] = (time.perf_counter(), 0)
         self.rate = 0.0
         self.comm_mark = (time.perf_counter(), 0.0)
         self.comm_share = 0.0
+        # work reported since the reset: a step made, a metric logged or a stall. Only then do
+        # snapshots go out while the cell runs (a cell that only sets a total, or only runs
+        # collectives, shows no dashboard)
+        self.active = False
+        # inside ring.track's loop body: the number (from 1) of the step the body computes, and
+        # the completed step it starts from (a point logged there belongs to the step computed)
+        self.in_step: tuple[int, int] | None = None
+        # the trace's totals when the cell started: a snapshot's ``comm`` is the cell's own
+        self.comm_base = self._comm_totals()
+
+    def new_cell(self) -> None:
+        """A cell starts (the notebook engines' publisher calls it): its dashboard shows its own
+        steps, metrics and collectives only, none of an earlier cell's."""
+        self.reset()
 
     # -------------------------------------------------------------- what users call
-    def progress(self, step, total=None, desc=None):
+    def progress(self, step: int | float, total: int | float | None = None, desc: str | None = None) -> None:
         """Set the current step (and optionally the total and a label)."""
         if not isinstance(step, (int, float)) or isinstance(step, bool):
             raise TypeError(f"ring.progress(step=...) takes a number, got {type(step).__name__}")
         if total is not None and (not isinstance(total, (int, float)) or total < 0):
             raise ValueError(f"ring.progress(total=...) must be a non-negative number or None, got {total!r}")
+        if step != 0:  # a step made (0 only sets the total or the label)
+            self.active = True
         self.step = step
         if total is not None:
             self.total = total
@@ -54,8 +77,12 @@ class Reporter:
             self.desc = str(desc)
         self._changed()
 
-    def log(self, step=None, **metrics):
-        """Record numeric metrics (loss=..., accuracy=...) at ``step`` (default: current step)."""
+    def log(self, step: int | float | None = None, **metrics: Any) -> None:
+        """Record numeric metrics (loss=..., accuracy=...) at ``step``.
+
+        By default at the step being computed: inside ``ring.track``'s loop body the iteration's
+        number counted from 1 (whether or not an optimizer counted the step already), elsewhere
+        the steps reported so far."""
         clean = {}
         for key, value in metrics.items():
             try:
@@ -66,8 +93,12 @@ class Reporter:
             clean[key] = number if math.isfinite(number) else repr(number)
         if step is not None:
             self.step = step
+            at = step
+        else:
+            at = self._logged_step()
+        self.active = True
         self.metrics.update(clean)
-        self.pending.append((self.step, time.time(), clean))
+        self.pending.append((at, time.time(), clean))
         # Nobody listening: keep the newest 10,000 points. Listening, pending holds one throttle
         # interval of points; the bound only guards against a publisher that never gets to run.
         limit = 10000 if self.publisher is None else 1000000
@@ -75,22 +106,39 @@ class Reporter:
             del self.pending[:limit // 2]
         self._changed()
 
-    def track(self, iterable, desc=None, total=None):
-        """Yield from ``iterable`` while reporting progress (tqdm-like)."""
+    def _logged_step(self) -> int | float:
+        """The step a point logged now belongs to: in ``track``'s body the step it computes, as
+        long as nothing but an optimizer (one step ahead) reported progress meanwhile."""
+        if self.in_step is not None:
+            computing, start = self.in_step
+            if self.step in (start, computing):
+                return computing
+            self.in_step = None
+        return self.step
+
+    def track(self, iterable: Iterable[_T], desc: str | None = None,
+              total: int | float | None = None) -> Iterator[_T]:
+        """Yield from ``iterable`` while reporting progress (tqdm-like).
+
+        Steps count from 1: the body of the first iteration computes step 1, and a point it logs
+        (``ring.log(loss=...)``) is charted at step 1, wherever in the body it is logged."""
         if total is None:
             try:
-                total = len(iterable)
+                total = len(iterable)  # type: ignore[arg-type]
             except TypeError:
                 total = None
         self.progress(0, total=total, desc=desc)
         for index, item in enumerate(iterable):
+            self.in_step = (index + 1, index)
             yield item
             self.progress(index + 1)
+        self.in_step = None
 
     # -------------------------------------------------------------- publication
-    def _changed(self):
+    def _changed(self) -> None:
         self.dirty = True
-        if self.publisher is not None and time.perf_counter() - self.last_publish >= self.min_interval:
+        if (self.active and self.publisher is not None
+                and time.perf_counter() - self.last_publish >= self.min_interval):
             self.publish()
 
     def publish(self, final=False):
@@ -104,24 +152,50 @@ class Reporter:
         self.dirty = False
         self.publisher(snapshot)
 
-    def flush(self):
-        """Publish whatever changed since the last snapshot, ignoring the throttle."""
-        if self.publisher is not None and (self.dirty or self.pending):
+    def flush(self) -> None:
+        """Publish whatever changed since the last snapshot, ignoring the throttle (once this
+        cell reported work)."""
+        if self.active and self.publisher is not None and (self.dirty or self.pending):
             self.publish()
 
-    def snapshot(self, final=False):
+    def _comm_totals(self) -> dict[str, dict[str, float]]:
+        """The trace's totals per collective kind (count, bytes, time_s), since ``ring.init()``
+        or ``ring.reset_stats()``; {} before ``init``."""
+        trace = getattr(self, "trace", None)
+        if trace is None:
+            return {}
+        return {kind: {"count": t["count"], "bytes": t["bytes"], "time_s": t["time_s"], "busbw": t["busbw"]}
+                for kind, t in trace.stats().items()}
+
+    def _cell_comm(self, totals: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """``totals`` less the cell's starting point: this cell's own collectives. A total below
+        its starting point was reset (``ring.reset_stats()``): counted from the reset on."""
+        size = getattr(self.trace, "size", 1)
+        out = {}
+        for kind, total in totals.items():
+            base = self.comm_base.get(kind)
+            if base is not None and all(total[k] >= base[k] for k in ("count", "bytes", "time_s")):
+                count, nbytes = total["count"] - base["count"], total["bytes"] - base["bytes"]
+                seconds = total["time_s"] - base["time_s"]
+            else:
+                count, nbytes, seconds = total["count"], total["bytes"], total["time_s"]
+            if count <= 0:
+                continue
+            algbw = nbytes / seconds if seconds > 0 else 0.0
+            out[kind] = {"count": count, "bytes": nbytes, "time_s": seconds,
+                         "busbw": algbw * busbw_factor(kind, size)}
+        return out
+
+    def snapshot(self, final: bool = False) -> dict[str, Any]:
         now = time.perf_counter()
         mark_time, mark_step = self.rate_mark
         if now - mark_time >= 0.5 and isinstance(self.step, (int, float)):
             self.rate = (self.step - mark_step) / (now - mark_time)
             self.rate_mark = (now, self.step)
-        comm = {}
+        totals = self._comm_totals()
+        comm = self._cell_comm(totals)
         if self.trace is not None:
-            comm_time = 0.0
-            for kind, total in self.trace.stats().items():
-                comm[kind] = {"count": total["count"], "bytes": total["bytes"], "time_s": total["time_s"],
-                              "busbw": total["busbw"]}
-                comm_time += total["time_s"]
+            comm_time = sum(total["time_s"] for total in totals.values())
             c_mark_time, c_mark_comm = self.comm_mark
             if now - c_mark_time >= 0.5:
                 self.comm_share = max(0.0, min(1.0, (comm_time - c_mark_comm) / (now - c_mark_time)))
@@ -130,11 +204,12 @@ class Reporter:
             "rank": self.rank, "step": self.step, "total": self.total, "desc": self.desc,
             "rate": self.rate, "metrics": dict(self.metrics),
             "history": [(step, wall, values) for step, wall, values in self.pending],
-            "comm": comm, "comm_share": self.comm_share, "stall": self.stall,
+            "comm": comm, "comm_total": totals, "comm_share": self.comm_share, "stall": self.stall,
             "elapsed": time.time() - self.started, "time": time.time(), "final": final,
         }
 
-    def stalled(self, what, missing, waited, held: Sequence[int] = ()) -> None:
+    def stalled(self, what: str | None, missing: Iterable[int], waited: float,
+                held: Sequence[int] = ()) -> None:
         """The runtime tells us who waits on what; published at once for the dashboard's banner.
 
         ``held``: ranks in a debugger, which make the wait no stall (the banner says so).
@@ -144,6 +219,8 @@ class Reporter:
         """
         self.stall = {"what": what, "missing": list(missing), "waited": waited, "rank": self.rank,
                       "held": list(held)} if what else None
+        if what:
+            self.active = True
         if self.publisher is not None:
             if threading.current_thread() is threading.main_thread():
                 self.publish()

@@ -1,6 +1,7 @@
 """Per-collective trace records, aggregate statistics and Chrome-trace export."""
 
 import collections
+import threading
 import time
 
 __all__ = ["Trace", "busbw_factor"]
@@ -25,23 +26,30 @@ class Trace:
         self.size = size
         self.records = collections.deque(maxlen=max(1, int(maxlen)))
         self.totals = {}
+        # records come from the caller's thread, the engine's and, for torch.distributed's
+        # asynchronous collectives, the thread that completes them (runtime._torch_comm)
+        self._lock = threading.Lock()
         # perf_counter() is monotonic but has no epoch: keep one anchor to place records in time.
         self.anchor = time.time() - time.perf_counter()
 
-    def record(self, kind, name, nbytes, start, end, phases):
-        """Store one finished collective; ``phases`` maps phase name to (start, end)."""
-        self.records.append((kind, name, nbytes, start, end, phases))
-        total = self.totals.get(kind)
-        if total is None:
-            total = self.totals[kind] = [0, 0, 0.0]
-        total[0] += 1
-        total[1] += nbytes
-        total[2] += end - start
+    def record(self, kind: str, name: str, nbytes: int, start: float, end: float,
+               phases: dict[str, tuple[float, float]]) -> None:
+        """Store one finished collective; ``phases`` maps phase name to (start, end). Any thread."""
+        with self._lock:
+            self.records.append((kind, name, nbytes, start, end, phases))
+            total = self.totals.get(kind)
+            if total is None:
+                total = self.totals[kind] = [0, 0, 0.0]
+            total[0] += 1
+            total[1] += nbytes
+            total[2] += end - start
 
-    def stats(self):
+    def stats(self) -> dict[str, dict[str, float]]:
         """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions)."""
         out = {}
-        for kind, (count, nbytes, seconds) in sorted(self.totals.items()):
+        with self._lock:
+            totals = sorted((kind, tuple(total)) for kind, total in self.totals.items())
+        for kind, (count, nbytes, seconds) in totals:
             algbw = nbytes / seconds if seconds > 0 else 0.0
             out[kind] = {
                 "count": count,
@@ -63,9 +71,10 @@ class Trace:
                 for kind, name, nbytes, start, end, phases in list(self.records)
                 if now - end <= seconds]
 
-    def reset(self):
-        self.records.clear()
-        self.totals.clear()
+    def reset(self) -> None:
+        with self._lock:
+            self.records.clear()
+            self.totals.clear()
 
     def chrome_events(self):
         """This rank's records as Chrome-trace events (pid = rank, one track per rank)."""

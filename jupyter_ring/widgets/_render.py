@@ -9,10 +9,11 @@ import math
 import uuid
 from typing import NamedTuple
 
-from ._state import choose_scale, format_bytes, format_rate, format_seconds, format_value
+from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
+                     format_value)
 
 __all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_possible", "ChartData",
-           "render_comm", "render_banner", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
+           "render_comm", "render_comm_totals", "render_banner", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
            "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
@@ -30,6 +31,7 @@ STYLE = """<style>
 .jr-bar>div{height:100%;background:#4e79a7;border-radius:2px}
 .jr-straggler td{background:rgba(242,142,43,.18)}
 .jr-straggler .jr-bar>div{background:#f28e2b}
+.jr-stopped .jr-bar>div{background:#e15759}
 .jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
 .jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
 .jr-chart .jr-grid{stroke:var(--jp-border-color2,#e0e0e0);stroke-width:0.5}
@@ -58,8 +60,12 @@ def color(rank):
     return COLORS[rank % len(COLORS)]
 
 
-def rank_cells(state, rank):
-    """The text of one rank's row: step, percent, rate, ETA, metrics, comm share."""
+def rank_cells(state: DashboardState, rank: int) -> dict[str, str]:
+    """The text of one rank's row: step, percent, rate, ETA (or how it ended), metrics, comm share.
+
+    A frozen row says how the cell ended on the rank: "done" (the total reached, or no total),
+    "ended" (it ended well short of its total), else "interrupted", "stalled", "failed", "died"
+    or "no reply", next to the step the rank last reported."""
     s = state.ranks[rank]
     if not s.seen:
         return {"step": "waiting for the first report", "pct": "", "rate": "", "eta": "",
@@ -67,8 +73,10 @@ def rank_cells(state, rank):
     total = f" / {s.total:g}" if isinstance(s.total, (int, float)) else ""
     step = f"{s.step:g}" if isinstance(s.step, (int, float)) else str(s.step)
     pct = f"{100 * s.fraction:.0f} %" if s.fraction is not None else ""
-    if s.done:
-        eta = "done" if s.fraction in (None, 1.0) else "stopped"
+    if s.stopped:
+        eta = ENDINGS[s.ended]
+    elif s.done:
+        eta = "done" if s.fraction in (None, 1.0) else "ended"
     else:
         eta = f"ETA {format_seconds(s.eta)}" if s.eta is not None else ""
     metrics = "  ".join(f"{k} {format_value(v)}" for k, v in sorted(s.metrics.items()))
@@ -289,10 +297,11 @@ def _x_axis(x0, x1, sx, left, pw, base):
     return out
 
 
-def render_comm(state):
-    """A table per rank of allreduce count, bytes, time, busbw and the share of wall-clock time
-    spent in collectives (over the state's window; the whole cell's once frozen), with a caption
-    that says what that share measures."""
+def render_comm(state: DashboardState) -> str:
+    """A table per rank of this cell's allreduce count, bytes, time, busbw and the share of
+    wall-clock time spent in collectives (over the state's window; the whole cell's once
+    frozen), with a caption that says what that share measures, and a second line with the
+    totals since ``ring.init()`` where earlier cells ran collectives too."""
     rows = []
     kinds = sorted({k for s in state.ranks.values() for k in s.comm} - {"allreduce"})
     for rank, s in state.ranks.items():
@@ -309,10 +318,28 @@ def render_comm(state):
     if not rows:
         return ""
     caption = _e(f"{COMM_CAPTION}, {_share_period(state)}.")
-    return ('<table class="jr-comm"><tr><th class="jr-l">communication</th><th>allreduces</th>'
-            f'<th>bytes</th><th>time</th><th>busbw</th><th title="{caption}">time in collectives</th>'
+    return ('<table class="jr-comm"><tr><th class="jr-l">communication in this cell</th>'
+            '<th>allreduces</th><th>bytes</th><th>time</th><th>busbw</th>'
+            f'<th title="{caption}">time in collectives</th>'
             '<th class="jr-l">other collectives</th></tr>' + "".join(rows) + "</table>"
-            f'<div class="jr-caption">{caption}</div>')
+            f'<div class="jr-caption">{caption}</div>{render_comm_totals(state)}')
+
+
+def render_comm_totals(state: DashboardState) -> str:
+    """One line with each rank's allreduces since ``ring.init()`` (or ``ring.reset_stats()``),
+    where they are more than the cell's own; '' otherwise."""
+    parts = []
+    for rank, s in state.ranks.items():
+        if not s.seen:
+            continue
+        total, cell = state.comm_totals(rank, since_init=True), state.comm_totals(rank)
+        if total["count"] > cell["count"]:
+            parts.append(f'rank {rank}: {total["count"]} allreduces, {format_bytes(total["bytes"])}, '
+                         f'{total["time_s"]:.3f} s')
+    if not parts:
+        return ""
+    return ('<div class="jr-caption jr-comm-totals">since ring.init() (or ring.reset_stats()): '
+            + _e("; ".join(parts)) + "</div>")
 
 
 def _share_period(state):
@@ -328,8 +355,10 @@ def render_rows(state):
     rows = []
     for rank, s in state.ranks.items():
         cells = rank_cells(state, rank)
-        frac = s.fraction if s.fraction is not None else (1.0 if s.done else 0.0)
+        frac = s.bar_fraction
         cls = "jr-rank-row jr-straggler" if rank in stragglers else "jr-rank-row"
+        if s.stopped:
+            cls += " jr-stopped"
         note = " (straggler)" if rank in stragglers else ""
         rows.append(f'<tr class="{cls}" data-rank="{rank}"><td class="jr-l">'
                     f'<span style="color:{color(rank)}">&#9632;</span> rank {rank}{note}</td>'

@@ -17,15 +17,27 @@ import collections
 import math
 import statistics
 import time
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
-__all__ = ["DashboardState", "RankState", "downsample"]
+__all__ = ["DashboardState", "RankState", "downsample", "ENDINGS", "reports_work"]
+
+# How a cell ended on a rank (``DashboardState.freeze(outcomes=...)``), as its row says it.
+ENDINGS = {"done": "done", "interrupted": "interrupted", "stalled": "stalled", "failed": "failed",
+           "died": "died", "no reply": "no reply"}
 
 # Points kept per rank and metric before the oldest half is thinned to every other point.
 _MAX_POINTS = 20000
 
 # The chart's y-axis is logarithmic by default when max > _LOG_RATIO * min (all values > 0).
 _LOG_RATIO = 10 ** 1.5
+
+
+def reports_work(snapshot: Mapping[str, Any]) -> bool:
+    """Whether a rank's snapshot reports work: a step (not 0), a logged metric, or a stall. A
+    cell none of whose ranks reports work gets no dashboard (a total alone is no training)."""
+    step = snapshot.get("step")
+    return bool(snapshot.get("history") or snapshot.get("metrics") or snapshot.get("stall")
+                or (isinstance(step, (int, float)) and step != 0))
 
 
 class _Sample(NamedTuple):
@@ -50,7 +62,9 @@ class RankState:
         self.desc = None
         self.rate = None           # steps/s over the window (None: not measured yet)
         self.metrics = {}
-        self.comm = {}
+        self.comm = {}             # the cell's collectives, by kind
+        self.comm_total = {}       # since ring.init() or ring.reset_stats(), by kind
+        self.ended = None          # once frozen: how the cell ended on this rank (ENDINGS)
         self.comm_share = None     # share of wall time in collectives over the window (None: idem)
         self.slow_since = None     # local time since which the rate stayed below the stragglers' bar
         self.samples = collections.deque()  # _Sample of the snapshots in the window (+1 before it)
@@ -87,9 +101,39 @@ class RankState:
         return left / self.rate
 
     @property
-    def done(self):
-        """Finished: the cell ended on this rank, or the step reached the total."""
-        return self.final or (self.total is not None and self.total > 0 and self.step >= self.total)
+    def done(self) -> bool:
+        """Finished: the cell ended well on this rank, or the step reached the total (a rank
+        the cell's end found interrupted, stalled or failed is not done)."""
+        if self.ended is not None:
+            return self.ended == "done"
+        return self.final or self.reached_total
+
+    @property
+    def reached_total(self) -> bool:
+        """The step reached a (positive) total."""
+        return (isinstance(self.total, (int, float)) and self.total > 0
+                and isinstance(self.step, (int, float)) and self.step >= self.total)
+
+    @property
+    def stopped(self) -> bool:
+        """The cell ended on this rank without it finishing well: interrupted, stalled, failed,
+        dead, or no reply."""
+        return self.ended is not None and self.ended != "done"
+
+    @property
+    def bar_fraction(self) -> float:
+        """How full the progress bar is: the step's share of the total; without a total, full
+        when done and empty otherwise (a stopped rank never shows a full bar it did not earn)."""
+        if self.fraction is not None:
+            return self.fraction
+        return 1.0 if self.done else 0.0
+
+    @property
+    def reported_work(self) -> bool:
+        """This cell made the rank report work: a step, a logged metric, or a stall (see
+        :func:`reports_work`)."""
+        return bool(self.history) or reports_work({"step": self.step, "metrics": self.metrics,
+                                                   "stall": self.stall})
 
     def add_sample(self, snapshot, window, min_span):
         """Take the newest snapshot's time, step and comm time into the window; re-measure.
@@ -363,6 +407,8 @@ class DashboardState:
             state.desc = snapshot.get("desc", state.desc)
             state.metrics = dict(snapshot.get("metrics") or {})
             state.comm = dict(snapshot.get("comm") or {})
+            # engines before per-cell counts sent only the totals, as "comm"
+            state.comm_total = dict(snapshot.get("comm_total") or state.comm)
             state.stall = snapshot.get("stall")
             state.elapsed = float(snapshot.get("elapsed") or 0.0)
             state.final = bool(snapshot.get("final"))
@@ -376,10 +422,19 @@ class DashboardState:
         self.version += 1
         return added
 
-    def freeze(self):
+    def freeze(self, outcomes: dict[int, str] | None = None) -> None:
         """No more snapshots: the state is final (a stall still shown is over, and the rates and
-        comm shares become the whole cell's)."""
-        for state in self.ranks.values():
+        comm shares become the whole cell's).
+
+        ``outcomes`` {rank: how the cell ended there} (keys of ``ENDINGS``: "interrupted",
+        "stalled", "failed", "died", "no reply"); a rank not named ended well ("done")."""
+        outcomes = outcomes or {}
+        for rank, ending in outcomes.items():
+            if ending not in ENDINGS:
+                raise ValueError(f"a cell ends on a rank as one of {sorted(ENDINGS)}, got {ending!r} "
+                                 f"for rank {rank}")
+        for rank, state in self.ranks.items():
+            state.ended = outcomes.get(rank, "done")
             state.stall = None
             state.slow_since = None
             state.measure_whole(self.min_span)
@@ -400,6 +455,11 @@ class DashboardState:
                 state.slow_since = self.now
 
     # ------------------------------------------------------------------------------ queries
+    def reported_work(self) -> bool:
+        """Some rank reported work in this cell (a step, a metric, a stall): the rule for showing
+        a dashboard at all."""
+        return any(state.seen and state.reported_work for state in self.ranks.values())
+
     def chart_metric(self):
         """The metric the chart shows: the chosen one, else 'loss', else the first logged."""
         if self.metric:
@@ -481,13 +541,15 @@ class DashboardState:
                 out[rank] = downsample(state.chart_points(metric), max_points)
         return out
 
-    def comm_totals(self, rank, kind="allreduce"):
-        """The rank's totals for one collective kind: count, bytes, time_s, busbw (zeros if none)."""
-        entry = self.ranks[rank].comm.get(kind) or {}
+    def comm_totals(self, rank: int, kind: str = "allreduce", since_init: bool = False) -> dict[str, float]:
+        """The rank's figures for one collective kind in this cell (``since_init``: since
+        ``ring.init()`` or ``ring.reset_stats()``): count, bytes, time_s, busbw (zeros if none)."""
+        state = self.ranks[rank]
+        entry = (state.comm_total if since_init else state.comm).get(kind) or {}
         return {"count": int(entry.get("count", 0)), "bytes": int(entry.get("bytes", 0)),
                 "time_s": float(entry.get("time_s", 0.0)), "busbw": float(entry.get("busbw", 0.0))}
 
-    def summary(self):
+    def summary(self) -> str:
         """A plain-text summary: one line per rank, the stall banner, stragglers."""
         lines = []
         stragglers = set(self.stragglers())
@@ -499,16 +561,21 @@ class DashboardState:
             total = f"/{_num(s.total)}" if s.total is not None else ""
             pct = f" ({100 * s.fraction:.0f}%)" if s.fraction is not None else ""
             parts = [f"rank {rank}: step {_num(s.step)}{total}{pct}"]
+            if s.stopped:
+                parts.append(ENDINGS[s.ended])
             if s.rate is not None:
                 parts.append(f"{format_rate(s.rate)} it/s")
-            if s.eta is not None and not s.done:
+            if s.eta is not None and not s.done and s.ended is None:
                 parts.append(f"ETA {format_seconds(s.eta)}")
             if metric in s.metrics:
                 parts.append(f"{metric} {format_value(s.metrics[metric])}")
             ar = self.comm_totals(rank)
+            since_init = self.comm_totals(rank, since_init=True)["count"]
             if ar["count"]:
                 parts.append(f"allreduce {ar['count']}x {format_bytes(ar['bytes'])} "
                              f"{ar['time_s']:.2f} s {format_bytes(ar['busbw'])}/s")
+            if since_init > ar["count"]:
+                parts.append(f"{since_init} allreduces since ring.init()")
             if s.comm_share is not None:
                 parts.append(f"comm {100 * s.comm_share:.0f}%")
             line = ", ".join(parts)

@@ -40,15 +40,16 @@ class _RankRow(widgets.HBox):
         self.add_class("jr-rank-row")
         self.straggler = False
 
-    def update(self, state, straggler):
+    def update(self, state: DashboardState, straggler: bool) -> None:
         s = state.ranks[self.rank]
         cells = rank_cells(state, self.rank)
-        frac = s.fraction if s.fraction is not None else (1.0 if s.done else 0.0)
-        if s.fraction is None and not s.done:
+        if s.stopped:
+            self.bar.bar_style = "danger"   # interrupted, stalled, failed: at its real step
+        elif s.fraction is None and not s.done:
             self.bar.bar_style = "info"
         else:
             self.bar.bar_style = "success" if s.done else ("warning" if straggler else "")
-        self.bar.value = frac
+        self.bar.value = s.bar_fraction
         note = ' <b style="color:#f28e2b">straggler</b>' if straggler else ""
         self.label.value = (f'<span style="color:{color(self.rank)}">&#9632;</span> '
                             f'rank {self.rank}{note}')
@@ -159,9 +160,11 @@ class Dashboard(widgets.VBox):
         self._handle = display(self, display_id=True)
         return self._handle
 
-    def freeze(self):
-        """Final state: no more snapshots; a displayed dashboard becomes its static HTML."""
-        self.state.freeze()
+    def freeze(self, outcomes: dict[int, str] | None = None) -> None:
+        """Final state: no more snapshots; a displayed dashboard becomes its static HTML.
+        ``outcomes``: how the cell ended on ranks where it did not end well (see
+        ``DashboardState.freeze``)."""
+        self.state.freeze(outcomes)
         self.refresh()
         if self._handle is not None:
             self._handle.update(self._static_bundle(), raw=True)

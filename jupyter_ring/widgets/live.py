@@ -13,13 +13,16 @@ Wiring into a front end (what ``%ring start`` and ``%%distributed`` do)::
     ar.wait_for_output(2.0)
     live.finish(ar)                                  # last snapshots, then static final HTML
 
-A cell that reports nothing (no ``ring.progress``/``log``/``track``, no optimizer steps) shows
-no dashboard. ``ar`` may cover any subset of the ranks: snapshots name their rank.
+A dashboard shows once a rank reports work in the cell: a step (``ring.progress(n)`` with
+n != 0, a ``ring.track`` iteration, an optimizer step), a metric (``ring.log``) or a stall. A
+cell that only sets a total, runs collectives or prints shows none. ``ar`` may cover any subset
+of the ranks: snapshots name their rank.
 """
 
 import time
 
 from ..engines._publish import KEY_PREFIX
+from ._state import DashboardState, reports_work
 from .dashboard import Dashboard
 
 __all__ = ["ENGINE_SETUP", "LiveDashboard", "take_snapshots", "has_snapshots", "discard_snapshots",
@@ -53,11 +56,17 @@ def take_snapshots(data):
     return out
 
 
-def has_snapshots(ar):
-    """Whether any rank has published a snapshot into ``ar`` not yet taken (safe while ipyparallel's
-    IO thread adds keys: each dict's keys are copied in one step)."""
-    return any(isinstance(key, str) and key.startswith(KEY_PREFIX)
-               for data in _data_dicts(ar) for key in list(data))
+def has_snapshots(ar: object, work: bool = False) -> bool:
+    """Whether any rank has published a snapshot into ``ar`` not yet taken (``work``: one that
+    reports work, see ``_state.reports_work``); safe while ipyparallel's IO thread adds keys:
+    each dict's keys are copied in one step."""
+    for data in _data_dicts(ar):
+        for key in list(data):
+            if isinstance(key, str) and key.startswith(KEY_PREFIX):
+                snapshot = data.get(key)
+                if not work or (isinstance(snapshot, dict) and reports_work(snapshot)):
+                    return True
+    return False
 
 
 def discard_snapshots(ar):
@@ -127,7 +136,7 @@ class LiveDashboard:
             self._draw(now)
         return n
 
-    def _draw(self, now, final=False):
+    def _draw(self, now: float, final: bool = False) -> None:
         self._stale = False
         self._last_draw = now
         chart = final or now - self._last_chart >= self.current_chart_interval()
@@ -138,7 +147,7 @@ class LiveDashboard:
             self._chart_cost = _cpu_time() - cpu
         else:
             self.dashboard.refresh(chart=False)
-        if self.display and not self.shown:
+        if self.display and not self.shown and self.state.reported_work():
             self.shown = True
             self.dashboard.display()
 
@@ -151,8 +160,11 @@ class LiveDashboard:
         return min(self.CHART_MAX_INTERVAL,
                    max(self.min_interval, self._chart_cost / self.CHART_CPU_SHARE))
 
-    def finish(self, ar=None):
-        """Read the last snapshots, then freeze: the output becomes the final static HTML."""
+    def finish(self, ar: object = None, outcomes: dict[int, str] | None = None) -> "DashboardState":
+        """Read the last snapshots, then freeze: the output becomes the final static HTML.
+
+        ``outcomes`` {rank: "interrupted" | "stalled" | "failed" | "died" | "no reply"}: ranks
+        where the cell did not end well, shown so at their last step (the others are "done")."""
         if ar is not None:
             done = getattr(ar, "done", None)
             if done is not None and done() and hasattr(ar, "wait_for_output"):
@@ -162,7 +174,7 @@ class LiveDashboard:
                     pass
             self.poll(ar, force=True)
         self._draw(time.monotonic(), final=True)
-        self.dashboard.freeze()
+        self.dashboard.freeze(outcomes)
         return self.state
 
     def to_html(self):
