@@ -75,7 +75,8 @@ def test_stall_is_published_at_once_and_cleared():
     reporter, sent = make(rate=0.001)
     reporter.progress(1)
     reporter.stalled("allreduce 'w.grad'", [2], 10.0)
-    assert sent[-1]["stall"] == {"what": "allreduce 'w.grad'", "missing": [2], "waited": 10.0, "rank": 0}
+    assert sent[-1]["stall"] == {"what": "allreduce 'w.grad'", "missing": [2], "waited": 10.0, "rank": 0,
+                                 "held": []}
     reporter.stalled(None, (), 0.0)
     assert sent[-1]["stall"] is None
 

@@ -232,8 +232,9 @@ def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
             browser.close()
     live = [s for s in samples if len(s["rows"]) == 2]
     assert len(live) >= 20, f"only {len(live)} samples of the live dashboard"
+    # a cell shows its dashboard once a rank reports work (docs/dashboard.md): the setup, before
+    # the first step, may show none; where it shows one, it has no figure yet
     setup = [s for s in live if all("train: 0 / 400" in row for row in s["rows"])]
-    assert setup, "the dashboard was not seen during the setup (before the first step)"
     wrong = []
     for s in live:
         text = " | ".join(s["rows"])
@@ -245,9 +246,9 @@ def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
         if re.search(r"it/s|ETA", " ".join(s["rows"])) or set(s["shares"]) - {"–"}:
             wrong.append(("a figure before the first step", s["rows"], s["shares"]))
     assert not wrong, wrong[:5]
-    # moving: after the setup was seen (a sample taken before the first progress() reached the
-    # page, with no row text yet, is neither)
-    moving = [s["t"] for s in live if s["t"] > setup[0]["t"] and s not in setup]
+    # moving: after the setup (a sample taken before the first progress() reached the page, with
+    # no row text yet, is neither)
+    moving = [s["t"] for s in live if s not in setup and any(s["rows"])]
     later = [s for s in live if moving and s["t"] - moving[0] > 2500]
     assert later and all(all("it/s" in row for row in s["rows"]) for s in later), later[:2]
     assert all(re.fullmatch(r"\d+ %", share) for s in later for share in s["shares"]), later[-1]
