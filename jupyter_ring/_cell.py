@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
-                     trim_traceback)
+                     trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
     from .cluster._ring import RingCluster
@@ -188,6 +188,7 @@ class CellRun:
         except KeyboardInterrupt:
             unstopped = self._interrupt_all()
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
+            self._show_interrupted(errors)
             raise CellInterrupted("you", errors, unstopped) from None
         self._note_lost()
         self._wait_for_output()
@@ -454,6 +455,19 @@ class CellRun:
                                    for r, s in state.ranks.items() if s.seen})
 
     # ----------------------------------------------------------------------------- errors
+    def _show_interrupted(self, errors: dict[int, BaseException | None]) -> None:
+        """Each interrupted rank's tab says where the rank stopped, and the tab selected is a rank
+        that was running its own code (the one the others waited for), not merely the first one
+        whose interrupt came back: after an interrupt, "rank 0 ✗" with "(no output)" explained
+        nothing while rank 1 sat in time.sleep."""
+        places = {r: where_stopped(e) for r, e in sorted(errors.items()) if e is not None}
+        for r, place in places.items():
+            self.sink.error(r, errors[r], "", lines=[f"KeyboardInterrupt: stopped {place}"])
+            self.sink.fail(r)
+        explains = [r for r, place in places.items() if place.startswith("at line")]
+        if explains or places:
+            self.sink.select((explains or list(places))[0])
+
     def _raise_errors(self):
         execution = self.execution
         failures = [(rank, execution.finished_at(rank), execution.error(rank))
@@ -475,8 +489,10 @@ class CellRun:
         if not dead and not self.interrupted and all(
                 _ename(e) == "KeyboardInterrupt" for _, _, e in failures):
             # every failed rank was interrupted, and not by this kernel: the Ring panel's Interrupt
+            errors = {r: execution.error(r) for r in self.ranks}
+            self._show_interrupted(errors)
             raise CellInterrupted("the Ring panel's Interrupt (a SIGINT from outside the notebook)",
-                                  {r: execution.error(r) for r in self.ranks})
+                                  errors)
 
         def order(item):
             rank, completed, exc = item

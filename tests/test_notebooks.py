@@ -110,8 +110,9 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
     kernel.ok("%%distributed\nimport numpy as np, time\nkept = ring.rank() + 1")
     t0 = time.monotonic()
     # rank 0 waits in the barrier for rank 1, which sleeps: only the interrupt ends this
+    messages = []
     out, error = kernel.execute("%%distributed\nif ring.rank() == 1:\n    time.sleep(60)\n"
-                                "ring.barrier()", timeout=30, interrupt_after=2.0)
+                                "ring.barrier()", timeout=30, interrupt_after=2.0, messages=messages)
     assert error is not None and error["ename"] == "CellInterrupted", (out, error)
     assert time.monotonic() - t0 < 10
     # the user's interrupt says so, and where every rank was; no rank is blamed (issue 21, 4)
@@ -119,6 +120,13 @@ def test_interrupt_in_kernel_during_collective_keeps_state(kernel):
     assert error["traceback"] == [
         "KeyboardInterrupt: interrupted by you; every rank stopped: rank 0 in barrier, line 4: "
         "ring.barrier(), rank 1 at line 3: time.sleep(60)"], error["traceback"]
+    # the tab selected is the rank the others waited for, and each tab says where its rank
+    # stopped (issue 36: "rank 0 ✗" with "(no output)" was selected)
+    data, meta = _final_bundle(messages)
+    assert meta["jupyter_ring"]["selected"] == 1, meta
+    tabs = tab_texts(data["text/html"], [0, 1])
+    assert "KeyboardInterrupt: stopped at line 3: time.sleep(60)" in tabs[2], tabs
+    assert "KeyboardInterrupt: stopped in barrier, line 4: ring.barrier()" in tabs[1], tabs
     out = kernel.ok("%%distributed\nprint('total', ring.allreduce(np.array([kept]), op=ring.Sum, "
                     "name='kept')[0])")
     assert sorted(out.splitlines()) == ["[rank 0] total 3", "[rank 1] total 3"]
