@@ -77,6 +77,10 @@ def test_where_from_a_second_client_while_a_cell_is_stuck(kernel):
     assert waiting["state"] == "waiting" and waiting["kind"] == "allreduce", result["text"]
     assert waiting["name"] == "grads" and waiting["waiting_for"] == [1], result["text"]
     assert "waiting for rank(s) 1" in result["text"] and "stuck_in_native_code" in result["text"]
+    # a cell's frames show their source line, as the docs' example does (issue 36, item 5): the
+    # rank keeps its recent cells' sources where Where? reads them
+    assert main["frames"][0]["source"] == "ctypes.PyDLL(None).sleep(seconds)", main["frames"]
+    assert "      stuck_in_native_code(6)" in result["text"], result["text"]
     assert took < 10, took
     # the cell then finishes normally: the allreduce is exact on both ranks
     out = kernel.ok("%%distributed\nprint(total.tolist())")

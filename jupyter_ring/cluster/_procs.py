@@ -137,8 +137,11 @@ def cluster_file_patterns(profile_dir: str, cluster_id: str, sidecar: bool = Tru
     patterns = [os.path.join(security, f"cluster-{cid}.json"),
                 os.path.join(security, f"ipcontroller-{cid}-*.json"),
                 os.path.join(glob.escape(profile_dir), "log", f"*{cid}*"),
+                # the ranks' files, then their folders of recent cells' sources (emptied first),
+                # then the where folder itself, each emptied by the lines above it
+                os.path.join(security, f"jupyter_ring-{cid}-where", "*.cells", "*"),
                 os.path.join(security, f"jupyter_ring-{cid}-where", "*"),
-                os.path.join(security, f"jupyter_ring-{cid}-where")]  # emptied by the line above
+                os.path.join(security, f"jupyter_ring-{cid}-where")]
     if sidecar:
         patterns.append(os.path.join(security, f"jupyter_ring-{cid}.json"))
     return patterns

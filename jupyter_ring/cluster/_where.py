@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 from ..engines._setup import RankRow
 from ..runtime._debugger import read_held
-from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, doing_path, parse_stacks,
-                              read_doing, stack_path)
+from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path,
+                              doing_path, parse_stacks, read_doing, stack_path)
 from ._sidecar import SidecarRank
 
 __all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json"]
@@ -55,6 +55,17 @@ class RankWhere(NamedTuple):
     problem: str        # "" when the stacks were read
     seconds: float      # from the signal to the dump read
     debugger: str = ""  # where it is stopped, while the rank is held in a debugger (issue 35)
+    cells: str = ""     # the folder of the rank's recent cells' sources (runtime._where.cells_path)
+
+    def source(self, frame: Frame) -> str:
+        """The frame's source line: from the file where this host can read it, else (a cell's
+        frame) from the rank's record of its recent cells; "" when neither has it."""
+        if not frame.line:
+            return ""
+        line = linecache.getline(frame.file, frame.line)
+        if not line and self.cells:
+            line = linecache.getline(os.path.join(self.cells, cell_source_name(frame.file)), frame.line)
+        return line.strip()
 
 
 def where_dir(profile_dir: str, cluster_id: str) -> str:
@@ -129,7 +140,7 @@ def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
                 text = fh.read().decode("utf-8", "replace")
             threads = _main_first(parse_stacks(text), doing)
         out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
-                             done.get(r, 0.0), held[r]))
+                             done.get(r, 0.0), held[r], cells_path(directory, r)))
     return out
 
 
@@ -200,7 +211,7 @@ def format_where(items: Iterable[RankWhere], all_threads: bool = False,
                              "shows them)")
             for frame in frames:
                 lines.append(f'    File "{frame.file}", line {frame.line}, in {frame.function}')
-                source = linecache.getline(frame.file, frame.line).strip() if frame.line else ""
+                source = item.source(frame)
                 if source:
                     lines.append(f"      {source}")
             if hidden:
@@ -223,8 +234,7 @@ def where_json(items: Iterable[RankWhere], now: float | None = None) -> list[dic
             threads.append({"thread": f"0x{thread.thread:x}", "main": main, "hidden": hidden,
                             "hidden_inside": own,
                             "frames": [{"file": f.file, "line": f.line, "function": f.function,
-                                        "source": linecache.getline(f.file, f.line).strip()
-                                        if f.line else ""} for f in frames]})
+                                        "source": item.source(f)} for f in frames]})
         doing = item.doing
         out.append({"rank": item.rank, "host": item.host, "pid": item.pid,
                     "state": doing.state if doing else "unknown",

@@ -244,8 +244,47 @@ def arm_where(directory, rank):
 
     try:
         _where.arm(directory, rank)
+        _keep_cell_sources(_where.cells_path(directory, rank))
     except OSError:
         pass
+
+
+_KEPT_CELLS = 64  # the sources of this many recent cells stay readable by Where?
+
+
+def _keep_cell_sources(folder: str) -> None:
+    """Write each cell's source where ``%ring where`` (another process) reads it: the stacks
+    name a cell by the file IPython compiled it as, which is in this rank's memory only
+    (linecache), so Where? showed no source line under a cell's frames. One small file per cell,
+    the latest ``_KEPT_CELLS`` kept; the folder goes with the cluster's where folder."""
+    from collections import deque
+
+    from IPython import get_ipython
+
+    from ..runtime._where import cell_source_name
+
+    compiler = get_ipython().compile
+    if getattr(compiler, "_jupyter_ring_keeps_sources", False):
+        return
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    cache = compiler.cache
+    written: deque[str] = deque()
+
+    def keep(transformed_code: str, number: int = 0, raw_code: str | None = None) -> str:
+        name: str = cache(transformed_code, number, raw_code)
+        path = os.path.join(folder, cell_source_name(name))
+        try:
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+                fh.write(transformed_code)
+            written.append(path)
+            while len(written) > _KEPT_CELLS:
+                os.unlink(written.popleft())
+        except OSError:  # Where? then shows no source line for it: never fail the cell
+            pass
+        return name
+
+    compiler.cache = keep
+    compiler._jupyter_ring_keeps_sources = True
 
 
 def arm_debugger(directory: str, rank: int) -> None:

@@ -204,6 +204,17 @@ def doing_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank{rank}.doing")
 
 
+def cells_path(directory: str, rank: int) -> str:
+    """The folder of the rank's recent cells' sources (the Where? report's source lines)."""
+    return os.path.join(directory, f"rank{rank}.cells")
+
+
+def cell_source_name(code_name: str) -> str:
+    """The file in :func:`cells_path` holding the source of the cell IPython compiled as
+    ``code_name`` (``/tmp/ipykernel_42/123.py``, ``<ipython-input-3-ab>``)."""
+    return re.sub(r"[^\w.-]", "_", os.path.basename(code_name.strip("<>")))[-100:] or "cell"
+
+
 # ---------------------------------------------------------------------- readers (other processes)
 def read_doing(path: str) -> Doing | None:
     """The :class:`Doing` record a rank keeps in ``path``; None when it is not there."""
