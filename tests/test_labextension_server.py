@@ -337,3 +337,26 @@ async def test_interrupt_and_stop_reach_an_encrypted_ring_cluster(jp_fetch):
         assert not alive, [p.pid for p in alive]
     finally:
         rc.stop()
+
+
+def test_a_cluster_its_kernel_is_stopping_reads_stopped_not_degraded(tmp_path):
+    """Issue 36: the status bar said 'Ring: degraded · 0/2 ranks' after a clean %ring stop (the
+    ranks had gone, the controller not yet). The kernel marks its sidecar before it stops
+    anything; the route then says stopped. Made-up files: this process stands in for the
+    controller, and the ranks' pids are of a process that has exited."""
+    from jupyter_ring.cluster._sidecar import mark_stopping, write_sidecar
+    from jupyter_ring.server._clusters import describe_cluster
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    profile = tmp_path / "profile_default"
+    (profile / "security").mkdir(parents=True)
+    path = profile / "security" / "cluster-c1.json"
+    path.write_text(json.dumps({"cluster": {"cluster_id": "c1", "profile_dir": str(profile), "n": 2},
+                                "controller": {"state": {"pid": os.getpid()}},
+                                "engines": {"sets": {}}}))
+    rows = [{"rank": r, "host": os.uname().nodename, "pid": gone.pid, "device": "cpu"} for r in (0, 1)]
+    write_sidecar(str(profile), "c1", rows, kernel_pid=os.getpid(), connection_file=None)
+    assert describe_cluster(str(path))["state"] == "degraded"  # ranks gone, nobody said why
+    assert mark_stopping(str(profile), "c1")
+    assert describe_cluster(str(path))["state"] == "stopped"

@@ -25,7 +25,8 @@ from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
-from ._sidecar import RankProgress, SidecarRow, read_sidecar, remove_sidecar, write_sidecar
+from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
+                       write_sidecar)
 from ._signals import signal_engines
 from ._where import RankWhere, collect_where, where_dir
 
@@ -352,6 +353,8 @@ class RingCluster(LoggingConfigurable):
         """Let go of the cluster: its processes (``stop_processes``), client, files, watchdog,
         shared memory and rank rows; ``running`` is False after it."""
         shm = self._shm | shm_files(self._local_rank_pids())
+        if stop_processes and self.ipp_cluster is not None:  # the panel shows a stop, not a fault
+            mark_stopping(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
         cluster, self.ipp_cluster = self.ipp_cluster, None
         client, self.client = self.client, None
         self.view = None

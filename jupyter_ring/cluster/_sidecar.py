@@ -36,7 +36,7 @@ else:  # Python 3.10 (requires-python): typing_extensions comes with IPython the
     from typing_extensions import NotRequired
 
 __all__ = ["Sidecar", "SidecarRank", "SidecarRow", "RankProgress", "VERSION", "sidecar_path",
-           "write_sidecar", "read_sidecar", "remove_sidecar", "mark_stopped"]
+           "write_sidecar", "read_sidecar", "remove_sidecar", "mark_stopped", "mark_stopping"]
 
 VERSION = 1
 
@@ -80,6 +80,7 @@ class Sidecar(TypedDict):
     connection_file: str | None
     ranks: list[SidecarRank]
     stopped_by: NotRequired[str]  # who stopped the cluster from outside the kernel
+    stopping: NotRequired[bool]   # its kernel is stopping it (%ring stop): the ranks going is no fault
 
 
 def sidecar_path(profile_dir: str, cluster_id: str) -> str:
@@ -114,6 +115,18 @@ def mark_stopped(profile_dir: str, cluster_id: str, by: str) -> bool:
     if data is None:
         return False
     data["stopped_by"] = by
+    _write(profile_dir, cluster_id, data)
+    return True
+
+
+def mark_stopping(profile_dir: str, cluster_id: str) -> bool:
+    """Note in the sidecar that the kernel is stopping its cluster, so that the Ring panel shows
+    the ranks going as a stop, not as a fault ("degraded · 0/2 ranks" after a clean %ring stop).
+    False when there is no sidecar to mark."""
+    data = read_sidecar(profile_dir, cluster_id)
+    if data is None:
+        return False
+    data["stopping"] = True
     _write(profile_dir, cluster_id, data)
     return True
 

@@ -225,8 +225,8 @@ def describe_cluster(path, kernels=None, sessions=None):
     sets_alive = bool(engine_sets) and all(s["alive"] for s in engine_sets)
     anything_alive = controller_alive or any(s["alive"] for s in engine_sets)
     dead = [r for r in ranks if r["alive"] is False]
-    if not anything_alive:
-        state = "stopped"
+    if not anything_alive or (sidecar or {}).get("stopping"):
+        state = "stopped"    # gone, or going: its kernel is stopping it (%ring stop)
     elif controller_alive and sets_alive and not dead and len(ranks) >= n:
         state = "running"
     elif controller_alive and not engine_sets and not ranks:
