@@ -6,14 +6,14 @@
  */
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, showDialog, showErrorMessage } from '@jupyterlab/apputils';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookActions } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { clusterAction, whereCluster } from './api';
 import { watchRestarts } from './cutoff';
-import { IClusterInfo } from './model';
+import { changesClusters, IClusterInfo } from './model';
 import { RingPanel } from './panel';
 import { ClusterPoller } from './poller';
 import { ClusterAction, renderWhereReport } from './render';
@@ -132,6 +132,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
       );
     }
     tracker?.widgetAdded.connect((_, nb) => watchRestarts(nb));
+    // a cell that started or stopped a cluster: ask now, not at the next poll (the status bar
+    // lagged the notebook by up to 3 s)
+    NotebookActions.executed.connect((_, { cell }) => {
+      if (changesClusters(cell.model.sharedModel.getSource())) {
+        void poller.refresh();
+      }
+    });
     poller.start();
     void labShell;
   }

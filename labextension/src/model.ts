@@ -172,3 +172,12 @@ function shortId(id: string): string {
 function basename(path: string): string {
   return path.split('/').pop() || path;
 }
+
+/**
+ * Whether a cell that just ran can have changed a cluster (``%ring start``, ``stop``,
+ * ``restart``, ``scale``...): then the panel and the status bar ask at once instead of at the
+ * next poll, so they do not lag the notebook by up to a poll's interval.
+ */
+export function changesClusters(source: string): boolean {
+  return /^\s*%ring\s+(start|stop|restart)\b/m.test(source);
+}

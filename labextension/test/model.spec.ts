@@ -1,5 +1,6 @@
 import {
   aliveRanks,
+  changesClusters,
   clusterForKernel,
   livenessLabel,
   ownerDetail,
@@ -80,5 +81,17 @@ describe('labels', () => {
     const rank = { rank: 0, host: 'node2', pid: 1, device: null, alive: null, step: null };
     expect(livenessLabel(rank)).toBe('unknown');
     expect(livenessLabel({ ...rank, alive: false })).toBe('dead');
+  });
+});
+
+describe('changesClusters', () => {
+  it('is true for the cells that start, stop or restart a cluster, and for no other', () => {
+    expect(changesClusters('%ring start -n 2')).toBe(true);
+    expect(changesClusters('%load_ext jupyter_ring\n%ring start')).toBe(true);
+    expect(changesClusters('  %ring stop')).toBe(true);
+    expect(changesClusters('%ring restart')).toBe(true);
+    expect(changesClusters('%ring status')).toBe(false);
+    expect(changesClusters('%%distributed\nx = 1')).toBe(false);
+    expect(changesClusters('print("%ring starts")')).toBe(false);
   });
 });
