@@ -98,9 +98,11 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
   );
   card.appendChild(actions);
 
+  // What a user reads first comes first (rank, state, step): at the sidebar's default width the
+  // last column was cut ("226/40"); what does not fit scrolls, nothing is cut off.
   const table = el('table', 'jp-RingPanel-ranks');
   const head = el('tr', '');
-  for (const name of ['rank', 'host', 'pid', 'device', 'state', 'step']) {
+  for (const name of ['rank', 'state', 'step', 'host', 'pid', 'device']) {
     head.appendChild(el('th', '', name));
   }
   table.appendChild(head);
@@ -109,18 +111,20 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
     row.dataset.rank = String(rank.rank);
     const cells = [
       String(rank.rank),
+      livenessLabel(rank),
+      stepLabel(rank),
       rank.host ?? '?',
       rank.pid === null ? '?' : String(rank.pid),
-      rank.device ?? '?',
-      livenessLabel(rank),
-      stepLabel(rank)
+      rank.device ?? '?'
     ];
     for (const text of cells) {
       row.appendChild(el('td', '', text));
     }
     table.appendChild(row);
   }
-  card.appendChild(table);
+  const scroll = el('div', 'jp-RingPanel-ranksScroll');
+  scroll.appendChild(table);
+  card.appendChild(scroll);
   return card;
 }
 

@@ -8,13 +8,14 @@ function buttons(node: HTMLElement): Record<string, HTMLButtonElement> {
 }
 
 describe('renderClusters', () => {
-  it('lists each rank with host, pid, device, liveness and step', () => {
+  it('lists each rank with liveness and step first, then host, pid and device', () => {
     const node = document.createElement('div');
     renderClusters(node, [makeCluster()], { onAction: () => undefined });
     const rows = node.querySelectorAll('tr.jp-RingPanel-rank');
     expect(rows).toHaveLength(2);
     const cells = Array.from(rows[1].querySelectorAll('td')).map(td => td.textContent);
-    expect(cells).toEqual(['1', 'vm', '201', 'cpu', 'alive', '–']);
+    expect(cells).toEqual(['1', 'alive', '–', 'vm', '201', 'cpu']);
+    expect(node.querySelector('.jp-RingPanel-ranksScroll > table.jp-RingPanel-ranks')).not.toBeNull();
     expect(node.querySelector('.jp-RingPanel-state')!.textContent).toBe('running');
   });
 
@@ -26,7 +27,7 @@ describe('renderClusters', () => {
     cluster.ranks[1].step = 7;
     renderClusters(node, [cluster], { onAction: () => undefined });
     const steps = Array.from(node.querySelectorAll('tr.jp-RingPanel-rank')).map(
-      row => row.querySelectorAll('td')[5].textContent
+      row => row.querySelectorAll('td')[2].textContent
     );
     expect(steps).toEqual(['120/500', '7']);
   });
