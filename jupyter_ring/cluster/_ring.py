@@ -363,7 +363,10 @@ class RingCluster(LoggingConfigurable):
                 if stop_processes:
                     # engines that shut down on request exit cleanly (runtime atexit, exit code 0)
                     client.shutdown(targets="all", hub=False, block=False)
-                    wait_exit(_root_pids(cluster)[1:], 1.5)  # the engine sets' mpiexec
+                    # the engine sets' mpiexec leaves once its last rank has; at 8-16 ranks on
+                    # 2 cores that takes longer than 1.5 s, and ipyparallel's own stop of a
+                    # launcher still there then cost 5 s more (%ring stop: 6.6 s at 8 and 16)
+                    wait_exit(_root_pids(cluster)[1:], 1.5 + 0.25 * self.size)
             except Exception:
                 log.debug("asking the engines to shut down failed", exc_info=True)
             try:
