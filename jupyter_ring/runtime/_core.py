@@ -1012,8 +1012,9 @@ class Runtime:
         comm = self.comm
         data = pickle.dumps(mine)
         if len(data) > _DESC_BYTES:  # a huge group: describe its first tensors only
-            mine["desc"] = tuple((label, value if label != "tensors" else cast("tuple[object, ...]", value)[:100])
-                                 for label, value in desc)
+            # the members' label is "tensors (name, shape)" (allreduce_desc): cut their list
+            mine["desc"] = tuple((label, value if not label.startswith("tensors")
+                                  else cast("tuple[object, ...]", value)[:100]) for label, value in desc)
             data = pickle.dumps(mine)[:_DESC_BYTES]
         peers = self.active
         bufs = {p: bytearray(_DESC_BYTES) for p in peers}
