@@ -1008,7 +1008,7 @@ class Runtime:
                           desc: Desc) -> NoReturn:
         """Slow path: exchange full descriptions so every rank raises the same precise error."""
         mine: Description = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op), "root": root,
-                "dtype": str(dtype) if dtype is not None else None, "desc": desc}
+                             "dtype": str(dtype) if dtype is not None else None, "desc": desc}
         comm = self.comm
         data = pickle.dumps(mine)
         if len(data) > _DESC_BYTES:  # a huge group: describe its first tensors only
