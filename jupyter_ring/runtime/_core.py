@@ -24,6 +24,8 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    notice while waiting joins the resync and retries its collective on the fresh communicator.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import pickle
@@ -32,10 +34,12 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, NamedTuple, NoReturn, TypedDict, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from . import _shm, _waits
 from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
@@ -44,6 +48,11 @@ from ._report import reporter
 from ._trace import Trace
 from ._debugger import hold
 from ._where import activity
+
+if TYPE_CHECKING:  # mpi4py.MPI is imported when a Runtime is made: importing it initialises MPI
+    from mpi4py import MPI
+
+    from ._config import Config
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
            "Disagree", "Abandoned", "Restart", "PeerMsg", "JoinNote", "Prepared"]
@@ -85,6 +94,14 @@ _IDLE_SECONDS = 0.001
 _MAIN_THREAD = threading.main_thread().ident
 _DESC_BYTES = 1 << 16
 
+# What the ranks agree on, labelled (("name", ...), ("shape", ...)): fingerprinted into the
+# header, and compared field by field to explain a mismatch. A collective may pass a function
+# that makes it (only read on a mismatch) when it passes the packed agreement too.
+Desc = tuple[tuple[str, object], ...]
+_T = TypeVar("_T")
+# a send buffer kept until its request completes: a header, a pickled description, a notice
+_Kept = bytearray | bytes | npt.NDArray[np.int64]
+
 
 class Restart(Exception):
     """A peer asked for a resync while this rank waited: retry the collective on a fresh comm."""
@@ -97,7 +114,7 @@ class Recut(Exception):
     so nothing is in flight; the engine re-plans its round and runs the collective again.
     """
 
-    def __init__(self, count):
+    def __init__(self, count: int) -> None:
         super().__init__(count)
         self.count = count
 
@@ -112,7 +129,7 @@ class Disagree(Exception):
     came from a collective a peer abandoned (and announces now), and the round starts over.
     """
 
-    def __init__(self, gen):
+    def __init__(self, gen: int) -> None:
         super().__init__(gen)
         self.gen = gen
 
@@ -129,7 +146,7 @@ class PeerMsg(NamedTuple):
     """What a peer sent in the agreement exchange, besides the agreed fields."""
 
     aux: int                 # per-rank value: rows (allgather), bytes, shared-memory offer
-    payload: object          # memoryview of the eager payload, or None
+    payload: memoryview | None  # the eager payload, or None
     region: int              # the tensor's registered memory (SharedSlots.locate), or 0
 
 
@@ -140,13 +157,13 @@ class Prepared(NamedTuple):
 
     wiring: int              # Runtime.wiring when prepared
     header: bytes            # the whole header this rank sends on this signature (pending 1)
-    reqs: list               # the persistent header receives of the active peers, then the sends
-    sends: list              # the persistent sends alone (what an interrupt abandons)
-    peer_headers: tuple      # each active peer's received header, a view into its eager buffer
-    expected: tuple          # the whole header each active peer sends on it (allreduce: ``header``)
+    reqs: list[MPI.Prequest]  # the persistent header receives of the active peers, then the sends
+    sends: list[MPI.Prequest]  # the persistent sends alone (what an interrupt abandons)
+    peer_headers: tuple[memoryview, ...]  # each active peer's received header, a view into its eager buffer
+    expected: tuple[bytes, ...]  # the whole header each active peer sends on it (allreduce: ``header``)
 
     @property
-    def agreement(self):
+    def agreement(self) -> bytes:
         """The 24 bytes every rank sends alike on this exchange (``Runtime.agreement``)."""
         return self.header[:_AGREE_END]
 
@@ -158,12 +175,23 @@ class JoinNote(NamedTuple):
     tick: int
 
 
-def _fingerprint(*parts):
+class Description(TypedDict):
+    """One rank's full description of a collective, exchanged to explain a mismatch."""
+
+    kind: str
+    name: str
+    op: str | int            # the op's name (OP_NAMES), or the unknown value itself
+    root: int
+    dtype: str | None
+    desc: Desc
+
+
+def _fingerprint(*parts: object) -> int:
     text = repr(parts).encode()
     return (zlib.crc32(text) << 32) | zlib.adler32(text)
 
 
-def _reducer(op, dtype):
+def _reducer(op: int, dtype: np.dtype) -> np.ufunc:
     """The elementwise numpy function for ``op`` on ``dtype`` (checked, with a clear error)."""
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
@@ -185,10 +213,10 @@ def _reducer(op, dtype):
 class Runtime:
     """The communicators, topology, trace and pending work of one initialised runtime."""
 
-    def __init__(self, comm, config, world=None):
+    def __init__(self, comm: MPI.Comm, config: Config, world: Iterable[int] | None = None) -> None:
         from mpi4py import MPI
 
-        self.MPI = MPI
+        self.MPI: ModuleType = MPI
         self.config = config
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
@@ -196,10 +224,10 @@ class Runtime:
         # Messages name ranks as the user knows them: a process set's rank q is global rank world[q].
         self.world = list(world) if world is not None else list(range(self.size))
         # Set by another thread to give up the collective in progress (its next poll raises).
-        self.abort = None
+        self.abort: str | None = None
         # until the hosts are known (init's own waits), as if every rank were on this one
         self._wait_policy = _waits.choose(config.wait, self.size, _waits.cores_available())
-        self.joined = {}          # peer -> JoinNote: peers that called join(), left out of allreduces
+        self.joined: dict[int, JoinNote] = {}  # peer -> its notice: peers that called join(), left out of allreduces
         self.active = self.peers  # peers not joined: the ones headers are exchanged with
         self._waits_on = self.peers + self.peers
         self.participants = list(range(self.size))  # ranks whose data an allreduce reduces
@@ -216,22 +244,25 @@ class Runtime:
         self.gen = 0
         self.dirty = False
         self.partial = False      # the collective in progress has written into its caller's input
-        self._inflight = []       # requests of the collective in progress
-        self._abandoned = []      # (requests, buffers) of collectives given up, freed at resync
-        self._keep = []           # send buffers that must outlive their requests
-        self._pending_dup = None  # (newcomm, request) of a resync in progress
-        self._notices = {}        # resync target -> set of ranks that announced it
-        self._notice_sends = []
-        self._drains = []         # poison sends and the receives that drain peers' headers
-        self._scratch = None
-        self._eager = None
-        self._sendbuf = None
-        self._header_recvs = []
-        self._header_recv = {}
-        self._header_sends = {}   # message length -> persistent sends of the header buffer, per active peer
-        self._agree_cache = {}
+        self._inflight: Sequence[MPI.Request] = []  # requests of the collective in progress
+        # (requests, buffers) of collectives given up, freed at resync
+        self._abandoned: list[tuple[Sequence[MPI.Request], list[_Kept]]] = []
+        self._keep: list[_Kept] = []  # send buffers that must outlive their requests
+        self._pending_dup: tuple[MPI.Comm, MPI.Request] | None = None  # (newcomm, request) of a resync in progress
+        self._notices: dict[int, set[int]] = {}  # resync target -> set of ranks that announced it
+        self._notice_sends: list[MPI.Request] = []
+        self._drains: list[MPI.Request] = []  # poison sends and the receives that drain peers' headers
+        self._scratch: npt.NDArray[np.uint8] | None = None
+        # the eager buffers, made by _eager_buffers (below) before any use: empty until then
+        self._eager: dict[int, bytearray] = {}
+        self._sendbuf = bytearray()
+        self._header_recvs: list[MPI.Prequest] = []
+        self._header_recv: dict[int, MPI.Prequest] = {}
+        # message length -> persistent sends of the header buffer, per active peer
+        self._header_sends: dict[int, list[MPI.Prequest]] = {}
+        self._agree_cache: dict[tuple[str, np.dtype | None, int, int, int, Desc], bytes] = {}
         self.wiring = 0           # +1 whenever header buffers, requests or active peers change (Prepared)
-        self._retired = []        # data communicators left by resyncs, freed at close (see resync)
+        self._retired: list[MPI.Comm] = []  # data communicators left by resyncs, freed at close (see resync)
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
@@ -249,12 +280,12 @@ class Runtime:
         self.shm = self._shared_slots()
 
     # ------------------------------------------------------------------ set-up
-    def _poll_dup(self, comm, what):
+    def _poll_dup(self, comm: MPI.Comm, what: str) -> MPI.Comm:
         newcomm, req = comm.Idup()
         self._wait([req], what, self.peers, check_notices=False)
         return newcomm
 
-    def _exchange_hostnames(self):
+    def _exchange_hostnames(self) -> list[str]:
         MPI = self.MPI
         name = socket.gethostname().encode()[:255].ljust(256, b"\0")
         out = bytearray(256 * self.size)
@@ -262,7 +293,7 @@ class Runtime:
         self._wait([req], "init", self.peers, check_notices=False)
         return [bytes(out[i * 256:(i + 1) * 256]).rstrip(b"\0").decode() for i in range(self.size)]
 
-    def _shared_slots(self):
+    def _shared_slots(self) -> _shm.SharedSlots | None:
         """``SharedSlots`` when every rank is on this host and sees the others' /dev/shm files.
 
         Every rank makes a probe file and checks the peers'; one more exchange of the verdicts
@@ -296,7 +327,7 @@ class Runtime:
                 slots = None
         return slots
 
-    def _set_topology(self):
+    def _set_topology(self) -> None:
         hosts = self.hosts
         me = hosts[self.rank]
         self.local_rank = sum(1 for r in range(self.rank) if hosts[r] == me)
@@ -308,13 +339,13 @@ class Runtime:
         # The ring visits each host's ranks together (hosts in order of their first rank, ranks
         # in order within a host), so it crosses the network once per host whatever the
         # launcher's placement (Hydra's -hosts a,b deals ranks round-robin: 0,2 on a, 1,3 on b).
-        first = {}
+        first: dict[str, int] = {}
         for r, host in enumerate(hosts):
             first.setdefault(host, r)
         self.ring_order = sorted(range(self.size), key=lambda r: (first[hosts[r]], r))
         self.ring_pos = self.ring_order.index(self.rank)
 
-    def _eager_buffers(self):
+    def _eager_buffers(self) -> None:
         # Receive buffers (one per peer) and the send buffer of the agreement message. Reused by
         # every collective: negotiate() returns only after its sends completed, and callers
         # consume the received payloads before the next collective.
@@ -322,13 +353,14 @@ class Runtime:
         self._eager = {p: bytearray(capacity) for p in self.peers}
         self._sendbuf = bytearray(capacity)
         self.eager_limit = self.config.eager_bytes
-        self._views = {}  # numpy views of these buffers (payload_view, peer_payload)
+        # numpy views of these buffers: (dtype, count) -> payload_view, (peer, dtype, count) -> peer_payload
+        self._views: dict[tuple[np.dtype, int] | tuple[int, np.dtype, int], np.ndarray] = {}
         # Persistent receives for the headers: started by every collective, rebuilt at resync.
         self._free_persistent()
         self._header_recv = {p: self.comm.Recv_init(self._eager[p], p, TAG_HEADER) for p in self.peers}
         self._header_recvs = [self._header_recv[p] for p in self.active]
 
-    def _persistent_sends(self, message):
+    def _persistent_sends(self, message: memoryview) -> list[MPI.Prequest]:
         """Persistent sends of the header buffer's first ``len(message)`` bytes to every active
         peer, made once per message length (a loop's collectives reuse theirs: no request is
         built per call) and freed when the buffers or the active peers change."""
@@ -338,7 +370,7 @@ class Runtime:
                                                     for p in self.active]
         return sends
 
-    def _free_sends(self):
+    def _free_sends(self) -> None:
         # every prepared exchange holds these requests (or the buffers and peers they follow)
         self.wiring += 1
         for sends in self._header_sends.values():
@@ -350,7 +382,7 @@ class Runtime:
                     pass
         self._header_sends = {}
 
-    def _set_participants(self):
+    def _set_participants(self) -> None:
         """Peers that joined are left out of headers' replies and of allreduces' data."""
         self.active = [p for p in self.peers if p not in self.joined]
         self._waits_on = self.active + self.active + list(self.joined)  # negotiate's requests' peers
@@ -358,11 +390,11 @@ class Runtime:
         self._header_recvs = [self._header_recv[p] for p in self.active]
         self._free_sends()
 
-    def name_of(self, ranks):
+    def name_of(self, ranks: Iterable[int]) -> list[int]:
         """Ranks of this communicator as the user knows them (global ranks in a process set)."""
         return [self.world[q] for q in ranks]
 
-    def _free_persistent(self):
+    def _free_persistent(self) -> None:
         for req in getattr(self, "_header_recv", {}).values():
             try:
                 if not req.Test():
@@ -375,10 +407,10 @@ class Runtime:
         self._header_recv = {}
         self._free_sends()
 
-    def close(self):
+    def close(self) -> None:
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
         MPI = self.MPI
-        for req in [self._notice_req] + self._notice_sends + self._inflight + self._drains:
+        for req in [self._notice_req, *self._notice_sends, *self._inflight, *self._drains]:
             self._discard(req)
         for reqs, _ in self._abandoned:
             for req in reqs:
@@ -398,7 +430,8 @@ class Runtime:
         self._retired = []
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, reqs, what, peers_of, check_notices=True, missing=None):
+    def _wait(self, reqs: Sequence[MPI.Request], what: str | Callable[[], str], peers_of: Sequence[int],
+              check_notices: bool = True, missing: Callable[[], Sequence[int]] | None = None) -> None:
         """Wait for every request, polling from Python so that signals are handled.
 
         ``peers_of[i]`` is the rank request ``i`` waits on, used to name missing ranks, unless
@@ -508,10 +541,10 @@ class Runtime:
         reporter.stalled(what, absent, waited, held)
 
     @staticmethod
-    def _missing(reqs, peers_of):
+    def _missing(reqs: Sequence[MPI.Request], peers_of: Sequence[int]) -> list[int]:
         return sorted({peers_of[i] for i, req in enumerate(reqs) if not req.Test()})
 
-    def _poll_notices(self, tests=1):
+    def _poll_notices(self, tests: int = 1) -> int:
         """Collect RESYNC notices (testing the request up to ``tests`` times while it is not
         complete); return the highest generation any peer asked for."""
         status = self._status
@@ -529,7 +562,7 @@ class Runtime:
         self._highest_notice = max(self._notices, default=0)
         return self._highest_notice
 
-    def _discard(self, req):
+    def _discard(self, req: MPI.Request) -> None:
         MPI = self.MPI
         if req == MPI.REQUEST_NULL:
             return
@@ -541,7 +574,7 @@ class Runtime:
             pass
 
     # ------------------------------------------------------------------ resync
-    def resync(self):
+    def resync(self) -> None:
         """Move every rank to a fresh data communicator (polled Idup on the control comm)."""
         MPI = self.MPI
         target = self.gen + 1
@@ -552,7 +585,7 @@ class Runtime:
             self._pending_dup = self.ctl.Idup()
         newcomm, req = self._pending_dup
         peers = self.peers
-        def not_announced():
+        def not_announced() -> list[int]:
             self._poll_notices()
             return [p for p in peers if p not in self._notices.get(target, set())]
 
@@ -590,12 +623,12 @@ class Runtime:
         # gave up) would then match a receive of a later collective on the fresh communicator.
         self._retired.append(old)
 
-    def _abandon(self):
+    def _abandon(self) -> None:
         self._abandoned.append((self._inflight, self._keep[:]))
         self._inflight = []
         self.dirty = True
 
-    def resync_due(self):
+    def resync_due(self) -> bool:
         """Whether this rank must resync before its next collective: it gave one up, or a peer
         did and announced it (the notice request is tested: one ``MPI_Test``).
 
@@ -617,7 +650,7 @@ class Runtime:
         self._checked = now
         return self._poll_notices(tests) > self.gen
 
-    def run(self, fn, *args):
+    def run(self, fn: Callable[..., _T], *args: object) -> _T:
         """Run one collective with agreement, recovery and retries after a peer's resync."""
         try:
             for _attempt in range(5):
@@ -638,7 +671,7 @@ class Runtime:
         finally:
             activity.end()  # also after a resync that failed
 
-    def attempt(self, fn, *args):
+    def attempt(self, fn: Callable[..., _T], *args: object) -> _T:
         """One try of a collective, ``fn(*args)``, on a runtime that needs no resync first: what it
         raises leaves the runtime ready for the next one (its requests abandoned and a resync
         due, or nothing in flight after an exchange every rank completed). A peer's resync met
@@ -651,12 +684,12 @@ class Runtime:
         self.finished()
         return result
 
-    def finished(self):
+    def finished(self) -> None:
         """A collective's try completed: nothing of it is in flight, it is no longer in progress."""
         self._inflight = []
         activity.end()
 
-    def gave_up(self, exc):
+    def gave_up(self, exc: BaseException) -> None:
         """A collective's try raised ``exc``: leave the runtime ready for the next one."""
         activity.end()
         if isinstance(exc, (CollectiveMismatchError, PeerError, Recut, Disagree)):
@@ -665,7 +698,7 @@ class Runtime:
             self._abandon()
 
     # ------------------------------------------------------------------ agreement
-    def agreement(self, kind, dtype, op, root, count, desc):
+    def agreement(self, kind: str, dtype: np.dtype | None, op: int, root: int, count: int, desc: Desc) -> bytes:
         """The 24 bytes every rank must send alike for this collective (cached per signature)."""
         key = (kind, dtype, op, root, count, desc)
         own = self._agree_cache.get(key)
@@ -677,7 +710,8 @@ class Runtime:
                                                        _fingerprint(*desc))
         return own
 
-    def prepare(self, own, nbytes, aux=0, peers=None):
+    def prepare(self, own: bytes, nbytes: int, aux: int = 0,
+                peers: Mapping[int, tuple[int, int]] | None = None) -> Prepared | None:
         """The header exchange of an eager collective whose agreement is ``own``, made once for a
         prepared lane: this rank sends ``aux`` and a payload of ``nbytes`` (-1: none), and
         ``peers`` maps each active peer to the (aux, payload bytes) it sends (None: what this rank
@@ -698,13 +732,14 @@ class Runtime:
             expected = tuple(self.peer_header(header, *peers[p]) for p in self.active)
         return Prepared(self.wiring, header, recvs + sends, sends, views, expected)
 
-    def peer_header(self, header, aux, nbytes):
+    def peer_header(self, header: bytes, aux: int, nbytes: int) -> bytes:
         """The whole header a peer sends on the prepared exchange whose own header is ``header``
         when its ``aux`` and payload size (-1: none) are these (``prepare``'s ``peers``)."""
         flags = FLAG_PAYLOAD if 0 <= nbytes <= self.eager_limit else 0
         return header[:_AGREE_END] + _TAIL.pack(flags, self.gen, 1, aux, 0)
 
-    def run_prepared(self, prep, kind, name, dtype, op, root, desc):
+    def run_prepared(self, prep: Prepared, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
+                     desc: Desc | Callable[[], Desc]) -> dict[int, PeerMsg] | None:
         """``negotiate`` for a prepared exchange (the caller wrote the payload into
         ``payload_view()``): the same messages, the same waits, the same checks.
 
@@ -729,8 +764,11 @@ class Runtime:
             return None
         return self._check_headers(kind, name, dtype, op, root, desc, header[:_AGREE_END], 1)
 
-    def negotiate(self, kind, name, dtype, op, root, count, desc, aux=0, payload=None, per_peer=None,
-                  pending=None, own=None, region=0, preset=None):
+    def negotiate(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int, count: int,
+                  desc: Desc | Callable[[], Desc], aux: int = 0, payload: npt.NDArray[np.uint8] | None = None,
+                  per_peer: Mapping[int, tuple[int, npt.NDArray[np.uint8] | None]] | None = None,
+                  pending: int | None = None, own: bytes | None = None, region: int = 0,
+                  preset: int | None = None) -> dict[int, PeerMsg]:
         """Exchange headers (and eager payloads) with every peer and check agreement.
 
         ``desc`` is the tuple fingerprinted for agreement (shape, scales, explicit name ...), or
@@ -744,14 +782,17 @@ class Runtime:
         """
         activity.begin(kind, name)
         comm = self.comm
-        if own is None:
-            own = self.agreement(kind, dtype, op, root, count, desc)
+        if own is None:  # a caller that passes a function for desc passes own too
+            own = self.agreement(kind, dtype, op, root, count, cast(Desc, desc))
         if pending is None:
             pending = self.pending
         self.seq += 1
         peers = self.active
         recvs = self._header_recvs
         self.MPI.Prequest.Startall(recvs)
+        # the cached persistent sends (Prequest), or this call's own Isends
+        sends: Sequence[MPI.Request] | None
+        message: memoryview | None
         if per_peer is None:
             message = self._message(self._sendbuf, own, aux, payload, pending, region, preset)
             sends = self._header_sends.get(len(message))
@@ -765,7 +806,8 @@ class Runtime:
                 buf = bytearray(HEADER_BYTES + (data.nbytes if data is not None else 0))
                 self._keep.append(buf)
                 sends.append(comm.Isend(self._message(buf, own, peer_aux, data, pending), p, TAG_HEADER))
-            message = memoryview(self._keep[-1])[:HEADER_BYTES] if self._keep else None
+            # (a bytearray here; numpy's stubs give ndarray, also _Kept, __buffer__ on Python 3.12+ only)
+            message = memoryview(self._keep[-1])[:HEADER_BYTES] if self._keep else None  # type: ignore[arg-type]
         if self.joined:
             # joined ranks reply to nothing, but see that this rank still runs collectives
             header = memoryview(self._sendbuf)[:HEADER_BYTES] if per_peer is None else message
@@ -777,12 +819,13 @@ class Runtime:
             self._keep.clear()
         return self._check_headers(kind, name, dtype, op, root, desc, own, pending)
 
-    def _check_headers(self, kind, name, dtype, op, root, desc, own, pending):
+    def _check_headers(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
+                       desc: Desc | Callable[[], Desc], own: bytes, pending: int) -> dict[int, PeerMsg]:
         """Read every active peer's header of the exchange just completed: joins, poison, a
         mismatch (``Disagree`` where negotiable, else explained), rounds of other lengths
         (``Recut``). Returns peer -> ``PeerMsg``."""
         peers = self.active
-        result = {}
+        result: dict[int, PeerMsg] = {}
         mismatch = False
         cut = pending            # every rank runs the shortest round proposed
         recut = False
@@ -827,7 +870,7 @@ class Runtime:
                 "this rank too, or run this collective before any rank joins.")
         return result
 
-    def join(self, name):
+    def join(self, name: str) -> int:
         """This rank has no more data: serve as a left-out peer until every rank has joined.
 
         Sends a JOIN notice (its collective count and shared-memory tick) to every peer: peers in a
@@ -853,7 +896,7 @@ class Runtime:
         self._inflight = sends
         progress = [False]
 
-        def arrived():
+        def arrived() -> bool:
             for p in list(reqs):
                 if not reqs[p].Test():
                     continue
@@ -881,7 +924,7 @@ class Runtime:
         self._set_participants()
         return self.world[last]
 
-    def poison(self, kind, name, exc):
+    def poison(self, kind: str, name: str, exc: BaseException) -> None:
         """This rank cannot join ``kind`` (bad arguments): tell every peer why, without waiting.
 
         Peers waiting in the collective raise ``PeerError`` at once instead of stalling. Their
@@ -902,7 +945,7 @@ class Runtime:
             self._drains.append(self.comm.Isend(message, p, TAG_HEADER))
             self._drains.append(self.comm.Irecv(bytearray(capacity), p, TAG_HEADER))
 
-    def _raise_poison(self, kind, name):
+    def _raise_poison(self, kind: str, name: str) -> None:
         for p in self.active:
             buf = self._eager[p]
             if buf[0] == POISON:
@@ -914,11 +957,12 @@ class Runtime:
                     f"raised {reason}. Fix the call on rank {q}; every rank raises here so that none "
                     "is left waiting.", q, reason)
 
-    def fits_eager(self, nbytes):
+    def fits_eager(self, nbytes: int) -> bool:
         """Whether a payload travels inside the agreement message (capacity fixed at init/resync)."""
         return nbytes <= self.eager_limit
 
-    def _message(self, buf, own, aux, data, pending=1, region=0, preset=None):
+    def _message(self, buf: bytearray, own: bytes, aux: int, data: npt.NDArray[np.uint8] | None,
+                 pending: int = 1, region: int = 0, preset: int | None = None) -> memoryview:
         """Header (+ payload when it fits ``eager_bytes``) packed into ``buf``; a view to send.
 
         ``data`` is a byte array copied in; or ``preset`` is the size of a payload the caller wrote
@@ -932,10 +976,11 @@ class Runtime:
         if not flags:
             return memoryview(buf)[:HEADER_BYTES]
         if preset is None:
+            assert data is not None  # nbytes is data's (a payload is flagged)
             np.frombuffer(buf, np.uint8, nbytes, HEADER_BYTES)[:] = data
         return memoryview(buf)[:HEADER_BYTES + nbytes]
 
-    def payload_view(self, dtype, count):
+    def payload_view(self, dtype: np.dtype, count: int) -> np.ndarray:
         """The send buffer's payload region as ``count`` items of ``dtype`` (for ``preset``).
 
         Views are kept per (dtype, count) until the buffers change (resync): an allreduce made in
@@ -949,7 +994,7 @@ class Runtime:
             view = self._views[key] = np.frombuffer(self._sendbuf, dtype, count, HEADER_BYTES)
         return view
 
-    def peer_payload(self, peer, dtype, count):
+    def peer_payload(self, peer: int, dtype: np.dtype, count: int) -> np.ndarray:
         """Peer ``peer``'s eager payload as ``count`` items of ``dtype`` (kept like payload_view)."""
         key = (peer, dtype, count)
         view = self._views.get(key)
@@ -959,14 +1004,17 @@ class Runtime:
             view = self._views[key] = np.frombuffer(self._eager[peer], dtype, count, HEADER_BYTES)
         return view
 
-    def _explain_mismatch(self, kind, name, dtype, op, root, desc):
+    def _explain_mismatch(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
+                          desc: Desc) -> NoReturn:
         """Slow path: exchange full descriptions so every rank raises the same precise error."""
-        mine = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op), "root": root,
-                "dtype": str(dtype) if dtype is not None else None, "desc": desc}
+        mine: Description = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op), "root": root,
+                             "dtype": str(dtype) if dtype is not None else None, "desc": desc}
         comm = self.comm
         data = pickle.dumps(mine)
         if len(data) > _DESC_BYTES:  # a huge group: describe its first tensors only
-            mine["desc"] = tuple((label, value if label != "tensors" else value[:100]) for label, value in desc)
+            # the members' label is "tensors (name, shape)" (allreduce_desc): cut their list
+            mine["desc"] = tuple((label, value if not label.startswith("tensors")
+                                  else cast("tuple[object, ...]", value)[:100]) for label, value in desc)
             data = pickle.dumps(mine)[:_DESC_BYTES]
         peers = self.active
         bufs = {p: bytearray(_DESC_BYTES) for p in peers}
@@ -981,16 +1029,16 @@ class Runtime:
         raise CollectiveMismatchError(describe_mismatch(descs))
 
     # ------------------------------------------------------------------ waits on data
-    def _wait_data(self, reqs, what, peer):
+    def _wait_data(self, reqs: Sequence[MPI.Request], what: str, peer: int) -> None:
         self._wait(reqs, what, [peer] * len(reqs))
 
-    def scratch(self, nbytes):
+    def scratch(self, nbytes: int) -> npt.NDArray[np.uint8]:
         if self._scratch is None or self._scratch.nbytes < nbytes:
             self._scratch = np.empty(max(nbytes, 1), np.uint8)
         return self._scratch[:nbytes]
 
 
-def _drain(comm, MPI):
+def _drain(comm: MPI.Comm, MPI: ModuleType) -> None:
     """Receive what peers sent on ``comm`` and nobody received (messages of abandoned collectives)
     before it is freed: its context id goes to the next communicator made (a later ``init()``),
     where such a message would match a receive of an unrelated collective.
@@ -1015,7 +1063,7 @@ def _drain(comm, MPI):
             time.sleep(1e-4)
 
 
-def collective_title(kind, name):
+def collective_title(kind: str, name: str) -> str:
     """``allreduce 'fc1.weight'`` for a user's name; ``allreduce (unnamed)`` for the name the
     runtime made up (``allreduce.noname.3``), which only adds noise to a message."""
     if name.startswith(f"{kind}.noname."):
@@ -1023,11 +1071,13 @@ def collective_title(kind, name):
     return f"{kind} '{name}'"
 
 
-def describe_mismatch(descs):
+def describe_mismatch(descs: Mapping[int, Description]) -> str:
     """One message naming the op, the ranks and the values that differ."""
     ranks = sorted(descs)
     ref = descs[ranks[0]]
     title = collective_title(ref["kind"], ref["name"])
+    field: Literal["kind", "name", "dtype", "op", "root"]
+    values: dict[int, object]
     for field, label in (("kind", "called"), ("name", "name"), ("dtype", "dtype"), ("op", "reduce op"),
                          ("root", "root rank")):
         values = {r: descs[r][field] for r in ranks}
@@ -1045,7 +1095,7 @@ def describe_mismatch(descs):
     return _differ(title, "description length", lengths, _hint(""))
 
 
-def _fmt(value):
+def _fmt(value: object) -> str:
     if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
         return "(" + ", ".join(map(str, value)) + ("," if len(value) == 1 else "") + ")"
     if isinstance(value, str):
@@ -1053,8 +1103,8 @@ def _fmt(value):
     return repr(value)
 
 
-def _differ(title, label, values, hint):
-    groups = {}
+def _differ(title: str, label: str, values: Mapping[int, object], hint: str) -> str:
+    groups: dict[str, list[int]] = {}
     for r, value in values.items():
         groups.setdefault(_fmt(value), []).append(r)
     parts = [f"{value} on {_ranks(rs)}" for value, rs in groups.items()]
@@ -1062,11 +1112,11 @@ def _differ(title, label, values, hint):
     return text + ". " + hint
 
 
-def _ranks(rs):
+def _ranks(rs: Sequence[int]) -> str:
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
-def _hint(field):
+def _hint(field: str) -> str:
     return {
         "called": "Every rank must call the same collectives in the same order.",
         "name": "Every rank must pass the same name= to the same collective.",

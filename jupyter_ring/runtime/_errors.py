@@ -1,5 +1,7 @@
 """The runtime's exceptions: one root, a few subclasses."""
 
+from collections.abc import Iterable
+
 __all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError"]
 
 
@@ -24,7 +26,7 @@ class StallError(RingError):
     ``missing`` lists the ranks this rank waited for.
     """
 
-    def __init__(self, message, missing=()):
+    def __init__(self, message: str, missing: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.missing = tuple(missing)
 
@@ -36,7 +38,7 @@ class PeerError(RingError):
     naming it, instead of waiting for the stall timeout. ``rank`` and ``reason`` say who and why.
     """
 
-    def __init__(self, message, rank, reason):
+    def __init__(self, message: str, rank: int | None, reason: str | None) -> None:
         super().__init__(message)
         self.rank = rank
         self.reason = reason

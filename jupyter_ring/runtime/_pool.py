@@ -8,12 +8,21 @@ one), so out-of-place allreduces write into memory that is already mapped, as in
 
 import threading
 import weakref
+from collections.abc import Callable, Hashable
+from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["ResultPool", "Lender"]
 
 MiB = 1 << 20
+
+
+class Buffer(Protocol):
+    """What ``Lender`` lends: anything that counts its elements (a torch tensor)."""
+
+    def numel(self) -> int: ...
 
 
 class ResultPool:
@@ -21,13 +30,13 @@ class ResultPool:
 
     min_bytes = MiB          # smaller results come from np.empty (malloc reuses those anyway)
 
-    def __init__(self, limit=512 * MiB):
+    def __init__(self, limit: int = 512 * MiB) -> None:
         self.limit = limit
-        self.free = {}       # rounded size -> list of uint8 arrays
+        self.free: dict[int, list[npt.NDArray[np.uint8]]] = {}  # rounded size -> list of uint8 arrays
         self.kept = 0
         self.lock = threading.Lock()  # results are dropped in any thread
 
-    def empty(self, count, dtype):
+    def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A new array of ``count`` items of ``dtype`` (uninitialised), recycled when possible."""
         nbytes = count * dtype.itemsize
         if nbytes < self.min_bytes:
@@ -41,17 +50,17 @@ class ResultPool:
         if raw is None:
             raw = np.empty(size, np.uint8)
         # an array over a memoryview: every numpy view of it keeps this array (its base) alive
-        arr = np.frombuffer(memoryview(raw)[:nbytes], dtype)
+        arr = np.frombuffer(raw.data[:nbytes], dtype)
         weakref.finalize(arr, self._give, raw, size)
         return arr
 
-    def _give(self, raw, size):
+    def _give(self, raw: npt.NDArray[np.uint8], size: int) -> None:
         with self.lock:
             if self.kept + size <= self.limit:
                 self.free.setdefault(size, []).append(raw)
                 self.kept += size
 
-    def clear(self):
+    def clear(self) -> None:
         with self.lock:
             self.free = {}
             self.kept = 0
@@ -63,26 +72,26 @@ class Lender:
     collective failed or was abandoned is never given back (a transfer may still write into it),
     so it is never lent again. At most ``keep`` free buffers of each key are kept."""
 
-    def __init__(self, keep):
+    def __init__(self, keep: int) -> None:
         self.keep = keep
-        self.free = {}       # key -> list of buffers (torch tensors: anything with numel())
+        self.free: dict[Hashable, list[Buffer]] = {}  # key -> list of buffers (torch tensors: anything with numel())
         self.lock = threading.Lock()
 
-    def lend(self, key, numel, make):
+    def lend(self, key: Hashable, numel: int, make: Callable[[], Buffer]) -> Buffer:
         with self.lock:
-            free = self.free.get(key, ())
+            free = self.free.get(key, [])
             for index, buf in enumerate(free):
                 if buf.numel() >= numel:
                     return free.pop(index)
         return make()
 
-    def give_back(self, key, buf):
+    def give_back(self, key: Hashable, buf: Buffer) -> None:
         with self.lock:
             free = self.free.setdefault(key, [])
             if len(free) < self.keep:
                 free.append(buf)
 
-    def drop(self, keep_key):
+    def drop(self, keep_key: Callable[[Hashable], object]) -> None:
         """Forget the free buffers of every key for which ``keep_key(key)`` is false."""
         with self.lock:
             self.free = {k: v for k, v in self.free.items() if keep_key(k)}

@@ -24,8 +24,10 @@ import platform
 import secrets
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["SharedSlots", "supported", "slot_log2", "sweep_stale"]
 
@@ -36,30 +38,30 @@ _CHUNK_BYTES = 32 << 20  # registered memory comes in files of at least this siz
 _ALIGN = 64              # registered buffers start on a cache line
 
 
-def supported():
+def supported() -> bool:
     """Whether this machine offers the path (Linux tmpfs in /dev/shm, x86-64 store ordering)."""
     return (platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64")
             and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK))
 
 
-def slot_log2(nbytes, cap):
+def slot_log2(nbytes: int, cap: int) -> int:
     """log2 of the slot an allreduce of ``nbytes`` wants: a power of two, at most ``cap``."""
     want = max(_MIN_LOG2, (max(int(nbytes), 1) - 1).bit_length())
     return min(want, max(_MIN_LOG2, int(cap).bit_length() - 1))
 
 
-def _path(token, suffix):
+def _path(token: int, suffix: int | str) -> str:
     return os.path.join(SHM_DIR, f"jupyter_ring.{token:011x}.{suffix}")
 
 
-def _unlink(path):
+def _unlink(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
 
 
-def _alive(pid):
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -69,7 +71,7 @@ def _alive(pid):
     return True
 
 
-def sweep_stale(min_age=60.0):
+def sweep_stale(min_age: float = 60.0) -> list[str]:
     """Unlink this user's files in /dev/shm left by runtimes that died unclean; their paths.
 
     A rank unlinks its files once every peer has mapped them and at shutdown; a SIGKILLed rank
@@ -78,7 +80,7 @@ def sweep_stale(min_age=60.0):
     its header) is gone and nothing has written it for ``min_age`` seconds (a live rank's files
     are fresh, and a pid alone could belong to another pid namespace sharing /dev/shm).
     """
-    removed = []
+    removed: list[str] = []
     now = time.time()
     uid = os.getuid()
     try:
@@ -105,7 +107,7 @@ def sweep_stale(min_age=60.0):
 class _Segment:
     """One mapped file: its counter and its slot as numpy views."""
 
-    def __init__(self, path, create_bytes=0):
+    def __init__(self, path: str, create_bytes: int = 0) -> None:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_bytes else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -121,11 +123,13 @@ class _Segment:
         self.path = path
         if create_bytes:  # the creator's pid, for sweep_stale() after a process died unclean
             np.frombuffer(self.map, np.int64, 1, 8)[0] = os.getpid()
-        self.counter = np.frombuffer(self.map, np.int64, 1, 0)
-        self.slot = np.frombuffer(self.map, np.uint8, len(self.map) - _HEADER, _HEADER)
+        self.counter: npt.NDArray[np.int64] = np.frombuffer(self.map, np.int64, 1, 0)
+        self.slot: npt.NDArray[np.uint8] = np.frombuffer(self.map, np.uint8, len(self.map) - _HEADER, _HEADER)
 
-    def close(self):
-        self.counter = self.slot = None
+    def close(self) -> None:
+        # a closed segment is never read again: its views are not Optional (SharedSlots.arrived
+        # reads the peers' counters in the poll loop, with no check for None)
+        self.counter = self.slot = None  # type: ignore[assignment]
         try:
             self.map.close()
         except BufferError:  # a view is still alive somewhere: unmapped when it is collected
@@ -135,15 +139,15 @@ class _Segment:
 class _Chunk:
     """A file of registered memory that buffers (fused gradient buckets) are carved out of."""
 
-    def __init__(self, path, nbytes):
+    def __init__(self, path: str, nbytes: int) -> None:
         self.segment = _Segment(path, _HEADER + nbytes)
         self.path = path
         self.linked = True     # unlinked once every peer has mapped it
-        self.base = self.segment.slot.__array_interface__["data"][0]
+        self.base: int = self.segment.slot.__array_interface__["data"][0]
         self.size = self.segment.slot.nbytes
         self.free = [[0, self.size]]  # [offset, bytes], sorted, merged
 
-    def take(self, nbytes):
+    def take(self, nbytes: int) -> int | None:
         for hole in self.free:
             if hole[1] >= nbytes:
                 offset = hole[0]
@@ -154,7 +158,7 @@ class _Chunk:
                 return offset
         return None
 
-    def give(self, offset, nbytes):
+    def give(self, offset: int, nbytes: int) -> None:
         self.free.append([offset, nbytes])
         self.free.sort()
         merged = [self.free[0]]
@@ -170,18 +174,18 @@ class SharedSlots:
     """This rank's slot, the peers' slots it has mapped, and the sync counters; and registered
     memory: buffers in files the peers map too, reduced in place with no copy in."""
 
-    def __init__(self, rank, size):
+    def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
         self.token = secrets.randbits(43) | 1  # names this runtime's files; never 0 (0 = "no shm")
-        self.own = None            # this rank's current segment
+        self.own: _Segment | None = None  # this rank's current segment
         self.own_log2 = 0
-        self.peers = {}            # rank -> (advertised value, _Segment)
-        self.unlink_when_synced = []
+        self.peers: dict[int, tuple[int, _Segment]] = {}  # rank -> (advertised value, _Segment)
+        self.unlink_when_synced: list[str] = []
         self.tick = 0
         self.tick_gen = -1
-        self.chunks = []           # this rank's registered memory; a region names (index + 1, offset)
-        self.peer_chunks = {}      # (rank, chunk index) -> the peer's _Segment
+        self.chunks: list[_Chunk] = []  # this rank's registered memory; a region names (index + 1, offset)
+        self.peer_chunks: dict[tuple[int, int], _Segment] = {}  # (rank, chunk index) -> the peer's _Segment
         self._fence = threading.Lock()
         self.probe_path = _path(self.token, "probe")
         segment = _Segment(self.probe_path, _HEADER)
@@ -189,7 +193,7 @@ class SharedSlots:
         segment.close()
 
     # ------------------------------------------------------------------ init-time check
-    def sees(self, tokens):
+    def sees(self, tokens: Sequence[int]) -> bool:
         """Whether every peer's probe file (named by its token) is visible here with its token."""
         for q, token in enumerate(tokens):
             if q == self.rank:
@@ -202,11 +206,11 @@ class SharedSlots:
                 return False
         return True
 
-    def remove_probe(self):
+    def remove_probe(self) -> None:
         _unlink(self.probe_path)
 
     # ------------------------------------------------------------------ per collective
-    def advertise(self, nbytes, cap):
+    def advertise(self, nbytes: int, cap: int) -> int:
         """Make sure this rank's slot holds two pieces of ``nbytes``; the value to send the peers.
 
         The value names this rank's file and says the slot size it wants for this allreduce
@@ -224,7 +228,7 @@ class SharedSlots:
             self.unlink_when_synced.append(segment.path)
         return self.token << 12 | self.own_log2 << 6 | want
 
-    def _drop_own(self):
+    def _drop_own(self) -> None:
         if self.own is not None:
             # the peers map only the file advertised in the collective at hand: this one is done
             _unlink(self.own.path)
@@ -233,7 +237,7 @@ class SharedSlots:
             self.own.close()
             self.own = None
 
-    def attach(self, own, advertised):
+    def attach(self, own: int, advertised: Mapping[int, int]) -> int:
         """Map every peer's advertised slot; return the slot size (bytes) every rank wants."""
         want = own & 63
         for q, value in advertised.items():
@@ -247,10 +251,13 @@ class SharedSlots:
             self.peers[q] = (value, segment)
         return 1 << want
 
-    def slot(self, q):
-        return (self.own if q == self.rank else self.peers[q][1]).slot
+    def slot(self, q: int) -> npt.NDArray[np.uint8]:
+        if q != self.rank:
+            return self.peers[q][1].slot
+        assert self.own is not None  # an allreduce on this path advertised (made) this rank's slot
+        return self.own.slot
 
-    def arrive(self, gen):
+    def arrive(self, gen: int) -> int:
         """Announce this rank's next sync point; returns the value to wait for."""
         if self.tick_gen != gen:
             self.tick_gen, self.tick = gen, 0
@@ -258,14 +265,15 @@ class SharedSlots:
         value = gen << 32 | self.tick
         with self._fence:  # an atomic RMW: every earlier store is visible before the counter's
             pass
+        assert self.own is not None  # an allreduce on this path advertised (made) this rank's slot
         self.own.counter[0] = value
         return value
 
-    def ticks(self, gen):
+    def ticks(self, gen: int) -> int:
         """Syncs counted in generation ``gen`` so far."""
         return self.tick if self.tick_gen == gen else 0
 
-    def align(self, gen, tick):
+    def align(self, gen: int, tick: int) -> None:
         """Continue counting syncs from ``tick`` (every rank passes the same, at least its own).
 
         After ``join()`` the ranks left out of the allreduces in between counted fewer syncs; every
@@ -274,7 +282,7 @@ class SharedSlots:
         """
         self.tick_gen, self.tick = gen, max(self.ticks(gen), tick)
 
-    def arrived(self, value, ranks=None):
+    def arrived(self, value: int, ranks: Iterable[int] | None = None) -> bool:
         """Whether every peer (of ``ranks``, when given) reached sync point ``value``."""
         peers = self.peers
         for q in (peers if ranks is None else ranks):
@@ -282,17 +290,17 @@ class SharedSlots:
                 return False
         return True
 
-    def missing(self, value, ranks=None):
+    def missing(self, value: int, ranks: Iterable[int] | None = None) -> list[int]:
         peers = self.peers
         return sorted(q for q in (peers if ranks is None else ranks) if peers[q][1].counter[0] < value)
 
-    def synced(self):
+    def synced(self) -> None:
         """Every peer passed a sync with this rank's file mapped: its name is no longer needed."""
         while self.unlink_when_synced:
             _unlink(self.unlink_when_synced.pop())
 
     # ------------------------------------------------------------------ registered memory
-    def register(self, nbytes):
+    def register(self, nbytes: int) -> tuple[npt.NDArray[np.uint8] | None, int]:
         """A buffer of ``nbytes`` in registered memory (uint8, a view of a chunk); None when
         /dev/shm cannot hold it. Give it back with ``unregister``."""
         nbytes = max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN)
@@ -307,26 +315,27 @@ class SharedSlots:
             return None, 0
         self.chunks.append(chunk)
         offset = chunk.take(nbytes)
+        assert offset is not None  # a fresh chunk holds at least nbytes
         return chunk.segment.slot[offset:offset + nbytes], (index + 1) << 40 | offset
 
-    def unregister(self, region, nbytes):
+    def unregister(self, region: int, nbytes: int) -> None:
         """Give back a buffer from ``register`` (its memory is reused by later ones)."""
         if 0 < region >> 40 <= len(self.chunks):
             self.chunks[(region >> 40) - 1].give(region & ((1 << 40) - 1),
                                                  max(_ALIGN, -(-int(nbytes) // _ALIGN) * _ALIGN))
 
-    def locate(self, array):
+    def locate(self, array: np.ndarray) -> int:
         """The region of ``array`` (flat, contiguous) when it lies in registered memory, else 0."""
         if not self.chunks:
             return 0
-        start = array.__array_interface__["data"][0]
+        start: int = array.__array_interface__["data"][0]
         end = start + array.nbytes
         for index, chunk in enumerate(self.chunks):
             if chunk.base <= start and end <= chunk.base + chunk.size:
                 return (index + 1) << 40 | (start - chunk.base)
         return 0
 
-    def region(self, q, token, region, nbytes):
+    def region(self, q: int, token: int, region: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """Peer ``q``'s registered ``region`` (named by its ``token``) as ``nbytes`` of uint8."""
         key = (q, region >> 40)
         segment = self.peer_chunks.get(key)
@@ -335,14 +344,14 @@ class SharedSlots:
         offset = region & ((1 << 40) - 1)
         return segment.slot[offset:offset + nbytes]
 
-    def mapped_by_every_peer(self, region):
+    def mapped_by_every_peer(self, region: int) -> None:
         """Every peer has mapped this region's file (a sync passed with it in use): unlink it."""
         chunk = self.chunks[(region >> 40) - 1]
         if chunk.linked:
             _unlink(chunk.path)
             chunk.linked = False
 
-    def close(self):
+    def close(self) -> None:
         self.remove_probe()
         for path in self.unlink_when_synced:
             _unlink(path)

@@ -3,11 +3,43 @@
 import collections
 import threading
 import time
+from typing import TypedDict
 
 __all__ = ["Trace", "busbw_factor"]
 
 
-def busbw_factor(kind, size):
+# kind, name, bytes, start, end (perf_counter seconds), phases: name -> (start, end)
+_Record = tuple[str, str, int, float, float, dict[str, tuple[float, float]]]
+
+
+class RecentRecord(TypedDict):
+    """One collective of ``Trace.recent``: wall-clock times (``%ring timeline``)."""
+
+    kind: str
+    name: str
+    bytes: int
+    start: float
+    end: float
+    phases: dict[str, list[float]]   # phase name -> [start, end]
+
+
+class _ChromeEventFields(TypedDict):
+    name: str
+    ph: str
+    pid: int
+    tid: int
+    args: dict[str, object]
+
+
+class ChromeEvent(_ChromeEventFields, total=False):
+    """One Chrome-trace event: metadata ("M") or a complete event ("X", with cat, ts and dur)."""
+
+    cat: str
+    ts: float
+    dur: float
+
+
+def busbw_factor(kind: str, size: int) -> float:
     """nccl-tests' bus-bandwidth factor: busbw = algbw * factor."""
     if size <= 1:
         return 1.0
@@ -21,11 +53,11 @@ def busbw_factor(kind, size):
 class Trace:
     """Records of recent collectives plus running totals per kind."""
 
-    def __init__(self, rank, size, maxlen):
+    def __init__(self, rank: int, size: int, maxlen: int) -> None:
         self.rank = rank
         self.size = size
-        self.records = collections.deque(maxlen=max(1, int(maxlen)))
-        self.totals = {}
+        self.records: collections.deque[_Record] = collections.deque(maxlen=max(1, int(maxlen)))
+        self.totals: dict[str, list[float]] = {}  # kind -> [count, bytes, seconds]
         # records come from the caller's thread, the engine's and, for torch.distributed's
         # asynchronous collectives, the thread that completes them (runtime._torch_comm)
         self._lock = threading.Lock()
@@ -46,7 +78,7 @@ class Trace:
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions)."""
-        out = {}
+        out: dict[str, dict[str, float]] = {}
         with self._lock:
             totals = sorted((kind, tuple(total)) for kind, total in self.totals.items())
         for kind, (count, nbytes, seconds) in totals:
@@ -60,7 +92,7 @@ class Trace:
             }
         return out
 
-    def recent(self, seconds):
+    def recent(self, seconds: float) -> list[RecentRecord]:
         """This rank's collectives that ended in the last ``seconds`` (wall-clock times, for
         ``%ring timeline``): a list of dicts kind, name, bytes, start, end, phases {name: [s, e]}."""
         now = time.perf_counter()
@@ -76,9 +108,9 @@ class Trace:
             self.records.clear()
             self.totals.clear()
 
-    def chrome_events(self):
+    def chrome_events(self) -> list[ChromeEvent]:
         """This rank's records as Chrome-trace events (pid = rank, one track per rank)."""
-        events = [
+        events: list[ChromeEvent] = [
             {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}},
         ]

@@ -23,6 +23,7 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 __all__ = ["WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "Activity", "activity", "doing", "arm",
@@ -92,7 +93,7 @@ class Activity:
         self._main = threading.main_thread().ident or 0
         self._pid = os.getpid()
 
-    def begin(self, kind, name):
+    def begin(self, kind: str, name: str) -> None:
         # a loop's collectives repeat their kind and name: the text in the map is written only
         # when it changes (identity: the same str objects), the rest is the times' one pack_into
         self.since = time.time()
@@ -109,7 +110,7 @@ class Activity:
         if self._map is not None:
             self._stamp()
 
-    def waiting(self, ranks):
+    def waiting(self, ranks: Iterable[int]) -> None:
         ranks = tuple(ranks)
         if ranks != self.waiting_for:
             self.waiting_for, self.waiting_since = ranks, time.time()
@@ -119,7 +120,7 @@ class Activity:
                 _COUNT.pack_into(self._map, _COUNT_AT, len(shown))
                 self._stamp()
 
-    def end(self):
+    def end(self) -> None:
         # kind, name and the ranks waited on stay until the next begin: not read while since is 0
         if self.since:
             self.since = 0.0

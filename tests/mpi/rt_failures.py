@@ -63,6 +63,9 @@ if mode == "mismatch":
                     "root rank 0 on rank 0 but 1 on rank")
     expect_mismatch("group size", lambda: ring.grouped_allreduce([np.zeros(3)] * (2 + min(r, 1)), name="g"),
                     "number of tensors 2 on rank 0 but 3 on rank")
+    # a group whose description pickles to over 64 KiB: its list of tensors is cut to the first 100
+    expect_mismatch("huge group", lambda: ring.grouped_allreduce([np.zeros(1)] * (10000 + min(r, 1)), name="huge"),
+                    "number of tensors 10000 on rank 0 but 10001 on rank")
     # On a prepared lane: every rank's lane of the name is warm, then the last rank's call
     # differs (it goes the full way, the others take their lane): every rank raises, and the
     # lane serves the next call exactly.
