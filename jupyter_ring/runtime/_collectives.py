@@ -1094,7 +1094,7 @@ def _gathered(rt: Runtime, arr: Array, peers: Peers, eager: bool, kind: str, nam
         lo, hi = int(offsets[q]) * row_elems, int(offsets[q + 1]) * row_elems
         if q == rt.rank:
             flat[lo:hi] = arr.reshape(-1)
-        elif peers[q].payload is not None:
+        elif peers[q].payload is not None:  # (a memoryview: PeerMsg.payload is declared object in _core)
             flat[lo:hi] = np.frombuffer(peers[q].payload, arr.dtype, hi - lo)  # type: ignore[call-overload]
         else:
             reqs.append(rt.comm.Irecv(_bytes(flat[lo:hi]), q, TAG_DATA))
