@@ -5,16 +5,27 @@ the data over point-to-point messages. Reductions that finish on the eager path 
 order on every rank, and the ring computes each segment once, so every rank ends bit-identical.
 """
 
+from __future__ import annotations
+
 import bisect
 import dataclasses
 import pickle
 import time
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, final
 
 import numpy as np
+import numpy.typing as npt
 
-from ._core import TAG_DATA, Average, Max, Min, Prepared, Product, _reducer
+from ._core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
+
 from ._errors import RingError
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: the runtime does that itself
+    from ._shm import SharedSlots
+    from mpi4py import MPI
+
+    from ._progress import Reduce
 
 __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
@@ -24,17 +35,23 @@ __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter"
 TAG_AG = TAG_DATA + 10
 _SHM_TRACED_PIECES = 4  # pieces with their own phases in the trace; the rest share one
 
+Array: TypeAlias = npt.NDArray[Any]  # a tensor: its dtype is a value at run time (ReducePlan.dtype)
+Desc: TypeAlias = tuple[tuple[str, object], ...]  # labelled fields the ranks agree on (allreduce_desc)
+LazyDesc: TypeAlias = Desc | Callable[[], Desc]   # or what builds them, called only to explain a mismatch
+Phases: TypeAlias = dict[str, tuple[float, float]]  # a trace record's phases: name -> (start, end)
+Peers: TypeAlias = dict[int, PeerMsg]  # what Runtime.negotiate returns: peer -> what it sent
 
-def _bytes(arr):
+
+def _bytes(arr: Array) -> npt.NDArray[np.uint8]:
     return arr.view(np.uint8)
 
 
 class ReducePlan(NamedTuple):
     """How allreduces of one (dtype, op, scale factors) reduce on one runtime; checked once."""
 
-    dtype: np.dtype
+    dtype: np.dtype[Any]
     op: int
-    fn: object            # the elementwise numpy ufunc
+    fn: np.ufunc          # the elementwise numpy ufunc
     prescale: float       # as passed: part of what the ranks agree on
     postscale: float
     scale_pre: float      # applied to the input (1.0: nothing to do)
@@ -47,18 +64,18 @@ class ReducePlan(NamedTuple):
 class Member(NamedTuple):
     """One tensor of an allreduce pass."""
 
-    src: np.ndarray       # flat C-contiguous input
-    dst: object           # flat output: ``src`` itself in place, None for a new array
+    src: Array            # flat C-contiguous input
+    dst: Array | None     # flat output: ``src`` itself in place, None for a new array
 
 
 class Source(NamedTuple):
     """A fresh input of a gradient bucket that is not in the bucket yet (see ``allreduce``)."""
 
     offset: int           # element offset of its slot in the bucket
-    array: np.ndarray     # flat, of the bucket's dtype
+    array: Array          # flat, of the bucket's dtype
 
 
-def _fill(buf, sources, skip=()):
+def _fill(buf: Array, sources: Iterable[Source], skip: Iterable[tuple[int, int]] = ()) -> None:
     """Copy every source into its slot of ``buf``, except the element ranges ``skip`` (sorted,
     disjoint): those this rank reduces itself, reading the sources where they lie."""
     for offset, arr in sources:
@@ -75,10 +92,11 @@ def _fill(buf, sources, skip=()):
             np.copyto(buf[a:b], arr[a - offset:b - offset])
 
 
-def _own_terms(buf, sources, starts, lo, hi):
+def _own_terms(buf: Array, sources: Sequence[Source], starts: Sequence[int], lo: int,
+               hi: int) -> list[tuple[int, int, Array]]:
     """``[(a, b, term)]`` covering ``buf[lo:hi]``: this rank's term read from the sources where
     they lie (``starts``: their offsets, sorted), and from ``buf`` between them."""
-    out = []
+    out: list[tuple[int, int, Array]] = []
     i = max(0, bisect.bisect_right(starts, lo) - 1)
     a = lo
     while a < hi:
@@ -96,7 +114,8 @@ def _own_terms(buf, sources, starts, lo, hi):
     return out
 
 
-def reduce_plan(rt, dtype, op, prescale, postscale, where, serial=0):
+def reduce_plan(rt: Runtime, dtype: np.dtype[Any], op: int, prescale: float, postscale: float, where: str,
+                serial: int = 0) -> ReducePlan:
     """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
     fn = _reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
@@ -105,7 +124,8 @@ def reduce_plan(rt, dtype, op, prescale, postscale, where, serial=0):
                       scale_post != 1.0 or divisor != 1)
 
 
-def _scale_of(rt, dtype, op, prescale, postscale, where):
+def _scale_of(rt: Runtime, dtype: np.dtype[Any], op: int, prescale: float, postscale: float,
+              where: str) -> tuple[float, float, int]:
     """(prescale, postscale, integer divisor) for ``op`` on ``dtype``; raises TypeError for ints."""
     if dtype.kind in "biu":
         if prescale != 1.0 or postscale != 1.0:
@@ -117,9 +137,10 @@ def _scale_of(rt, dtype, op, prescale, postscale, where):
     return prescale, postscale, 1
 
 
-def allreduce_desc(name, shape, prescale, postscale, members=None):
+def allreduce_desc(name: object, shape: Iterable[int], prescale: float, postscale: float,
+                   members: Sequence[tuple[object, tuple[int, ...]]] | None = None) -> Desc:
     """What every rank must agree on, besides kind/dtype/op/count, as labelled fields."""
-    desc = (("name", name), ("shape", tuple(shape)), ("prescale_factor", prescale),
+    desc: Desc = (("name", name), ("shape", tuple(shape)), ("prescale_factor", prescale),
             ("postscale_factor", postscale))
     if members is not None:
         # the count and the members explain a mismatch better than the fused total shape
@@ -127,14 +148,16 @@ def allreduce_desc(name, shape, prescale, postscale, members=None):
     return desc
 
 
+@final  # (lets mypy narrow ``type(x) is not Flat`` to an array)
 class Flat:
     """Consecutive flat arrays read and written as one: a fused pass copies straight between its
     members and the transport's buffers, with no fusion buffer in between."""
 
     __slots__ = ("arrays", "ends", "size")
 
-    def __init__(self, arrays):
+    def __init__(self, arrays: list[Array]) -> None:
         self.arrays = arrays
+        ends: list[int]
         ends, end = [], 0
         for a in arrays:
             end += a.size
@@ -142,7 +165,7 @@ class Flat:
         self.ends = ends
         self.size = end
 
-    def spans(self, lo, hi):
+    def spans(self, lo: int, hi: int) -> Iterator[tuple[Array, int, int, int]]:
         """(array, start in it, start in [lo, hi), count) covering elements [lo, hi)."""
         i = bisect.bisect_right(self.ends, lo)
         ends, arrays = self.ends, self.arrays
@@ -155,32 +178,34 @@ class Flat:
             pos = e
             i += 1
 
-    def read(self, lo, hi, out):
+    def read(self, lo: int, hi: int, out: Array) -> None:
         """Copy elements [lo, hi) into ``out``."""
         for a, at, to, count in self.spans(lo, hi):
             np.copyto(out[to:to + count], a[at:at + count])
 
-    def write(self, lo, hi, src):
+    def write(self, lo: int, hi: int, src: Array) -> None:
         """Copy ``src`` into elements [lo, hi)."""
         for a, at, to, count in self.spans(lo, hi):
             np.copyto(a[at:at + count], src[to:to + count])
 
 
-def _read(flat, lo, hi, out):
+def _read(flat: Flat | Array, lo: int, hi: int, out: Array) -> None:
     if type(flat) is Flat:
         flat.read(lo, hi, out)
     else:
         np.copyto(out, flat[lo:hi])
 
 
-def _write(flat, lo, hi, src):
+def _write(flat: Flat | Array, lo: int, hi: int, src: Array) -> None:
     if type(flat) is Flat:
         flat.write(lo, hi, src)
     else:
         np.copyto(flat[lo:hi], src)
 
 
-def allreduce(rt, members, plan, name, desc, pending=None, own=None, sources=None):
+def allreduce(rt: Runtime, members: Sequence[Member], plan: ReducePlan, name: str, desc: LazyDesc,
+              pending: int | None = None, own: bytes | None = None,
+              sources: list[Source] | None = None) -> list[Array]:
     """Reduce every member over the ranks (one pass, fused); returns the flat outputs.
 
     ``plan`` comes from ``reduce_plan``; ``desc`` (or its packed agreement ``own``) is what the
@@ -197,12 +222,16 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None, sources=Non
     if sources is not None and (not single or rt.fits_eager(members[0].src.nbytes)):
         _fill(members[0].src, sources)
         sources = None
+    src: Flat | Array
+    dst: Flat | Array | None
+    outs: list[Array]
     if single:
         src = members[0].src
         total = src.size
         dst = members[0].dst
         if dst is None:
-            dst = rt.pool.empty(total, dtype)
+            fresh: Array = rt.pool.empty(total, dtype)  # (typed: dst is then an array, not the union)
+            dst = fresh
         outs = [dst]
     else:
         src = Flat([m.src for m in members])
@@ -210,7 +239,7 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None, sources=Non
         outs = [rt.pool.empty(m.src.size, dtype) if m.dst is None else m.dst for m in members]
         dst = Flat(outs)
     nbytes = total * dtype.itemsize
-    phases = {}
+    phases: Phases = {}
     if rt.fits_eager(nbytes):
         _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases)
     else:
@@ -219,12 +248,15 @@ def allreduce(rt, members, plan, name, desc, pending=None, own=None, sources=Non
     return outs
 
 
-def allreduce_one(rt, member, plan, name, desc, own):
+def allreduce_one(rt: Runtime, member: Member, plan: ReducePlan, name: str, desc: LazyDesc,
+                  own: bytes | None) -> Array:
     """``allreduce`` of one member, returning its flat output (the short path above eager)."""
     return allreduce(rt, [member], plan, name, desc, None, own)[0]
 
 
-def eager_one(rt, src, dst, plan, name, desc, own):
+def eager_one(rt: Runtime, src: Array, dst: Array | None, plan: ReducePlan, name: str, desc: LazyDesc,
+              own: bytes | None) -> Array:
+
     """One tensor whose payload fits the agreement message, on the short path (a blocking call on
     an idle engine): ``allreduce`` + ``_eager`` for a single member, without the fused pass's
     generality. Returns the flat output: ``dst``, or a new array when it is None."""
@@ -263,22 +295,23 @@ class Lane:
     """
 
     # the signature, as the caller passes it (compared on every call)
-    dtype: np.dtype
-    shape: tuple
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
     op: object
     average: object
     prescale: object
     postscale: object
     # what the lane reuses
     plan: ReducePlan
-    desc: tuple           # what the ranks agree on (explains a mismatch)
+    desc: Desc            # what the ranks agree on (explains a mismatch)
     prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
-    payload: object       # the send buffer's payload region, shaped as the input (None: signature only)
-    terms: object         # every participant's payload in rank order, shaped (ours is ``payload``)
+    # typed as run() reads them: set with ``prepared`` by _wire, read only once it is (None before)
+    payload: Array        # the send buffer's payload region, shaped as the input (None: signature only)
+    terms: list[Array]    # every participant's payload in rank order, shaped (ours is ``payload``)
     nbytes: int
-    pre: object           # the prescale factor as a scalar of the dtype, None when it is 1
+    pre: np.generic | None  # the prescale factor as a scalar of the dtype, None when it is 1
 
-    def fits(self, arr, op, average, prescale, postscale):
+    def fits(self, arr: Array, op: object, average: object, prescale: object, postscale: object) -> bool:
         """Whether a call with these arguments is this lane's signature (``arr`` a numpy array).
 
         Identity for the op and average (ints and None: cached objects), floats compared as
@@ -287,7 +320,7 @@ class Lane:
                 and average is self.average and type(prescale) is float and prescale == self.prescale
                 and type(postscale) is float and postscale == self.postscale)
 
-    def run(self, rt, tensor, in_place, name, _explicit):
+    def run(self, rt: Runtime, tensor: Array, in_place: bool, name: str, _explicit: str | None) -> Array:
         """One blocking allreduce of ``tensor`` (executor lock held, wiring checked): copy in,
         the prepared exchange, reduce in rank order into ``tensor`` (in place) or a new array,
         one trace record: ``eager_one``'s work without its lookups, views or reshapes."""
@@ -297,7 +330,7 @@ class Lane:
             self.payload[...] = tensor
         else:
             np.multiply(tensor, self.pre, out=self.payload)
-        peers = rt.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)
+        peers = rt.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)  # type: ignore[arg-type]  # a lane is run with its exchange
         agreed = time.perf_counter()
         out = tensor if in_place else np.empty(self.shape, plan.dtype)
         if peers is None:
@@ -310,12 +343,13 @@ class Lane:
         rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
         return out
 
-    def renew(self, rt, _result):
+    def renew(self, rt: Runtime, _result: object) -> None:
         """Prepare the exchange anew on the runtime's wiring (a call went the full way after a
         resync or a join; executor lock held); it stays stale where none applies."""
-        self._wire(rt, self.prepared.agreement)
+        # (Engine.run_lane takes prepared lanes only: prepared is not None here)
+        self._wire(rt, self.prepared.agreement)  # type: ignore[union-attr]
 
-    def _wire(self, rt, own):
+    def _wire(self, rt: Runtime, own: bytes) -> None:
         prepared = rt.prepare(own, self.nbytes)
         if prepared is not None:
             dtype, count, shape = self.plan.dtype, int(np.prod(self.shape, dtype=np.int64)), self.shape
@@ -325,7 +359,8 @@ class Lane:
             self.prepared = prepared
 
 
-def prepare_lane(rt, entry, op, average, prescale, postscale):
+def prepare_lane(rt: Runtime | None, entry: Reduce, op: object, average: object, prescale: object,
+                 postscale: object) -> Lane:
     """The ``Lane`` of ``entry``'s signature (a ``Reduce`` whose arguments were checked).
 
     With ``rt`` (a blocking call that just ran, executor lock held) its exchange is prepared too,
@@ -337,7 +372,8 @@ def prepare_lane(rt, entry, op, average, prescale, postscale):
     dtype = plan.dtype
     desc = entry.describe()
     pre = None if plan.scale_pre == 1.0 else dtype.type(plan.scale_pre)
-    lane = Lane(entry.src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, None, None, None,
+    lane = Lane(entry.src.dtype, entry.shape, op, average, prescale, postscale, plan, desc, None,
+                None, None,  # type: ignore[arg-type]  # (payload, terms: set by _wire with prepared)
                 entry.src.nbytes, pre)
     if rt is not None:
         lane._wire(rt, rt.agreement("allreduce", dtype, plan.op, -1, entry.src.size, desc))
@@ -357,20 +393,21 @@ class GatherLane:
     """
 
     kind: str
-    dtype: np.dtype
-    shape: tuple          # this rank's input as passed (compared on every call)
-    desc: tuple
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]  # this rank's input as passed (compared on every call)
+    desc: Desc
     prepared: Prepared
-    payload: np.ndarray   # the send buffer's payload region, shaped (rows, *trailing)
-    rows: list            # every rank's dim 0, as last exchanged
-    terms: list           # every rank's payload in rank order, shaped (its rows, *trailing)
-    out_shape: tuple
+    payload: Array        # the send buffer's payload region, shaped (rows, *trailing)
+    rows: list[int]       # every rank's dim 0, as last exchanged
+    terms: list[Array | None]  # every rank's payload in rank order, shaped (its rows, *trailing);
+    #                            None: a peer's rows do not fit the agreement message (see _expect)
+    out_shape: tuple[int, ...]
 
-    def fits(self, arr):
+    def fits(self, arr: Array) -> bool:
         """Whether ``arr`` (a numpy array) is this lane's signature."""
         return arr.dtype is self.dtype and arr.shape == self.shape
 
-    def run(self, rt, arr, name, _explicit):
+    def run(self, rt: Runtime, arr: Array, name: str, _explicit: str | None) -> tuple[Array, list[int]]:
         """One blocking allgather of ``arr`` (executor lock held, wiring checked): copy in, the
         prepared exchange, one concatenation. Returns (output, every rank's dim 0)."""
         start = time.perf_counter()
@@ -378,7 +415,7 @@ class GatherLane:
         peers = rt.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
         if peers is None:
             out = np.empty(self.out_shape, self.dtype)
-            np.concatenate(self.terms, out=out)
+            np.concatenate(self.terms, out=out)  # type: ignore[arg-type]  # (none is None: expected headers came)
             rows = self.rows
         else:  # another row count on some peer: as the full way, then expected from now on
             out, rows = _gathered(rt, self.payload, peers, True, self.kind, name)
@@ -386,12 +423,12 @@ class GatherLane:
         rt.trace.record(self.kind, name, out.nbytes, start, time.perf_counter(), {})
         return out, rows
 
-    def renew(self, rt, result):
+    def renew(self, rt: Runtime, result: tuple[Array, list[int]]) -> None:
         """Prepare the exchange anew on the runtime's wiring after a full call that returned
         ``result`` (output, rows); it stays stale where none applies."""
         self._wire(rt, self.prepared.agreement, result[1])
 
-    def _wire(self, rt, own, rows):
+    def _wire(self, rt: Runtime, own: bytes, rows: Sequence[int]) -> None:
         """Prepare the exchange (this rank sends its rows and payload) and expect ``rows``."""
         prepared = rt.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
         if prepared is not None and len(rows) == rt.size:
@@ -399,7 +436,7 @@ class GatherLane:
             self.payload = rt.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
             self._expect(rt, rows)
 
-    def _expect(self, rt, rows):
+    def _expect(self, rt: Runtime, rows: Sequence[int]) -> None:
         """Expect every rank's dim 0 to be ``rows``: the peers' headers and payload views, the
         output's shape. When some peer's rows do not fit the agreement message (they come in a
         message of their own) no header is expected: every call takes the full layout."""
@@ -407,10 +444,12 @@ class GatherLane:
         row_bytes = self.payload.itemsize * int(np.prod(rest, dtype=np.int64))
         header = self.prepared.header
         sizes = {p: (rows[p], rows[p] * row_bytes) for p in rt.active}
+        expected: tuple[bytes, ...] | None
         expected = tuple(rt.peer_header(header, *sizes[p]) for p in rt.active)
         if any(size > rt.eager_limit for _rows, size in sizes.values()):
             expected = None  # never equal: the views below would not hold those rows
-        self.prepared = self.prepared._replace(expected=expected)
+        # (Prepared.expected holds None too: its declaration in _core says tuple)
+        self.prepared = self.prepared._replace(expected=expected)  # type: ignore[arg-type]
         self.rows = list(rows)
         self.terms = [self.payload if q == rt.rank else
                       rt.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
@@ -419,7 +458,8 @@ class GatherLane:
         self.out_shape = (sum(rows),) + rest
 
 
-def prepare_gather_lane(rt, kind, arr, rows, explicit_name):
+def prepare_gather_lane(rt: Runtime, kind: str, arr: Array, rows: Sequence[int],
+                        explicit_name: str | None) -> GatherLane | None:
     """The ``GatherLane`` of ``arr``'s signature after a full allgather that returned ``rows``
     (executor lock held), or None where none applies (a peer has joined, ``arr`` does not fit
     the agreement message)."""
@@ -428,7 +468,9 @@ def prepare_gather_lane(rt, kind, arr, rows, explicit_name):
     row_elems = int(np.prod(rest, dtype=np.int64))
     desc = (("name", explicit_name), ("trailing shape", rest))
     # the input's own memory stands in for the payload view until _wire makes that
-    lane = GatherLane(kind, arr.dtype, arr.shape, desc, None, np.ascontiguousarray(flat), [], [], ())
+    lane = GatherLane(kind, arr.dtype, arr.shape, desc,
+                      None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
+                      np.ascontiguousarray(flat), [], [], ())
     lane._wire(rt, rt.agreement(kind, arr.dtype, 0, -1, row_elems, desc), rows)
     return lane if lane.prepared is not None else None
 
@@ -438,21 +480,21 @@ class CastLane:
     """A blocking broadcast signature seen before (dtype, shape, root), its exchange prepared:
     the root's payload rides in its header's message, the other ranks send the header alone."""
 
-    dtype: np.dtype
-    shape: tuple
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
     root_rank: int        # as passed (a global rank), compared on every call
     root: int             # the root in this runtime's ranks
-    desc: tuple
+    desc: Desc
     prepared: Prepared
-    payload: np.ndarray   # the root's payload, shaped as the input: the send buffer's on the root,
+    payload: Array        # the root's payload, shaped as the input: the send buffer's on the root,
     nbytes: int           # its eager buffer's elsewhere
 
-    def fits(self, arr, root_rank):
+    def fits(self, arr: Array, root_rank: object) -> bool:
         """Whether ``arr`` (a numpy array) and ``root_rank`` are this lane's signature."""
         return (arr.dtype is self.dtype and arr.shape == self.shape and type(root_rank) is int
                 and root_rank == self.root_rank)
 
-    def run(self, rt, arr, in_place, name, _explicit):
+    def run(self, rt: Runtime, arr: Array, in_place: bool, name: str, _explicit: str | None) -> Array:
         """One blocking broadcast (executor lock held, wiring checked): the root copies in, every
         rank runs the prepared exchange, the others copy the root's payload out."""
         start = time.perf_counter()
@@ -467,15 +509,15 @@ class CastLane:
         elif peers is None:
             out[...] = self.payload
         else:  # every check passed on headers unlike the expected ones (defensive: none is known)
-            out.reshape(-1)[...] = np.frombuffer(peers[self.root].payload, self.dtype, out.size)
+            out.reshape(-1)[...] = np.frombuffer(peers[self.root].payload, self.dtype, out.size)  # type: ignore[arg-type]  # an eager payload
         rt.trace.record("broadcast", name, self.nbytes, start, time.perf_counter(), {})
         return out
 
-    def renew(self, rt, _result):
+    def renew(self, rt: Runtime, _result: object) -> None:
         """Prepare the exchange anew on the runtime's wiring (see ``Lane.renew``)."""
         self._wire(rt, self.prepared.agreement)
 
-    def _wire(self, rt, own):
+    def _wire(self, rt: Runtime, own: bytes) -> None:
         root, nbytes = self.root, self.nbytes
         if nbytes > rt.eager_limit:
             return
@@ -490,16 +532,20 @@ class CastLane:
             self.prepared = prepared
 
 
-def prepare_cast_lane(rt, arr, root_rank, root, explicit_name):
+def prepare_cast_lane(rt: Runtime, arr: Array, root_rank: int, root: int,
+                      explicit_name: str | None) -> CastLane | None:
     """The ``CastLane`` of a broadcast of ``arr`` from ``root`` (this runtime's rank; passed as
     the global ``root_rank``), executor lock held; None where none applies."""
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    lane = CastLane(arr.dtype, arr.shape, root_rank, root, desc, None, None, arr.nbytes)
+    lane = CastLane(arr.dtype, arr.shape, root_rank, root, desc,
+                    None, None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
+                    arr.nbytes)
     lane._wire(rt, rt.agreement("broadcast", arr.dtype, 0, root, arr.size, desc))
     return lane if lane.prepared is not None else None
 
 
-def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):
+def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: ReducePlan, name: str,
+           desc: LazyDesc, pending: int | None, own: bytes | None, start: float, phases: Phases) -> None:
     """Payloads inside the agreement message; every rank reduces them in rank order."""
     dtype = plan.dtype
     payload = rt.payload_view(dtype, total)
@@ -523,10 +569,10 @@ def _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases):
     terms = [payload if q == me else rt.peer_payload(q, dtype, total) for q in parts]
     _reduce_into(out, terms, plan, rt.joined)
     if out is not dst:
-        dst.write(0, total, out)
+        dst.write(0, total, out)  # type: ignore[union-attr]  # (out is a scratch copy when dst is a Flat)
 
 
-def _reduce_into(out, terms, plan, joined):
+def _reduce_into(out: Array, terms: Sequence[Array], plan: ReducePlan, joined: Mapping[int, JoinNote]) -> None:
     """Reduce every participant's term, in rank order, into ``out``; then scale it."""
     fn = plan.fn
     if len(terms) == 1:
@@ -541,14 +587,18 @@ def _reduce_into(out, terms, plan, joined):
         _joined_zeros(out, plan)
 
 
-def _joined_zeros(out, plan):
+def _joined_zeros(out: Array, plan: ReducePlan) -> None:
     """Ranks that called join() contribute zeros (Horovod): Sum/Average need nothing, the rest do."""
     if plan.op in (Min, Max, Product):
         plan.fn(out, plan.dtype.type(0), out=out)
 
 
-def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single, sources=None):
+def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: ReducePlan, name: str,
+           desc: LazyDesc, pending: int | None, own: bytes | None, start: float, phases: Phases, single: bool,
+           sources: list[Source] | None = None) -> None:
     """Above ``eager_bytes``: shared memory on one host, the pipelined ring otherwise."""
+    # (``single``: src and dst are arrays, else both are Flats, and ``sources`` is None: mypy does
+    # not tie the types to the flag, hence the ignores below)
     dtype = plan.dtype
     nbytes = total * dtype.itemsize
     # in place: once dst is written, a retry would read results (Runtime.run refuses to retry)
@@ -560,30 +610,30 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
     # is, the peers reduce straight out of each other's buffers (no copy in).
     threshold = rt.config.shm_threshold
     shm = rt.shm is not None and 0 < threshold < nbytes
-    region = rt.shm.locate(src) if shm and src is dst else 0
+    region = rt.shm.locate(src) if shm and src is dst else 0  # type: ignore[union-attr, arg-type]  # shm: slots; in place: an array
     if sources is not None and (not region or plan.scale_pre != 1.0):
-        _fill(src, sources)  # only the registered path reads them where they lie
+        _fill(src, sources)  # type: ignore[arg-type]  # only the registered path reads them where they lie
         sources = None
     if single and plan.scale_pre != 1.0 and not region:
         src = src * dtype.type(plan.scale_pre)
         prescaled = True
     else:
         prescaled = type(src) is not Flat or plan.scale_pre == 1.0
-    offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0
+    offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0  # type: ignore[union-attr]  # shm: slots
     peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
                          own=own, region=region)
     phases["negotiate"] = (start, time.perf_counter())
     registered = (region and len(rt.participants) > 1 and total and offer and all(peers[p].aux for p in peers)
                   and all(peers[p].region for p in peers))
     if sources is not None and not registered:
-        _fill(src, sources)
+        _fill(src, sources)  # type: ignore[arg-type]
         sources = None
     if len(rt.participants) == 1 or total == 0:
         if single:
             if src is not dst:
-                np.copyto(dst, src)
+                np.copyto(dst, src)  # type: ignore[arg-type]
         else:
-            for m, out in zip(src.arrays, dst.arrays):
+            for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
                 if out is not m:
                     np.copyto(out, m)
                 if not prescaled:
@@ -594,7 +644,7 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
                 _joined_zeros(out, plan)
     elif offer and all(peers[p].aux for p in peers):
         if registered:
-            _registered(rt, src, plan, offer, peers, name, phases, sources)
+            _registered(rt, src, plan, offer, peers, name, phases, sources)  # type: ignore[arg-type]
         else:
             if region and plan.scale_pre != 1.0:  # a peer's tensor is not registered after all
                 src, prescaled = src * dtype.type(plan.scale_pre), True
@@ -612,24 +662,25 @@ def _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, s
                 _joined_zeros(staged, plan)
             _write(dst, 0, total, staged)
         else:
-            _ring(rt, src, dst, plan.fn, plan.scale_post, plan.divisor, _even_bounds(total, len(rt.participants)),
-                  name, phases, aliased=aliased)
+            _ring(rt, src, dst, plan.fn, plan.scale_post, plan.divisor,  # type: ignore[arg-type]
+                  _even_bounds(total, len(rt.participants)), name, phases, aliased=aliased)
             if rt.joined:
-                _joined_zeros(dst, plan)
+                _joined_zeros(dst, plan)  # type: ignore[arg-type]
 
 
-def _finish(arr, postscale, divisor):
+
+def _finish(arr: Array, postscale: float, divisor: int) -> None:
     if postscale != 1.0:
         np.multiply(arr, postscale if type(postscale) is arr.dtype.type else arr.dtype.type(postscale), out=arr)
     if divisor != 1:
         np.floor_divide(arr, divisor, out=arr)
 
 
-def _even_bounds(length, n):
+def _even_bounds(length: int, n: int) -> list[int]:
     return [length * j // n for j in range(n + 1)]
 
 
-def _row_bounds(rows, row_elems, n):
+def _row_bounds(rows: int, row_elems: int, n: int) -> list[int]:
     """Horovod's split of dim 0: the first ``rows % n`` ranks get one extra row."""
     bounds = [0]
     for j in range(n):
@@ -637,8 +688,8 @@ def _row_bounds(rows, row_elems, n):
     return bounds
 
 
-def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=True,
-          aliased=False):
+def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, divisor: int, bounds: Sequence[int],
+          name: str, phases: Phases, allgather: bool = True, aliased: bool = False) -> None:
     """Pipelined ring: reduce-scatter then (optionally) allgather, in pieces of ``chunk_bytes``.
 
     Reduce-scatter step s: rank r sends segment (r-s-1) and receives segment (r-s-2) from the
@@ -660,9 +711,10 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
                             if rt.hosts[left] != rt.hosts[rt.rank] else "")
     step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
     what = f"allreduce '{name}' (ring, waiting on rank {left})"
+    inflight: list[MPI.Request]
     inflight = rt._inflight = []
 
-    def pieces(j):
+    def pieces(j: int) -> list[tuple[int, int]]:
         lo, hi = seg[j]
         return [(a, min(a + step_elems, hi)) for a in range(lo, hi, step_elems)]
 
@@ -670,7 +722,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
     halves = (scratch[:maxseg], scratch[maxseg:])
 
-    def post_rs(step):
+    def post_rs(step: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
         j = (r - step - 2) % n
         buf, base = halves[step % 2], seg[j][0]
         reqs = []
@@ -680,10 +732,10 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
             reqs.append((req, a, b))
         return j, reqs
 
-    sends = []
-    seg_sends = {}
+    sends: list[MPI.Request] = []
+    seg_sends: dict[int, list[MPI.Request]] = {}
 
-    def send(arr, a, b, tag, j):
+    def send(arr: Array, a: int, b: int, tag: int, j: int) -> None:
         req = comm.Isend(_bytes(arr[a:b]), right, tag)
         inflight.append(req)
         sends.append(req)
@@ -727,7 +779,7 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
         ag_next = _post_ag(rt, dst, pieces, j0, left, inflight)
     if allgather:
         for s in range(n - 1):
-            j, reqs = ag_next
+            j, reqs = ag_next  # type: ignore[misc]  # (posted above by now)
             if s + 1 < n - 1:
                 nj = (r - s - 2) % n
                 if seg_sends.get(nj):
@@ -744,7 +796,8 @@ def _ring(rt, src, dst, fn, postscale, divisor, bounds, name, phases, allgather=
     rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
 
-def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled):
+def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int, offers: dict[int, int],
+            name: str, phases: Phases, aliased: bool, prescaled: bool) -> None:
     """Allreduce through the ranks' shared-memory slots, in pieces, one sync per piece.
 
     Each half of a slot holds one piece as n regions of a fixed size, region i for block i of
@@ -771,7 +824,7 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     scaled copy in scratch), and copies its results straight out into the members.
     Ranks that called join() take no part: blocks are split among the participants.
     """
-    slots = rt.shm
+    slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
     parts = rt.participants
     n, me = len(parts), rt.rank
     index = parts.index(me)
@@ -786,7 +839,7 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     total = src.size
     cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
     step = cap * n
-    slot = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
+    slot: dict[int, Array] = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
     count = -(-total // step)
     pre = None if prescaled else dtype.type(plan.scale_pre)
     # own block read straight from the input: one array, or the fused members where they lie
@@ -794,27 +847,28 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     own_copy = None if direct else rt.scratch(cap * dtype.itemsize).view(dtype)
     joined = rt.joined
 
-    def blocks(k):
+    def blocks(k: int) -> tuple[int, list[int]]:
         """Piece k's start and its blocks' bounds inside it (block i: [c[i], c[i + 1]))."""
         a = k * step
         length = min(step, total - a)
         return a, [length * i // n for i in range(n + 1)]
 
-    def region(q, k, i, length):
+    def region(q: int, k: int, i: int, length: int) -> Array:
         base = (k % 2) * step + i * cap
         return slot[q][base:base + length]
 
-    def copy_in(k):
+    def copy_in(k: int) -> None:
         a, c = blocks(k)
         for i in range(n):
             if i == index and direct:
                 continue
-            out = own_copy[:c[i + 1] - c[i]] if i == index else region(me, k, i, c[i + 1] - c[i])
+            # (i == index here only when not direct: own_copy is an array then)
+            out = own_copy[:c[i + 1] - c[i]] if i == index else region(me, k, i, c[i + 1] - c[i])  # type: ignore[index]
             _read(src, a + c[i], a + c[i + 1], out)
             if pre is not None:
                 np.multiply(out, pre, out=out)
 
-    def reduce(k):
+    def reduce(k: int) -> None:
         a, c = blocks(k)
         lo, hi = c[index], c[index + 1]
         out = region(me, k, index, hi - lo)
@@ -824,18 +878,19 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
                 _reduce_into(out[to:to + length], [arr[at:at + length] if t is None else t[to:to + length]
                                                    for t in theirs], plan, joined)
         else:
-            own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]
+            # (src is an array when direct here, own_copy one when not)
+            own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]  # type: ignore[index]
             _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
         rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
         _write(dst, a + lo, a + hi, out)
 
-    def copy_out(k):
+    def copy_out(k: int) -> None:
         a, c = blocks(k)
         for i, q in enumerate(parts):
             if q != me:
                 _write(dst, a + c[i], a + c[i + 1], region(q, k, i, c[i + 1] - c[i]))
 
-    def traced(k, label, t0, t1):
+    def traced(k: int, label: str, t0: float, t1: float) -> None:
         if k < _SHM_TRACED_PIECES:
             phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
 
@@ -871,14 +926,15 @@ def _shared(rt, src, dst, plan, offer, offers, name, phases, aliased, prescaled)
     phases[f"shm ({count} x {step * dtype.itemsize // 1024} KiB)"] = (first, end)
 
 
-def _sync(rt, others, what):
+def _sync(rt: Runtime, others: list[int], what: str) -> None:
     """Announce this rank's next shared-memory sync point and wait until ``others`` reach it."""
-    slots = rt.shm
+    slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
     value = slots.arrive(rt.gen)
     rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
 
 
-def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
+def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Peers, name: str, phases: Phases,
+                sources: list[Source] | None = None) -> None:
     """In-place allreduce of tensors that live in registered memory, read where they lie.
 
     Every rank's tensor is in a file every peer maps (``SharedSlots.register``: gradient buckets),
@@ -890,7 +946,7 @@ def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
     gradients not in the bucket yet): only the blocks the peers read are copied in before the
     first sync; block r, which only rank r reads, is reduced from them where they lie.
     """
-    slots = rt.shm
+    slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
     dtype = plan.dtype
     parts = rt.participants
     n, me = len(parts), rt.rank
@@ -907,12 +963,12 @@ def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
     total = buf.size
     step = max(1, rt.config.shm_window_bytes // dtype.itemsize)
 
-    def sync():
+    def sync() -> None:
         _sync(rt, others, what)
 
     t0 = time.perf_counter()
     pieces = range(0, total, step)
-    starts = None
+    starts: list[int] | None = None
     if sources is not None:  # (no prescale here: _large filled them all first)
         own = [(a + (min(a + step, total) - a) * index // n, a + (min(a + step, total) - a) * (index + 1) // n)
                for a in pieces]
@@ -931,7 +987,8 @@ def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
         t1 = time.perf_counter()
         lo, hi = a + (b - a) * index // n, a + (b - a) * (index + 1) // n
         rt.partial = True  # this rank's tensor is written from here on: no retry (Runtime.run)
-        for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None else _own_terms(buf, sources, starts, lo, hi)):
+        for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None
+                           else _own_terms(buf, sources, starts, lo, hi)):  # type: ignore[arg-type]  # (sources too)
             terms = [mine if q == me else views[q][c:d] for q in parts]
             if index >= 2 and np.may_share_memory(mine, buf):
                 # its own term is read after the first terms are reduced into it
@@ -953,7 +1010,8 @@ def _registered(rt, buf, plan, offer, peers, name, phases, sources=None):
     phases[f"shm registered ({len(pieces)} x {step * dtype.itemsize // 1024} KiB)"] = (t0, time.perf_counter())
 
 
-def _post_ag(rt, dst, pieces, j, left, inflight):
+def _post_ag(rt: Runtime, dst: Array, pieces: Callable[[int], list[tuple[int, int]]], j: int, left: int,
+             inflight: list[MPI.Request]) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
     reqs = []
     for a, b in pieces(j):
         req = rt.comm.Irecv(_bytes(dst[a:b]), left, TAG_AG)
@@ -962,7 +1020,7 @@ def _post_ag(rt, dst, pieces, j, left, inflight):
     return j, reqs
 
 
-def reducescatter(rt, arr, op, name, explicit_name):
+def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: str | None) -> Array:
     """Reduce over the ranks and keep this rank's block of dim 0 (Horovod's split)."""
     start = time.perf_counter()
     fn = _reducer(op, arr.dtype)
@@ -979,11 +1037,12 @@ def reducescatter(rt, arr, op, name, explicit_name):
                          payload=_bytes(flat) if eager else None)
     lo, hi = bounds[r], bounds[r + 1]
     phases = {"negotiate": (start, time.perf_counter())}
+    out: Array
     if n == 1:
         out = flat.copy()
         _finish(out, postscale, divisor)
     elif eager:
-        bufs = [flat if q == r else np.frombuffer(peers[q].payload, flat.dtype, flat.size) for q in range(n)]
+        bufs = [flat if q == r else np.frombuffer(peers[q].payload, flat.dtype, flat.size) for q in range(n)]  # type: ignore[arg-type]  # eager: payloads
         out = np.empty(hi - lo, flat.dtype)
         fn(bufs[0][lo:hi], bufs[1][lo:hi], out=out)
         for buf in bufs[2:]:
@@ -998,7 +1057,8 @@ def reducescatter(rt, arr, op, name, explicit_name):
     return out.reshape((my_rows,) + rest)
 
 
-def allgather(rt, arr, name, explicit_name, kind="allgather"):
+def allgather(rt: Runtime, arr: Array, name: str, explicit_name: str | None,
+              kind: str = "allgather") -> tuple[Array, list[int]]:
     """Concatenate every rank's ``arr`` along dim 0 (dim 0 may differ per rank).
 
     Returns the result and the list of every rank's dim 0.
@@ -1018,7 +1078,7 @@ def allgather(rt, arr, name, explicit_name, kind="allgather"):
     return out, rows
 
 
-def _gathered(rt, arr, peers, eager, kind, name):
+def _gathered(rt: Runtime, arr: Array, peers: Peers, eager: bool, kind: str, name: str) -> tuple[Array, list[int]]:
     """The allgather's output from the exchange just made: ``arr`` (this rank's rows, sent in
     the agreement message when ``eager``, else sent here), every peer's rows from its header
     (``aux``) and its payload, or received here. Returns (output, every rank's dim 0)."""
@@ -1028,13 +1088,15 @@ def _gathered(rt, arr, peers, eager, kind, name):
     offsets = np.cumsum([0] + [rows[q] for q in range(rt.size)])
     out = np.empty((int(offsets[-1]),) + rest, arr.dtype)
     flat = out.reshape(-1)
+    reqs: list[MPI.Request]
+    peer_of: list[int]
     reqs, peer_of = [], []
     for q in range(rt.size):
         lo, hi = int(offsets[q]) * row_elems, int(offsets[q + 1]) * row_elems
         if q == rt.rank:
             flat[lo:hi] = arr.reshape(-1)
         elif peers[q].payload is not None:
-            flat[lo:hi] = np.frombuffer(peers[q].payload, arr.dtype, hi - lo)
+            flat[lo:hi] = np.frombuffer(peers[q].payload, arr.dtype, hi - lo)  # type: ignore[arg-type]  # tested above
         else:
             reqs.append(rt.comm.Irecv(_bytes(flat[lo:hi]), q, TAG_DATA))
             peer_of.append(q)
@@ -1047,7 +1109,7 @@ def _gathered(rt, arr, peers, eager, kind, name):
     return out, [rows[q] for q in range(rt.size)]
 
 
-def broadcast_into(rt, arr, out, root, name, explicit_name):
+def broadcast_into(rt: Runtime, arr: Array, out: Array, root: int, name: str, explicit_name: str | None) -> Array:
     """Copy root's ``arr`` into ``out`` on every rank (``out`` may be ``arr``)."""
     start = time.perf_counter()
     flat = arr.reshape(-1)
@@ -1065,7 +1127,7 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
             rt._inflight = reqs
             rt._wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
     elif eager:
-        oflat[...] = np.frombuffer(peers[root].payload, flat.dtype, flat.size)
+        oflat[...] = np.frombuffer(peers[root].payload, flat.dtype, flat.size)  # type: ignore[arg-type]  # eager: the root's payload
     else:
         req = rt.comm.Irecv(_bytes(oflat), root, TAG_DATA)
         rt._inflight = [req]
@@ -1074,7 +1136,8 @@ def broadcast_into(rt, arr, out, root, name, explicit_name):
     return out
 
 
-def alltoall(rt, arr, splits, name, explicit_name):
+def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
+             explicit_name: str | None) -> tuple[Array, npt.NDArray[np.int32]]:
     """Send rows ``splits[q]`` of contiguous ``arr`` to rank q (splits checked by the caller).
 
     Returns (received rows, received splits).
@@ -1093,13 +1156,15 @@ def alltoall(rt, arr, splits, name, explicit_name):
     offs = np.cumsum([0] + received) * row_elems
     out = np.empty((sum(received),) + rest, arr.dtype)
     oflat = out.reshape(-1)
+    reqs: list[MPI.Request]
+    peer_of: list[int]
     reqs, peer_of = [], []
     for q in range(n):
         dst = oflat[int(offs[q]):int(offs[q + 1])]
         if q == rt.rank:
             dst[...] = blocks[q]
         elif peers[q].payload is not None:
-            dst[...] = np.frombuffer(peers[q].payload, arr.dtype, dst.size)
+            dst[...] = np.frombuffer(peers[q].payload, arr.dtype, dst.size)  # type: ignore[arg-type]  # not None, tested above
         else:
             reqs.append(rt.comm.Irecv(_bytes(dst), q, TAG_DATA))
             peer_of.append(q)
@@ -1113,14 +1178,15 @@ def alltoall(rt, arr, splits, name, explicit_name):
     return out, np.asarray(received, np.int32)
 
 
-def barrier(rt, name):
+def barrier(rt: Runtime, name: str) -> None:
     """Return once every rank has arrived (interruptible)."""
     start = time.perf_counter()
     rt.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
     rt.trace.record("barrier", name, 0, start, time.perf_counter(), {})
 
 
-def broadcast_object(rt, data, root, name, explicit_name):
+def broadcast_object(rt: Runtime, data: npt.NDArray[np.uint8], root: int, name: str,
+                     explicit_name: str | None) -> object:
     """Root's pickled ``data`` (uint8 array) unpickled on every other rank (root gets None)."""
     start = time.perf_counter()
     is_root = rt.rank == root
@@ -1149,13 +1215,14 @@ def broadcast_object(rt, data, root, name, explicit_name):
     return result
 
 
-def allgather_object(rt, data, name, explicit_name):
+def allgather_object(rt: Runtime, data: npt.NDArray[np.uint8], name: str, explicit_name: str | None) -> list[object]:
     """Every rank's pickled ``data`` (uint8 array), unpickled, as a list in rank order."""
     return unpickle_gathered(*allgather(rt, data, name, explicit_name, kind="allgather_object"))
 
 
-def unpickle_gathered(gathered, sizes):
+def unpickle_gathered(gathered: Array, sizes: Sequence[int]) -> list[object]:
     """The objects of an allgather of pickles (``sizes``: every rank's bytes), in rank order."""
+    out: list[object]
     out, offset = [], 0
     for nbytes in sizes:
         out.append(pickle.loads(gathered[offset:offset + nbytes].tobytes()))

@@ -28,6 +28,8 @@ are abandoned and the runtime resyncs at the next collective, as after an interr
 caller's own thread; everything queued fails with "cancelled".
 """
 
+from __future__ import annotations
+
 import collections
 import contextlib
 import ctypes
@@ -37,12 +39,13 @@ import logging
 import pickle
 import threading
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, final
 
 import numpy as np
 
 from . import _collectives as C
-from ._core import Abandoned, Disagree, Recut, Restart
+from ._core import Abandoned, Disagree, Prepared, Recut, Restart, Runtime
 from ._debugger import hold
 from ._errors import RingError, StallError
 from ._report import reporter
@@ -66,12 +69,12 @@ class _Feeders:
     earlier ones wait). A waiting caller alone cannot queue more, so no common name among blocked
     ranks is a mismatch at once; with feeders, only once the rank's queue stopped growing."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.count = 0
 
     @contextlib.contextmanager
-    def __call__(self):
+    def __call__(self) -> Iterator[None]:
         with self.lock:
             self.count += 1
         try:
@@ -84,50 +87,71 @@ class _Feeders:
 feeding = _Feeders()  # ``with feeding():`` around a wait that other threads may feed
 
 
+@final  # (lets mypy narrow ``type(entry) is not Reduce`` to a Call)
 class Reduce(NamedTuple):
     """A queued allreduce of one tensor: fusable with neighbours of the same plan."""
 
     handle: int
     name: str                 # for messages and the trace (auto-named when not given)
-    explicit: object          # the name= the caller passed (str) or None: agreed between ranks
-    src: np.ndarray           # flat C-contiguous input
-    dst: object               # flat output: ``src`` in place, None for a new array
-    result: object            # in place: what synchronize() returns (the caller's array)
-    shape: tuple
+    explicit: str | None      # the name= the caller passed (str) or None: agreed between ranks
+    src: C.Array              # flat C-contiguous input
+    dst: C.Array | None       # flat output: ``src`` in place, None for a new array
+    result: C.Array | None    # in place: what synchronize() returns (the caller's array)
+    shape: tuple[int, ...]
     plan: C.ReducePlan
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return self.src.nbytes
 
-    def describe(self):
+    def describe(self) -> C.Desc:
         """What the ranks agree on (built only to explain a mismatch)."""
         return C.allreduce_desc(self.explicit, self.shape, self.plan.prescale, self.plan.postscale)
 
 
+@final  # (lets mypy narrow ``type(entry) is not Call`` to a Reduce)
 class Call(NamedTuple):
     """A queued collective run alone: ``run(rt)`` returns its result."""
 
     handle: int
     kind: str
     name: str
-    run: Callable
+    run: Callable[[Runtime], object]
+
+
+Entry: TypeAlias = Reduce | Call  # what the engine queues
+AnyLane: TypeAlias = C.Lane | C.GatherLane | C.CastLane
+LaneKey: TypeAlias = tuple[object, object]  # (name= as passed, in place), or (kind, name= as passed)
+_R = TypeVar("_R")
+
+
+class PreparedLane(Protocol[_R]):
+    """What ``Engine.run_lane`` runs: ``C.Lane``, ``GatherLane`` or ``CastLane`` (``_R``: its result)."""
+
+    @property
+    def prepared(self) -> Prepared | None: ...
+
+    def run(self, rt: Runtime, *args: Any, **kwargs: Any) -> _R: ...  # (each lane's own arguments)
+
+    def renew(self, rt: Runtime, result: _R) -> None: ...
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Batch:
     """Entries run as one collective: fused ``Reduce`` entries of one plan, or one ``Call``."""
 
-    entries: list
+    entries: list[Entry]
     nbytes: int
 
 
-def plan_batches(entries, limit):
+def plan_batches(entries: Iterable[Entry], limit: int) -> list[Batch]:
     """Fuse each plan's allreduces into batches of at most ``limit`` bytes; calls run alone.
 
     Batches are ordered by their first entry. Depends only on the entries, so every rank that
     queued the same calls builds the same batches.
     """
+    batches: list[Batch]
+    open_batch: dict[int, Batch]
     batches, open_batch = [], {}
     for entry in entries:
         if type(entry) is Reduce:
@@ -150,18 +174,18 @@ class Offer(NamedTuple):
 
     blocked: bool             # a caller waits on this engine: it cannot queue more by itself
     waited: float             # seconds since this rank's queue first failed to settle (0: it just did)
-    entries: tuple            # (kind, name) of every queued collective, in call order
+    entries: tuple[tuple[str, str], ...]  # (kind, name) of every queued collective, in call order
 
 
 class Verdict(NamedTuple):
     """What every rank runs after settling, computed alike from every rank's ``Offer``."""
 
     action: str               # "run", "wait", "mismatch" (every rank blocked) or "stall"
-    names: tuple = ()         # "run": the common names, in the lowest rank's order
-    missing: object = None    # "stall": name -> ranks that have not queued it
+    names: tuple[str, ...] = ()  # "run": the common names, in the lowest rank's order
+    missing: dict[str, list[int]] | None = None  # "stall": name -> ranks that have not queued it
 
 
-def settle_by_name(offers, stall_timeout, grace=_SETTLE_GRACE):
+def settle_by_name(offers: Sequence[Offer], stall_timeout: float, grace: float = _SETTLE_GRACE) -> Verdict:
     """Horovod's matching: a collective runs once every rank has queued its name.
 
     ``offers`` is every rank's ``Offer`` in rank order. The names queued on every rank run, in the
@@ -187,11 +211,11 @@ def settle_by_name(offers, stall_timeout, grace=_SETTLE_GRACE):
     return Verdict("wait")
 
 
-def _kind(entry):
+def _kind(entry: Entry) -> str:
     return entry.kind if type(entry) is Call else "allreduce"
 
 
-def _cancelled(exc):
+def _cancelled(exc: BaseException) -> RingError:
     """The error of entries given up because of ``exc`` (an interrupt, ``Abandoned``, a failure of
     the engine itself: then the entries say so rather than wait forever)."""
     if isinstance(exc, Abandoned):
@@ -203,7 +227,7 @@ def _cancelled(exc):
     return error
 
 
-def _low_timer_slack():
+def _low_timer_slack() -> None:
     """Let this thread's short sleeps be short (Linux rounds them up by 50 µs by default)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -215,13 +239,13 @@ def _low_timer_slack():
 class Engine:
     """The queue, the executor lock and the background thread of one runtime (process set)."""
 
-    def __init__(self, rt, handles, lock=None):
+    def __init__(self, rt: Runtime, handles: Iterator[int], lock: threading.Lock | None = None) -> None:
         self.rt = rt
         self.config = rt.config
         self.handles = handles                 # shared handle counter (itertools.count)
-        self.queue = collections.deque()       # entries not yet run, in call order
+        self.queue: collections.deque[Entry] = collections.deque()  # entries not yet run, in call order
         self.qlock = threading.Lock()          # guards queue snapshots against appends
-        self.results = {}                      # handle -> result, or the exception to raise
+        self.results: dict[int, object] = {}   # handle -> result, or the exception to raise
         # the executor's: owns the communicators. Engines share one when MPI does not allow
         # calls from several threads at once (MPI_THREAD_MULTIPLE; MPICH and Open MPI give it).
         self.lock = lock if lock is not None else threading.Lock()
@@ -230,24 +254,26 @@ class Engine:
         self.submitted = 0                     # bytes ever queued (caller) ...
         self.taken = 0                         # ... and ever taken by rounds (executor)
         self.flush_now = False
-        self.thread = None
+        self.thread: threading.Thread | None = None
         self.closed = False
         self.waiting = 0                       # threads waiting in wait_background
-        self.plans = {}                        # (dtype, op, average, scales) -> ReducePlan
-        self.agreements = {}                   # (name, shape, plan serial) -> packed agreement (the cache)
-        self.lanes = {}                        # (name= as passed, in place) -> C.Lane of its last signature;
+        self.plans: dict[tuple[object, ...], C.ReducePlan] = {}  # (dtype, op, average, scales) -> ReducePlan
+        # (name, shape, plan serial) -> packed agreement (the cache)
+        self.agreements: dict[tuple[str | None, tuple[int, ...], int], bytes] = {}
+        self.lanes: dict[LaneKey, AnyLane] = {}  # (name= as passed, in place) -> C.Lane of its last signature;
         #                                        (kind, name= as passed) -> GatherLane / CastLane
         self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
         self.sleeping = True                   # the background thread waits for a doorbell
-        self.names = {}                        # name -> handle of every queued entry (unique)
+        self.names: dict[str, int] = {}        # name -> handle of every queued entry (unique)
         self.callers = 0                       # caller threads blocked on this engine (wait, run_now)
-        self.unsettled_since = None            # when settling by name first found no common name
+        self.unsettled_since: float | None = None  # when settling by name first found no common name
         self.held_checked = 0.0                # when settling last looked for ranks held in a debugger
-        self.offered = None                    # the entries of this rank's last offer, and since when
+        # the entries of this rank's last offer, and since when
+        self.offered: tuple[tuple[tuple[str, str], ...], float] | None = None
 
     # ------------------------------------------------------------------ caller side
-    def submit(self, entry, nbytes=0):
+    def submit(self, entry: Entry, nbytes: int = 0) -> int:
         """Queue ``entry``; the background thread runs it once it has waited ``cycle_ms`` (or at
         ``flush()``, or when ``fusion_threshold`` bytes are queued), unless a caller does first."""
         with self.qlock:
@@ -271,13 +297,13 @@ class Engine:
             self.wake.set()
         return entry.handle
 
-    def flush(self):
+    def flush(self) -> None:
         """Ask the background thread to run what is queued now, without waiting for more."""
         if self.queue:
             self.flush_now = True
             self.wake.set()
 
-    def run_now(self, entry):
+    def run_now(self, entry: Entry) -> object:
         """Run a blocking call: at once in this thread when the engine is idle, else queued."""
         if not self.queue and self.lock.acquire(False):
             self.callers += 1
@@ -293,7 +319,7 @@ class Engine:
         self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
         return self.wait(entry.handle)
 
-    def _short(self, entry):
+    def _short(self, entry: Entry) -> object:
         """``entry`` at once in this thread (executor lock held, nothing queued); ``_QUEUED`` when
         the peers' headers named other collectives and it was settled by name instead."""
         try:
@@ -304,7 +330,7 @@ class Engine:
         # (an internal signal: a user's traceback would show it and the runtime's frames)
         return self._settle_first(entry, settle)
 
-    def _settle_first(self, entry, gen):
+    def _settle_first(self, entry: Entry, gen: int) -> object:
         """The peers run other collectives now (the exchange of generation ``gen`` said so):
         queue ``entry`` first (it was called before anything queued since) and settle by name
         with them at once. Returns ``_QUEUED``: its result waits under its handle."""
@@ -312,7 +338,7 @@ class Engine:
         self._round(settle=gen)
         return _QUEUED
 
-    def run_lane(self, lane, full, *args):
+    def run_lane(self, lane: PreparedLane[_R], full: Callable[..., Entry], *args: object) -> object:
         """A blocking call on its prepared ``lane`` (``C.Lane``, ``GatherLane`` or ``CastLane``):
         ``lane.run(rt, *args)`` at once in this thread, with what ``run_now``, ``_alone`` and
         ``Runtime.run`` do around a collective, in one frame and without an entry.
@@ -324,12 +350,13 @@ class Engine:
         """
         rt = self.rt
         entry = None
+        result: object
         if not self.queue and self.lock.acquire(False):
             try:
                 if self.queue:
                     result = _BUSY
                 else:
-                    redo = None
+                    redo: BaseException | None = None
                     if lane.prepared is not None and lane.prepared.wiring == rt.wiring and not rt.resync_due():
                         rt.pending = 1
                         while True:
@@ -357,13 +384,15 @@ class Engine:
                         else:
                             result = self._short(entry)
                             if result is not _QUEUED and not rt.dirty:
-                                lane.renew(rt, result)  # on the present wiring, for the next call
+                                # on the present wiring, for the next call (the full way's result is what
+                                # lane.run returns, which no type ties to the entry: the ignore)
+                                lane.renew(rt, result)  # type: ignore[arg-type]
                     finally:
                         self.callers -= 1
             finally:
                 self.lock.release()
             if result is _QUEUED:
-                return self.wait(entry.handle)
+                return self.wait(entry.handle)  # type: ignore[union-attr]  # (made above: it was queued)
             if result is not _BUSY:
                 return result
         if entry is None:
@@ -371,7 +400,7 @@ class Engine:
         self.submit(entry, entry.nbytes if type(entry) is Reduce else 0)
         return self.wait(entry.handle)
 
-    def prepare_lane(self, key, make, *args):
+    def prepare_lane(self, key: LaneKey, make: Callable[..., AnyLane | None], *args: object) -> None:
         """Leave a prepared lane behind under ``key``: ``make(rt, *args)`` (a lane, or None where
         none applies) with the executor lock held; skipped while the engine is busy (a later
         call prepares it)."""
@@ -387,24 +416,24 @@ class Engine:
         finally:
             self.lock.release()
 
-    def keep_lane(self, key, lane):
+    def keep_lane(self, key: LaneKey, lane: AnyLane) -> None:
         """Keep ``lane`` under ``key`` (name= as passed, in place), in place of any other."""
         if len(self.lanes) > 1024:
             self.lanes.clear()
         self.lanes[key] = lane
 
-    def _queue_first(self, entry):
+    def _queue_first(self, entry: Entry) -> None:
         with self.qlock:
             self.names[entry.name] = entry.handle
             self.queue.appendleft(entry)
         if type(entry) is Reduce:
             self.submitted += entry.nbytes
 
-    def poll(self, handle):
+    def poll(self, handle: int) -> bool:
         """Whether ``handle`` has finished (its result or error is waiting for synchronize)."""
         return handle in self.results
 
-    def wait(self, handle):
+    def wait(self, handle: int) -> object:
         """Wait for ``handle`` (running queued rounds in this thread if nobody is) and return its
         result, or raise its error."""
         results = self.results
@@ -428,7 +457,7 @@ class Engine:
             raise result
         return result
 
-    def _wait_background(self, handle):
+    def _wait_background(self, handle: int) -> None:
         """The background thread runs a round: wait for it, interruptibly.
 
         An interrupt here gives up the round (and everything queued) before it propagates: the
@@ -448,11 +477,11 @@ class Engine:
         finally:
             self.waiting -= 1
 
-    def discard(self, handle):
+    def discard(self, handle: int) -> None:
         """Forget ``handle``'s result (if any) without raising it."""
         self.results.pop(handle, None)
 
-    def abandon(self, reason):
+    def abandon(self, reason: str) -> None:
         """Fail every queued entry with ``RingError("cancelled: ...")`` and stop the running round.
 
         Called from the caller's thread, never while it holds the executor lock. The executor's
@@ -468,7 +497,7 @@ class Engine:
         self.lock.release()
         self._notify()
 
-    def close(self):
+    def close(self) -> None:
         """Stop the background thread, giving up the round it runs (call ``fail_queued`` first)."""
         self.closed = True
         self.wake.set()
@@ -479,7 +508,7 @@ class Engine:
             self.rt.abort = None
         self.thread = None
 
-    def fail_queued(self, error):
+    def fail_queued(self, error: BaseException) -> None:
         """Fail every queued entry with ``error`` (shutdown, abandon, interrupt)."""
         with self.qlock:
             dropped = list(self.queue)
@@ -491,11 +520,11 @@ class Engine:
         self.taken = self.submitted
 
     # ------------------------------------------------------------------ background thread
-    def _start(self):
+    def _start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="jupyter_ring-engine", daemon=True)
         self.thread.start()
 
-    def _loop(self):
+    def _loop(self) -> None:
         """Every cycle while there is work, run what has waited a cycle; sleep when idle.
 
         An entry runs here once it is ``cycle_ms`` old (a caller that synchronizes at once runs it
@@ -540,13 +569,13 @@ class Engine:
                 self.lock.release()
             self._notify()
 
-    def _notify(self):
+    def _notify(self) -> None:
         if self.waiting:
             with self.done:
                 self.done.notify_all()
 
     # ------------------------------------------------------------------ executor (lock held)
-    def _alone(self, entry):
+    def _alone(self, entry: Entry) -> object:
         """One entry as a round of its own: a blocking call on an idle engine runs it at once in
         the caller's thread (the short path), and so does a round of one entry."""
         rt = self.rt
@@ -567,6 +596,8 @@ class Engine:
                 self.agreements.clear()
             own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
                                                       entry.describe())
+        body: Callable[..., C.Array]
+        args: tuple[object, ...]
         if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
             body, args = C.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
         else:
@@ -579,21 +610,23 @@ class Engine:
                 continue
             return entry.result if entry.result is not None else out.reshape(entry.shape)
 
-    def _round(self, settle=None):
+    def _round(self, settle: int | None = None) -> None:
         """Run every entry queued now, fused into batches; their results land in ``results``.
 
         When the ranks' headers disagree (``Disagree``, every rank alike), or ``settle`` (the
         generation of the exchange that disagreed) says they did, the ranks first settle by name
         what runs (``_settle``); that round runs as agreed.
         """
+        todo: list[Entry] | None
         with self.qlock:
             todo = list(self.queue)
         if not todo:
             return
+
         if len(todo) == 1 and settle is None:
             return self._round_of_one(todo[0])
         rt = self.rt
-        finished = set()
+        finished: set[int] = set()
         limit = self.config.fusion_threshold
         settled = False
         try:
@@ -637,7 +670,7 @@ class Engine:
                 except Disagree as disagree:
                     settle = disagree.gen
         except BaseException as exc:
-            for entry in todo:
+            for entry in todo:  # type: ignore[union-attr]  # (a list: None from _settle is replaced at once)
                 self.results.setdefault(entry.handle, _cancelled(exc))
             self._drop_queue(exc)
             raise
@@ -646,7 +679,7 @@ class Engine:
                 self._remove(finished)
             self._notify()
 
-    def _settle(self, finished, gen):
+    def _settle(self, finished: set[int], gen: int) -> list[Entry] | None:
         """The ranks' queues disagree: agree by name on what runs now (one exchange, every rank).
 
         Returns the entries to run as the round, in the agreed order; none while the ranks wait
@@ -676,8 +709,9 @@ class Engine:
         rt.negotiable = False
         data = np.frombuffer(pickle.dumps(offer), np.uint8)
 
-        def exchange(rt):
-            return None if rt.gen != gen else C.allgather_object(rt, data, "jupyter_ring.settle", None)
+        def exchange(rt: Runtime) -> list[Offer] | None:
+            # every rank sends its Offer
+            return None if rt.gen != gen else C.allgather_object(rt, data, "jupyter_ring.settle", None)  # type: ignore[return-value]
 
         offers = rt.run(exchange, rt)
         if offers is None:
@@ -693,14 +727,14 @@ class Engine:
             self.unsettled_since = None
             return mine[:1]
         if verdict.action == "stall":
-            self._stall(mine, offers, verdict.missing, waited)
+            self._stall(mine, offers, verdict.missing, waited)  # type: ignore[arg-type]  # (set on a stall)
             return []
         if since is None:
             self.unsettled_since = time.perf_counter()
         self._nap(min(_SETTLE_NAP, max(1e-3, waited / 4)))
         return []
 
-    def _nap(self, seconds):
+    def _nap(self, seconds: float) -> None:
         """Sleep between settling exchanges; the caller's thread stays interruptible, the
         background thread stops when its round is given up."""
         deadline = time.perf_counter() + seconds
@@ -709,7 +743,7 @@ class Engine:
                 raise Abandoned(self.rt.abort)
             time.sleep(min(1e-3, seconds))
 
-    def _stall(self, mine, offers, missing, waited):
+    def _stall(self, mine: list[Entry], offers: Sequence[Offer], missing: dict[str, list[int]], waited: float) -> None:
         """No name was queued on every rank for ``stall_timeout``: fail this rank's queued entries,
         each naming the ranks that never queued it and what they queued instead."""
         rt = self.rt
@@ -729,7 +763,7 @@ class Engine:
         self._remove({entry.handle for entry in mine})
         self.unsettled_since = None
 
-    def _round_of_one(self, entry):
+    def _round_of_one(self, entry: Entry) -> None:
         handle = entry.handle
         try:
             if self.rt.abort is not None:
@@ -749,14 +783,14 @@ class Engine:
         self._remove({handle})
         self._notify()
 
-    def _drop_queue(self, exc):
+    def _drop_queue(self, exc: BaseException) -> None:
         """Interrupted (this thread) or abandoned (another): the queue is gone, the rest cancelled."""
         self.fail_queued(_cancelled(exc))
         if isinstance(exc, Abandoned):
             self.rt.abort = None
         self._notify()
 
-    def _remove(self, finished):
+    def _remove(self, finished: set[int]) -> None:
         """Take the finished entries out of the queue (a prefix of it, unless a round was cut)."""
         with self.qlock:
             queue = self.queue
@@ -768,7 +802,7 @@ class Engine:
                 if type(entry) is Reduce:
                     taken += entry.src.nbytes
             if any(entry.handle in finished for entry in queue):
-                kept = collections.deque()
+                kept: collections.deque[Entry] = collections.deque()
                 for entry in queue:
                     if entry.handle not in finished:
                         kept.append(entry)
@@ -779,7 +813,8 @@ class Engine:
                 self.queue = kept
         self.taken += taken
 
-    def _run_batch(self, batch):
+    def _run_batch(self, batch: Batch) -> None:
+
         rt = self.rt
         entries = batch.entries
         results = self.results
@@ -788,14 +823,19 @@ class Engine:
             results.setdefault(first.handle, rt.run(first.run, rt))
             return
         plan = first.plan
+        # (a batch whose first entry is a Reduce holds Reduces only (plan_batches): the ignores below)
         if len(entries) == 1:
             desc = C.allreduce_desc(first.explicit, first.shape, plan.prescale, plan.postscale)
             name = first.name
         else:
-            members = tuple((e.explicit, e.shape) for e in entries)
-            desc = C.allreduce_desc(None, (sum(e.src.size for e in entries),), plan.prescale,
-                                    plan.postscale, members)
+
+            members = tuple((e.explicit, e.shape) for e in entries)  # type: ignore[union-attr]
+            desc = C.allreduce_desc(None, (sum(e.src.size for e in entries),),  # type: ignore[union-attr, misc]
+                                    plan.prescale, plan.postscale, members)
             name = f"fused[{first.name} +{len(entries) - 1}]"
-        outs = rt.run(C.allreduce, rt, [C.Member(e.src, e.dst) for e in entries], plan, name, desc)
+        outs = rt.run(C.allreduce, rt, [C.Member(e.src, e.dst) for e in entries],  # type: ignore[union-attr]
+                      plan, name, desc)
         for entry, out in zip(entries, outs):
-            results.setdefault(entry.handle, entry.result if entry.result is not None else out.reshape(entry.shape))
+            results.setdefault(entry.handle,
+                               entry.result if entry.result is not None  # type: ignore[union-attr]
+                               else out.reshape(entry.shape))  # type: ignore[union-attr]

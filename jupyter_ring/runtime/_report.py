@@ -227,7 +227,7 @@ class Reporter:
             else:
                 self.stall_unsent = True
 
-    def flush_stall(self):
+    def flush_stall(self) -> None:
         """Publish a stall state the background thread recorded (called from the main thread)."""
         self.stall_unsent = False
         if self.publisher is not None:
