@@ -3,6 +3,7 @@ and reliability tests (tests/ is on sys.path: ``from real_kernel import Kernel, 
 
 import contextlib
 import json
+import os
 import queue
 import time
 
@@ -114,11 +115,20 @@ class Kernel:
 
 
 @contextlib.contextmanager
-def ring_kernel(n=2, start=None):
+def ring_kernel(n=2, start=None, env=None):
     """A kernel with ``%ring start -n n`` (or the ``start`` line given) done; on exit the kernel
     is shut down and every process recorded in ``kernel.pids`` (see cluster_pids) that is left
-    is killed."""
-    k = Kernel()
+    is killed. ``env``: variables the kernel (and so its ranks) starts with, not this process."""
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        k = Kernel()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     k.pids = []
     try:
         k.ok("%load_ext jupyter_ring")

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from real_kernel import Kernel, alive, cluster_pids
+from real_kernel import cluster_pids, ring_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -19,24 +19,9 @@ STALL_TIMEOUT = 2
 def kernel():
     # inherited by the kernel and its ranks: a short stall timeout, and the warning before it
     short = {"JUPYTER_RING_STALL_TIMEOUT": str(STALL_TIMEOUT), "JUPYTER_RING_STALL_WARNING": "1"}
-    os.environ.update(short)
-    try:
-        k = Kernel()
-    finally:
-        for name in short:
-            del os.environ[name]
-    k.pids = []
-    try:
-        k.ok("%load_ext jupyter_ring")
-        k.ok("%ring start -n 2", timeout=90)
+    with ring_kernel(2, env=short) as k:
         cluster_pids(k)
         yield k
-    finally:
-        try:
-            k.close()
-        finally:
-            for proc in alive(k.pids):
-                proc.kill()
 
 
 class Script:
@@ -170,9 +155,12 @@ def test_a_peer_waiting_for_a_rank_in_the_debugger_does_not_stall(kernel):
                      r"in the debugger \(not a stall", out), out
     assert "rank 0 total=[3.0, 3.0, 3.0]" in out and "rank 1 total=[3.0, 3.0, 3.0]" in out, out
     # the channel's records, like the where files beside them: owner-only, in a 0700 folder
+    # (the ranks' folders of recent cells' sources, rank<r>.cells, are 0700 themselves)
     assert os.stat(folder).st_mode & 0o777 == 0o700
     assert {"listening", "rank1.held", "rank1.prompt"} <= set(seen["files"]), seen["files"]
-    assert set(seen["files"].values()) == {0o600}, seen["files"]
+    modes = {name: mode for name, mode in seen["files"].items() if not name.endswith(".cells")}
+    assert set(modes.values()) == {0o600}, seen["files"]
+    assert {mode for name, mode in seen["files"].items() if name.endswith(".cells")} <= {0o700}, seen["files"]
     share = seen["cpu_used"] / seen["seconds"]
     print(f"rank 0 waiting {seen['seconds']:.1f} s for rank 1 at a breakpoint: {share:.2%} of a core")
     assert share < 0.25, share  # generous: the wait naps 10 ms between polls (~0.1 % expected)

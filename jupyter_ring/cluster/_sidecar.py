@@ -111,22 +111,22 @@ def write_sidecar(profile_dir: str, cluster_id: str, ranks: Iterable[SidecarRow]
 def mark_stopped(profile_dir: str, cluster_id: str, by: str) -> bool:
     """Note in the sidecar that ``by`` stopped the cluster (the kernel reads it, then removes
     it). False when there is no sidecar to mark."""
-    data = read_sidecar(profile_dir, cluster_id)
-    if data is None:
-        return False
-    data["stopped_by"] = by
-    _write(profile_dir, cluster_id, data)
-    return True
+    return _mark(profile_dir, cluster_id, stopped_by=by)
 
 
 def mark_stopping(profile_dir: str, cluster_id: str) -> bool:
     """Note in the sidecar that the kernel is stopping its cluster, so that the Ring panel shows
     the ranks going as a stop, not as a fault ("degraded · 0/2 ranks" after a clean %ring stop).
     False when there is no sidecar to mark."""
+    return _mark(profile_dir, cluster_id, stopping=True)
+
+
+def _mark(profile_dir: str, cluster_id: str, **fields: object) -> bool:
+    """Add ``fields`` to the sidecar; False when there is none."""
     data = read_sidecar(profile_dir, cluster_id)
     if data is None:
         return False
-    data["stopping"] = True
+    data.update(fields)  # type: ignore[typeddict-item]  # the callers pass Sidecar's own keys
     _write(profile_dir, cluster_id, data)
     return True
 
