@@ -155,10 +155,14 @@ def test_files_are_owner_only_from_creation(ring):
     names = " ".join(os.path.basename(f) for f in files)
     for kind in ("client.json", "engine.json", "cluster-", "jupyter_ring-", "ipcontroller-"):
         assert kind in names, f"no {kind} file among {names}: the cluster's files moved?"
-    # a cluster's folders (the ranks' where files, issue 22) are 0700, every file in them 0600
+    # a cluster's folders (the ranks' where files, issue 22, and in them each rank's recent cells'
+    # sources) are 0700, every file in them 0600, at any depth
     folders = [f for f in files if os.path.isdir(f)]
     files = [f for f in files if not os.path.isdir(f)]
-    files += [os.path.join(d, n) for d in folders for n in os.listdir(d)]
+    for top in list(folders):
+        for root, dirs, names in os.walk(top):
+            folders += [os.path.join(root, d) for d in dirs]
+            files += [os.path.join(root, n) for n in names]
     assert all(os.stat(d).st_mode & 0o777 == 0o700 for d in folders), \
         [(d, oct(os.stat(d).st_mode)) for d in folders]
     assert all(os.stat(f).st_mode & 0o777 == 0o600 for f in files), \
