@@ -64,7 +64,15 @@ class RankWhere(NamedTuple):
             return ""
         line = linecache.getline(frame.file, frame.line)
         if not line and self.cells:
-            line = linecache.getline(os.path.join(self.cells, cell_source_name(frame.file)), frame.line)
+            # read directly, not through linecache: these files go with the cluster, and an entry
+            # for a vanished file in the process-wide cache races linecache.checkcache in other
+            # threads (pdb calls it; a KeyError was seen in one)
+            try:
+                with open(os.path.join(self.cells, cell_source_name(frame.file))) as fh:
+                    lines = fh.read().splitlines()
+            except OSError:
+                return ""
+            line = lines[frame.line - 1] if 0 < frame.line <= len(lines) else ""
         return line.strip()
 
 
