@@ -330,6 +330,10 @@ def test_process_sets_of_odd_shapes_every_collective_and_failures_named_by_globa
     all_ranks_ok(mpirun("rt_engine.py", n, "sets", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120))
 
 
+def test_an_interrupt_as_the_executor_lock_is_taken_never_leaks_it(mpirun):
+    all_ranks_ok(mpirun("rt_engine.py", 2, "lock", timeout=120))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_join_with_ranks_out_of_data_at_different_steps(mpirun, n):
     all_ranks_ok(mpirun("rt_engine.py", n, "join", timeout=120))

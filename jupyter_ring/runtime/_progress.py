@@ -63,6 +63,43 @@ _BUSY = object()      # run_now found the engine busy: the call is queued behind
 _QUEUED = object()    # the call was queued first and the ranks settled by name: wait for its handle
 
 
+class ExecutorLock:
+    """The executor lock of an engine (or of engines that take turns): never re-entered, and
+    taken so that an interrupt cannot leak it.
+
+    A KeyboardInterrupt is raised in the main thread at the first check after a call returns, so
+    one that lands just as a plain lock's ``acquire`` succeeded is raised before the caller's
+    ``try`` begins: the lock stays held and every later collective of that rank waits forever. A
+    caller therefore takes it *inside* its ``try`` (``take``) and gives it back in ``finally`` with
+    ``give_back``, which asks the lock itself whether this thread holds it (an RLock knows its
+    owner; ``take`` refuses a thread that holds it already, so it is never re-entered).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._held = False  # read by ``locked`` only: a hint for waiters, exact once a holder runs
+
+    def take(self, timeout: float = 0.0) -> bool:
+        """Take the lock, waiting up to ``timeout`` seconds (0: not at all); False when another
+        thread holds it, or this one does."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # the C RLock's own query
+            return False
+        if not (self._lock.acquire(timeout=timeout) if timeout > 0 else self._lock.acquire(False)):
+            return False
+        self._held = True
+        return True
+
+    def give_back(self) -> None:
+        """Release the lock if this thread holds it (call in ``finally`` after ``take``)."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            self._held = False
+            self._lock.release()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock (for waiters deciding to keep waiting)."""
+        return self._held
+
+
 class _Feeders:
     """How many threads of this process wait on a collective while other threads of it may still
     queue more on their behalf (the ops of a TF1 session: its inter-op threads submit them while
@@ -239,7 +276,7 @@ def _low_timer_slack() -> None:
 class Engine:
     """The queue, the executor lock and the background thread of one runtime (process set)."""
 
-    def __init__(self, rt: Runtime, handles: Iterator[int], lock: threading.Lock | None = None) -> None:
+    def __init__(self, rt: Runtime, handles: Iterator[int], lock: ExecutorLock | None = None) -> None:
         self.rt = rt
         self.config = rt.config
         self.handles = handles                 # shared handle counter (itertools.count)
@@ -248,7 +285,7 @@ class Engine:
         self.results: dict[int, object] = {}   # handle -> result, or the exception to raise
         # the executor's: owns the communicators. Engines share one when MPI does not allow
         # calls from several threads at once (MPI_THREAD_MULTIPLE; MPICH and Open MPI give it).
-        self.lock = lock if lock is not None else threading.Lock()
+        self.lock = lock if lock is not None else ExecutorLock()
         self.wake = threading.Event()          # the background thread's doorbell
         self.done = threading.Condition()      # notified when a background batch finishes
         self.submitted = 0                     # bytes ever queued (caller) ...
@@ -305,13 +342,17 @@ class Engine:
 
     def run_now(self, entry: Entry) -> object:
         """Run a blocking call: at once in this thread when the engine is idle, else queued."""
-        if not self.queue and self.lock.acquire(False):
-            self.callers += 1
-            try:
-                result = _BUSY if self.queue else self._short(entry)
+        if not self.queue:
+            result: object = _BUSY
+            try:  # taken inside the try: an interrupt as it is taken must not leak it
+                if self.lock.take():
+                    self.callers += 1
+                    try:
+                        result = _BUSY if self.queue else self._short(entry)
+                    finally:
+                        self.callers -= 1
             finally:
-                self.callers -= 1
-                self.lock.release()
+                self.lock.give_back()
             if result is _QUEUED:
                 return self.wait(entry.handle)
             if result is not _BUSY:
@@ -351,11 +392,10 @@ class Engine:
         rt = self.rt
         entry = None
         result: object
-        if not self.queue and self.lock.acquire(False):
-            try:
-                if self.queue:
-                    result = _BUSY
-                else:
+        if not self.queue:
+            result = _BUSY
+            try:  # taken inside the try: an interrupt as it is taken must not leak it
+                if self.lock.take() and not self.queue:
                     redo: BaseException | None = None
                     if lane.prepared is not None and lane.prepared.wiring == rt.wiring and not rt.resync_due():
                         rt.pending = 1
@@ -390,7 +430,7 @@ class Engine:
                     finally:
                         self.callers -= 1
             finally:
-                self.lock.release()
+                self.lock.give_back()
             if result is _QUEUED:
                 return self.wait(entry.handle)  # type: ignore[union-attr]  # (made above: it was queued)
             if result is not _BUSY:
@@ -404,9 +444,11 @@ class Engine:
         """Leave a prepared lane behind under ``key``: ``make(rt, *args)`` (a lane, or None where
         none applies) with the executor lock held; skipped while the engine is busy (a later
         call prepares it)."""
-        if self.queue or not self.lock.acquire(False):
+        if self.queue:
             return
-        try:
+        try:  # taken inside the try: an interrupt as it is taken must not leak it
+            if not self.lock.take():
+                return
             rt = self.rt
             if self.queue or rt.dirty or self.closed:
                 return
@@ -414,7 +456,7 @@ class Engine:
             if lane is not None:
                 self.keep_lane(key, lane)
         finally:
-            self.lock.release()
+            self.lock.give_back()
 
     def keep_lane(self, key: LaneKey, lane: AnyLane) -> None:
         """Keep ``lane`` under ``key`` (name= as passed, in place), in place of any other."""
@@ -440,12 +482,14 @@ class Engine:
         self.callers += 1
         try:
             while handle not in results:
-                if self.lock.acquire(False):
-                    try:
-                        while handle not in results and self.queue:
-                            self._round()
-                    finally:
-                        self.lock.release()
+                took = False
+                try:  # taken inside the try: an interrupt as it is taken must not leak it
+                    took = self.lock.take()
+                    while took and handle not in results and self.queue:
+                        self._round()
+                finally:
+                    self.lock.give_back()
+                if took:
                     if handle not in results:  # pragma: no cover - a handle of no queued entry
                         raise ValueError(f"handle {handle!r} is not queued on this engine")
                 else:
@@ -491,10 +535,12 @@ class Engine:
         self.rt.abort = reason
         self.fail_queued(RingError(f"cancelled: {reason}"))
         # The executor notices within a poll interval (or when its numpy call returns).
-        while not self.lock.acquire(timeout=0.5):
-            log.info("jupyter_ring: waiting for the background collective to stop (%s)", reason)
-        self.rt.abort = None
-        self.lock.release()
+        try:  # taken inside the try: an interrupt as it is taken must not leak it
+            while not self.lock.take(timeout=0.5):
+                log.info("jupyter_ring: waiting for the background collective to stop (%s)", reason)
+            self.rt.abort = None
+        finally:
+            self.lock.give_back()
         self._notify()
 
     def close(self) -> None:
@@ -556,7 +602,7 @@ class Engine:
                     or self.submitted - self.taken >= self.config.fusion_threshold):
                 continue
             self.flush_now = False
-            if not self.lock.acquire(False):  # a caller runs the rounds itself
+            if not self.lock.take():  # a caller runs the rounds itself
                 continue
             self.rt.nap = 0.0 if self.waiting else _NAP
             try:
@@ -566,7 +612,7 @@ class Engine:
                     except BaseException:  # noqa: BLE001 - recorded in the results by _round
                         pass
             finally:
-                self.lock.release()
+                self.lock.give_back()
             self._notify()
 
     def _notify(self) -> None:

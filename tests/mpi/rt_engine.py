@@ -16,6 +16,10 @@ expected result from ``rank`` and ``size`` and asserts it; each prints ``RANK_OK
   on every rank; a name never queued stalls, named; an interrupt while settling lands in a second.
 - sets: process sets of odd shapes ({0,2} of 3, {1} of 2, ...): every collective inside a set,
   non-members refused, mismatch and stall inside a set name global ranks, remove/re-add.
+- lock: an interrupt that lands just as a caller took the engine's executor lock (raised at the
+  first check after ``acquire`` returned, before the caller's ``try``) never leaks it: on every
+  path that takes it (a blocking call at once, on its prepared lane, a wait, an abandon) the next
+  collectives run and are exact. The landing is made certain by a lock that raises as it is taken.
 - join: ranks run out of data at different steps (rank r after 2 + r steps, then 2 + n-1-r) and call join();
   the others' allreduces (fused, eager and shared memory, Average/Sum/Max) count the joined ranks
   as zeros; join() returns the last rank on every rank; collectives are exact afterwards.
@@ -477,6 +481,49 @@ elif mode == "join":
         if everyone != [want] * n:
             failures.append(f"join round {rnd}: ranks returned {everyone}")
         exact_after(f"after join round {rnd}", 7 + rnd)
+elif mode == "lock":
+    class InterruptAsTaken:
+        """The engine's lock, raising KeyboardInterrupt once, just after it was taken while armed
+        (where a real SIGINT lands when it arrives as ``acquire`` returns)."""
+
+        def __init__(self, inner):
+            self.inner, self.armed = inner, False
+
+        def acquire(self, *args, **kwargs):
+            took = self.inner.acquire(*args, **kwargs)
+            if took and self.armed and threading.current_thread() is threading.main_thread():
+                self.armed = False
+                raise KeyboardInterrupt
+            return took
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    engine = _api._proc.engine
+    lock = engine.lock._lock = InterruptAsTaken(engine.lock._lock)
+    hung = threading.Timer(60.0, lambda: (print(f"RANK_FAIL {r}: the executor lock leaked (hang)",
+                                                flush=True), os._exit(1)))
+    hung.daemon = True
+    hung.start()
+    xs = [data(11, q, 1009) for q in range(n)]
+    for label, call in (
+            ("blocking call", lambda: ring.allreduce(xs[r], op=ring.Sum, name="lk")),
+            ("prepared lane", lambda: ring.allreduce(xs[r], op=ring.Sum, name="lk")),  # 2nd: on its lane
+            ("wait", lambda: ring.synchronize(ring.allreduce_async(xs[r], op=ring.Sum, name="lk.a"))),
+            ("broadcast lane", lambda: ring.broadcast(xs[r], root_rank=0, name="lk.b"))):
+        for attempt in range(2):  # the first leaves its lane prepared for the second
+            lock.armed = True
+            try:
+                got = call()
+            except KeyboardInterrupt:
+                got = None
+            if lock.armed:
+                failures.append(f"{label}, {attempt}: the main thread never took the lock (nothing tested)")
+            lock.armed = False
+            exact_after(f"after an interrupt as the lock was taken ({label}, {attempt})", 12 + attempt)
+    engine.abandon("a test's abandon")  # abandon takes the lock too (blocking, with a timeout)
+    exact_after("after abandon", 14)
+    hung.cancel()
 else:
     raise SystemExit(f"unknown mode {mode}")
 
