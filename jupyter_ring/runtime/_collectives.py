@@ -617,8 +617,8 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     if single and plan.scale_pre != 1.0 and not region:
         src = src * dtype.type(plan.scale_pre)
         prescaled = True
-    else:
-        prescaled = type(src) is not Flat or plan.scale_pre == 1.0
+    else:  # a Flat, or an array in registered memory reduced where it lies: not scaled yet
+        prescaled = plan.scale_pre == 1.0
     offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0  # type: ignore[union-attr]  # shm: slots
     peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
                          own=own, region=region)
@@ -632,6 +632,8 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         if single:
             if src is not dst:
                 np.copyto(dst, src)  # type: ignore[arg-type]
+            if not prescaled:  # registered, and every peer joined: no path below scaled it
+                np.multiply(dst, dtype.type(plan.scale_pre), out=dst)  # type: ignore[arg-type]
         else:
             for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
                 if out is not m:

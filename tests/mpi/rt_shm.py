@@ -333,6 +333,15 @@ elif mode == "registered":
     everyone = ring.allgather_object(digests, name="digests")
     if any(d != everyone[0] for d in everyone):
         failures.append("registered results differ between ranks")
+    # every other rank joined (after the digests: only rank 0 checks this one): rank 0 reduces its registered tensor alone, scale factors included
+    seed += 1
+    xs = inputs(seed, big.size, big.dtype, ring.Sum)
+    if r == 0:
+        big[...] = xs[0]
+        ring.allreduce_(big, op=ring.Sum, name="reg.joined", prescale_factor=0.5, postscale_factor=3.0)
+        check("registered, every peer joined", big.copy(),
+              reference([xs[0]] + [np.zeros_like(x) for x in xs[1:]], ring.Sum, big.dtype, 0.5, 3.0))
+    ring.join()
     # memory is given back when the arrays are gone, and reused
     region = rt.shm.locate(buffers[0].view(np.uint8)) if rt.shm is not None else 0
     del buffers, big, buf, mine
