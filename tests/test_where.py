@@ -223,3 +223,39 @@ def test_where_hides_the_runtimes_own_frames_above_the_users_call():
     report = format_where([lone])
     assert "_monitor" not in report and "_monitor" in format_where([lone], all_threads=True)
     assert "in barrier" in report
+
+
+def test_where_groups_ranks_whose_state_and_frames_read_the_same_at_many_ranks():
+    """64 ranks' answer in a few blocks (issue 33): ranks waiting in the same collective at the
+    same line share one block headed by their ranks as ranges and the span of their wait; a rank
+    elsewhere keeps its own block with its pid; below GROUP_FROM ranks every rank has its own."""
+    from jupyter_ring.cluster._where import GROUP_FROM, RankWhere, format_where, rank_ranges
+
+    assert rank_ranges([5, 0, 1, 2, 7, 8, 63]) == "0-2, 5, 7-8, 63" and rank_ranges([4]) == "4"
+    waiting = ('Current thread 0x00007f00000000{t:02x} (most recent call first):\n'
+               '  File "/venv/site-packages/jupyter_ring/runtime/_core.py", line 410 in _wait\n'
+               '  File "/tmp/cell.py", line 12 in train_step\n'
+               '  File "/tmp/cell.py", line 20 in <module>\n')
+    slow = ('Current thread 0x00007f00000000aa (most recent call first):\n'
+            '  File "/tmp/cell.py", line 7 in load_batch\n'
+            '  File "/tmp/cell.py", line 19 in <module>\n')
+    now = 1000.0
+    items = []
+    for rank in range(64):
+        if rank == 3:
+            doing = Doing(state="running", main_thread=0x7f00000000aa)
+            items.append(RankWhere(rank, "vm", 500 + rank, doing, tuple(parse_stacks(slow)), "", 0.01))
+            continue
+        doing = Doing(state="waiting", kind="allreduce", name="grads", since=now - 4.0 - rank / 100,
+                      waiting_for=(3,), waiting_since=now - 3.9, main_thread=0x7f0000000000 + rank)
+        items.append(RankWhere(rank, "vm" if rank < 32 else "vm2", 500 + rank, doing,
+                               tuple(parse_stacks(waiting.format(t=rank))), "", 0.01))
+    report = format_where(items, now=now)
+    heads = [line for line in report.splitlines() if not line.startswith(" ")]
+    assert heads == ["ranks 0-2, 4-63 @ 2 hosts: inside allreduce 'grads' for 4.0-4.6 s, waiting for "
+                     "rank(s) 3 for 3.9 s",
+                     "rank 3 @ vm (pid 503): running (not in a collective)"], report
+    assert report.count("in train_step") == 1 and report.count("in load_batch") == 1, report
+    few = format_where(items[:GROUP_FROM - 1], now=now)
+    assert [line.split(" @")[0] for line in few.splitlines() if not line.startswith(" ")] == [
+        "rank 0", "rank 1", "rank 2", "rank 3"], few

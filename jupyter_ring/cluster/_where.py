@@ -26,7 +26,7 @@ from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_sour
                               doing_path, parse_stacks, read_doing, stack_path)
 from ._sidecar import SidecarRank
 
-__all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json"]
+__all__ = ["RankWhere", "where_dir", "collect_where", "format_where", "where_json", "rank_ranges"]
 
 # Frames of the engine's plumbing (the kernel's event loop, ipyparallel, IPython running the
 # cell): hidden below the user's frames, counted in one line.
@@ -183,6 +183,12 @@ def _user_frames(thread: ThreadStack, main: bool) -> tuple[list[Frame], int, int
     return kept[own:], len(thread.frames) - len(kept), own
 
 
+# From this many ranks on, ranks whose state and frames read the same are shown as one block
+# (``ranks 0-2, 4-63 @ host: ...``): at 64 ranks a wait names its culprit in a few blocks instead
+# of 64. Below it every rank keeps its own block, with its pid for py-spy.
+GROUP_FROM = 5
+
+
 def _state_line(item: RankWhere, now: float) -> str:
     head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
     if item.debugger:
@@ -192,39 +198,100 @@ def _state_line(item: RankWhere, now: float) -> str:
     return f"{head}: {item.doing.describe(now)}"
 
 
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``0-2, 4, 6-63``: sorted ranks with runs of consecutive ones as ranges."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _span(values: Sequence[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
+
+
+def _group_state_line(group: Sequence[RankWhere], now: float) -> str:
+    """The state line of ranks that read the same: their ranks, hosts and the span of their times."""
+    hosts = sorted({item.host for item in group})
+    where = hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts"
+    head = f"ranks {rank_ranges(item.rank for item in group)} @ {where}"
+    first = group[0]
+    if first.debugger:
+        return f"{head}: in the debugger (pdb), stopped at {first.debugger}"
+    if first.doing is None:
+        return f"{head}: (no collective record)"
+    doings = [item.doing for item in group if item.doing is not None]
+    if first.doing.state == "running":
+        return f"{head}: {first.doing.describe(now)}"
+    text = (f"{head}: inside {first.doing.kind} '{first.doing.name}' for "
+            f"{_span([max(0.0, now - d.since) for d in doings])} s")
+    if first.doing.waiting_for:
+        text += (f", waiting for rank(s) {', '.join(map(str, first.doing.waiting_for))} for "
+                 f"{_span([max(0.0, now - d.waiting_since) for d in doings])} s")
+    return text
+
+
+def _thread_lines(item: RankWhere, all_threads: bool) -> list[str]:
+    """The rank's threads, main thread first, each with its frames innermost first."""
+    lines = []
+    if item.problem:
+        lines.append(f"    {item.problem}")
+    for index, thread in enumerate(item.threads):
+        main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
+        frames, hidden, own = _user_frames(thread, main)
+        if not main and not all_threads and not frames:
+            continue  # plumbing, or one of ours (heartbeat, monitor): only with --all-threads
+        if all_threads:
+            frames, hidden, own = list(thread.frames), 0, 0
+        label = "main thread" if main else f"thread 0x{thread.thread:x}"
+        if not frames:
+            lines.append(f"  {label}: idle (waiting for a cell)")
+            continue
+        lines.append(f"  {label}, innermost frame first:")
+        if own:
+            lines.append(f"    ... {own} frame(s) inside jupyter_ring above (--all-threads "
+                         "shows them)")
+        for frame in frames:
+            lines.append(f'    File "{frame.file}", line {frame.line}, in {frame.function}')
+            source = item.source(frame)
+            if source:
+                lines.append(f"      {source}")
+        if hidden:
+            lines.append(f"    ... {hidden} frame(s) of the engine (IPython, ipyparallel) below")
+    return lines
+
+
+def _same_key(item: RankWhere, body: list[str]) -> tuple[object, ...]:
+    """What must be equal for two ranks to share a block: the state without times, the frames."""
+    doing = item.doing
+    state = None if doing is None else (doing.state, doing.kind, doing.name, tuple(doing.waiting_for))
+    # thread ids differ between processes: a secondary thread's label is left out of the key
+    return (item.debugger, state, tuple(re.sub(r"thread 0x[0-9a-f]+", "thread", line) for line in body))
+
+
 def format_where(items: Iterable[RankWhere], all_threads: bool = False,
                  now: float | None = None) -> str:
     """Plain text: a block per rank, its state line then its main thread's frames, innermost
-    first, each with its source line where this host can read the file."""
+    first, each with its source line where this host can read the file. From ``GROUP_FROM``
+    ranks on, ranks whose state and frames read the same share one block (``ranks 0-2, 5 @``),
+    in the order of their first rank."""
     now = time.time() if now is None else now
+    items = list(items)
+    bodies = [_thread_lines(item, all_threads) for item in items]
+    if len(items) < GROUP_FROM:
+        return "\n".join("\n".join([_state_line(item, now)] + body) for item, body in zip(items, bodies))
+    groups: dict[tuple[object, ...], list[tuple[RankWhere, list[str]]]] = {}
+    for item, body in zip(items, bodies):
+        groups.setdefault(_same_key(item, body), []).append((item, body))
     blocks = []
-    for item in items:
-        lines = [_state_line(item, now)]
-        if item.problem:
-            lines.append(f"    {item.problem}")
-        for index, thread in enumerate(item.threads):
-            main = index == 0 and item.doing is not None and thread.thread == item.doing.main_thread
-            frames, hidden, own = _user_frames(thread, main)
-            if not main and not all_threads and not frames:
-                continue  # plumbing, or one of ours (heartbeat, monitor): only with --all-threads
-            if all_threads:
-                frames, hidden, own = list(thread.frames), 0, 0
-            label = "main thread" if main else f"thread 0x{thread.thread:x}"
-            if not frames:
-                lines.append(f"  {label}: idle (waiting for a cell)")
-                continue
-            lines.append(f"  {label}, innermost frame first:")
-            if own:
-                lines.append(f"    ... {own} frame(s) inside jupyter_ring above (--all-threads "
-                             "shows them)")
-            for frame in frames:
-                lines.append(f'    File "{frame.file}", line {frame.line}, in {frame.function}')
-                source = item.source(frame)
-                if source:
-                    lines.append(f"      {source}")
-            if hidden:
-                lines.append(f"    ... {hidden} frame(s) of the engine (IPython, ipyparallel) below")
-        blocks.append("\n".join(lines))
+    for members in groups.values():
+        ranks = [item for item, _ in members]
+        head = _state_line(ranks[0], now) if len(ranks) == 1 else _group_state_line(ranks, now)
+        blocks.append("\n".join([head] + members[0][1]))
     return "\n".join(blocks)
 
 
