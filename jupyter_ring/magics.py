@@ -26,9 +26,9 @@ from traitlets import Bool, Enum, Float, default
 
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
-from .cluster import RingCluster, format_table, parse_ranks
+from .cluster import RingCluster, format_table, parse_ranks, rank_ranges
 from .errors import DistributedError, _ename
-from .widgets._tabs import RankTabs, TextSink, _ranges
+from .widgets._tabs import RankTabs, TextSink
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -466,7 +466,7 @@ class RingMagics(Magics):
         if args.timeout is not None and args.timeout <= 0:
             raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds")
         if args.auto and self.auto_banner:
-            print(f"[ring auto] ranks {_ranges(ranks)} of {cluster.size} "
+            print(f"[ring auto] ranks {rank_ranges(ranks)} of {cluster.size} "
                   "(%%local runs a cell here; %ring auto off)")
         # The ranks number lines and cells as the notebook does. Line 1 is the %%distributed line,
         # a comment there (IPython drops leading blank lines); in auto mode the cell has no such
@@ -514,7 +514,7 @@ class RingMagics(Magics):
             mode = "tabs" if self._widgets_available() else "text"
         if mode == "tabs":
             return RankTabs(ranks)
-        return TextSink()
+        return TextSink(ranks=ranks)
 
     def _widgets_available(self):
         """A Jupyter kernel (not a terminal) with ipywidgets importable."""

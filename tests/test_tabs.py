@@ -128,3 +128,71 @@ def test_html_escapes_rank_text():
     tabs.text(0, "stdout", ["<script>alert(1)</script>"])
     page = tabs.html()
     assert "<script>" not in page and html.escape("<script>") in page
+
+
+def test_a_line_every_rank_prints_alike_is_held_until_all_came_then_leaves_once():
+    """The fold (issue 33, 64 ranks): a line joins the oldest held group of its text that lacks
+    its rank; groups leave oldest first, once complete or after the hold; one held group keeps
+    the later ones back, so lines keep their order."""
+    fold = _tabs.LineFold(range(8), hold=0.5)
+    for rank in range(8):
+        fold.add(rank, "stdout", ["epoch 1", f"loss {rank}"], now=10.0)
+    assert fold.take(10.1) == [("stdout", tuple(range(8)), "epoch 1")]  # complete: at once
+    assert fold.take(10.2) == []  # "loss 0" waits for the hold, and every line behind it
+    assert fold.take(10.5) == [("stdout", (r,), f"loss {r}") for r in range(8)]
+    fold.add(3, "stdout", ["."], now=20.0)
+    fold.add(3, "stdout", ["."], now=20.0)  # printed twice by one rank: two lines
+    fold.add(5, "stderr", ["."], now=20.0)  # another stream: another line
+    fold.add(0, "stdout", ["."], now=20.1)
+    assert fold.take(None) == [("stdout", (0, 3), "."), ("stdout", (3,), "."), ("stderr", (5,), ".")]
+    assert not fold and fold.open == {}
+
+
+def test_many_ranks_fold_identical_lines_in_all_ranks_and_the_text_and_keep_their_own_tabs(capsys):
+    ranks = list(range(_tabs.FOLD_FROM + 3))
+    n = len(ranks)
+
+    def feed_many(sink):
+        for rank in ranks:
+            sink.text(rank, "stdout", ["loading data", f"loss {rank * 0.5}"])
+        sink.text(2, "stderr", ["warning: slow disk"])
+        for rank in ranks:
+            if rank != 4:
+                sink.text(rank, "stdout", ["done"])
+        sink.finish()
+
+    feed_many(TextSink(ranks=ranks))
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == (
+        [f"[ranks 0-{n - 1}] loading data"] + [f"[rank {r}] loss {r * 0.5}" for r in ranks]
+        + [f"[ranks 0-3, 5-{n - 1}] done"])
+    assert printed.err == "[rank 2] warning: slow disk\n"
+    tabs = RankTabs(ranks)
+    feed_many(tabs)
+    plain = tabs.plain_text().splitlines()
+    assert plain[0] == f"[ranks 0-{n - 1}] loading data" and plain.count(f"[ranks 0-{n - 1}] loading data") == 1
+    assert f"[ranks 0-3, 5-{n - 1}] done" in plain and "[rank 2] warning: slow disk" in plain
+    everyone, *own = _panels(tabs.html(), ranks)
+    assert everyone.splitlines()[0] == f"[ranks 0-{n - 1}] loading data"
+    assert everyone.count("loading data") == 1 and everyone.count("done") == 1
+    for rank, text in zip(ranks, own):  # each rank's tab: its own lines, untagged, in order
+        want = ["loading data", f"loss {rank * 0.5}"] + (["warning: slow disk"] if rank == 2 else []) \
+            + ([] if rank == 4 else ["done"])
+        assert text.splitlines() == want, (rank, text)
+    # below FOLD_FROM ranks nothing is folded
+    few = RankTabs(ranks[:_tabs.FOLD_FROM - 1])
+    for rank in few.ranks:
+        few.text(rank, "stdout", ["same"])
+    assert few.plain_text().splitlines() == [f"[rank {r}] same" for r in few.ranks]
+
+
+def test_folded_lines_of_all_ranks_keep_their_last_characters(monkeypatch):
+    monkeypatch.setattr(_tabs, "FINAL_MAX", 100)
+    ranks = list(range(_tabs.FOLD_FROM))
+    tabs = RankTabs(ranks)
+    for i in range(40):
+        for rank in ranks:
+            tabs.text(rank, "stdout", [f"step {i}"])
+    everyone, *_ = _panels(tabs.html(), ranks)
+    assert everyone.rstrip().endswith(f"[ranks 0-{len(ranks) - 1}] step 39") and "step 0\n" not in everyone
+    assert "earlier output not shown here" in everyone

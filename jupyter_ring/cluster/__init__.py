@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the lazy exports below, as a type checker (and a reader) sh
                           parse_ranks as parse_ranks, share_note as share_note,
                           threads_per_rank as threads_per_rank, visible_gpus as visible_gpus)
     from ._where import (RankWhere as RankWhere, collect_where as collect_where,
-                         format_where as format_where)
+                         format_where as format_where, rank_ranges as rank_ranges)
 
 # name -> the submodule that defines it. Imported on first use: the watchdog process
 # (``python -m jupyter_ring.cluster._watchdog``) and the Ring panel's listing import only the
@@ -61,6 +61,7 @@ _EXPORTS = {
     "default_size": "_sizing", "threads_per_rank": "_sizing", "share_note": "_sizing",
     "parse_ranks": "_sizing", "host_slots": "_sizing",
     "RankWhere": "_where", "collect_where": "_where", "format_where": "_where",
+    "rank_ranges": "_where",
 }
 
 __all__ = ["ClusterError", "DeadRankError", *_EXPORTS]

@@ -11,6 +11,11 @@ Two sinks with the same methods, chosen by the magics:
   by rank; each tab's rule shows its part), and ``text/plain`` holding exactly the rank-tagged
   lines of the plain form. The widgets are then closed.
 
+From ``FOLD_FROM`` ranks on, a line that several ranks print alike shows once in "all ranks" and
+in the text form, tagged with its ranks (``[ranks 0-63] epoch 1 done``): :class:`LineFold` holds
+each line back until every rank printed it or ``FOLD_HOLD`` seconds passed. The rank tabs keep
+every rank's own lines, untouched and at once.
+
 Why replace the widget at the end: a saved notebook reopened without a kernel cannot render a
 widget whose state was not saved (JupyterLab shows "Error displaying widget"), while HTML and
 plain text render everywhere (JupyterLab, Notebook 7, VS Code, nbconvert, GitHub) and nbclient,
@@ -24,6 +29,9 @@ import re
 import sys
 import time
 import uuid
+from collections import deque
+
+from ..cluster import rank_ranges
 
 __all__ = ["TextSink", "RankTabs", "strip_ansi"]
 
@@ -38,6 +46,10 @@ FINAL_MAX = 8 * 1024 * 1024
 # goes straight to its static view, without a widget made and thrown away (for a cell printing
 # 1 MB per rank, that was ~15 % of its time).
 LIVE_PERIOD = 0.1
+# From this many ranks on, identical lines of several ranks are folded into one (see LineFold);
+# a line waits at most FOLD_HOLD seconds for its copies from the other ranks.
+FOLD_FROM = 5
+FOLD_HOLD = 0.5
 
 
 def strip_ansi(text):
@@ -45,26 +57,106 @@ def strip_ansi(text):
     return _ANSI.sub("", text)
 
 
-class TextSink:
-    """The plain form: each line to stdout/stderr, tagged ``[rank r] `` unless ``tag`` is False."""
+class _Group:
+    """One line (of one stream) as printed by ``ranks`` so far; ``since``: its first arrival."""
 
-    def __init__(self, tag=True):
+    __slots__ = ("name", "line", "ranks", "since")
+
+    def __init__(self, name, line, rank, since):
+        self.name, self.line, self.ranks, self.since = name, line, {rank}, since
+
+
+class LineFold:
+    """Identical lines of several ranks as one line tagged with their ranks.
+
+    A rank's line joins the oldest held group of the same stream and text that lacks that rank
+    (so a rank printing one line twice makes two groups), else starts a group. Groups leave in
+    the order of their first line, once every rank is in, or ``hold`` seconds after their first
+    line came (a line no other rank prints waits that long); ``take(None)`` empties it.
+    """
+
+    def __init__(self, ranks, hold=FOLD_HOLD):
+        self.size = len(set(ranks))
+        self.hold = hold
+        self.groups = deque()  # held groups, oldest first
+        self.open = {}         # (stream, line) -> its held groups, oldest first
+
+    def add(self, rank, name, lines, now):
+        for line in lines:
+            key = (name, line)
+            for group in self.open.get(key, ()):
+                if rank not in group.ranks:
+                    group.ranks.add(rank)
+                    break
+            else:
+                group = _Group(name, line, rank, now)
+                self.groups.append(group)
+                self.open.setdefault(key, []).append(group)
+
+    def take(self, now):
+        """The groups that may leave at ``now`` (all of them when ``now`` is None), oldest first,
+        as ``(stream, sorted ranks, line)``; a held group keeps every later one back."""
+        out = []
+        groups = self.groups
+        while groups:
+            group = groups[0]
+            if now is not None and len(group.ranks) < self.size and now - group.since < self.hold:
+                break
+            groups.popleft()
+            held = self.open[group.name, group.line]
+            held.remove(group)
+            if not held:
+                del self.open[group.name, group.line]
+            out.append((group.name, tuple(sorted(group.ranks)), group.line))
+        return out
+
+    def __bool__(self):
+        return bool(self.groups)
+
+
+def _tag(ranks):
+    """``[rank 3] `` or ``[ranks 0-2, 5] ``."""
+    return f"[rank {ranks[0]}] " if len(ranks) == 1 else f"[ranks {rank_ranges(ranks)}] "
+
+
+class TextSink:
+    """The plain form: each line to stdout/stderr, tagged ``[rank r] `` unless ``tag`` is False.
+
+    Given ``ranks`` (``FOLD_FROM`` or more), lines that several ranks print alike are folded."""
+
+    def __init__(self, tag=True, ranks=()):
         self.tag = tag
+        self.fold = LineFold(ranks) if tag and len(ranks) >= FOLD_FROM else None
 
     def text(self, rank, name, lines):
+        if self.fold is not None:
+            self.fold.add(rank, name, lines, time.monotonic())
+            self._release(time.monotonic())
+            return
         stream = sys.stdout if name == "stdout" else sys.stderr
         stream.write(_tagged(rank, lines) if self.tag else "\n".join(lines) + "\n")
         stream.flush()
 
+    def _release(self, now):
+        """Print the folded lines that may leave (all of them when ``now`` is None)."""
+        if not self.fold:
+            return
+        for name, ranks, line in self.fold.take(now):
+            stream = sys.stdout if name == "stdout" else sys.stderr
+            stream.write(f"{_tag(ranks)}{line}\n")
+            stream.flush()
+
     def display(self, rank, data, metadata):
         from IPython.display import display
 
+        self._release(None)
         print(f"[rank {rank}]")
         display(data, raw=True, metadata=metadata)
 
     def result(self, rank, data, metadata):
         from IPython.display import display
 
+        self._release(None)
         if set(data) <= {"text/plain"}:
             print(f"[rank {rank}] Out: {data.get('text/plain', '')}")
         else:
@@ -81,10 +173,10 @@ class TextSink:
         pass
 
     def flush(self):
-        pass
+        self._release(time.monotonic())
 
     def finish(self):
-        pass
+        self._release(None)
 
 
 class _Panel:
@@ -157,18 +249,36 @@ class RankTabs:
         self._dirty = False
         self._last_push = time.monotonic()  # the cell's start: the first push waits a period
         self._finished = False
+        self.fold = LineFold(self.ranks) if len(self.ranks) >= FOLD_FROM else None
 
     # ------------------------------------------------------------------------------ content
     def text(self, rank, name, lines):
         text = "\n".join(lines) + "\n"
         self.panels[rank].add_stream(name, text)
+        if self.fold is not None:  # "all ranks" gets them folded, as they leave the fold
+            self._log(rank, _ONE, {"output_type": "stream", "name": name, "text": text})
+            self.fold.add(rank, name, lines, time.monotonic())
+            self._release(time.monotonic())
+            return
         tagged = _tagged(rank, lines)
         self.all.add_stream(name, tagged)
         self.plain.append(tagged)
         self._log(rank, _BOTH, {"output_type": "stream", "name": name, "text": text})
         self._changed()
 
+    def _release(self, now):
+        """Folded lines that may leave (all when ``now`` is None) into "all ranks" and the text."""
+        if not self.fold:
+            return
+        for name, ranks, line in self.fold.take(now):
+            tagged = f"{_tag(ranks)}{line}\n"
+            self.all.add_stream(name, tagged)
+            self.plain.append(tagged)
+            self._log(ranks, _ALL, {"output_type": "stream", "name": name, "text": line + "\n"})
+            self._changed()
+
     def display(self, rank, data, metadata):
+        self._release(None)  # what came before it leaves first
         self.panels[rank].add({"output_type": "display_data", "data": data,
                                "metadata": metadata})
         label = _short_repr(data)
@@ -179,6 +289,7 @@ class RankTabs:
         self._changed()
 
     def result(self, rank, data, metadata):
+        self._release(None)
         text = data.get("text/plain", "")
         if set(data) <= {"text/plain"}:
             self.panels[rank].add_stream("stdout", f"Out: {text}\n")
@@ -202,6 +313,7 @@ class RankTabs:
     def error(self, rank, error, label="", lines=None):
         """Put a rank's remote error (ipyparallel RemoteError or any exception) in its tab;
         ``lines``: what to show instead of its whole traceback."""
+        self._release(None)
         ename = getattr(error, "ename", None) or type(error).__name__
         evalue = str(getattr(error, "evalue", error))
         tb = getattr(error, "traceback", None)
@@ -265,6 +377,7 @@ class RankTabs:
 
     def flush(self):
         """Push new output to the live widget (at most every LIVE_PERIOD seconds)."""
+        self._release(time.monotonic())
         if not self._dirty or self._finished:
             return
         now = time.monotonic()
@@ -293,7 +406,7 @@ class RankTabs:
                        selected_index=self._index())
         self.tab.add_class("jr-rank-tabs")
         self.display_id = uuid.uuid4().hex
-        bundle = {"text/plain": f"(output of ranks {_ranges(self.ranks)}: shown when the cell "
+        bundle = {"text/plain": f"(output of ranks {rank_ranges(self.ranks)}: shown when the cell "
                                 "ends)",
                   "application/vnd.jupyter.widget-view+json": {
                       "version_major": 2, "version_minor": 0, "model_id": self.tab.model_id}}
@@ -304,6 +417,7 @@ class RankTabs:
         """Replace the live widget with the static HTML + plain-text bundle; close the widgets."""
         if self._finished:
             return
+        self._release(None)
         self._finished = True
         if self.tab is None and not self._has_content():
             return  # nothing printed, nothing failed: no output at all
@@ -336,7 +450,7 @@ class RankTabs:
         if len(text) > FINAL_MAX:
             text = (f"… {len(text) - FINAL_MAX:,} earlier characters not kept\n"
                     + text[-FINAL_MAX:])
-        return strip_ansi(text).rstrip("\n") or f"(no output from ranks {_ranges(self.ranks)})"
+        return strip_ansi(text).rstrip("\n") or f"(no output from ranks {rank_ranges(self.ranks)})"
 
     def html(self):
         """Tabs in HTML and CSS (radio buttons), no JavaScript.
@@ -381,40 +495,52 @@ class RankTabs:
         return "".join(parts)
 
     def _body_html(self):
-        """The logged items as HTML, each rank's stream text cut to its last FINAL_MAX characters."""
-        budget = dict.fromkeys(self.ranks, FINAL_MAX)
-        cut = dict.fromkeys(self.ranks, 0)
+        """The logged items as HTML, each rank's stream text (and the folded lines of "all
+        ranks", together) cut to its last FINAL_MAX characters."""
+        budget: dict[object, int] = dict.fromkeys([*self.ranks, _FOLDED], FINAL_MAX)
+        cut: dict[object, int] = dict.fromkeys([*self.ranks, _FOLDED], 0)
         out = []
         for rank, where, item in reversed(self.log):
-            cls = f"jr-r{rank} {where}"
+            folded = type(rank) is tuple  # a folded line: its ranks
+            cls = f"jr-fold {where}" if folded else f"jr-r{rank} {where}"
             if item["output_type"] != "stream":
                 out.append(_item_html(item, cls))
                 continue
             text = "".join(item["parts"])
-            if where == _ALL:  # a one-line label in the "all ranks" tab: not counted
-                out.append(_stream_html(item["name"], text, cls, rank))
+            tag = _tag(rank) if folded else f"[rank {rank}] "
+            if where == _ALL and not folded:  # a one-line label in the "all ranks" tab: not counted
+                out.append(_stream_html(item["name"], text, cls, tag))
                 continue
-            if budget[rank] <= 0:
-                cut[rank] += len(text)
+            key = _FOLDED if folded else rank
+            if budget[key] <= 0:
+                cut[key] += len(text)
                 continue
-            if len(text) > budget[rank]:
-                keep = text[len(text) - budget[rank]:]
+            if len(text) > budget[key]:
+                keep = text[len(text) - budget[key]:]
                 keep = keep[keep.find("\n") + 1:] if "\n" in keep[:-1] else keep
-                cut[rank] += len(text) - len(keep)
+                cut[key] += len(text) - len(keep)
                 text = keep
-            budget[rank] -= len(text)
-            out.append(_stream_html(item["name"], text, cls, rank))
+            budget[key] -= len(text)
+            out.append(_stream_html(item["name"], text, cls, tag))
         shown = {rank for rank, where, _ in self.log if where != _ALL}
         for rank in self.ranks:
             if cut[rank]:
                 note = (f"… earlier output of rank {rank} not shown here ({cut[rank]:,} "
                         "characters; the text/plain form of this output keeps more)\n")
-                out.append(_stream_html("stdout", note, f"jr-r{rank} {_BOTH}", rank))
+                where = _ONE if self.fold is not None else _BOTH
+                out.append(_stream_html("stdout", note, f"jr-r{rank} {where}", f"[rank {rank}] "))
             elif rank not in shown:
                 out.append(f'<pre class="jr-r{rank} {_ONE}">(no output)</pre>')
+        if cut[_FOLDED]:
+            note = (f"… earlier output not shown here ({cut[_FOLDED]:,} characters; the text/plain "
+                    "form of this output keeps more)\n")
+            out.append(_stream_html("stdout", note, f"jr-fold {_ALL}", ""))
         if not self.log:
             out.append(f'<pre class="{_ALL}">(no output)</pre>')
         return out[::-1]
+
+
+_FOLDED = "folded"  # the budget key of the folded lines of "all ranks" in _body_html
 
 
 # Where a logged item shows: both in "all ranks" and in its rank's tab, only in its rank's tab
@@ -428,12 +554,12 @@ def _tagged(rank, lines):
     return tag + f"\n{tag}".join(lines) + "\n"
 
 
-def _stream_html(name, text, cls, rank):
-    """Stream text as one <pre>, each line led by its ``[rank r]`` tag (shown in "all ranks")."""
+def _stream_html(name, text, cls, tag):
+    """Stream text as one <pre>, each line led by ``tag`` (``[rank r] ``; shown in "all ranks")."""
     if name == "stderr":
         cls += " jr-stderr"
     body = html.escape(strip_ansi(text))
-    tag = f"<i>[rank {rank}] </i>"
+    tag = f"<i>{html.escape(tag)}</i>" if tag else ""
     trail = body.endswith("\n")
     if trail:
         body = body[:-1]
@@ -478,16 +604,3 @@ def _short_repr(data):
 def _first_line(text):
     text = str(text).strip()
     return text.splitlines()[0] if text else ""
-
-
-def _ranges(ranks):
-    """[0, 1, 2, 5] -> "0-2, 5"."""
-    out, ranks = [], sorted(ranks)
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
