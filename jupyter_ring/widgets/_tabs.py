@@ -497,8 +497,8 @@ class RankTabs:
     def _body_html(self):
         """The logged items as HTML, each rank's stream text (and the folded lines of "all
         ranks", together) cut to its last FINAL_MAX characters."""
-        budget: dict[object, int] = dict.fromkeys([*self.ranks, _FOLDED], FINAL_MAX)
-        cut: dict[object, int] = dict.fromkeys([*self.ranks, _FOLDED], 0)
+        budget = dict.fromkeys([*self.ranks, _FOLDED], FINAL_MAX)
+        cut = dict.fromkeys([*self.ranks, _FOLDED], 0)
         out = []
         for rank, where, item in reversed(self.log):
             folded = type(rank) is tuple  # a folded line: its ranks
