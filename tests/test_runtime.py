@@ -330,6 +330,13 @@ def test_process_sets_of_odd_shapes_every_collective_and_failures_named_by_globa
     all_ranks_ok(mpirun("rt_engine.py", n, "sets", env={"JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120))
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_only_mpi_finalize_is_bounded_at_exit_not_a_slow_teardown(mpirun, n):
+    result = mpirun("rt_exit.py", n, env={"JUPYTER_RING_FINALIZE_TIMEOUT": "1"}, timeout=120)
+    all_ranks_ok(result)
+    assert len(result.lines("TEARDOWN_DONE")) == n
+
+
 def test_an_interrupt_as_the_executor_lock_is_taken_never_leaks_it(mpirun):
     all_ranks_ok(mpirun("rt_engine.py", 2, "lock", timeout=120))
 

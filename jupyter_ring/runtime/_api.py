@@ -149,19 +149,40 @@ def init(comm=None, process_sets=None, **config):
 
 
 def _at_exit(finalize_timeout):
-    """shutdown(), with a bound on what follows: MPI_Finalize (mpi4py's, after every atexit
-    handler) waits on the launcher's PMI barrier, which never completes when a peer's host or the
-    launcher is unreachable; SIGALRM's default action ends the process then, with no Python
-    code left to run (a thread could not: it needs the GIL, which finalization holds)."""
-    import signal
+    """shutdown(), then MPI_Finalize with a bound: it waits on the launcher's PMI barrier, which
+    never completes when a peer's host or the launcher is unreachable; SIGALRM's default action
+    ends the process then, with no Python code left to run (a thread could not: it needs the
+    GIL, which finalization holds).
 
+    MPI is finalized here, not left to mpi4py's own handler, so that the bound covers
+    MPI_Finalize alone: armed before the rest of the interpreter's exit (other atexit handlers,
+    freeing the frameworks' modules: over 10 s for torch or TensorFlow on a loaded host), it
+    ended healthy ranks with exit status 14. mpi4py skips its own finalization once MPI is
+    finalized; with ``mpi4py.rc.finalize = False`` finalization is the user's and is left alone.
+    """
+    import signal
+    import sys
+
+    shutdown()
+    mpi4py = sys.modules.get("mpi4py")
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or mpi4py is None or mpi4py.rc.finalize is False:
+        return
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    armed = False
     if finalize_timeout > 0 and hasattr(signal, "alarm"):
         try:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(max(1, int(math.ceil(finalize_timeout))))
+            armed = True
         except ValueError:  # not the main thread
             pass
-    shutdown()
+    try:
+        MPI.Finalize()
+    finally:
+        if armed:
+            signal.alarm(0)
 
 
 def shutdown():
