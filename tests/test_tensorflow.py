@@ -89,7 +89,8 @@ def test_missing_tensorflow_names_the_extra(module, extra):
     assert extra in out.stdout and "pip install 'jupyter_ring[tensorflow]'" in out.stdout, out
 
 
-@pytest.mark.parametrize("n", [2])  # 3 ranks: tests/mpi/hvd_tf.py (test_horovod.py), {0,2} of 3 included
+# 3 ranks: tests/mpi/hvd_tf.py (test_horovod.py), {0,2} of 3 included; 4 ranks outnumber the cores here
+@pytest.mark.parametrize("n", [2, 4])
 def test_tensorflow_and_keras(mpirun, n):
     result = mpirun("tf_all.py", n, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     ranks = sorted(int(line.split()[1]) for line in result.lines("TF_ALL_OK"))
