@@ -124,8 +124,7 @@ elif mode == "stall":
             print(f"STALL {r} after {waited:.2f}s: {exc}", flush=True)
         else:
             raise AssertionError("no StallError")
-    else:
-        time.sleep(timeout + 0.5)
+    meeting.meet()  # rank 0 skipped it: it goes on once the others have raised
     expect_correct("after stall")
     # The same on a warm prepared lane: rank 1 gives up a call rank 0 skips, and its next call
     # of that signature announces its resync. Its header of the given-up call still waits on the
@@ -142,9 +141,9 @@ elif mode == "stall":
             pass
         else:
             raise AssertionError("no StallError on the lane")
-        ring.config().stall_timeout = timeout  # the resync below waits for rank 0's wake-up
-    elif n == 2:
-        time.sleep(1.0)
+        ring.config().stall_timeout = timeout
+    if n == 2:
+        meeting.meet()  # rank 0 calls once rank 1 has given up its call
     got = ring.allreduce(np.full(5, r + 1.0), op=ring.Sum, name="w.lane")  # every rank, at every size
     assert np.array_equal(got, np.full(5, n * (n + 1) / 2)), f"the lane after a peer gave up a call: {got}"
 
