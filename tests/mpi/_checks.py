@@ -113,7 +113,7 @@ class Meeting:
 
         self.comm = MPI.COMM_WORLD.Dup()
 
-    def meet(self, timeout=120.0):
+    def meet(self, timeout=60.0):  # under the tests' mpiexec timeouts (90-120 s): this message first
         import time
 
         request = self.comm.Ibarrier()
