@@ -1,5 +1,6 @@
 """Shared fixtures: an isolated home for Jupyter/IPython, and a runner for real mpiexec jobs."""
 
+import json
 import os
 import re
 import subprocess
@@ -72,3 +73,37 @@ def run_mpi(script, n, *args, env=None, timeout=120, check=True):
 def mpirun():
     """``mpirun(script, n, *args, env=..., timeout=...)`` -> MPIResult (fails on non-zero exit)."""
     return run_mpi
+
+
+_ADAPTERS = """
+import json, sys
+import jupyter_ring.runtime.tensorflow, jupyter_ring.runtime.keras
+beside_tensorflow = {"torch": "torch" in sys.modules, "cupy": "cupy" in sys.modules}
+import jupyter_ring.runtime.torch
+modules = {}
+for mod in ("jupyter_ring.runtime.torch", "jupyter_ring.runtime.tensorflow", "jupyter_ring.runtime.keras"):
+    m = sys.modules[mod]
+    present = set(dir(m))
+    cbs = getattr(m, "callbacks", None)
+    present |= {"callbacks." + n for n in (vars(cbs) if cbs is not None else ()) if not n.startswith("_")}
+    modules[mod] = {"all": sorted(m.__all__), "present": sorted(present),
+                    "undocumented": [n for n in m.__all__ if n != "callbacks" and not getattr(m, n).__doc__]}
+print(json.dumps({"beside_tensorflow": beside_tensorflow, "modules": modules}))
+"""
+
+
+@pytest.fixture(scope="session")
+def framework_adapters():
+    """The torch, TensorFlow and Keras adapters as a fresh interpreter sees them, for the tests of
+    their names (test_horovod.py, test_tensorflow.py): ``modules`` maps each adapter to its
+    ``all``, ``present`` (dir() and callbacks.*) and ``undocumented`` public names;
+    ``beside_tensorflow`` says whether importing the TensorFlow and Keras adapters imported torch or
+    cupy (before the torch adapter is imported). One interpreter for all of it: importing torch and
+    TensorFlow costs seconds."""
+    pytest.importorskip("tensorflow", reason="the adapters' names need tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    pytest.importorskip("torch", reason="the adapters' names need torch: pip install 'jupyter_ring[torch]'")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    proc = subprocess.run([sys.executable, "-c", _ADAPTERS], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(HERE))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

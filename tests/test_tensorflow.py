@@ -43,22 +43,15 @@ def _python(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=full)
 
 
-def test_public_names_and_missing_framework():
-    # one interpreter for all of it: importing tensorflow costs seconds
-    code = """
-import sys
-import jupyter_ring.runtime.tensorflow as t, jupyter_ring.runtime.keras as k
-print(sorted(t.__all__)); print(sorted(k.__all__))
-print(all(getattr(t, n).__doc__ for n in t.__all__), all(getattr(k, n).__doc__ for n in k.__all__ if n != 'callbacks'))
-print('torch' in sys.modules, 'cupy' in sys.modules)
-"""
-    out = _python(code, KERAS_BACKEND="tensorflow")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0] == str(sorted(TF_PUBLIC))
-    assert lines[1] == str(sorted(KERAS_PUBLIC))
-    assert lines[2] == "True True"
-    assert lines[3] == "False False", "the tensorflow adapter must import only tensorflow"
+def test_public_names_and_missing_framework(framework_adapters):
+    # one interpreter (conftest's framework_adapters) for this and test_horovod's name checks
+    modules = framework_adapters["modules"]
+    tf_names, keras_names = modules["jupyter_ring.runtime.tensorflow"], modules["jupyter_ring.runtime.keras"]
+    assert tf_names["all"] == sorted(TF_PUBLIC)
+    assert keras_names["all"] == sorted(KERAS_PUBLIC)
+    assert tf_names["undocumented"] == [] and keras_names["undocumented"] == []
+    assert framework_adapters["beside_tensorflow"] == {"torch": False, "cupy": False}, \
+        "the tensorflow adapter must import only tensorflow"
 
 
 def test_keras2_has_the_same_names_and_a_missing_tf_keras_names_the_fix():
@@ -89,7 +82,8 @@ def test_missing_tensorflow_names_the_extra(module, extra):
     assert extra in out.stdout and "pip install 'jupyter_ring[tensorflow]'" in out.stdout, out
 
 
-@pytest.mark.parametrize("n", [2])  # 3 ranks: tests/mpi/hvd_tf.py (test_horovod.py), {0,2} of 3 included
+# 3 ranks: tests/mpi/hvd_tf.py (test_horovod.py), {0,2} of 3 included; 4 ranks outnumber the cores here
+@pytest.mark.parametrize("n", [2, 4])
 def test_tensorflow_and_keras(mpirun, n):
     result = mpirun("tf_all.py", n, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
     ranks = sorted(int(line.split()[1]) for line in result.lines("TF_ALL_OK"))

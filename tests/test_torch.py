@@ -81,9 +81,10 @@ def test_collectives_through_the_device_transport(mpirun, n):
     _all_ranks(mpirun("torch_collectives.py", n, env=GLOO, timeout=180), "TORCH_COLLECTIVES_OK", n)
 
 
-# Rank counts are spread over the tests (the whole suite must stay ~20 minutes on 2 cores): the
-# device transport trains at 2 ranks, fails and rebuilds at 2 and 4, runs every collective at 1-3.
-@pytest.mark.parametrize("n", [2])
+# Rank counts are spread over the tests (the whole suite must stay under 15 minutes on 2 cores): the
+# device transport trains, fails and rebuilds at 2 and 4 ranks (4 outnumber the cores here), runs
+# every collective at 1-3.
+@pytest.mark.parametrize("n", [2, 4])
 def test_training_and_misuse_through_the_device_transport(mpirun, n):
     _all_ranks(mpirun("torch_train.py", n, env=GLOO, timeout=180), "TORCH_TRAIN_OK", n)
     _all_ranks(mpirun("torch_errors.py", n, env=GLOO, timeout=180), "TORCH_ERRORS_OK", n)

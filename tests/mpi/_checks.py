@@ -96,3 +96,29 @@ def train_matches_one_process(hvd, dev, failures, steps=4, bucket_bytes=1024):
             failures.append(f"DistributedOptimizer {name}: {p.flatten()[:3].tolist()} vs one process "
                             f"{q.flatten()[:3].tolist()}")
     return opt
+
+
+class Meeting:
+    """Ranks meet outside the runtime: ``meet()`` returns once every rank has called it as often.
+
+    Where every rank must have raised (an interrupt, a stall) before any goes on (a released rank's
+    next collective would pair with a waiting one's), the ranks meet here instead of sleeping to a
+    shared deadline: no time is guessed, so a loaded machine neither breaks it nor pays for it. A
+    non-blocking barrier on a communicator of its own, polled with sleeps (4 ranks on 2 cores do
+    not spin). Create it on every rank at the same point, after ``init()``.
+    """
+
+    def __init__(self):
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD.Dup()
+
+    def meet(self, timeout=60.0):  # under the tests' mpiexec timeouts (90-120 s): this message first
+        import time
+
+        request = self.comm.Ibarrier()
+        deadline = time.monotonic() + timeout
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not every rank came to the meeting in {timeout} s")
+            time.sleep(0.002)

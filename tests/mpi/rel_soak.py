@@ -3,6 +3,7 @@
 Every rank draws the same op sequence from a shared seed; integer data makes every result exact.
 Every 500th op is a deliberate mismatch or a bad argument on one rank (error paths leak too).
 Prints ``SOAK {json}`` with the resource figures and ``RANK_OK <rank>``. Usage: rel_soak.py COUNT
+(resources are compared from the op where the trace is full, JUPYTER_RING_TRACE_RECORDS)
 """
 
 import json
@@ -39,8 +40,10 @@ def data(seed, length):
 
 warm = None
 errors = 0
-# resources are compared from the point where the trace (its last 10,000 records) is full
-warm_at = min(count // 2, max(count // 10, 12000))
+# resources are compared from the point where the trace (its last trace_records records, 10,000
+# unless JUPYTER_RING_TRACE_RECORDS says) is full
+trace_records = ring.config().trace_records
+warm_at = min(count // 2, max(count // 10, trace_records + trace_records // 5))
 for i in range(count):
     if i == warm_at:
         warm = resources()

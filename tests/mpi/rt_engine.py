@@ -34,12 +34,13 @@ import time
 import numpy as np
 
 import jupyter_ring.runtime as ring
-from _checks import INTERRUPT_S
+from _checks import INTERRUPT_S, Meeting
 from jupyter_ring.runtime import _api
 
 mode = sys.argv[1]
 ring.init()
 r, n = ring.rank(), ring.size()
+meeting = Meeting()  # every rank has raised before any goes on
 failures = []
 LENGTHS = (0, 1, 13, 1009, 70001)  # empty, one, prime, eager, shared memory / ring
 
@@ -159,7 +160,6 @@ if mode == "async":
     exact_after("after async mismatch", 3)
 
     # -- an interrupt while the background thread runs the collective (rank 0 never joins it)
-    deadline = ring.broadcast_object(time.time() + 3.0 + 0.2 * n, root_rank=0)
     threading.Thread(target=kill_me, args=(0.8,), daemon=True).start()
     start = time.perf_counter()
     try:
@@ -180,7 +180,7 @@ if mode == "async":
         if engine.lock.locked() or engine.queue:
             failures.append("the background round still runs after the interrupt")
         expect("the interrupted handle", ring.RingError, ["cancelled"], lambda: ring.synchronize(h))
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     exact_after("after a background interrupt", 5)
 
     # -- a rank that skips a collective run in the background: StallError names it. The others
@@ -188,7 +188,6 @@ if mode == "async":
     # wait of one still waiting, which pairs it with that next collective: the runtime's
     # documented recovery, but not what this tests).
     timeout = ring.config().stall_timeout
-    deadline = ring.broadcast_object(time.time() + timeout + 3.0, root_rank=0)
     if r != 0:
         start = time.perf_counter()
         h = ring.allreduce_async(np.ones(1009), name="w.grad")
@@ -197,14 +196,13 @@ if mode == "async":
         waited = time.perf_counter() - start
         exc = expect("stall at synchronize", ring.StallError, ["rank(s) [0]", "w.grad"], lambda: ring.synchronize(h))
         stalled_on_rank0(exc, waited, timeout)
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     exact_after("after a background stall", 6)
 
     # -- nothing of an abandoned op reaches a later one. As in a notebook: rank 0's cell raises
     # with entries queued while the others sit in a fused round; every rank is interrupted,
     # abandons what its cell queued (the kernel's post-cell hook) and, once all have, runs fresh
     # collectives named and shaped unlike the abandoned ones.
-    deadline = ring.broadcast_object(time.time() + 1.5 + 0.2 * n, root_rank=0)
     killer = threading.Thread(target=kill_me, args=(0.6,), daemon=True)
     killer.start()
     try:
@@ -223,7 +221,7 @@ if mode == "async":
     except KeyboardInterrupt:
         pass
     _api.abandon_queued("the cell failed or was interrupted")
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     fresh = [(3, "w"), (1009, "w"), (70001, "w")]  # eager, and shared memory / ring
     # ... and several resyncs in a row, each after one rank abandoned a collective while the
     # others were clean: their headers of the next collective go out on the old communicator
@@ -328,7 +326,6 @@ elif mode == "names":
 
     # -- a rank that never queues the others' name: a StallError after the stall timeout, naming
     # it and what it queued instead; its own op fails alike
-    deadline = ring.broadcast_object(time.time() + timeout + 3.0, root_rank=0)
     start = time.perf_counter()
     if r == 0:
         h = ring.allreduce_async(np.ones(5), name="mine")
@@ -339,11 +336,10 @@ elif mode == "names":
         exc = expect("stall, a blocked rank", ring.StallError, ["allreduce 'theirs'", "rank(s) [0]", "allreduce 'mine'"],
                      lambda: ring.allreduce(np.ones(5), name="theirs"))
         stalled_on_rank0(exc, time.perf_counter() - start, timeout)
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     exact_after("after a name stall", 401)
 
     # -- an interrupt while the ranks wait for each other's names lands within a second
-    deadline = ring.broadcast_object(time.time() + 2.0 + 0.2 * n, root_rank=0)
     threading.Thread(target=kill_me, args=(0.5,), daemon=True).start()
     start = time.perf_counter()
     try:
@@ -359,7 +355,7 @@ elif mode == "names":
             failures.append(f"interrupt took {latency:.2f} s to land")
         print(f"INTERRUPTED {r} {latency * 1000:.1f} ms after SIGINT", flush=True)
     _api.abandon_queued("the cell was interrupted")
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     exact_after("after an interrupt while settling", 402)
 
 elif mode == "sets":
@@ -414,7 +410,6 @@ elif mode == "sets":
     close("global after sets", ring.allreduce(np.full(5, r + 1.0), op=ring.Sum, name="glob"),
           np.full(5, n * (n + 1) / 2))
     # mismatch and stall inside a set name global ranks; the others wait that out
-    deadline = ring.broadcast_object(time.time() + ring.config().stall_timeout + 3.0, root_rank=0)
     if n >= 3 and r in tail.ranks:
         last = tail.ranks[-1]
         expect("set mismatch", ring.CollectiveMismatchError,
@@ -432,7 +427,7 @@ elif mode == "sets":
         time.sleep(max(0.0, resume - time.time()))  # every waiting member has raised by then
         close("set after stall", ring.allreduce(np.ones(2), op=ring.Sum, name="m3", process_set=tail),
               np.full(2, len(tail.ranks)))
-    time.sleep(max(0.0, deadline - time.time()))
+    meeting.meet()
     expect("duplicate set", ValueError, ["duplicate process set"], lambda: ring.add_process_set([1]))
     if not ring.remove_process_set(one) or one.process_set_id is not None:
         failures.append("remove_process_set did not remove {1}")

@@ -13,11 +13,12 @@ from typing import Callable
 import numpy as np
 
 import jupyter_ring.runtime as ring
-from _checks import INTERRUPT_S
+from _checks import INTERRUPT_S, Meeting
 
 mode = sys.argv[1]
 ring.init()
 r, n = ring.rank(), ring.size()
+meeting = Meeting()  # every rank has raised before any goes on
 
 
 def expect_correct(label, seed=1234, length=100003):
@@ -123,8 +124,7 @@ elif mode == "stall":
             print(f"STALL {r} after {waited:.2f}s: {exc}", flush=True)
         else:
             raise AssertionError("no StallError")
-    else:
-        time.sleep(timeout + 0.5)
+    meeting.meet()  # rank 0 skipped it: it goes on once the others have raised
     expect_correct("after stall")
     # The same on a warm prepared lane: rank 1 gives up a call rank 0 skips, and its next call
     # of that signature announces its resync. Its header of the given-up call still waits on the
@@ -141,9 +141,9 @@ elif mode == "stall":
             pass
         else:
             raise AssertionError("no StallError on the lane")
-        ring.config().stall_timeout = timeout  # the resync below waits for rank 0's wake-up
-    elif n == 2:
-        time.sleep(1.0)
+        ring.config().stall_timeout = timeout
+    if n == 2:
+        meeting.meet()  # rank 0 calls once rank 1 has given up its call
     got = ring.allreduce(np.full(5, r + 1.0), op=ring.Sum, name="w.lane")  # every rank, at every size
     assert np.array_equal(got, np.full(5, n * (n + 1) / 2)), f"the lane after a peer gave up a call: {got}"
 
@@ -151,13 +151,12 @@ elif mode == "interrupt":
     # Every rank gets a real SIGINT while inside (or, rank 0, outside) a collective with the same
     # name and shape as the next one; afterwards collectives are exact. As in a notebook, where
     # the interrupt reaches every rank, each rank goes on only once all have been interrupted
-    # (a shared deadline), otherwise a released rank would legitimately mismatch a waiting one.
+    # (they meet), otherwise a released rank would legitimately mismatch a waiting one.
     def kill_me(delay):
         time.sleep(delay)
         os.kill(os.getpid(), signal.SIGINT)
 
     def interrupted_loop(delay, length, before=None, name="w.grad", also=None):
-        deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
         threading.Thread(target=kill_me, args=(delay,), daemon=True).start()
         start = time.perf_counter()
         rounds = 0
@@ -173,7 +172,7 @@ elif mode == "interrupt":
             latency = time.perf_counter() - start - delay
             assert latency < INTERRUPT_S, f"interrupt took {latency:.2f} s to land"
             print(f"INTERRUPTED {r} after {rounds} rounds, {latency * 1000:.1f} ms after SIGINT", flush=True)
-        time.sleep(max(0.0, deadline - time.time()))
+        meeting.meet()
 
     # rank 0 is busy elsewhere: the others wait for it inside allreduce
     interrupted_loop(0.3 + 0.15 * r, 100003, before=(lambda: time.sleep(30)) if r == 0 else None)
@@ -209,14 +208,13 @@ elif mode == "interrupt":
 elif mode == "cells":
     # test_notebooks' shared kernel, cell by cell, without the kernel: after each failed cell
     # every rank abandons what it queued (engines/_setup._after_cell); interrupts reach every
-    # rank together (a shared deadline); then a mismatch must be raised alike on every rank,
+    # rank together (they meet after it); then a mismatch must be raised alike on every rank,
     # naming only its own collective: nothing of the interrupted cells may take part in it.
     from jupyter_ring.runtime import _api
 
     def interrupted_cell(body: Callable[[], None], delay: float = 1.0) -> BaseException | None:
         """Run ``body`` as a cell that every rank's SIGINT ends ``delay`` s in; its failure is
         the cell's, and what it queued is abandoned, as on an engine."""
-        deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         try:
@@ -228,7 +226,7 @@ elif mode == "cells":
             failed = None
         finally:
             timer.cancel()
-        time.sleep(max(0.0, deadline - time.time()))
+        meeting.meet()
         return failed
 
     def barrier_while_peers_sleep() -> None:  # test_interrupt_in_kernel_during_collective_keeps_state

@@ -21,13 +21,14 @@ import zlib
 import numpy as np
 
 import jupyter_ring.runtime as ring
-from _checks import INTERRUPT_S
+from _checks import INTERRUPT_S, Meeting
 from jupyter_ring.runtime import _api
 from jupyter_ring.runtime._core import OP_NAMES
 
 mode = sys.argv[1]
 ring.init()
 r, n = ring.rank(), ring.size()
+meeting = Meeting()  # every rank has raised before any goes on
 rt = _api._proc.rt
 config = ring.config()
 THRESHOLD, WINDOW = config.shm_threshold, config.shm_window_bytes
@@ -375,7 +376,6 @@ elif mode == "interrupt":
         os.kill(os.getpid(), signal.SIGINT)
 
     def interrupted(delay, length, hold_rank0):
-        deadline = ring.broadcast_object(time.time() + delay + 1.0 + 0.1 * n, root_rank=0)
         arrive = rt.shm.arrive
         if hold_rank0 and r == 0:
             def held(gen):
@@ -399,7 +399,7 @@ elif mode == "interrupt":
                 assert "_shared" in frames, f"rank {r} was interrupted outside the shm path: {frames}"
         finally:
             rt.shm.arrive = arrive
-        time.sleep(max(0.0, deadline - time.time()))
+        meeting.meet()
 
     interrupted(0.4 + 0.1 * r, next_prime(3 * WINDOW // 8 // 8), hold_rank0=True)
     expect_correct("after an interrupt at the first sync")

@@ -27,7 +27,7 @@ from jupyter_ring.runtime import _api  # noqa: E402
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 failures = []
-BATCH, STEPS = 12, 4
+BATCH, STEPS = 24, 4  # shards of 12, 8 and 6 rows at 2, 3 and 4 ranks
 
 
 def close(label, got, want, tol):
@@ -50,15 +50,22 @@ close("allreduce fp16", hvd.allreduce(tf.constant(xs[r]), compression=hvd.Compre
 close("allreduce bfloat16", tf.cast(hvd.allreduce(tf.cast(xs[r], tf.bfloat16)), tf.float32), sum(xs) / n, 3e-2)
 close("grouped_allreduce", hvd.grouped_allreduce([tf.constant(x) for x in (xs[r], 2 * xs[r])], op=hvd.Sum)[1],
       2 * sum(xs), 1e-5)
-parts = [np.full((q + 1, 2), q, np.int64) for q in range(n)]
+# random integers (exact in float32), the same on every rank for a rank q: rank q's allgather rows
+# 1, 0, 7, 3, 4, ... (one empty), alltoall rows (q + 2 d) % 3 to rank d (some 0), reducescatter over
+# 2n + 1 rows (not divisible by n: the first rank gets one more)
+ints = np.random.default_rng(2)
+parts = [ints.integers(-99, 99, ([1, 0, 7, 3][q] if q < 4 else q, 2)) for q in range(n)]
 close("allgather", hvd.allgather(tf.constant(parts[r])), np.concatenate(parts), 0)
 close("broadcast", hvd.broadcast(tf.constant(xs[r]), root_rank=n - 1), xs[n - 1], 0)
 close("broadcast scalar", hvd.broadcast(tf.constant(float(r)), root_rank=n - 1), float(n - 1), 0)
-splits = [1] * n
-out, received = hvd.alltoall(tf.constant(np.arange(n, dtype=np.float32) + 10 * r), splits=splits)
-close("alltoall", out, [10 * q + r for q in range(n)], 0)
-close("reducescatter", hvd.reducescatter(tf.constant(np.ones((n, 2), np.float32)), op=hvd.Sum), np.full((1, 2), n), 0)
-
+counts = [[(q + 2 * d) % 3 for d in range(n)] for q in range(n)]
+sent = [ints.integers(-99, 99, (sum(counts[q]), 3)).astype(np.float32) for q in range(n)]
+out, received = hvd.alltoall(tf.constant(sent[r]), splits=counts[r])
+close("alltoall", out, np.concatenate([np.split(sent[q], np.cumsum(counts[q])[:-1])[r] for q in range(n)]), 0)
+close("alltoall received splits", received, [counts[q][r] for q in range(n)], 0)
+rows = [ints.integers(-99, 99, (2 * n + 1, 2)).astype(np.float32) for _ in range(n)]
+lo = 0 if r == 0 else 3 + 2 * (r - 1)
+close("reducescatter", hvd.reducescatter(tf.constant(rows[r]), op=hvd.Sum), sum(rows)[lo:lo + 2 + (r == 0)], 0)
 
 @tf.function
 def in_graph(x):
@@ -66,7 +73,7 @@ def in_graph(x):
 
 
 close("allreduce in tf.function", in_graph(tf.constant(xs[r])), sum(xs) + xs[0], 1e-5)
-v = tf.Variable(np.full(3, r, np.float32))
+v = tf.Variable(np.random.default_rng(3 + r).standard_normal(3).astype(np.float32))
 with tf.GradientTape() as tape:
     y = tf.reduce_sum(hvd.allreduce(v * (r + 1.0), op=hvd.Sum, name="diff"))
 close("allreduce gradient", tape.gradient(y, v), np.full(3, n * (r + 1.0)), 1e-6)
@@ -136,7 +143,8 @@ for graph, nbytes in ((False, None), (True, None), (True, 64)):
 
 # ---- the fused gradient op reduces in the transport's registered memory on one host (no copy into
 # it and back) and hands back views of it; eagerly and inside tf.function, each rank's own average
-w1, w2 = tf.Variable(np.arange(7, dtype=np.float32)), tf.Variable(np.ones((3, 5), np.float32))
+start = np.random.default_rng(4)  # the same on every rank, as after a broadcast of the weights
+w1, w2 = (tf.Variable(start.standard_normal(shape).astype(np.float32)) for shape in (7, (3, 5)))
 
 
 def fused_grads():
@@ -148,7 +156,7 @@ def fused_grads():
 for graph in (False, True):
     g1, g2 = (tf.function(fused_grads) if graph else fused_grads)()
     close(f"fused gradients graph={graph}", np.concatenate([g1.numpy().ravel(), g2.numpy().ravel()]),
-          np.concatenate([np.full(7, (n + 1) / 2), np.full(15, n - 1.0)]), 1e-6)
+          np.concatenate([np.full(7, (n + 1) / 2), (n - 1.0) * w2.numpy().ravel()]), 1e-5)
     if n > 1 and not graph and not _api.registered(np.from_dlpack(g1)):
         failures.append("fused gradients: not a view of registered memory")
 

@@ -101,7 +101,7 @@ if n > 1:
 
     # ---- bad arguments on rank 1: its ValueError there, PeerError naming rank 1 elsewhere
     root = n if r == 1 else 0
-    exc = raises("bad root", lambda: hvd.broadcast(torch.ones(3), root, name="badroot"),
+    exc = raises("bad root", lambda: hvd.broadcast(rand_ints(r, (3,), torch.float32), root, name="badroot"),
                  (ValueError, hvd.RingError))
     if exc is not None:
         if r == 1:
@@ -121,7 +121,7 @@ if n > 1:
     if r == 0:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
     t0 = time.monotonic()
-    exc = raises("interrupt", lambda: hvd.allreduce(torch.ones(100003), name="held"),
+    exc = raises("interrupt", lambda: hvd.allreduce(rand_ints(r, (100003,), torch.float32), name="held"),
                  (KeyboardInterrupt, hvd.RingError))
     took = time.monotonic() - t0
     if r == 0:
@@ -143,7 +143,7 @@ if n > 1:
     ring.config().stall_timeout = 1.0
     transport.before_launch = hold(3.0)
     t0 = time.monotonic()
-    exc = raises("stall", lambda: hvd.allreduce(torch.ones(5), name="held"), hvd.RingError)
+    exc = raises("stall", lambda: hvd.allreduce(rand_ints(r, (5,), torch.float32), name="held"), hvd.RingError)
     took = time.monotonic() - t0
     if r == 0:
         expect("stall raises StallError", isinstance(exc, hvd.StallError), repr(exc))
@@ -174,18 +174,22 @@ if n > 1:
             got = hvd.allreduce(xs[r], op=hvd.Average, name=f"joined.avg{length}")
             want = sum(xs[q] for q in active) / n if length else xs[r]
             expect(f"joined Average (divided by every rank) {length}", torch.allclose(got, want), f"{got[:4]} vs {want[:4]}")
-        pair = [torch.full((4,), float(r + 1)), torch.full((2, 3), float(r + 1))]
+        def pair_of(q):
+            return [rand_ints(200 + q, (4,)).double(), rand_ints(300 + q, (2, 3)).double()]
+
+        pair = pair_of(r)
         hvd.grouped_allreduce_(pair, op=hvd.Sum, name="joined.grouped")
-        total = float(sum(q + 1 for q in active))
-        expect("joined grouped", all(torch.equal(t, torch.full_like(t, total)) for t in pair), str(pair))
-        x = torch.ones(2, 6)
+        want_pair = [sum(pair_of(q)[k] for q in active) for k in range(2)]
+        expect("joined grouped", all(torch.equal(t, w) for t, w in zip(pair, want_pair)), str(pair))
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(400 + r))  # this rank's own batch
         opt.zero_grad()
         model(x).sum().backward()
         opt.step()  # buckets on the transport: averaged over every rank, the joined one's zeros too
-        want_bias = before[1] - (n - 1) / n * 2.0
+        # d(sum of outputs)/d(bias) is the batch's row count on every active rank, 0 on the joined one
+        want_bias = before[1] - (n - 1) / n * 3.0
         expect("joined DistributedOptimizer", torch.allclose(model.bias.detach(), want_bias),
                f"{model.bias.tolist()} vs {want_bias.tolist()}")
-        exc = raises("joined broadcast", lambda: hvd.broadcast(torch.ones(3), 0, name="joined.bcast"),
+        exc = raises("joined broadcast", lambda: hvd.broadcast(rand_ints(r, (3,), torch.float32), 0, name="joined.bcast"),
                      hvd.CollectiveMismatchError)
         if exc is not None:
             expect("joined broadcast names join()", "join()" in str(exc), str(exc))
@@ -206,21 +210,22 @@ if n > 1:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp(torch.randn(2, 4)).sum().backward()
-    got = hvd.allreduce(torch.full((7,), float(r)), op=hvd.Sum, name="shared")
+    mine = [rand_ints(500 + q, (7,)) for q in range(n)]
+    got = hvd.allreduce(mine[r], op=hvd.Sum, name="shared")
     expect("transport on the shared group", transport.group("cpu").pg is world,
            transport.group("cpu").label)
-    expect("allreduce on the shared group", torch.equal(got, torch.full((7,), float(sum(range(n))))))
+    expect("allreduce on the shared group", torch.equal(got, sum(mine)), f"{got} vs {sum(mine)}")
     transport.before_launch = hold(2.5)
     if r == 0:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    raises("interrupt on the shared group", lambda: hvd.allreduce(torch.ones(11), name="held"),
+    raises("interrupt on the shared group", lambda: hvd.allreduce(rand_ints(r, (11,), torch.float32), name="held"),
            (KeyboardInterrupt, hvd.RingError))
     transport.before_launch = None
     exact_round("after-shared-interrupt")  # the transport re-creates the shared group first
-    t = torch.full((5,), float(r + 1))
+    theirs = [rand_ints(600 + q, (5,)) for q in range(n)]
+    t = theirs[r].clone()
     dist.all_reduce(t)
-    expect("user all_reduce after the rebuild", torch.equal(t, torch.full((5,), float(n * (n + 1) // 2))),
-           str(t))
+    expect("user all_reduce after the rebuild", torch.equal(t, sum(theirs)), f"{t} vs {sum(theirs)}")
     for step in range(2):
         model.zero_grad()
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + r))

@@ -212,13 +212,16 @@ def test_round_robin_placement_gets_a_host_contiguous_ring(hosts, kernel):
     kernel.ok("%ring stop", timeout=60)
 
 
+# every rank's random integers (65,537: prime), the sum each rank expects computed from the shared
+# seeds; every result until the cut is checked on every rank
 LONG_ALLREDUCE = """\
 import time
 import numpy as np
-_x = np.ones(1 << 16)
+_xs = [np.random.default_rng(4099 + q).integers(-1000, 1000, 65537) for q in range(ring.size())]
+_want = np.sum(_xs, axis=0)
 _t0 = time.monotonic()
 while time.monotonic() - _t0 < 60:
-    ring.allreduce(_x, op=ring.Sum, name="loop")
+    assert np.array_equal(ring.allreduce(_xs[ring.rank()], op=ring.Sum, name="loop"), _want)
 """
 
 

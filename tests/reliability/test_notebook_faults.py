@@ -64,10 +64,15 @@ def exact_allreduce_ok(kernel, tag):
 
 
 # ------------------------------------------------------------------ 2. a rank raises mid-training
+# each step's gradients: random integers (1,009: prime) every rank draws for every rank from seeds,
+# so every rank checks its own average (allreduce's default op)
 RAISES = """%%distributed
-w = np.zeros(1000)
+w = np.zeros(1009)
+grad = lambda q, step: np.random.default_rng(1009 * step + q).integers(-99, 99, 1009).astype(np.float64)
 for step in range(10**9):
-    g = ring.allreduce(np.full(1000, ring.rank() + 1.0), name='g')
+    g = ring.allreduce(grad(ring.rank(), step), name='g')
+    assert np.allclose(g, sum(grad(q, step) for q in range(ring.size())) / ring.size(), rtol=1e-12, atol=0), \
+        f'step {{step}}: wrong average'
     w -= 0.01 * g
     if ring.rank() == {bad} and step == {at}:
         raise ValueError(f'bad batch at step {{step}} on rank {bad} t={{time.time()!r}}')
@@ -301,8 +306,12 @@ def test_3_sigkilled_engine_is_reported_by_rank_and_restart_works(kernel):
                                               os.kill(pids[victim], signal.SIGKILL)))
         timer.start()
         try:
-            out, error = kernel.execute("%%distributed\nfor step in range(10**9):\n"
-                                        "    ring.allreduce(np.ones(1000), name='t')", timeout=60)
+            out, error = kernel.execute(
+                "%%distributed\n"
+                "xs = [np.random.default_rng(31 + q).integers(-99, 99, 1009) for q in range(ring.size())]\n"
+                "for step in range(10**9):\n"
+                "    assert (ring.allreduce(xs[ring.rank()], op=ring.Sum, name='t') == np.sum(xs, axis=0)).all()",
+                timeout=60)
         finally:
             timer.cancel()
         detect.append(time.monotonic() - killed[0])
