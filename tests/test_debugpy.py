@@ -1,0 +1,276 @@
+"""``%ring debugpy RANK`` (issue 35, item 5): debugpy on one rank, driven by a real DAP client
+over its socket, as VS Code drives it, on a real kernel and a real 2-rank cluster whose stall
+timeout is 2 s (a rank stopped at a breakpoint longer than that must not stall its peer)."""
+
+import json
+import os
+import queue
+import random
+import re
+import socket
+import threading
+import time
+
+import psutil
+import pytest
+from bounds import GONE_S
+from real_kernel import alive, cluster_pids, ring_kernel
+
+pytestmark = pytest.mark.slow
+
+STALL_TIMEOUT = 2
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    short = {"JUPYTER_RING_STALL_TIMEOUT": str(STALL_TIMEOUT)}
+    with ring_kernel(2, env=short) as k:
+        cluster_pids(k)
+        yield k
+
+
+class Dap:
+    """A Debug Adapter Protocol client over a TCP socket (what VS Code speaks to debugpy)."""
+
+    def __init__(self, port, timeout=30.0):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.timeout = timeout
+        self.seq = 0
+        self.responses = {}
+        self.events = queue.Queue()
+        self.lock = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        buffer = b""
+        self.sock.settimeout(None)
+        while True:
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.events.put(None)
+                return
+            buffer += chunk
+            while b"\r\n\r\n" in buffer:
+                head, rest = buffer.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+                if len(rest) < length:
+                    break
+                message, buffer = json.loads(rest[:length]), rest[length:]
+                if message["type"] == "response":
+                    with self.lock:
+                        self.responses[message["request_seq"]] = message
+                        self.lock.notify_all()
+                elif message["type"] == "event":
+                    self.events.put(message)
+
+    def send(self, command, **arguments):
+        self.seq += 1
+        body = json.dumps({"seq": self.seq, "type": "request", "command": command,
+                           "arguments": arguments}).encode()
+        self.sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        return self.seq
+
+    def request(self, command, **arguments):
+        seq = self.send(command, **arguments)
+        with self.lock:
+            assert self.lock.wait_for(lambda: seq in self.responses, self.timeout), command
+            response = self.responses.pop(seq)
+        assert response["success"], response
+        return response.get("body", {})
+
+    def event(self, name):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            message = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert message is not None, f"the connection closed while waiting for {name!r}"
+            if message["event"] == name:
+                return message["body"]
+
+    def close(self):
+        self.sock.close()
+
+
+def _start(kernel, rank):
+    out = kernel.ok(f"%ring debugpy {rank}")
+    port = int(re.search(r"debugpy listening on 127\.0\.0\.1:(\d+)", out).group(1))
+    config = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    return out, port, config
+
+
+def _rank_pid(kernel, rank):
+    out = kernel.ok("print(get_ipython().magics_manager.registry['RingMagics'].cluster"
+                    f".ranks[{rank}]['pid'])")
+    return int(out.strip().splitlines()[-1])
+
+
+def _cell_file(folder, source):
+    """The file of ``folder`` holding the cell ``source`` (the rank's copy of its cells)."""
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as fh:
+            if fh.read().rstrip("\n") == source.rstrip("\n"):
+                return os.path.join(folder, name)
+    raise AssertionError(f"no file of {folder} holds the cell {source!r}: {os.listdir(folder)}")
+
+
+DEFINE = """%%distributed
+import numpy as np
+def step(seed):
+    mine = seed * (ring.rank() + 1)
+    doubled = mine * 2
+    return doubled
+"""
+STOP_LINE = 5  # `doubled = mine * 2`: line 5 of the cell, as in the notebook
+
+CALL = """%%distributed
+got = step({seed})
+total = ring.allreduce(np.array([float(got)]), op=ring.Sum, name="after_debugpy")
+print(f"rank {{ring.rank()}} got={{got}} total={{total.tolist()}}")
+"""
+
+
+def test_breakpoint_set_by_file_and_line_stops_the_rank_and_its_peer_waits(kernel):
+    out, port, config = _start(kernel, 1)
+    # loopback only: the rank's listening socket, as the system sees it
+    rank1 = psutil.Process(_rank_pid(kernel, 1))
+    listening = [c for c in rank1.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert [(c.laddr.ip, c.laddr.port) for c in listening if c.laddr.port == port] == [("127.0.0.1", port)], listening
+    assert "connections from other users are refused" in out, out
+    assert config["request"] == "attach" and config["connect"] == {"host": "127.0.0.1", "port": port}, config
+    [mapping] = config["pathMappings"]
+    folder = mapping["localRoot"]
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+
+    kernel.ok(DEFINE)  # run after %ring debugpy: its function is compiled from a file
+    path = _cell_file(folder, DEFINE.replace("%%distributed", "# %%distributed", 1))
+    with open(path) as fh:
+        assert fh.read().splitlines()[STOP_LINE - 1].strip() == "doubled = mine * 2"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+    dap = Dap(port)
+    try:
+        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy",
+                    pathFormat="path", linesStartAt1=True, columnsStartAt1=True)
+        dap.request("attach", pathMappings=config["pathMappings"], justMyCode=False)
+        placed = dap.request("setBreakpoints", source={"path": path},
+                             breakpoints=[{"line": STOP_LINE}], lines=[STOP_LINE])
+        assert placed["breakpoints"][0]["verified"], placed
+        dap.request("configurationDone")
+
+        seed = random.randint(3, 10**6)
+        ran = {}
+        cell = threading.Thread(target=lambda: ran.update(zip(("out", "error"), kernel.execute(
+            CALL.format(seed=seed), timeout=120))))
+        cell.start()
+        stopped = dap.event("stopped")
+        assert stopped["reason"] == "breakpoint", stopped
+        stopped_at = time.monotonic()
+        frames = dap.request("stackTrace", threadId=stopped["threadId"], startFrame=0,
+                             levels=5)["stackFrames"]
+        assert frames[0]["name"] == "step" and frames[0]["line"] == STOP_LINE, frames[0]
+        assert frames[0]["source"]["path"] == path, frames[0]
+        scopes = dap.request("scopes", frameId=frames[0]["id"])["scopes"]
+        local = next(s for s in scopes if s["name"] == "Locals")
+        variables = {v["name"]: v["value"] for v in
+                     dap.request("variables", variablesReference=local["variablesReference"])["variables"]}
+        assert variables["mine"] == str(seed * 2), variables      # rank 1's own value
+        assert variables["seed"] == str(seed), variables
+        assert "doubled" not in variables, variables               # the line has not run yet
+        # rank 0 waits for rank 1 in the allreduce: past the stall timeout, no StallError
+        while time.monotonic() - stopped_at < STALL_TIMEOUT * 1.5:
+            assert cell.is_alive(), ran
+            time.sleep(0.1)
+        dap.request("continue", threadId=stopped["threadId"])
+        cell.join(60)
+        assert not cell.is_alive()
+        assert ran["error"] is None, ran
+        total = float(seed * 2 + seed * 4)
+        assert f"rank 0 got={seed * 2} total=[{total}]" in ran["out"], ran["out"]
+        assert f"rank 1 got={seed * 4} total=[{total}]" in ran["out"], ran["out"]
+        assert "StallError" not in ran["out"], ran["out"]
+        dap.request("disconnect")
+    finally:
+        dap.close()
+    # the rank runs on: the same cell again (its breakpoint went with the client)
+    out = kernel.ok(CALL.format(seed=seed + 1), timeout=60)
+    assert f"rank 1 got={(seed + 1) * 4}" in out, out
+    # no process of debugpy's beside the rank (in-process: no adapter to leave behind)
+    assert not [p for p in rank1.children(recursive=True) if "debugpy" in " ".join(p.cmdline())]
+    # a second %ring debugpy names the same endpoint, and the cell just run
+    again, port_again, _ = _start(kernel, 1)
+    assert port_again == port and "already" in again, again
+    assert re.search(rf"In\[\d+\]: {re.escape(path)}", again), again  # the cells' files are named
+
+
+def _first_answer_as(uid, port):
+    """Connect to ``port`` as user ``uid`` (a forked child that drops root), send DAP's
+    ``initialize``, and return what came back (``b''``: the connection was closed)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no exec, so no interpreter the other user must be able to run
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+            body = b'{"seq": 1, "type": "request", "command": "initialize", "arguments": {}}'
+            conn.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            os.write(write, repr(conn.recv(65536)).encode())
+        except ConnectionResetError:  # closed with our request unread
+            os.write(write, b"b''")
+        except BaseException as exc:
+            os.write(write, f"error {exc!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        answer = fh.read()
+    os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="connecting as another user needs root (setuid)")
+def test_another_user_cannot_connect(kernel):
+    _, port, _ = _start(kernel, 1)
+    assert _first_answer_as(65534, port) == "b''"  # closed, nothing answered
+    out = kernel.ok("%%distributed --ranks 1\nfrom jupyter_ring.engines import _debugpy as _jr_d\n"
+                    "print('refused', len(_jr_d.refused))")
+    assert "refused 1" in out, out  # by the owner check, not by chance
+    # this user still can
+    dap = Dap(port)
+    try:
+        body = dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy")
+        assert body.get("supportsConfigurationDoneRequest"), body
+        dap.request("disconnect")
+    finally:
+        dap.close()
+
+
+def test_bad_rank_and_missing_debugpy_are_clear_errors(kernel):
+    out, error = kernel.execute("%ring debugpy 2")
+    assert error is None and "UsageError: %ring debugpy 2: no rank 2; the cluster has ranks 0..1" in out, out
+    out, error = kernel.execute("%ring debugpy one")
+    assert error is None and "UsageError" in out and "invalid int value: 'one'" in out, out
+    # rank 0 without debugpy: an import of it fails there as in an environment without it
+    kernel.ok("%%distributed --ranks 0\nimport sys\n_saved = sys.modules.get('debugpy')\n"
+              "sys.modules['debugpy'] = None")
+    try:
+        out, error = kernel.execute("%ring debugpy 0")
+        assert error is None, (error, out)
+        assert "UsageError: %ring debugpy 0: debugpy is not installed on this rank" in out, out
+        assert "pip install 'jupyter_ring[debug]'" in out, out
+    finally:
+        kernel.ok("%%distributed --ranks 0\nif _saved is None:\n    del sys.modules['debugpy']\n"
+                  "else:\n    sys.modules['debugpy'] = _saved")
+
+
+def test_nothing_is_left_after_stop(kernel):
+    pids = cluster_pids(kernel)
+    rank1 = psutil.Process(_rank_pid(kernel, 1))
+    family = [rank1.pid] + [p.pid for p in rank1.children(recursive=True)]
+    kernel.ok("%ring stop", timeout=60)
+    deadline = time.monotonic() + GONE_S
+    while alive(pids + family) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids + family), alive(pids + family)
