@@ -17,6 +17,9 @@ on ``127.0.0.1`` at a free port, and makes it safe and usable there:
   cluster; ``%ring where`` reads the same files), whose names the client's ``pathMappings``
   give. The hash leaves out the notebook's ``# jupyter_ring In[N]`` line, so a cell run again
   keeps its file and its breakpoints.
+- **Only the cell's thread stops.** debugpy stops every thread of a process at a breakpoint;
+  here only the thread that reached it (a client may ask otherwise: ``stopAllThreadsOnSuspend``):
+  the engine's threads (output, control) and the runtime's (the peers' collectives) run on.
 - **Peers do not stall.** While debugpy holds the rank (a breakpoint, a step) the rank is marked
   held, as at a pdb prompt (``runtime/_debugger.py``): peers waiting for it in a collective
   do not raise ``StallError``.
@@ -217,6 +220,9 @@ def _mark_held_while_suspended(pydb_class: Any) -> None:
                            f"{code.co_name} (debugpy)")
         try:
             return original(self, thread, frame, *args, **kwargs)
+        except BaseException:  # the kernel's interrupt ends the cell here: debugpy lets it go on
+            _resumed(self, thread)
+            raise
         finally:
             with _lock:
                 suspended[0] -= 1
@@ -225,6 +231,37 @@ def _mark_held_while_suspended(pydb_class: Any) -> None:
 
     pydb_class.do_wait_suspend = do_wait_suspend
     pydb_class._jupyter_ring_marks_held = True
+
+
+def _resumed(debugger: Any, thread: Any) -> None:
+    """Tell debugpy that ``thread``, which an exception (the interrupt) takes out of its wait at a
+    breakpoint, runs again, as a client's *continue* would: else debugpy keeps it marked
+    suspended and stops it at once, without a word to the client, once it is traced again."""
+    try:
+        from _pydevd_bundle.pydevd_additional_thread_info import set_additional_thread_info
+        from _pydevd_bundle.pydevd_constants import get_current_thread_id
+        from _pydevd_bundle.pydevd_thread_lifecycle import internal_run_thread
+
+        internal_run_thread(thread, set_additional_thread_info=set_additional_thread_info)
+        debugger.writer.add_command(debugger.cmd_factory.make_thread_run_message(
+            debugger, get_current_thread_id(thread), -1))
+    except Exception:  # another debugpy: the interrupt still ends the cell
+        pass
+
+
+# --------------------------------------------------------------------------- traced again
+def _trace_again(*_args: Any) -> None:
+    """Before each cell (``pre_run_cell``): put debugpy's tracing back on the rank's main thread
+    where something took it off, so its breakpoints stop the cell again. An interrupt that ends
+    a cell while debugpy holds the rank is raised inside debugpy's trace function, and Python
+    then turns tracing off for the thread (as it does for any error there); pdb (``breakpoint()``)
+    leaves the thread untraced after ``c``. From Python 3.12 debugpy uses ``sys.monitoring``:
+    ``sys.gettrace()`` tells nothing there and nothing is done."""
+    if sys.version_info >= (3, 12) or sys.gettrace() is not None:
+        return
+    debugpy = sys.modules.get("debugpy")
+    if debugpy is not None and debugpy.is_client_connected():
+        debugpy.debug_this_thread()
 
 
 # --------------------------------------------------------------------------- start
@@ -263,10 +300,17 @@ def start(port: int = 0) -> Endpoint:
                            "install a debugpy 1.8 release: pip install 'debugpy>=1.8,<2'")
     setattr(pydevd, "create_server_socket", _owner_only_server_socket)  # pydevd looks it up here
     _mark_held_while_suspended(pydevd.PyDB)
+    shell.events.register("pre_run_cell", _trace_again)
     debugpy.listen((LOOPBACK, port), in_process_debug_adapter=True)
     if not _bound_event.wait(_BIND_WAIT):
         raise RuntimeError(f"debugpy did not open its port within {_BIND_WAIT:g} s on this rank")
     host, bound = _bound[-1]
+    # a breakpoint stops the thread that reached it, not every thread of the rank (debugpy's
+    # default): the engine's threads (its output, its control channel) and the runtime's own
+    # (the background engine its peers' collectives need) run on while the cell is stopped
+    debugger = pydevd.get_global_debugger()
+    if debugger is not None:
+        debugger.multi_threads_single_notification = False
     _endpoint = Endpoint(host=host, port=bound, pid=os.getpid(),
                          hostname=socket.gethostname(), cells_dir=cells_dir,
                          owner_check=owner_check_possible(), new=True, cells=list(_cells))
