@@ -246,8 +246,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull "
-                             "or auto (see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull, "
+                             "auto or debugpy (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
