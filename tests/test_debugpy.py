@@ -16,6 +16,9 @@ from bounds import GONE_S
 from dap_client import Dap
 from real_kernel import alive, cluster_pids, ring_kernel
 
+from jupyter_ring.cluster._where import RankWhere, format_where
+from jupyter_ring.runtime._debugger import read_held
+
 pytestmark = pytest.mark.slow
 
 STALL_TIMEOUT = 2
@@ -114,6 +117,11 @@ def test_breakpoint_set_by_file_and_line_stops_the_rank_and_its_peer_waits(kerne
         assert variables["mine"] == str(seed * 2), variables      # rank 1's own value
         assert variables["seed"] == str(seed), variables
         assert "doubled" not in variables, variables               # the line has not run yet
+        # held: what %ring where and the Ring panel say about rank 1 meanwhile
+        held = read_held(os.path.dirname(folder), 1)
+        line = format_where([RankWhere(1, "vm", 1, None, (), "", 0.0, held or "")])
+        assert line.startswith(f"rank 1 @ vm (pid 1): in the debugger (debugpy), stopped at "
+                               f"{os.path.basename(path)}:{STOP_LINE} in step"), (held, line)
         # rank 0 waits for rank 1 in the allreduce: past the stall timeout, no StallError
         while time.monotonic() - stopped_at < STALL_TIMEOUT * 1.5:
             assert cell.is_alive(), ran
