@@ -288,6 +288,59 @@ def test_interrupt_while_debugpy_holds_a_rank_ends_the_cell_and_the_next_stops_a
         dap.close()
 
 
+def _lab_debug(kernel, command, **arguments):
+    """A request of JupyterLab's debugger: DAP in a ``debug_request`` on the control channel."""
+    msg = kernel.kc.session.msg("debug_request", {"seq": 1, "type": "request", "command": command,
+                                                  "arguments": arguments})
+    kernel.kc.control_channel.send(msg)
+    while True:
+        reply = kernel.kc.control_channel.get_msg(timeout=30)
+        if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+            assert reply["content"]["success"], reply["content"]
+            return reply["content"].get("body", {})
+
+
+def _debug_events(kernel, code):
+    messages = []
+    out, error = kernel.execute(code, messages=messages, timeout=60)
+    return out, error, [m["content"] for m in messages if m["msg_type"] == "debug_event"]
+
+
+def test_jupyterlab_debugger_stops_in_the_kernel_never_on_a_rank(kernel):
+    """What docs/debugging.md says of JupyterLab's debugger, as Lab drives it: a breakpoint in a
+    ``%%distributed`` cell is accepted (``verified``) on the kernel's copy of the cell, which the
+    kernel never runs; in one of the notebook's own cells it stops."""
+    _lab_debug(kernel, "initialize", clientID="jupyterlab", adapterID="python", pathFormat="path",
+               linesStartAt1=True, columnsStartAt1=True)
+    _lab_debug(kernel, "attach")
+    try:
+        distributed = "%%distributed\ndef g(x):\n    y = x * 3\n    return y\nprint('g', g(ring.rank() + 2))"
+        path = _lab_debug(kernel, "dumpCell", code=distributed)["sourcePath"]
+        placed = _lab_debug(kernel, "setBreakpoints", source={"path": path}, breakpoints=[{"line": 3}])
+        assert placed["breakpoints"][0]["verified"], placed
+        _lab_debug(kernel, "configurationDone")
+        out, error, events = _debug_events(kernel, distributed)
+        assert error is None and "[rank 0] g 6" in out and "[rank 1] g 9" in out, (error, out)
+        assert not [e for e in events if e.get("event") == "stopped"], events
+        # the notebook's own cell: Lab's debugger stops there
+        local = "def h(x):\n    y = x * 3\n    return y\n"
+        path = _lab_debug(kernel, "dumpCell", code=local)["sourcePath"]
+        _lab_debug(kernel, "setBreakpoints", source={"path": path}, breakpoints=[{"line": 2}])
+        kernel.ok(local)
+        msg_id = kernel.kc.execute("h(4)")
+        deadline = time.monotonic() + 30
+        while True:
+            message = kernel.kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            if message["msg_type"] == "debug_event" and message["content"].get("event") == "stopped":
+                _lab_debug(kernel, "continue", threadId=message["content"]["body"]["threadId"])
+                break
+        while not (message["msg_type"] == "status" and message["parent_header"].get("msg_id") == msg_id
+                   and message["content"]["execution_state"] == "idle"):
+            message = kernel.kc.get_iopub_msg(timeout=30)
+    finally:
+        _lab_debug(kernel, "disconnect", restart=False, terminateDebuggee=False)
+
+
 def test_nothing_is_left_after_stop(kernel):
     pids = cluster_pids(kernel)
     rank1 = psutil.Process(_rank_pid(kernel, 1))
