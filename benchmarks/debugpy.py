@@ -3,10 +3,12 @@
 Usage: python benchmarks/debugpy.py [--cells 5] [--loop 2000000]
 
 A real kernel with ``%ring start -n 2``; each cell times the same pure-Python loop on both ranks at
-once, so rank 0 (never debugged) is the side-by-side control of rank 1 under the same load.
+once (the CPU time of the cell's thread, ``time.thread_time``: on a machine shared with other jobs
+the wall time says more about the others than about the tracer), so rank 0 (never debugged) is the
+side-by-side control of rank 1.
 Phases, in order: before ``%ring debugpy 1``; debugpy listening, no client; a DAP client attached
 (with a breakpoint set in another cell, never reached); the client disconnected. Printed: per
-phase, the median of rank 1's time over rank 0's in the same cell, and both medians.
+phase, the median of rank 1's CPU time over rank 0's in the same cell, and both medians.
 """
 
 import argparse
@@ -26,7 +28,7 @@ def _spin(n):
     for i in range(n):
         s += i % 7
     return s
-_t0 = _t.perf_counter(); _spin({loop}); print("spin", _t.perf_counter() - _t0)
+_t0 = _t.thread_time(); _spin({loop}); print("spin", _t.thread_time() - _t0)
 """
 ELSEWHERE = """%%distributed
 def _never_called():
@@ -39,7 +41,11 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=5)
     parser.add_argument("--loop", type=int, default=2_000_000)
     args = parser.parse_args()
-    work = tempfile.mkdtemp(prefix="jupyter_ring_bench_debugpy_")
+    with tempfile.TemporaryDirectory(prefix="jupyter_ring_bench_debugpy_") as work:
+        run(args, work)
+
+
+def run(args: argparse.Namespace, work: str) -> None:
     for var in ("IPYTHONDIR", "JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR"):
         os.environ[var] = os.path.join(work, var.lower())
     from dap_client import Dap
