@@ -288,6 +288,39 @@ def test_interrupt_while_debugpy_holds_a_rank_ends_the_cell_and_the_next_stops_a
         dap.close()
 
 
+def test_after_pdb_on_the_same_rank_debugpy_stops_it_again(kernel):
+    """pdb's ``breakpoint()`` prompt takes the thread's tracing from debugpy until ``c``; the next
+    cell is traced by debugpy again and its breakpoint stops the rank."""
+    _, port, config = _start(kernel, 1)
+    kernel.ok(DEFINE)
+    path = _cell_file(config["pathMappings"][0]["localRoot"],
+                      DEFINE.replace("%%distributed", "# %%distributed", 1))
+    dap = Dap(port)
+    try:
+        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy")
+        dap.request("attach", justMyCode=False)
+        dap.request("configurationDone")
+        asked = []
+        out, error = kernel.execute("%%distributed --ranks 1\nvalue = 41\nbreakpoint()\nvalue += 1\n"
+                                    "print('after pdb', value)",
+                                    answer=lambda prompt, text: asked.append(prompt) or "c", timeout=60)
+        assert error is None and asked and asked[0].startswith("(Pdb rank 1)"), (error, asked, out)
+        assert "after pdb 42" in out, out
+        dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": STOP_LINE}])
+        ran = {}
+        cell = threading.Thread(target=lambda: ran.update(zip(("out", "error"), kernel.execute(
+            CALL.format(seed=7), timeout=120))))
+        cell.start()
+        stopped = dap.event("stopped")
+        dap.request("continue", threadId=stopped["threadId"])
+        cell.join(60)
+        assert ran["error"] is None and "rank 1 got=28 total=[42.0]" in ran["out"], ran
+        dap.request("setBreakpoints", source={"path": path}, breakpoints=[])
+        dap.request("disconnect")
+    finally:
+        dap.close()
+
+
 def _lab_debug(kernel, command, **arguments):
     """A request of JupyterLab's debugger: DAP in a ``debug_request`` on the control channel."""
     msg = kernel.kc.session.msg("debug_request", {"seq": 1, "type": "request", "command": command,
