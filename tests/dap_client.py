@@ -61,6 +61,18 @@ class Dap:
         assert response["success"], response
         return response.get("body", {})
 
+    def attach(self, breakpoints=None, **arguments):
+        """VS Code's opening: initialize, attach (``arguments``: its configuration), the
+        breakpoints (``{path: [line, ...]}``), configurationDone; the setBreakpoints answers."""
+        self.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy",
+                     pathFormat="path", linesStartAt1=True, columnsStartAt1=True)
+        self.request("attach", justMyCode=False, **arguments)
+        placed = [self.request("setBreakpoints", source={"path": path},
+                               breakpoints=[{"line": line} for line in lines])
+                  for path, lines in (breakpoints or {}).items()]
+        self.request("configurationDone")
+        return placed
+
     def event(self, name):
         deadline = time.monotonic() + self.timeout
         while True:

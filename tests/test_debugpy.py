@@ -45,6 +45,15 @@ def _rank_pid(kernel, rank):
     return int(out.strip().splitlines()[-1])
 
 
+def _defined(kernel):
+    """debugpy on rank 1, DEFINE run after it: (port, config, the file of DEFINE's cell)."""
+    _, port, config = _start(kernel, 1)
+    kernel.ok(DEFINE)
+    path = _cell_file(config["pathMappings"][0]["localRoot"],
+                      DEFINE.replace("%%distributed", "# %%distributed", 1))
+    return port, config, path
+
+
 def _cell_file(folder, source):
     """The file of ``folder`` holding the cell ``source`` (the rank's copy of its cells)."""
     for name in os.listdir(folder):
@@ -90,13 +99,8 @@ def test_breakpoint_set_by_file_and_line_stops_the_rank_and_its_peer_waits(kerne
 
     dap = Dap(port)
     try:
-        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy",
-                    pathFormat="path", linesStartAt1=True, columnsStartAt1=True)
-        dap.request("attach", pathMappings=config["pathMappings"], justMyCode=False)
-        placed = dap.request("setBreakpoints", source={"path": path},
-                             breakpoints=[{"line": STOP_LINE}], lines=[STOP_LINE])
+        [placed] = dap.attach({path: [STOP_LINE]}, pathMappings=config["pathMappings"])
         assert placed["breakpoints"][0]["verified"], placed
-        dap.request("configurationDone")
 
         seed = random.randint(3, 10**6)
         ran = {}
@@ -201,9 +205,7 @@ def test_wait_returns_once_a_client_attaches_or_at_its_timeout(kernel):
         time.sleep(1)  # the magic is waiting by then (the kernel runs one request at a time)
         dap = Dap(port)
         clients.append(dap)
-        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy")
-        dap.request("attach", justMyCode=False)
-        dap.request("configurationDone")
+        dap.attach()
 
     client = threading.Thread(target=attach_soon)
     client.start()
@@ -245,16 +247,10 @@ while any(status.get('queue', 0) for status in _client.queue_status().values()
 
 
 def test_interrupt_while_debugpy_holds_a_rank_ends_the_cell_and_the_next_stops_again(kernel):
-    _, port, config = _start(kernel, 1)
-    kernel.ok(DEFINE)
-    path = _cell_file(config["pathMappings"][0]["localRoot"],
-                      DEFINE.replace("%%distributed", "# %%distributed", 1))
+    port, _, path = _defined(kernel)
     dap = Dap(port)
     try:
-        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy")
-        dap.request("attach", justMyCode=False)
-        dap.request("setBreakpoints", source={"path": path}, breakpoints=[{"line": STOP_LINE}])
-        dap.request("configurationDone")
+        dap.attach({path: [STOP_LINE]})
         stopped = threading.Event()
         ran = {}
         cell = threading.Thread(target=lambda: ran.update(zip(("out", "error"), kernel.execute(
@@ -291,15 +287,10 @@ def test_interrupt_while_debugpy_holds_a_rank_ends_the_cell_and_the_next_stops_a
 def test_after_pdb_on_the_same_rank_debugpy_stops_it_again(kernel):
     """pdb's ``breakpoint()`` prompt takes the thread's tracing from debugpy until ``c``; the next
     cell is traced by debugpy again and its breakpoint stops the rank."""
-    _, port, config = _start(kernel, 1)
-    kernel.ok(DEFINE)
-    path = _cell_file(config["pathMappings"][0]["localRoot"],
-                      DEFINE.replace("%%distributed", "# %%distributed", 1))
+    port, _, path = _defined(kernel)
     dap = Dap(port)
     try:
-        dap.request("initialize", clientID="jupyter_ring-test", adapterID="debugpy")
-        dap.request("attach", justMyCode=False)
-        dap.request("configurationDone")
+        dap.attach()
         asked = []
         out, error = kernel.execute("%%distributed --ranks 1\nvalue = 41\nbreakpoint()\nvalue += 1\n"
                                     "print('after pdb', value)",
