@@ -72,7 +72,7 @@ def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto}")
+                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto,debugpy}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -122,7 +122,19 @@ def _ring_parser():
                           help="run every following cell on the ranks (on), or not (off)")
     auto.add_argument("state", nargs="?", choices=["on", "off"],
                       help="on or off (without it: show whether auto mode is on)")
+    _add_debugpy_parser(sub)
     return parser
+
+
+def _add_debugpy_parser(sub):
+    debugpy = sub.add_parser("debugpy", add_help=False,
+                             help="start debugpy on a rank (127.0.0.1) and print VS Code's attach "
+                                  "configuration")
+    debugpy.add_argument("rank", type=int, metavar="RANK", help="the rank to debug")
+    debugpy.add_argument("--wait", action="store_true",
+                         help="then wait until a debugger client attaches (interrupt: stop waiting)")
+    debugpy.add_argument("--timeout", type=float, default=None,
+                         help="with --wait: give up after this many seconds")
 
 
 _RING_PARSER = _ring_parser()
@@ -205,6 +217,7 @@ class RingMagics(Magics):
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
             %ring auto on|off        # every following cell runs on the ranks (%%local: here)
+            %ring debugpy RANK [--wait]  # debugpy on RANK: attach VS Code (docs/debugging.md)
 
         Example::
 
@@ -233,8 +246,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull "
-                             "or auto (see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull, "
+                             "auto or debugpy (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
@@ -323,6 +336,27 @@ class RingMagics(Magics):
             raise UsageError("no cluster is running; start one with %ring start -n N")
         # no check_alive(): the living ranks' stacks matter most when one has died
         print(format_where(cluster.where(timeout=args.timeout), all_threads=args.all_threads))
+
+    def _ring_debugpy(self, args, argv):
+        from . import _debugpy
+
+        cluster = self._alive_cluster()
+        try:
+            endpoint = _debugpy.start_on_rank(cluster, args.rank, timeout=self.remote_timeout * 10)
+        except _debugpy.DebugpyError as exc:
+            raise UsageError(str(exc)) from None
+        print(_debugpy.describe(args.rank, endpoint, cluster.where_dir), flush=True)
+        if not args.wait:
+            return
+        print(f"waiting for a debugger client to attach to rank {args.rank} "
+              "(interrupt the kernel to stop waiting)", flush=True)
+        try:
+            attached = _debugpy.wait_for_client(cluster, args.rank, args.timeout)
+        except KeyboardInterrupt:
+            print("(stopped waiting; debugpy still listens on the rank)")
+            return
+        print(f"a client is attached to rank {args.rank}" if attached else
+              f"no client attached within {args.timeout:g} s; debugpy still listens on the rank")
 
     def _ring_timeline(self, args, argv):
         from IPython.display import display

@@ -188,11 +188,22 @@ def _user_frames(thread: ThreadStack, main: bool) -> tuple[list[Frame], int, int
 # of 64. Below it every rank keeps its own block, with its pid for py-spy.
 GROUP_FROM = 5
 
+_DEBUGPY = " (debugpy)"  # how a rank held by debugpy ends its mark's "where"
+
+
+def _in_debugger(where: str) -> str:
+    """The state of a rank held in a debugger at ``where`` (its held mark): pdb's prompt in the
+    cell, or debugpy (engines/_debugpy.py)."""
+    tool = "pdb"
+    if where.endswith(_DEBUGPY):
+        where, tool = where[:-len(_DEBUGPY)], "debugpy"
+    return f"in the debugger ({tool}), stopped at {where}"
+
 
 def _state_line(item: RankWhere, now: float) -> str:
     head = f"rank {item.rank} @ {item.host} (pid {item.pid})"
     if item.debugger:
-        return f"{head}: in the debugger (pdb), stopped at {item.debugger}"
+        return f"{head}: {_in_debugger(item.debugger)}"
     if item.doing is None:
         return f"{head}: (no collective record)"
     return f"{head}: {item.doing.describe(now)}"
@@ -221,7 +232,7 @@ def _group_state_line(group: Sequence[RankWhere], now: float) -> str:
     head = f"ranks {rank_ranges(item.rank for item in group)} @ {where}"
     first = group[0]
     if first.debugger:
-        return f"{head}: in the debugger (pdb), stopped at {first.debugger}"
+        return f"{head}: {_in_debugger(first.debugger)}"
     if first.doing is None:
         return f"{head}: (no collective record)"
     doings = [item.doing for item in group if item.doing is not None]
