@@ -10,7 +10,8 @@ The checkout is a clone of horovod/horovod (0.28); this script fetches nothing. 
 ``.tensorflow`` and ``.keras``, plus the two test helpers the suites import from Horovod's
 internals (``horovod.common.util.is_version_greater_equal_than``,
 ``horovod.runner.util.threads.in_thread``). Then each test of ``test/parallel/test_<suite>.py``
-runs alone under ``mpiexec -n 2 python -m pytest <test>`` with stdin from /dev/null; every rank
+runs alone under ``mpiexec -n 2 python -m pytest <test>`` (``test/single/test_torch_elastic.py``
+on 1 rank, as Horovod runs it) with stdin from /dev/null; every rank
 writes its own JUnit report and a test passes only when every rank passed it (a rank's error,
 or a report with no test case in it, fails it). An item pytest cannot even collect (a module that
 stops at its imports) is a row of its own category, ``error``: counted among the non-GPU tests,
@@ -37,7 +38,10 @@ from typing import NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-SUITES = ("torch", "tensorflow", "keras", "tensorflow2_keras")
+SUITES = ("torch", "tensorflow", "keras", "tensorflow2_keras", "torch_elastic")
+# suites of Horovod's test/single (the rest are test/parallel's): Horovod runs them in one
+# process, without mpirun, so they run on 1 rank whatever -n says
+SINGLE = {"torch_elastic"}
 
 # The alias package: module name -> source. Horovod's test helpers are small re-implementations,
 # not Horovod's code.
@@ -235,7 +239,7 @@ def main():
                    help="a previous --json: run only the tests that failed there, keep its other rows")
     args = p.parse_args()
     tests_dir = os.path.join(os.path.abspath(args.checkout), "test", "parallel")
-    if not os.path.isdir(tests_dir):
+    if not os.path.isdir(tests_dir) or not os.path.isdir(os.path.join(os.path.dirname(tests_dir), "single")):
         raise SystemExit(f"{args.checkout} has no test/parallel folder; pass a clone of horovod/horovod")
     for module in ("parameterized", "mock", "cloudpickle", "packaging", "pytest"):
         try:
@@ -260,7 +264,9 @@ def run_suites(args, tests_dir, workdir):
     previous = json.load(open(args.rerun_failed)) if args.rerun_failed else {}
     results = {}
     for suite in args.suite:
-        path = os.path.join(tests_dir, f"test_{suite}.py")
+        folder = os.path.join(os.path.dirname(tests_dir), "single") if suite in SINGLE else tests_dir
+        path = os.path.join(folder, f"test_{suite}.py")
+        ranks = 1 if suite in SINGLE else args.n
         found = collect(path, env, workdir)
         tests = [t for t in found.tests if args.k is None or args.k in t]
         errors = [row for row in found.errors if args.k is None or args.k in row["test"]]
@@ -272,7 +278,7 @@ def run_suites(args, tests_dir, workdir):
             tests = [t for t in tests if t not in kept]
             errors = [row for row in errors if row["test"] not in kept]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(run_one, path, t, args.n, env, args.timeout, workdir) for t in tests]
+            futures = [pool.submit(run_one, path, t, ranks, env, args.timeout, workdir) for t in tests]
             rows = []
             for fut in futures:
                 row = fut.result()

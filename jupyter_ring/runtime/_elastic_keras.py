@@ -1,12 +1,13 @@
-"""``horovod.tensorflow.keras.elastic`` (and ``horovod.keras.elastic``) for a fixed world:
-``KerasState``, ``run`` and the callbacks that keep the state's epoch and batch (see _elastic)."""
+"""``horovod.tensorflow.keras.elastic`` (and ``horovod.keras.elastic``): ``KerasState``, ``run``
+and the callbacks that commit the state and keep its epoch and batch (see _elastic)."""
 
 from ._elastic import ObjectState, State
 from ._elastic_tf import KerasState, TensorFlowKerasState, run
+from ._elastic_world import HostsUpdatedInterrupt
 from .tensorflow import _K as keras  # tf.keras: Keras 3, or Keras 2 with TF_USE_LEGACY_KERAS=1
 
-__all__ = ["State", "ObjectState", "KerasState", "TensorFlowKerasState", "run", "CommitStateCallback",
-           "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+__all__ = ["State", "ObjectState", "KerasState", "TensorFlowKerasState", "HostsUpdatedInterrupt", "run",
+           "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
 
 
 class CommitStateCallback(keras.callbacks.Callback):
@@ -34,12 +35,27 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keep ``state.batch`` at the index of the last finished batch (0 after an epoch). Unlike
-    Horovod's it does not shorten the epoch that resumes after a reset (``params['steps']``)."""
+    """Keep ``state.batch`` at the index of the last finished batch (0 after an epoch).
+
+    As Horovod's, when ``fit`` knows its steps per epoch, the first epoch after a reset is given
+    ``params['steps']`` less the batches already done (``state.batch``); Keras 3's and tf_keras's
+    fit loops count their own steps, so there (as under Horovod) only the callbacks see it.
+    """
 
     def __init__(self, state):
         super().__init__()
         self.state = state
+        self.steps_per_epoch = None
+
+    def on_train_begin(self, logs=None):
+        self.steps_per_epoch = None  # every rank counts from the same start after a sync
+
+    def on_epoch_begin(self, epoch, logs=None):
+        params = getattr(self, "params", None) or {}
+        if params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = params["steps"]
+            params["steps"] = self.steps_per_epoch - self.state.batch
 
     def on_batch_end(self, batch, logs=None):
         self.state.batch = batch

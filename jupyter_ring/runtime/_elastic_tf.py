@@ -1,12 +1,15 @@
-"""``horovod.tensorflow.elastic`` and ``horovod.tensorflow.keras.elastic`` for a fixed world:
-``TensorFlowState``, ``TensorFlowKerasState`` (``KerasState``) and ``run`` (see _elastic)."""
+"""``horovod.tensorflow.elastic`` and ``horovod.tensorflow.keras.elastic``: ``TensorFlowState``,
+``TensorFlowKerasState`` (``KerasState``) and ``run`` (see _elastic, _elastic_world)."""
 
 import tensorflow as tf
 
 from . import _elastic
 from ._elastic import ObjectState, State
+from ._elastic_world import HostsUpdatedInterrupt
+from ._horovod import HorovodInternalError
 
-__all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState", "run"]
+__all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState",
+           "HostsUpdatedInterrupt", "run"]
 
 
 def _hvd():
@@ -75,11 +78,12 @@ class TensorFlowState(_VariablesState):
     attributes, kept alike on every rank (Horovod's TensorFlowState)."""
 
     def __init__(self, variables=None, session=None, **kwargs):
-        self._variables = list(variables) if variables is not None else tf.compat.v1.global_variables()
+        self.variables = list(variables) if variables else tf.compat.v1.global_variables()
+        self.session = session
         super().__init__(session, **kwargs)
 
     def _vars(self):
-        return self._variables
+        return self.variables
 
 
 class TensorFlowKerasState(_VariablesState):
@@ -87,8 +91,12 @@ class TensorFlowKerasState(_VariablesState):
     on every rank (Horovod's TensorFlowKerasState; ``backend`` is accepted, Keras 3 needs none)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        if not getattr(model, "built", True):
+            raise ValueError(f"TensorFlowKerasState: model {getattr(model, 'name', model)!r} must be built first: "
+                             "run model.build(input_shape), or call it once on a batch")
         object.__setattr__(self, "model", model)
         object.__setattr__(self, "optimizer", optimizer if optimizer is not None else getattr(model, "optimizer", None))
+        object.__setattr__(self, "backend", backend)
         super().__init__(None, **kwargs)
 
     def _vars(self):
@@ -103,5 +111,35 @@ KerasState = TensorFlowKerasState
 
 def run(func, reset_limit=None):
     """Decorate ``train(state, ...)``: sync, run, and after ``HorovodInternalError`` restore the
-    last commit and retry (a fixed world: nothing to re-initialise; see _elastic.run_fn)."""
-    return _elastic.run_fn(func, lambda: None, reset_limit)
+    last commit and retry, after ``HostsUpdatedInterrupt`` reset and go on (see _elastic.run_fn).
+
+    As Horovod's, a TensorFlow error that a failed collective became (eagerly, in a
+    ``tf.function``, in ``model.fit``) counts as ``HorovodInternalError``.
+    """
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as exc:
+            if _from_internal_error(exc):
+                raise HorovodInternalError(f"{type(exc).__name__}: {exc.message}") from exc
+            raise
+    return _elastic.run_fn(wrapper, lambda: None, reset_limit)
+
+
+def _from_internal_error(exc):
+    """Whether a TensorFlow error came from a ``HorovodInternalError`` (or a subclass): its cause
+    eagerly; inside a graph op (a py_function keeps no type) its message, "<ErrorClass>: ..."."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, HorovodInternalError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    names, todo = set(), [HorovodInternalError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return any(f"{name}: " in (exc.message or "") for name in names)

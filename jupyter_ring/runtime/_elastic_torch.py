@@ -1,11 +1,15 @@
-"""``horovod.torch.elastic`` for a fixed world: ``TorchState`` and ``run`` (see _elastic)."""
+"""``horovod.torch.elastic``: ``TorchState``, ``ElasticSampler`` and ``run`` (see _elastic, _elastic_world)."""
 
 import copy
 
+import torch
+
 from . import _elastic
 from ._elastic import ObjectState, State
+from ._elastic_sampler import ElasticSampler, SamplerStateHandler
+from ._elastic_world import HostsUpdatedInterrupt
 
-__all__ = ["State", "ObjectState", "TorchState", "run"]
+__all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt", "run"]
 
 
 class _ModelHandler:
@@ -28,6 +32,10 @@ class _ModelHandler:
         hvd.broadcast_parameters(self.value.state_dict(), root_rank=0)
         self.save()  # restore() before any commit comes back to the synced values
 
+    def set_value(self, value):
+        self.value = value
+        self.save()
+
 
 class _OptimizerHandler(_ModelHandler):
     """A torch optimizer's state_dict, broadcast with broadcast_optimizer_state."""
@@ -39,50 +47,66 @@ class _OptimizerHandler(_ModelHandler):
         self.save()
 
 
+# (type, handler): the first that matches a keyword's value handles it (Horovod's registry)
+_HANDLERS = [(torch.nn.Module, _ModelHandler), (torch.optim.Optimizer, _OptimizerHandler),
+             (ElasticSampler, SamplerStateHandler)]
+
+
 class TorchState(ObjectState):
-    """A model, an optimizer and any picklable attributes (``epoch=0, batch=0``), kept alike on
-    every rank: ``commit`` copies their state_dicts, ``restore`` loads them back, ``sync``
-    broadcasts rank 0's (Horovod's TorchState)."""
+    """Models, optimizers, ``ElasticSampler``s and picklable attributes (``epoch=0, batch=0``),
+    kept alike on every rank (Horovod's TorchState): any keyword whose value is a module, an
+    optimizer or a sampler is handled as one (``TorchState(model, opt, sampler=s, critic=m2)``);
+    ``commit`` copies their state_dicts, ``restore`` loads them back, ``sync`` broadcasts rank 0's
+    and re-partitions the samplers over the world of now."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         from . import torch as hvd
 
-        handlers = {}
-        for name, value in (("model", model), ("optimizer", optimizer)):
-            if value is not None:
-                handlers[name] = _ModelHandler(value) if name == "model" else _OptimizerHandler(value)
+        kwargs.update(model=model, optimizer=optimizer)  # last, as Horovod's: the same order on every rank
+        handlers, plain = {}, {}
+        for name, value in kwargs.items():
+            handler = next((cls for kind, cls in _HANDLERS if isinstance(value, kind)), None)
+            if handler is None:
+                plain[name] = value
+            else:
+                handlers[name] = handler(value)
         self._handlers = handlers
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
         super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, 0, name="elastic.TorchState"),
-                         get_rank=hvd.rank, **kwargs)
+                         get_rank=hvd.rank, **plain)
 
     def save(self):
-        """Copy the model's and optimizer's state_dicts and the attributes."""
+        """Copy the handled objects' state_dicts and the attributes."""
         for handler in self._handlers.values():
             handler.save()
         super().save()
 
     def restore(self):
-        """Load the copies back into the model and optimizer; the attributes as saved."""
+        """Load the copies back into the handled objects; the attributes as saved."""
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
 
     def sync(self):
-        """Rank 0's parameters, optimizer state and attributes on every rank, saved (as Horovod)."""
+        """Rank 0's parameters, optimizer state, sampler position and attributes on every rank, saved."""
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
 
     def __setattr__(self, name, value):
         handlers = self.__dict__.get("_handlers", {})
-        if name in handlers:  # a new model or optimizer object is tracked from now on
-            handlers[name].value = value
+        if name in handlers:  # a new model, optimizer or sampler is tracked (and saved) from now on
+            handlers[name].set_value(value)
         super().__setattr__(name, value)
 
 
 def run(func, reset_limit=None):
     """Decorate ``train(state, ...)``: sync, run, and after ``HorovodInternalError`` restore the
-    last commit and retry (a fixed world: nothing to re-initialise; see _elastic.run_fn)."""
-    return _elastic.run_fn(func, lambda: None, reset_limit)
+    last commit and retry, after ``HostsUpdatedInterrupt`` reset and go on (see _elastic.run_fn;
+    the runtime's reset replaces Horovod's ``shutdown(); init()``, _elastic_world)."""
+    return _elastic.run_fn(func, _reset, reset_limit)
+
+
+def _reset():
+    """The torch adapter's part of a reset: nothing beyond the runtime's (reset_world)."""

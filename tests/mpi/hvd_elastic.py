@@ -5,8 +5,9 @@ gives every rank rank 0's (attributes, model parameters, optimizer state, TF/Ker
 optimizer slots); ``restore`` goes back to the last commit; ``commit`` then ``restore`` keeps
 the new values; ``run`` retries after ``HorovodInternalError`` from the last commit (reset
 callbacks called once per reset) and gives up after ``reset_limit`` failures in a row with an
-error that says so; the Keras callbacks keep ``state.epoch``/``state.batch`` and commit through
-``model.fit``. Prints ``HVD_ELASTIC_OK <rank>``.
+error that says so; TensorFlow's ``run`` counts a failed graph op's error as
+``HorovodInternalError``; the Keras callbacks keep ``state.epoch``/``state.batch`` and commit
+through ``model.fit``. Prints ``HVD_ELASTIC_OK <rank>``.
 """
 
 import os
@@ -130,6 +131,52 @@ tstate.commit()
 variables[1].assign(np.zeros(4))
 tstate.restore()
 same("tf commit then restore", variables[1].numpy(), np.arange(4.0) + 7)
+
+# run: a collective that failed inside a tf.function is a TensorFlow error, counted as
+# HorovodInternalError (a subclass's name in the message, as the respawn's error will be)
+class RankLostError(hvd.HorovodInternalError):
+    pass
+
+
+def lost():
+    raise RankLostError("a peer went away (simulated)")
+
+
+def divide_by_zero():
+    return 1 / 0
+
+
+@tf.function
+def graph_op(fn):
+    return tf.py_function(fn, [], tf.float32)
+
+
+tf_attempts = []
+
+
+@hvdtf.elastic.run
+def tf_train(state):
+    tf_attempts.append(state.batch)
+    if len(tf_attempts) == 1:
+        state.batch += 1  # not committed: the retry starts from the commit
+        graph_op(lost)
+    return state.batch
+
+
+equal("tf run after a failed graph op", (tf_train(tstate), tf_attempts), (20, [20, 20]))
+
+
+@hvdtf.elastic.run
+def tf_other_error(state):
+    graph_op(divide_by_zero)
+
+
+try:
+    tf_other_error(tstate)
+    failures.append("tf run: a graph op's ZeroDivisionError was swallowed")
+except tf.errors.OpError as exc:
+    if "ZeroDivisionError" not in str(exc):
+        failures.append(f"tf run: unexpected error {exc}")
 
 keras.utils.set_random_seed(200 + r)
 net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
