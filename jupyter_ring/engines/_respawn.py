@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["world", "leave", "accept", "join"]
+__all__ = ["world", "leave", "accept", "join", "missing"]
 
 
 class _World:
@@ -138,3 +138,12 @@ def _close_port() -> None:
             MPI.Close_port(port)
         except MPI.Exception:
             pass
+
+
+def missing(names: Sequence[str]) -> list[str]:
+    """Which of ``names`` this rank's namespace lacks (``%ring sync`` copies them to it)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    namespace = shell.user_ns if shell is not None else {}
+    return [name for name in names if name not in namespace]
