@@ -41,3 +41,56 @@ def test_the_keeper_passes_a_normal_exit_status_through():
     proc = subprocess.run([sys.executable, "-m", "jupyter_ring.engines._keeper", sys.executable, "-c", code],
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 3
+
+
+def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_before():
+    from jupyter_ring.cluster._death import describe_death
+
+    rows = [{"rank": 0, "host": "h", "pid": 100, "device": "cpu", "local_rank": 0, "size": 2},
+            {"rank": 1, "host": "h", "pid": 201, "device": "cpu", "local_rank": 1, "size": 2}]
+    # engine 9 was rank 1 before it was replaced by engine 11 (pid 201); then 11 died
+    output = ("[KernelNanny.9] Pipe closed, parent 150 has status: None\n"
+              "jupyter_ring keeper: rank 1 engine 150 signaled with Killed\n"
+              "[KernelNanny.11] Pipe closed, parent 201 has status: None\n"
+              "jupyter_ring keeper: rank 0 engine 201 signaled with Segmentation fault\n")
+    message = describe_death([1], rows, [10, 11], output, fix="Replaced.")
+    assert message == "rank 1 @ h died (signal: Segmentation fault). Replaced."
+    assert "%ring restart" in describe_death([1], rows, [10, 11], output)
+
+
+def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):
+    """The newcomer does not register in time: ClusterError naming the step and %ring restart;
+    no second try; every process of the cluster, the newcomers' job too, gone after stop()."""
+    import signal
+    import time
+
+    import psutil
+
+    from jupyter_ring.cluster import RingCluster
+    from jupyter_ring.errors import ClusterError
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    cluster = RingCluster(n=2, gpus="none")
+    cluster.start()
+    try:
+        assert cluster.can_respawn([1])
+        os.kill(cluster.ranks[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while cluster.dead_ranks() != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cluster.dead_ranks() == [1]
+        cluster.engine_timeout = 0.01  # no engine registers that fast
+        with pytest.raises(ClusterError, match=r"did not register in 0.01 s; run %ring restart"):
+            cluster.respawn([1])
+        assert not cluster.can_respawn([1])
+        time.sleep(1.0)  # the newcomers' job is starting meanwhile: stop() must take it too
+        pids = [p.pid for p in cluster.processes()]
+        assert len(cluster.ipp_cluster.engines) == 2  # the first job and the newcomers'
+    finally:
+        cluster.stop()
+    deadline = time.monotonic() + 10
+    left = pids
+    while left and time.monotonic() < deadline:
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert left == [], [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]

@@ -167,6 +167,7 @@ class RingCluster(LoggingConfigurable):
         self.plan_used: LaunchPlan | None = None  # the plan start() carried out
         self.rendezvous: tuple[str, int] | None = None  # torch.distributed's, reserved by rank 0
         self.restarts = 0        # ranks replaced in place so far (respawn); --max-restarts bounds it
+        self.replace_failed = False  # a replacement failed: dead ranks now need %ring restart
 
     def __enter__(self) -> RingCluster:
         if not self.running:
@@ -270,6 +271,7 @@ class RingCluster(LoggingConfigurable):
         (``LaunchPlan.keeper``), some rank survives, and ``max_restarts`` is not used up."""
         dead = set(dead)
         return (self.running and self.plan_used is not None and self.plan_used.keeper
+                and not self.replace_failed
                 and self.restarts + len(dead) <= self.max_restarts and len(dead) < self.size)
 
     def respawn(self, dead: Iterable[int]) -> Replacement:
@@ -282,7 +284,14 @@ class RingCluster(LoggingConfigurable):
                                f"({self.restarts} of --max-restarts {self.max_restarts} used, or "
                                "not a one-host cluster); run %ring restart")
         self.restarts += len(dead)
-        done = replace_ranks(self, dead, _SETUP_CODE)
+        try:
+            done = replace_ranks(self, dead, _SETUP_CODE)
+        except BaseException:
+            # the survivors may have left the old world, a late newcomer may still register:
+            # no second try on this cluster, %ring restart starts every rank afresh
+            self.replace_failed = True
+            self._watch()
+            raise
         self._shm |= shm_files(self._local_rank_pids())
         self._watch()
         self._write_sidecar()
@@ -427,7 +436,7 @@ class RingCluster(LoggingConfigurable):
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
         self._repair, self.torch_backend = None, None
-        self.plan_used, self.rendezvous, self.restarts = None, None, 0
+        self.plan_used, self.rendezvous, self.restarts, self.replace_failed = None, None, 0, False
 
     def stopped_by(self) -> str | None:
         """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while

@@ -2,17 +2,16 @@
 real 2-rank cluster (ranks under their keepers), a real SIGKILL mid-cell. The cell fails with
 DeadRankError naming the rank and the replacement; the survivor keeps its variables, the new
 rank has a fresh namespace, ``%ring sync`` copies variables to it, the next collectives are
-exact; ``--max-restarts 0`` keeps the old way (MPI ends the job); no process is left."""
+exact; no process is left. ``--max-restarts 0`` (the old way: MPI ends the job) is
+tests/test_notebooks.py::test_dead_engine_is_reported_by_rank_within_2s."""
 
 import json
 import os
-import signal
-import threading
 import time
 
 import pytest
 
-from real_kernel import alive, cluster_pids, ring_kernel
+from real_kernel import alive, cluster_pids, ring_kernel, sigkill_during
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,16 +30,8 @@ def rank_pids(kernel):
 
 def kill_during_allreduces(kernel, victim):
     """SIGKILL ``victim``'s engine 1.5 s into a cell of allreduces; (text, error, kill time)."""
-    pid = rank_pids(kernel)[victim]
-    killed = []
-    timer = threading.Timer(1.5, lambda: (killed.append(time.monotonic()), os.kill(pid, signal.SIGKILL)))
-    timer.start()
-    try:
-        out, error = kernel.execute("%%distributed\nimport numpy as np\nfor step in range(10**9):\n"
-                                    "    ring.allreduce(np.ones(1000), name='t')", timeout=120)
-    finally:
-        timer.cancel()
-    return out, error, killed[0]
+    return sigkill_during(kernel, rank_pids(kernel)[victim], "%%distributed\nimport numpy as np\n"
+                          "for step in range(10**9):\n    ring.allreduce(np.ones(1000), name='t')")
 
 
 def exact_collectives(kernel, tag):
@@ -87,17 +78,4 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert alive([old_rank1]) == []
         kernel.ok("%ring stop", timeout=60)
         left = alive(set(old) | set(new))
-        assert left == [], [p.cmdline() for p in left]
-
-
-def test_max_restarts_0_keeps_the_old_way_mpi_ends_the_job():
-    with ring_kernel(start="%ring start -n 2 --max-restarts 0") as kernel:
-        old = cluster_pids(kernel)
-        out, error, _ = kill_during_allreduces(kernel, 1)
-        assert error is not None and error["ename"] == "DeadRankError", (out, error)
-        assert "rank 1" in error["evalue"] and "%ring restart" in error["evalue"], error
-        assert "MPI then ended rank(s) 0" in error["evalue"], error["evalue"]
-        assert kernel.ok("%ring status").count("DEAD") == 2
-        kernel.ok("%ring stop", timeout=60)
-        left = alive(old)
         assert left == [], [p.cmdline() for p in left]
