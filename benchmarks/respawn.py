@@ -50,9 +50,14 @@ def one_kill(kernel, n: int, way: str) -> float:
         raise SystemExit(f"{way}: the cell did not fail with DeadRankError: {error}")
     if way == "restart":
         kernel.ok("%ring restart", timeout=180)
-    out = kernel.ok(CHECK)
+    out, error = kernel.execute(CHECK)
     took = time.monotonic() - killed
-    lines = [line.split("] ", 1)[1] for line in out.splitlines() if line.startswith("[rank ")]
+    if error is not None:
+        raise SystemExit(f"{way}, {n} ranks: the cell after the kill failed: {error['ename']}: "
+                         f"{error['evalue']}\n{out}")
+    said = {int(line[6:].split("]", 1)[0]): line.split("] ", 1)[1]
+            for line in out.splitlines() if line.startswith("[rank ")}
+    lines = [said.get(r) for r in range(n)]
     want = ["True True"] * (n - 1) + ["True False"] if way == "respawn" else ["True False"] * n
     if lines != want:
         raise SystemExit(f"{way}: after the kill the ranks said {lines}, not {want}")
@@ -74,6 +79,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for way in ("respawn", "restart"):
                     times[way].append(one_kill(entered[way], n, way))
+                    print(f"  {n} ranks, {way}: {times[way][-1]:.2f} s", flush=True)
         finally:
             for k in kernels.values():
                 k.__exit__(None, None, None)

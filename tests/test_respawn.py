@@ -94,3 +94,11 @@ def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monk
         left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
     assert left == [], [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
+
+
+def test_the_ring_panel_counts_an_engine_not_its_keeper():
+    from jupyter_ring.server._clusters import _is_engine
+
+    engine = [sys.executable, "-m", "ipyparallel.engine", "--mpi"]
+    assert _is_engine(engine)
+    assert not _is_engine([sys.executable, "-m", "jupyter_ring.engines._keeper", *engine])

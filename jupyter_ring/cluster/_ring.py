@@ -480,8 +480,11 @@ class RingCluster(LoggingConfigurable):
         """Ranks whose engine has unregistered from the controller (died or was killed)."""
         if self.client is None or self.ipp_cluster is None:
             return []
-        if any(es.state == "after" for es in self.ipp_cluster.engines.values()):
-            return list(range(self.size))  # mpiexec has exited: every rank is gone
+        keepers = self.plan_used is not None and self.plan_used.keeper
+        # mpiexec has exited: every rank is gone. Not so under keepers: a replaced rank's job
+        # (mpiexec -n 1) ends with that rank alone, and each dead engine's nanny unregisters it
+        if not keepers and any(es.state == "after" for es in self.ipp_cluster.engines.values()):
+            return list(range(self.size))
         alive = set(self.client.ids)
         return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
 

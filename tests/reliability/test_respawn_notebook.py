@@ -74,7 +74,15 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert "DEAD" not in status, status
         print(f"FIGURE respawn: kill -> cell failed (replacement included) {failed:.2f} s, "
               f"kill -> next cell ran on the full world {ready:.2f} s")
+        # the new rank 1 dies too: its own job (mpiexec -n 1) ends with it, which is no reason
+        # to count rank 0 dead; it is replaced again and rank 0 still keeps its variables
         new = cluster_pids(kernel)
+        _, error, _ = kill_during_allreduces(kernel, 1)
+        assert error is not None and "restart 2 of --max-restarts 3" in error["evalue"], error
+        out = kernel.ok("%%distributed\nprint('kept' in dir(), ring.rank(), ring.size())")
+        assert rank_lines(out, 0) == ["True 0 2"] and rank_lines(out, 1) == ["False 1 2"], out
+        exact_collectives(kernel, "replaced_again")
+        new = sorted(set(new) | set(cluster_pids(kernel)))
         assert alive([old_rank1]) == []
         kernel.ok("%ring stop", timeout=60)
         left = alive(set(old) | set(new))
