@@ -53,6 +53,10 @@ def one_kill(kernel, n: int, way: str) -> float:
     out, error = kernel.execute(CHECK)
     took = time.monotonic() - killed
     if error is not None:
+        logs, _ = kernel.execute("c = get_ipython().magics_manager.registry['RingMagics'].cluster\n"
+                                 "for es in c._running_cluster.engines.values():\n"
+                                 "    print(open(es.output_file, errors='replace').read()[-4000:])")
+        print(logs, file=sys.stderr)
         raise SystemExit(f"{way}, {n} ranks: the cell after the kill failed: {error['ename']}: "
                          f"{error['evalue']}\n{out}")
     said = {int(line[6:].split("]", 1)[0]): line.split("] ", 1)[1]
