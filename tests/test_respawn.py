@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_state(n, tmp_path):
     # the environment a one-host cluster's plan gives ranks that may be replaced (_respawn_layer)
     env = mpi_env()
-    env.update(PYTHONUNBUFFERED="1", MPIR_CVAR_NO_COLLECTIVE_FINALIZE="1", UCX_TLS="sm,self",
+    env.update(PYTHONUNBUFFERED="1", MPIR_CVAR_NO_COLLECTIVE_FINALIZE="1",
                PYTHONPATH=os.pathsep.join([ROOT, MPI_SCRIPTS]))
     cmd = [local_mpiexec(), "-exitinfo", "-n", str(n), sys.executable, "-m", "jupyter_ring.engines._keeper",
            sys.executable, os.path.join(MPI_SCRIPTS, "respawn_world.py"), "1", str(tmp_path / "port")]

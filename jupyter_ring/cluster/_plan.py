@@ -268,13 +268,9 @@ def _thread_layer(env: MutableMapping[str, str], options: LaunchOptions, machine
 def _respawn_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
                    shape: Shape) -> None:
     """Ranks that may be replaced (see ``LaunchPlan.keeper``): MPI_Finalize waits for no peer
-    (the PMI barrier of MPICH's finalize would wait for a rank that died), and UCX, which
-    carries the connections to a newcomer's job, uses shared memory only (kernel wins): over
-    its default transports a survivor inside a collective with a newcomer that was then killed
-    ended with SIGABRT (1 run in ~5; 0 in 8 with these)."""
+    (the PMI barrier of MPICH's finalize would wait for a rank that died)."""
     if shape.one_host and options.max_restarts > 0 and machine.local_mpiexec.endswith("gforker"):
         env["MPIR_CVAR_NO_COLLECTIVE_FINALIZE"] = "1"
-        env.setdefault("UCX_TLS", "sm,self")
 
 
 def _user_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
