@@ -103,3 +103,16 @@ def test_the_ring_panel_counts_an_engine_not_its_keeper():
     engine = [sys.executable, "-m", "ipyparallel.engine", "--mpi"]
     assert _is_engine(engine)
     assert not _is_engine([sys.executable, "-m", "jupyter_ring.engines._keeper", *engine])
+
+
+@pytest.mark.parametrize("device,planned,want", [
+    ("cuda:0 (GPU 2)", ("0", "2"), ["2"]),   # the dead rank's own GPU
+    ("cpu", ("0", "1"), ["0", "1"]),          # no GPU of its own: what the plan gave every rank
+    ("cpu", (), []),                           # --gpus none: hidden
+    ("cpu", None, None),                       # no GPU on the machine: left alone
+])
+def test_a_newcomer_binds_the_dead_ranks_gpu(device, planned, want):
+    from jupyter_ring.cluster._respawn import newcomer_gpus
+
+    row = {"rank": 1, "host": "h", "pid": 1, "device": device, "local_rank": 1, "size": 2}
+    assert newcomer_gpus(row, planned) == want
