@@ -235,7 +235,8 @@ class CellRun:
         """Mark the dead ranks' tabs, then raise the DeadRankError that names them."""
         # MPI ends the job's other ranks: name every rank lost ("MPI then ended rank(s) 0")
         dead = self.cluster.dead_ranks_settled(dead)
-        message = self.cluster.describe_death(dead)
+        # replaced in place (the survivors keep their variables) unless --max-restarts says no
+        message = self.magics._replace_dead(self.cluster, dead)
         for rank in dead:
             if rank in self.ranks:
                 self.sink.error(rank, DeadRankError(message, dead))

@@ -27,7 +27,7 @@ from traitlets import Bool, Enum, Float, default
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
 from .cluster import RingCluster, format_table, parse_ranks, rank_ranges
-from .errors import DistributedError, _ename
+from .errors import ClusterError, DistributedError, _ename
 from .widgets._tabs import RankTabs, TextSink
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
@@ -72,7 +72,7 @@ def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto,debugpy}")
+                                metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debugpy}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -94,6 +94,9 @@ def _ring_parser():
     start.add_argument("--ip", default="",
                        help="address the controller listens on for the other hosts "
                             "(default: this host's address on the route to them)")
+    start.add_argument("--max-restarts", type=int, default=None,
+                       help="how many dead ranks are replaced in place, the others keeping their "
+                            "variables (default 3; 0: a dead rank ends the job, %%ring restart)")
     start.add_argument("--torch-distributed", action="store_true", default=None,
                        help="also initialise torch.distributed's default process group on "
                             "every rank (gloo; NCCL where every rank has a GPU)")
@@ -111,6 +114,12 @@ def _ring_parser():
     where.add_argument("--timeout", type=float, default=3.0,
                        help="seconds to wait for each rank's dump (default 3)")
     sub.add_parser("restart", add_help=False, help="stop, then start with the same arguments")
+    sync = sub.add_parser("sync", add_help=False,
+                          help="copy ranks' variables from one rank to the ranks that lack them "
+                               "(a rank replaced in place)")
+    sync.add_argument("names", nargs="+", metavar="NAME")
+    sync.add_argument("--from", dest="source", type=int, default=None,
+                      help="the rank to copy from (default: the first rank that has them all)")
     push = sub.add_parser("push", add_help=False, help="send notebook variables to every rank")
     push.add_argument("names", nargs="+", metavar="NAME")
     pull = sub.add_parser("pull", add_help=False, help="bring a rank's variable into the notebook")
@@ -209,11 +218,13 @@ class RingMagics(Magics):
                        [--hostfile FILE] [--ip ADDR] [--nodes N --ntasks-per-node K
                        --partition P --time T]   # the last four with --launcher slurm
                        [--torch-distributed]     # also init torch.distributed's default group
+                       [--max-restarts N]        # dead ranks replaced in place (default 3; 0: off)
             %ring status
             %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
             %ring timeline [--last S]    # every rank's collectives of the last S s, drawn
             %ring stop
             %ring restart            # stop, then start with the same arguments
+            %ring sync NAME [NAME ...] [--from R]  # to ranks that lack them (a replaced rank)
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
             %ring auto on|off        # every following cell runs on the ranks (%%local: here)
@@ -246,8 +257,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull, "
-                             "auto or debugpy (see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, sync, push, "
+                             "pull, auto or debugpy (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
@@ -265,6 +276,11 @@ class RingMagics(Magics):
         hosts = [h for item in args.hosts for h in item.split(",") if h]
         # a config trait (RingCluster.torch_distributed) stands unless the flag is given
         options = {} if args.torch_distributed is None else {"torch_distributed": True}
+        if args.max_restarts is not None:
+            if args.max_restarts < 0:
+                raise UsageError(f"%ring start --max-restarts {args.max_restarts}: 0 (never "
+                                 "replace a dead rank) or more")
+            options["max_restarts"] = args.max_restarts
         cluster = RingCluster(parent=self, n=args.n, gpus=args.gpus, launcher=args.launcher,
                               hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip,
                               nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
@@ -434,6 +450,37 @@ class RingMagics(Magics):
                              "notebook")
         cluster.view.push({name: ns[name] for name in args.names}, block=True)
 
+    def _ring_sync(self, args, argv):
+        """``%ring sync NAME... [--from R]``: the ranks that lack any of the variables get them
+        all from rank R (default: the first rank that has them all), e.g. a rank replaced in
+        place after the survivors kept theirs."""
+        from .engines._respawn import missing
+
+        cluster = self._alive_cluster()
+        bad = [name for name in args.names if not name.isidentifier()]
+        if bad:
+            raise UsageError(f"%ring sync: {', '.join(map(repr, bad))} is not a variable name")
+        lacks = cluster.client[cluster.engine_ids].apply_sync(missing, args.names)
+        source = args.source
+        if source is None:
+            source = next((r for r, names in enumerate(lacks) if not names), None)
+            if source is None:
+                raise UsageError(f"%ring sync: no rank has every one of {', '.join(args.names)}")
+        elif not 0 <= source < cluster.size:
+            raise UsageError(f"%ring sync --from {source}: the cluster has ranks 0..{cluster.size - 1}")
+        elif lacks[source]:
+            raise UsageError(f"%ring sync --from {source}: rank {source} has no variable "
+                             f"{', '.join(map(repr, lacks[source]))}")
+        targets = [r for r, names in enumerate(lacks) if names and r != source]
+        if not targets:
+            print(f"every rank has {', '.join(args.names)}: nothing to copy")
+            return
+        values = cluster.client[cluster.engine_ids[source]].pull(args.names, block=True)
+        cluster.client[[cluster.engine_ids[r] for r in targets]].push(
+            dict(zip(args.names, values)), block=True)
+        print(f"copied {', '.join(args.names)} from rank {source} to rank(s) "
+              f"{', '.join(map(str, targets))}")
+
     def _ring_pull(self, args, argv):
         cluster = self._alive_cluster()
         name = args.name
@@ -587,8 +634,34 @@ class RingMagics(Magics):
         if cluster is None or not cluster.running:
             raise UsageError(f"no cluster is running{': ' + stopped if stopped else ''}; start "
                              f"one with {self._start_hint()}")
+        dead = cluster.dead_ranks()
+        if dead and cluster.can_respawn(dead):  # a rank died between cells: replaced now
+            print(self._replace_dead(cluster, dead), file=sys.stderr)
         cluster.check_alive()  # DeadRankError names the dead ranks and says: %ring restart
         return cluster
+
+    def _replace_dead(self, cluster, dead):
+        """Replace the ``dead`` ranks in place where the cluster can (``RingCluster.respawn``);
+        the message that names them, how they died and what now (the new ranks' namespaces are
+        fresh; or %ring restart)."""
+        if not cluster.can_respawn(dead):
+            return cluster.describe_death(dead)
+        from .cluster._respawn import replaced_note
+
+        head = cluster.describe_death(dead, fix="").rstrip()  # how they died: read before the
+        try:                                                    # new ranks take their rows
+            done = cluster.respawn(dead)
+        except ClusterError as exc:
+            return f"{head} Replacing it in place failed: {exc}"
+        if self._dashboard_ready:
+            from .widgets.live import ENGINE_SETUP
+
+            try:
+                new = cluster.client[[cluster.engine_ids[r] for r in done.ranks]]
+                new.execute(ENGINE_SETUP, block=False).get(timeout=cluster.setup_timeout)
+            except Exception as exc:  # the ranks work; only the new ranks' dashboard rows are missing
+                print(f"(no dashboard on the new rank(s): {exc})", file=sys.stderr)
+        return f"{head} {replaced_note(done, cluster.size, cluster.restarts, cluster.max_restarts)}"
 
     def _atexit(self):
         cluster, self.cluster = self.cluster, None

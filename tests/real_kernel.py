@@ -149,3 +149,20 @@ def cluster_pids(kernel):
     pids = json.loads(out.strip().splitlines()[-1])
     kernel.pids[:] = sorted(set(kernel.pids) | set(pids))
     return pids
+
+
+def sigkill_during(kernel, pid, code, after=1.5, timeout=120):
+    """Run ``code`` in ``kernel`` and SIGKILL process ``pid`` ``after`` seconds into it;
+    (text, error, time.monotonic() of the kill)."""
+    import signal
+    import threading
+
+    killed = []
+    timer = threading.Timer(after, lambda: (killed.append(time.monotonic()), os.kill(pid, signal.SIGKILL)))
+    timer.start()
+    try:
+        out, error = kernel.execute(code, timeout=timeout)
+    finally:
+        timer.cancel()
+    assert killed, f"the cell ended before the kill at {after} s: {out} {error}"
+    return out, error, killed[0]

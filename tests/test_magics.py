@@ -367,6 +367,7 @@ def test_dead_engine_is_reported_by_rank_and_restart_works(ip, capsys):
     old = magics.cluster
     shm = shm_files([row["pid"] for row in old.ranks])
     assert shm, "the ranks map no file in /dev/shm: this test no longer sees MPI's segments"
+    old.max_restarts = 0  # replacing dead ranks turned off on a running cluster: the old way
     victim = old.ranks[1]["pid"]
     os.kill(victim, signal.SIGKILL)
     deadline = time.monotonic() + 15

@@ -101,8 +101,10 @@ def test_run_all_after_start_loses_no_cell_and_auto_mode_runs_on_ranks():
 
 @pytest.fixture(scope="module")
 def kernel():
-    """A kernel with a 2-rank cluster; its finalizer kills the kernel and anything left over."""
-    with ring_kernel(2) as k:
+    """A kernel with a 2-rank cluster; its finalizer kills the kernel and anything left over.
+    ``--max-restarts 0``: a dead rank ends the job, as test_dead_engine_is_reported_by_rank_within_2s
+    checks (a rank replaced in place: tests/reliability/test_respawn_notebook.py)."""
+    with ring_kernel(start="%ring start -n 2 --max-restarts 0") as k:
         yield k
 
 

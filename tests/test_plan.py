@@ -79,7 +79,20 @@ def test_kernel_settings_win_and_engine_env_wins_over_all():
 def test_environment_layers_are_the_one_place():
     # what a layer adds reaches the plan; the order says who wins
     names = [layer.__name__ for layer in ENVIRONMENT_LAYERS]
-    assert names == ["_mpi_layer", "_thread_layer", "_user_layer"]
+    assert names == ["_mpi_layer", "_thread_layer", "_respawn_layer", "_user_layer"]
+
+
+def test_ranks_run_under_their_keepers_where_a_dead_rank_can_be_replaced():
+    # one host under gforker: a dead rank is replaced in place (--max-restarts, default 3)
+    p = plan(Given(), n=2)
+    assert p.keeper and p.environment["MPIR_CVAR_NO_COLLECTIVE_FINALIZE"] == "1"
+    # turned off: the old way, no keeper, MPI_Finalize as MPICH's default
+    p = plan(Given(), n=2, max_restarts=0)
+    assert not p.keeper and "MPIR_CVAR_NO_COLLECTIVE_FINALIZE" not in p.environment
+    # several hosts (Hydra) and Slurm: a dead rank ends the job, as before
+    for options in ({"hosts": ["a:1", "b:1"]}, {"launcher": "slurm", "nodes": 2}):
+        p = plan(Given(slurm_nodes=["a", "b"]), **options)
+        assert not p.keeper and "MPIR_CVAR_NO_COLLECTIVE_FINALIZE" not in p.environment
 
 
 @pytest.mark.parametrize("spec,environ,driver,want", [

@@ -23,6 +23,7 @@ Where each part lives (one place each):
 - interrupted: ``_signals`` (through the engines' nannies, for the kernel and the Ring panel);
 - cleaned up: ``_procs`` (process trees, kill, /dev/shm), ``_watchdog`` (a killed kernel);
 - diagnosed: ``_death`` (which rank died first, and how);
+- repaired: ``_respawn`` (a dead rank replaced in place, the survivors keeping their variables);
 - described to the Ring panel: ``_sidecar``;
 - looked into (``%ring where``: every rank's stack and collective, from outside): ``_where``.
 

@@ -10,18 +10,25 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..engines._setup import RankRow
 
-__all__ = ["describe_death"]
+__all__ = ["RESTART_FIX", "describe_death"]
+
+
+RESTART_FIX = "Their variables are lost; run %ring restart for a fresh cluster with the same arguments."
 
 
 def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
-                   engine_ids: Sequence[int], output: str) -> str:
-    """A message for the ``dead`` ranks: which died first and how, and the fix.
+                   engine_ids: Sequence[int], output: str, fix: str = RESTART_FIX) -> str:
+    """A message for the ``dead`` ranks: which died first and how, and ``fix``.
 
-    ``rows``: the ranks' rows (``rank``, ``host``); ``engine_ids[rank]``: the rank's engine id;
-    ``output``: the engine sets' output (nanny logs, mpiexec's report).
+    ``rows``: the ranks' rows (``rank``, ``host``, ``pid``); ``engine_ids[rank]``: the rank's
+    engine id; ``output``: the engine sets' output (nanny logs, mpiexec's or the keepers' report).
     """
+    rows = list(rows)
     hosts = {row["rank"]: row["host"] for row in rows}
-    first = _first_death(output, {eid: rank for rank, eid in enumerate(engine_ids)}, hosts)
+    pids = {row["rank"]: row["pid"] for row in rows}
+    dead = list(dead)
+    first = _first_death(output, {eid: rank for rank, eid in enumerate(engine_ids) if rank in dead},
+                         hosts, pids)
     if first is not None:
         rank, host, how = first
         head = f"rank {rank} @ {host} died ({how})"
@@ -36,21 +43,27 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
                          for host, rs in where.items())
         head += (" stopped answering (died, or the host is down or cut off from this one)"
                  if len(set(hosts.values())) > 1 else " died")
-    return (f"{head}. Their variables are lost; run %ring restart for a fresh cluster "
-            f"with the same arguments.")
+    return f"{head}. {fix}"
 
 
-def _first_death(output: str, eid_rank: Mapping[int, int],
-                 hosts: Mapping[int, str]) -> tuple[int, str, str] | None:
-    """``(rank, host, how)`` of the rank whose nanny logged its death first, or None.
+def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, str],
+                 pids: Mapping[int, int]) -> tuple[int, str, str] | None:
+    """``(rank, host, how)`` of the rank (of ``eid_rank``'s) whose nanny logged its death first.
 
-    The nanny of the engine that died first logs it first; mpiexec's own report names whichever
-    rank it cleaned up, so it is used only for how the job ended.
+    The nanny of the engine that died first logs it first (engines replaced earlier logged
+    theirs before: they are no rank of ``eid_rank``); mpiexec's own report names whichever
+    rank it cleaned up, so it is used only for how the job ended; a rank's keeper
+    (``engines._keeper``) names the engine's pid and its signal.
     """
-    nanny = re.search(r"\[KernelNanny\.(\d+)\] Pipe closed, parent (\d+)", output)
-    if not nanny or int(nanny.group(1)) not in eid_rank:
+    nannies = (int(m.group(1)) for m in re.finditer(r"\[KernelNanny\.(\d+)\] Pipe closed, parent", output))
+    eid = next((e for e in nannies if e in eid_rank), None)
+    if eid is None:
         return None
-    rank = eid_rank[int(nanny.group(1))]
+    rank = eid_rank[eid]
+    keeper = re.search(rf"jupyter_ring keeper: rank \S+ engine {pids.get(rank, -1)} signaled with (.+)",
+                       output)
+    if keeper:
+        return rank, hosts.get(rank, "?"), f"signal: {keeper.group(1).strip()}"
     exit_string = re.search(r"EXIT STRING: (.+)", output)
     # gforker -exitinfo: "[0]<rank>:Return code = 0, signaled with Killed"
     gforker = re.search(rf"\]{rank}:Return code = \d+, signaled with (\w+)", output)

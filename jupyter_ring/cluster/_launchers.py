@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,9 @@ def ipp_cluster(plan: LaunchPlan, log: logging.Logger | None = None) -> ipp.Clus
     config.MPIEngineSetLauncher.mpi_cmd = [plan.mpiexec]
     config.MPIEngineSetLauncher.mpi_args = list(plan.mpi_args)
     config.MPIEngineSetLauncher.engine_args = list(plan.engine_args)
+    if plan.keeper:  # each rank under its keeper (engines._keeper), as gforker's process
+        config.MPIEngineSetLauncher.engine_cmd = [sys.executable, "-m", "jupyter_ring.engines._keeper",
+                                                  sys.executable, "-m", "ipyparallel.engine"]
     config.EngineLauncher.environment = dict(plan.environment)
     if plan.slurm is not None:
         job = plan.slurm

@@ -74,6 +74,8 @@ class LaunchOptions(Protocol):
     def engine_env(self) -> Sequence[str]: ...
     @property
     def torch_distributed(self) -> bool: ...
+    @property
+    def max_restarts(self) -> int: ...
 
 
 class SlurmJob(NamedTuple):
@@ -129,6 +131,9 @@ class LaunchPlan:
     engine_timeout: float = 60.0
     slurm: SlurmJob | None = None
     torch: TorchWorld = TorchWorld("127.0.0.1", None)
+    # each rank runs under engines._keeper, so that a dead rank can be replaced in place (one
+    # host, gforker, --max-restarts above 0): gforker would end every rank of the job
+    keeper: bool = False
 
 
 def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> LaunchPlan:
@@ -180,8 +185,9 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
                          options.time_limit,
                          os.path.join(profile, "log", f"jupyter_ring-slurm-{machine.pid}.sbatch"))
         _check_slurm(slurm)
+    keeper = mpiexec.endswith("gforker") and options.max_restarts > 0
     return LaunchPlan(
-        n=n, one_host=one_host, slots=shape.slots,
+        n=n, one_host=one_host, slots=shape.slots, keeper=keeper,
         gpus=tuple(gpus) if gpus or options.gpus != "auto" else None,
         note=share_note(n, gpus, environ, machine.cpus) if options.n is not None and one_host
         else "",
@@ -259,6 +265,14 @@ def _thread_layer(env: MutableMapping[str, str], options: LaunchOptions, machine
             env.setdefault(var, threads)
 
 
+def _respawn_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
+                   shape: Shape) -> None:
+    """Ranks that may be replaced (see ``LaunchPlan.keeper``): MPI_Finalize waits for no peer
+    (the PMI barrier of MPICH's finalize would wait for a rank that died)."""
+    if shape.one_host and options.max_restarts > 0 and machine.local_mpiexec.endswith("gforker"):
+        env["MPIR_CVAR_NO_COLLECTIVE_FINALIZE"] = "1"
+
+
 def _user_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
                 shape: Shape) -> None:
     """``RingCluster.engine_env``: the user's NAME=VALUE entries, over everything else."""
@@ -274,7 +288,8 @@ EnvironmentLayer = Callable[[MutableMapping[str, str], LaunchOptions, Machine, S
 
 # Applied in order over a copy of the kernel's environment; each layer says whether the kernel's
 # own value wins (setdefault) or its value does. Signature: layer(env, options, machine, shape).
-ENVIRONMENT_LAYERS: tuple[EnvironmentLayer, ...] = (_mpi_layer, _thread_layer, _user_layer)
+ENVIRONMENT_LAYERS: tuple[EnvironmentLayer, ...] = (_mpi_layer, _thread_layer, _respawn_layer,
+                                                     _user_layer)
 
 
 def engine_environment(options: LaunchOptions, machine: Machine, shape: Shape) -> dict[str, str]:

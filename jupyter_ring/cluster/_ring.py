@@ -19,12 +19,13 @@ from traitlets.config import LoggingConfigurable
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError, DeadRankError
-from ._death import describe_death
+from ._death import RESTART_FIX, describe_death
 from ._launchers import curve_client, ipp_cluster
 from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
+from ._respawn import Replacement, replace_ranks
 from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
                        write_sidecar)
 from ._signals import signal_engines
@@ -132,6 +133,13 @@ class RingCluster(LoggingConfigurable):
                     help="Start a watchdog process that kills the cluster if this process dies.")
     engine_env = List(Unicode(), config=True,
                       help="Extra NAME=VALUE environment variables for the engines.")
+    max_restarts = Integer(3, config=True,
+                           help="How many times a rank that dies (SIGKILL, a segfault, an "
+                                "out-of-memory kill) is replaced in place, the survivors keeping "
+                                "their variables (as torchrun's --max-restarts); 0: never, a dead "
+                                "rank ends the job and %ring restart starts every rank afresh. "
+                                "One-host clusters (gforker) only; elsewhere a dead rank ends "
+                                "the job.")
     torch_distributed = Bool(False, config=True,
                              help="Also initialise torch.distributed's default process group on "
                                   "every rank at start (gloo on CPU ranks, NCCL where every rank "
@@ -156,6 +164,10 @@ class RingCluster(LoggingConfigurable):
         # engine id -> its re-creation of aborted torch groups, in flight
         self._repair: dict[int, ipp.AsyncResult] | None = None
         self._repair_notes: list[str | None] = []  # the answers of those finished (None: no note)
+        self.plan_used: LaunchPlan | None = None  # the plan start() carried out
+        self.rendezvous: tuple[str, int] | None = None  # torch.distributed's, reserved by rank 0
+        self.restarts = 0        # ranks replaced in place so far (respawn); --max-restarts bounds it
+        self.replace_failed = False  # a replacement failed: dead ranks now need %ring restart
 
     def __enter__(self) -> RingCluster:
         if not self.running:
@@ -241,12 +253,49 @@ class RingCluster(LoggingConfigurable):
         self.size = len(self.ranks)
         self.view = client[self.engine_ids]
         self.view.block = False
+        self.plan_used, self.rendezvous = plan, rendezvous[order[0]]
         self._start_torch(plan.torch, rendezvous[order[0]])
         # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
         # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
         self._shm = shm_files(self._local_rank_pids())
         self._watch()
         self._write_sidecar()
+
+    @property
+    def user_umask(self) -> int:
+        """The kernel's umask when the cluster started: the ranks' own (files cells write)."""
+        return self._user_umask
+
+    def can_respawn(self, dead: Iterable[int] = ()) -> bool:
+        """Whether ``dead`` ranks would be replaced in place now: the ranks run under the keeper
+        (``LaunchPlan.keeper``), some rank survives, and ``max_restarts`` is not used up."""
+        dead = set(dead)
+        return (self.running and self.plan_used is not None and self.plan_used.keeper
+                and not self.replace_failed
+                and self.restarts + len(dead) <= self.max_restarts and len(dead) < self.size)
+
+    def respawn(self, dead: Iterable[int]) -> Replacement:
+        """Replace the ``dead`` ranks in place: new engines with their rank numbers join the
+        survivors, which keep their namespaces (``_respawn.replace_ranks``). ClusterError if it
+        cannot be done (see :meth:`can_respawn`) or a step fails: ``%ring restart`` then."""
+        dead = sorted(set(dead))
+        if not self.can_respawn(dead):
+            raise ClusterError(f"rank(s) {', '.join(map(str, dead))} cannot be replaced in place "
+                               f"({self.restarts} of --max-restarts {self.max_restarts} used, or "
+                               "not a one-host cluster); run %ring restart")
+        self.restarts += len(dead)
+        try:
+            done = replace_ranks(self, dead, _SETUP_CODE)
+        except BaseException:
+            # the survivors may have left the old world, a late newcomer may still register:
+            # no second try on this cluster, %ring restart starts every rank afresh
+            self.replace_failed = True
+            self._watch()
+            raise
+        self._shm |= shm_files(self._local_rank_pids())
+        self._watch()
+        self._write_sidecar()
+        return done
 
     @property
     def where_dir(self) -> str:
@@ -387,6 +436,7 @@ class RingCluster(LoggingConfigurable):
         remove_shm_files(shm)
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
         self._repair, self.torch_backend = None, None
+        self.plan_used, self.rendezvous, self.restarts, self.replace_failed = None, None, 0, False
 
     def stopped_by(self) -> str | None:
         """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while
@@ -430,8 +480,11 @@ class RingCluster(LoggingConfigurable):
         """Ranks whose engine has unregistered from the controller (died or was killed)."""
         if self.client is None or self.ipp_cluster is None:
             return []
-        if any(es.state == "after" for es in self.ipp_cluster.engines.values()):
-            return list(range(self.size))  # mpiexec has exited: every rank is gone
+        keepers = self.plan_used is not None and self.plan_used.keeper
+        # mpiexec has exited: every rank is gone. Not so under keepers: a replaced rank's job
+        # (mpiexec -n 1) ends with that rank alone, and each dead engine's nanny unregisters it
+        if not keepers and any(es.state == "after" for es in self.ipp_cluster.engines.values()):
+            return list(range(self.size))
         alive = set(self.client.ids)
         return [rank for rank, eid in enumerate(self.engine_ids) if eid not in alive]
 
@@ -441,6 +494,8 @@ class RingCluster(LoggingConfigurable):
         rank's process exits 1.05 s after the SIGKILL). Waits until every rank is gone or
         ``within`` seconds passed, so that a report names every rank that is lost, as
         ``%ring status`` will a moment later."""
+        if self.plan_used is not None and self.plan_used.keeper:
+            return dead  # the ranks' keepers keep the others alive: no one else is lost
         deadline = time.monotonic() + within
         while len(dead) < self.size and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -457,15 +512,15 @@ class RingCluster(LoggingConfigurable):
         if dead:
             raise DeadRankError(self.describe_death(dead), dead)
 
-    def describe_death(self, dead: Iterable[int]) -> str:
-        """A message for dead ranks: which died first and how (nanny log, mpiexec report), the fix."""
+    def describe_death(self, dead: Iterable[int], fix: str = RESTART_FIX) -> str:
+        """A message for dead ranks: which died first and how (nanny log, mpiexec report), ``fix``."""
         output = ""
         try:
             for engine_set in self._running_cluster.engines.values():
                 output += _read(getattr(engine_set, "output_file", ""))
         except Exception:
             output = ""
-        return describe_death(dead, self.ranks, self.engine_ids, output)
+        return describe_death(dead, self.ranks, self.engine_ids, output, fix)
 
     # ----------------------------------------------------------------------------- signals
     def signal_ranks(self, sig: int, ranks: Iterable[int] | None = None) -> None:

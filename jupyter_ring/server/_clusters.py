@@ -172,9 +172,10 @@ _LAUNCHERS = ("mpiexec", "mpirun", "orterun", "prterun", "srun", "hydra_pmi_prox
 
 def _is_engine(cmd):
     """An ipyparallel engine's command line (``-m ipyparallel.engine`` or ``ipengine``), not its
-    nanny and not the ``mpiexec`` that started it."""
+    nanny, not its keeper (``jupyter_ring.engines._keeper``, which names the engine's command)
+    and not the ``mpiexec`` that started it."""
     text = " ".join(cmd)
-    if not cmd or "ipyparallel.engine.nanny" in text:
+    if not cmd or "ipyparallel.engine.nanny" in text or "jupyter_ring.engines._keeper" in text:
         return False
     if os.path.basename(cmd[0]).startswith(_LAUNCHERS):
         return False

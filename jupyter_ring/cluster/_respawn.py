@@ -1,0 +1,166 @@
+"""Ranks replaced in place: the kernel's side of ``engines._respawn`` (issue 34, item 1).
+
+A rank that dies (SIGKILL, a segfault, an out-of-memory kill) is replaced by a new engine with
+the same rank number; the survivors keep their namespaces. On one host the ranks run under the
+keeper (``engines._keeper``), so gforker does not end the survivors; :func:`replace_ranks`
+
+1. interrupts the survivors (the cell that was running fails, as without respawn) and starts
+   the newcomers' job (``mpiexec -n k``, an ipyparallel engine set of its own);
+2. has the survivors leave the old world (``engines._respawn.leave``: the runtime stops, a
+   communicator over the survivors alone, an MPI port);
+3. has the survivors accept and the newcomers join on that port (``accept``/``join``): the
+   runtime starts on the new world, each newcomer with the dead rank's number;
+4. runs the rank set-up on the newcomers (GPU binding, ``ring``, hooks, torchrun's environment).
+
+Every wait is bounded (``RingCluster.engine_timeout``/``setup_timeout``); a failure raises
+:class:`~jupyter_ring.errors.ClusterError` naming the step, and ``%ring restart`` is the way on.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+from ..engines._setup import RankRow
+from ..errors import ClusterError
+
+if TYPE_CHECKING:
+    import ipyparallel as ipp
+
+    from ._ring import RingCluster
+
+__all__ = ["Replacement", "replace_ranks", "replaced_note", "newcomer_gpus"]
+
+
+class Replacement(NamedTuple):
+    """What :func:`replace_ranks` did: the ranks replaced, their new rows, how long it took."""
+
+    ranks: list[int]
+    rows: list[RankRow]
+    seconds: float
+
+
+def newcomer_gpus(row: RankRow, planned: Sequence[str] | None) -> list[str] | None:
+    """The GPU list a newcomer binds from (``engines._setup.bind_device``): the dead rank's own
+    GPU (its row says ``cuda:0 (GPU 2)``), else what the plan gave every rank."""
+    found = re.search(r"\(GPU ([^)]+)\)", row["device"])
+    if found:
+        return [found.group(1)]
+    return None if planned is None else list(planned)
+
+
+def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) -> Replacement:
+    """Replace the ``dead`` ranks of ``cluster`` in place (see the module); ``setup_code``: the
+    rank set-up every engine ran at start (``ring.init()`` there finds the runtime started)."""
+    from ..engines import _respawn, _torch
+    from ._plan import torchrun_environment
+
+    t0 = time.monotonic()
+    dead = sorted(set(dead))
+    client, ipc = cluster._running_client, cluster._running_cluster
+    survivors = [r for r in range(cluster.size) if r not in dead]
+    if not survivors:
+        raise ClusterError("every rank died: there is no survivor to keep; run %ring restart")
+    known = set(client.ids)
+    # the newcomers' process start is the longest step: it runs while the survivors leave
+    ipc.start_engines_sync(len(dead))
+    cluster._watch()
+    survivor_ids = [cluster.engine_ids[r] for r in survivors]
+    cluster.signal_ranks(signal.SIGINT, survivors)  # the running cell ends there too
+    ports = _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.leave, dead),
+                        cluster.setup_timeout, "leaving the old world")
+    port = next(p for p in ports if p)
+    deadline = time.monotonic() + cluster.engine_timeout
+    while len(set(client.ids) - known) < len(dead):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the replacement of rank(s) {_names(dead)} did not register in "
+                               f"{cluster.engine_timeout:g} s; run %ring restart")
+        time.sleep(0.02)
+    new_ids = sorted(set(client.ids) - known)
+    joins = {eid: client[eid].apply_async(_respawn.join, port, dead) for eid in new_ids}
+    _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.accept, port),
+                cluster.setup_timeout, "taking the newcomers in")
+    ranks_of = {eid: int(_result(ar, cluster.setup_timeout, "joining the world"))  # type: ignore[call-overload]
+                for eid, ar in joins.items()}
+    plan = cluster.plan_used
+    rows = cluster.ranks
+    for eid in new_ids:
+        rank = ranks_of[eid]
+        view = client[eid]
+        view.push({"_jr_gpus": newcomer_gpus(rows[rank], plan.gpus if plan else None),
+                   "_jr_umask": cluster.user_umask, "_jr_where": cluster.where_dir,
+                   "_jr_torch_addr": plan.torch.master_addr if plan else "127.0.0.1"}, block=False)
+        _result(view.execute(setup_code, block=False), cluster.setup_timeout, "the rank set-up")
+        info = view.pull("_jr_info", block=False)
+        rows[rank] = cast(RankRow, _result(info, cluster.setup_timeout, "the rank set-up"))
+        cluster.engine_ids[rank] = eid
+    if cluster.rendezvous is not None:
+        hosts = [row["host"] for row in rows]
+        address, port_no = cluster.rendezvous
+        for eid in new_ids:
+            rank = ranks_of[eid]
+            env = torchrun_environment(rank, hosts, address, port_no, ipc.cluster_id)
+            _result(client[eid].apply_async(_torch.start, env, None), cluster.setup_timeout,
+                    "torchrun's environment")
+    cluster.view = client[cluster.engine_ids]
+    cluster.view.block = False
+    return Replacement(dead, [rows[r] for r in dead], time.monotonic() - t0)
+
+
+def _everywhere(client: ipp.Client, engine_ids: Sequence[int],
+                send: Callable[[int], ipp.AsyncResult], timeout: float, what: str) -> list[object]:
+    """``send(eid)`` on every engine, collective over them: the results in order. A request that
+    ipykernel aborted (it came just after the failed cell, see ``RingCluster.torch_repair_note``)
+    is sent again to that engine alone, while the others wait for it inside the collective."""
+    import ipyparallel as ipp
+
+    pending = {eid: send(eid) for eid in engine_ids}
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for eid, ar in list(pending.items()):
+            if not ar.ready():
+                continue
+            try:
+                results[eid] = ar.get()
+            except ipp.error.TaskAborted:
+                pending[eid] = send(eid)
+                continue
+            except Exception as exc:
+                raise ClusterError(f"replacing the dead rank(s) failed while {what} on engine "
+                                   f"{eid}: {type(exc).__name__}: {exc}; run %ring restart") from exc
+            del pending[eid]
+        if pending and time.monotonic() > deadline:
+            raise ClusterError(f"replacing the dead rank(s): {what} did not finish in {timeout:g} s "
+                               "on every survivor; run %ring restart")
+        time.sleep(0.01)
+    return [results[eid] for eid in engine_ids]
+
+
+def _result(ar: ipp.AsyncResult, timeout: float, what: str) -> object:
+    if not ar.wait(timeout):
+        raise ClusterError(f"replacing the dead rank(s): {what} did not finish in {timeout:g} s "
+                           "on the new rank; run %ring restart")
+    try:
+        return ar.get()
+    except Exception as exc:
+        raise ClusterError(f"replacing the dead rank(s) failed in {what} on the new rank: "
+                           f"{type(exc).__name__}: {exc}; run %ring restart") from exc
+
+
+def _names(ranks: Sequence[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def replaced_note(done: Replacement, size: int, restarts: int, max_restarts: int) -> str:
+    """What the notebook says after a replacement: which ranks are new, that their namespaces
+    are fresh, and how to give them the survivors' variables."""
+    ranks = _names(done.ranks)
+    kept = [r for r in range(size) if r not in done.ranks]
+    return (f"Rank(s) {ranks} replaced in place in {done.seconds:.1f} s (restart {restarts} of "
+            f"--max-restarts {max_restarts}): the new rank(s) have a fresh namespace (only `ring`); "
+            f"rank(s) {_names(kept)} kept their variables. Copy variables to the new rank(s) with "
+            f"%ring sync NAME [NAME ...] --from {kept[0]}; the cell that was running must be run again.")

@@ -1,0 +1,118 @@
+"""A rank replaced in place (issue 34, item 1), at the runtime's level: a real ``mpiexec.gforker``
+job whose ranks run under the keeper (``engines._keeper``), a real SIGKILL, a real newcomer job."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jupyter_ring.launch import local_mpiexec, mpi_env
+
+MPI_SCRIPTS = os.path.join(os.path.dirname(__file__), "mpi")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(not local_mpiexec().endswith("gforker"), reason="needs MPICH's mpiexec.gforker")
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_killed_rank_is_replaced_and_the_survivors_keep_their_state(n, tmp_path):
+    # the environment a one-host cluster's plan gives ranks that may be replaced (_respawn_layer)
+    env = mpi_env()
+    env.update(PYTHONUNBUFFERED="1", MPIR_CVAR_NO_COLLECTIVE_FINALIZE="1",
+               PYTHONPATH=os.pathsep.join([ROOT, MPI_SCRIPTS]))
+    cmd = [local_mpiexec(), "-exitinfo", "-n", str(n), sys.executable, "-m", "jupyter_ring.engines._keeper",
+           sys.executable, os.path.join(MPI_SCRIPTS, "respawn_world.py"), "1", str(tmp_path / "port")]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"respawn on {n} ranks did not finish in 120 s (a hang)\n{exc.stdout}\n{exc.stderr}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    # every rank of the new world checked its own results: the survivors and the newcomer
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines()
+                  if line.startswith("RANK_OK")) == [str(r) for r in range(n)], out
+    assert "RANK_OK 1 newcomer" in proc.stdout, out
+    assert "jupyter_ring keeper: rank 1 engine" in proc.stderr and "Killed" in proc.stderr, out
+    # the survivors were not ended by gforker (its report names no rank but the killed one)
+    assert "signaled with Quit" not in out and "signaled with Interrupt" not in out, out
+
+
+def test_the_keeper_passes_a_normal_exit_status_through():
+    code = "import sys; sys.exit(3)"
+    proc = subprocess.run([sys.executable, "-m", "jupyter_ring.engines._keeper", sys.executable, "-c", code],
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 3
+
+
+def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_before():
+    from jupyter_ring.cluster._death import describe_death
+
+    rows = [{"rank": 0, "host": "h", "pid": 100, "device": "cpu", "local_rank": 0, "size": 2},
+            {"rank": 1, "host": "h", "pid": 201, "device": "cpu", "local_rank": 1, "size": 2}]
+    # engine 9 was rank 1 before it was replaced by engine 11 (pid 201); then 11 died
+    output = ("[KernelNanny.9] Pipe closed, parent 150 has status: None\n"
+              "jupyter_ring keeper: rank 1 engine 150 signaled with Killed\n"
+              "[KernelNanny.11] Pipe closed, parent 201 has status: None\n"
+              "jupyter_ring keeper: rank 0 engine 201 signaled with Segmentation fault\n")
+    message = describe_death([1], rows, [10, 11], output, fix="Replaced.")
+    assert message == "rank 1 @ h died (signal: Segmentation fault). Replaced."
+    assert "%ring restart" in describe_death([1], rows, [10, 11], output)
+
+
+def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):
+    """The newcomer does not register in time: ClusterError naming the step and %ring restart;
+    no second try; every process of the cluster, the newcomers' job too, gone after stop()."""
+    import signal
+    import time
+
+    import psutil
+
+    from jupyter_ring.cluster import RingCluster
+    from jupyter_ring.errors import ClusterError
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    cluster = RingCluster(n=2, gpus="none")
+    cluster.start()
+    try:
+        assert cluster.can_respawn([1])
+        os.kill(cluster.ranks[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while cluster.dead_ranks() != [1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cluster.dead_ranks() == [1]
+        cluster.engine_timeout = 0.01  # no engine registers that fast
+        with pytest.raises(ClusterError, match=r"did not register in 0.01 s; run %ring restart"):
+            cluster.respawn([1])
+        assert not cluster.can_respawn([1])
+        time.sleep(1.0)  # the newcomers' job is starting meanwhile: stop() must take it too
+        pids = [p.pid for p in cluster.processes()]
+        assert len(cluster.ipp_cluster.engines) == 2  # the first job and the newcomers'
+    finally:
+        cluster.stop()
+    deadline = time.monotonic() + 10
+    left = pids
+    while left and time.monotonic() < deadline:
+        left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert left == [], [psutil.Process(p).cmdline() for p in left if psutil.pid_exists(p)]
+
+
+def test_the_ring_panel_counts_an_engine_not_its_keeper():
+    from jupyter_ring.server._clusters import _is_engine
+
+    engine = [sys.executable, "-m", "ipyparallel.engine", "--mpi"]
+    assert _is_engine(engine)
+    assert not _is_engine([sys.executable, "-m", "jupyter_ring.engines._keeper", *engine])
+
+
+@pytest.mark.parametrize("device,planned,want", [
+    ("cuda:0 (GPU 2)", ("0", "2"), ["2"]),   # the dead rank's own GPU
+    ("cpu", ("0", "1"), ["0", "1"]),          # no GPU of its own: what the plan gave every rank
+    ("cpu", (), []),                           # --gpus none: hidden
+    ("cpu", None, None),                       # no GPU on the machine: left alone
+])
+def test_a_newcomer_binds_the_dead_ranks_gpu(device, planned, want):
+    from jupyter_ring.cluster._respawn import newcomer_gpus
+
+    row = {"rank": 1, "host": "h", "pid": 1, "device": device, "local_rank": 1, "size": 2}
+    assert newcomer_gpus(row, planned) == want
