@@ -83,7 +83,7 @@ def _shoot(page, element, path):
     edge, the buttons' shadow, are not cut)."""
     box = element.bounding_box()
     page.screenshot(path=path, clip={"x": box["x"] - 6, "y": box["y"] - 4,
-                                     "width": box["width"] + 12, "height": box["height"] + 10})
+                                     "width": box["width"] + 12, "height": box["height"] + 6})
 
 
 def _start_ranks(page):
