@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from . import _live
 from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
@@ -41,6 +42,9 @@ _TICK = 0.1
 
 # Seconds an interrupted rank may keep running before the cell shows where every rank is.
 _WHERE_AFTER = 1.0
+
+# Seconds between two looks for a reopened notebook's request for the cell's live view (_live).
+_ATTACH_EVERY = 0.25
 
 # StallError's message names the ranks that never arrived: "... waited 2.0 s for rank(s) [1, 3]"
 _STALL_RANKS = re.compile(r"for rank\(s\) \[([0-9, ]*)\]")
@@ -80,6 +84,7 @@ class CellRun:
         self.lost_noted = False   # ranks that went idle without a reply are named once
         self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
+        self._next_attach_look = 0.0  # when to look for a request for the live view again
 
     def run(self):
         stopping = None
@@ -132,10 +137,14 @@ class CellRun:
         debuggers = self.debuggers = Debuggers(cluster.where_dir, self.ranks,
                                                before_ask=self._show_output)
         debuggers.listen()  # before the requests leave: a breakpoint() on a rank gets a prompt
+        where = cluster.where_dir
+        _live.note_running_cell(where, _parent_request(self.magics.shell),
+                                self.magics._cell_number())
         try:
             with _DeferredInterrupt() as self.interrupts:
                 self._run_cell(cluster, debuggers)
         finally:
+            _live.clear_running_cell(where)
             debuggers.close()
 
     def _run_cell(self, cluster: "RingCluster", debuggers: Debuggers) -> None:
@@ -169,6 +178,7 @@ class CellRun:
                         self.sink.fail(rank)  # live: the tab is marked and selected at once
                 self.sink.flush()
                 self._poll_dashboard()
+                self._serve_attach(now)
                 if debuggers.waiting():
                     # a rank at a breakpoint: the prompt is the user's; the time spent there does
                     # not count towards --timeout
@@ -396,6 +406,21 @@ class CellRun:
                 self.sink.result(rank, result.get("data") or {}, result.get("metadata") or {})
 
     # -------------------------------------------------------------------------- dashboard
+    def _serve_attach(self, now: float) -> None:
+        """A notebook reopened while this cell runs asked (the Ring panel's "Show live view",
+        through the server: see ``_live``) for the cell's live view: show the dashboard and the
+        rank tabs again, as new widgets fed from the same state. The page knows no widget of
+        this cell (the kernel announced them to the page that was closed), and puts whatever
+        this cell shows from now on into its cell."""
+        if now < self._next_attach_look:
+            return
+        self._next_attach_look = now + _ATTACH_EVERY
+        if not _live.take_attach_request(self.cluster.where_dir):
+            return
+        if self.dashboard is not None:
+            self.dashboard.attach()
+        self.sink.attach()
+
     def _poll_dashboard(self):
         ar = self.execution.ar
         if self.dashboard is None:
@@ -587,6 +612,17 @@ class _DeferredInterrupt:
             yield
         finally:
             signal.signal(signal.SIGINT, self._note)
+
+
+def _parent_request(shell: Any) -> dict[str, Any] | None:
+    """The execute request of the running cell (its header and metadata), or None outside a
+    kernel."""
+    kernel = getattr(shell, "kernel", None)
+    try:
+        parent = kernel.get_parent("shell") if kernel is not None else None
+    except Exception:  # an ipykernel without get_parent(channel)
+        parent = getattr(shell, "parent_header", None)
+    return parent if isinstance(parent, dict) else None
 
 
 def _stall_ranks(error):

@@ -41,7 +41,7 @@ class Kernel:
         self.kc.kernel_info(reply=True, timeout=60)
 
     def execute(self, code, timeout=60, interrupt_after=None, messages=None, interrupt_when=None,
-                answer=None):
+                answer=None, during=None):
         """Run ``code``; return (text, error). The text is what a reader of the saved notebook
         sees: streams, execute results and each display's final text/plain (an
         update_display_data replaces the display it names). ``messages`` collects every iopub
@@ -50,7 +50,8 @@ class Kernel:
         ``self.interrupted_at`` (monotonic) and
         ``self.interrupted_wall`` (time.time) note when. ``answer(prompt, text)`` answers the
         kernel's input requests (``input()``; text: the output so far): it returns the line, or
-        None to leave the request unanswered for now (it is asked again)."""
+        None to leave the request unanswered for now (it is asked again). ``during(messages)``
+        is called after each message of the request (what a page does while the cell runs)."""
         # stop_on_error=False: ipykernel 7 aborts (empty reply, no error) a request that reaches
         # the kernel right after a failed one, before it has finished "aborting the queue"; this
         # harness sends one request at a time and never wants one aborted
@@ -87,6 +88,8 @@ class Kernel:
                 continue
             if messages is not None:
                 messages.append(msg)
+            if during is not None:
+                during(messages)
             kind, content = msg["msg_type"], msg["content"]
             display_id = (content.get("transient") or {}).get("display_id")
             if kind == "stream":

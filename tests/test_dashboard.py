@@ -290,20 +290,28 @@ def test_unknown_ranks_get_a_row_and_bad_ranks_are_refused():
 
 
 # ------------------------------------------------------------------------------------- widget
+def _live_rows(dash):
+    """(class, bar width, row HTML) of each row the live widget shows."""
+    return [(cls, width, row) for cls, row, width in re.findall(
+        r'<tr class="([^"]*)" data-rank="\d+">(.*?width:([\d.]+%).*?)</tr>', dash._rows.value)]
+
+
 def test_widget_has_a_row_per_rank_and_marks_the_straggler():
     from jupyter_ring.widgets import Dashboard
 
     dash = Dashboard(ranks=3)
-    assert len(dash._rows.children) == 3
-    assert "waiting for the first report" in dash._rows.children[0].text.value
+    assert dash._rows.value.count('<tr class="jr-rank-row') == 3
+    assert "waiting for the first report" in dash._rows.value
     run_ranks(dash.state, {0: 10.0, 1: 10.0, 2: 3.0}, seconds=8, total=160)
     for rank in range(3):  # an older snapshot: adds its points, changes nothing else
         dash.state.ingest(rank, snap(rank, t=50, history=[(1, 50.0, {"loss": 0.5})]), received=108)
     dash.refresh()
-    rows = dash._rows.children
-    assert [r.bar.value for r in rows] == [0.5, 0.5, 0.15]
-    assert [("jr-straggler" in r._dom_classes) for r in rows] == [False, False, True]
-    assert rows[2].bar.bar_style == "warning" and "straggler" in rows[2].label.value
+    rows = _live_rows(dash)
+    assert [width for _, width, _ in rows] == ["50.0%", "50.0%", "15.0%"]
+    assert [("jr-straggler" in cls) for cls, _, _ in rows] == [False, False, True]
+    assert "rank 2 (straggler)" in rows[2][2]
+    # the live rows are the static view's (the output keeps its look when the cell ends)
+    assert dash._rows.value in dash.to_html()
     assert "jr-series" in dash._chart_linear.value
     version = dash._drawn
     dash.refresh()  # unchanged state: nothing redrawn
@@ -585,9 +593,10 @@ def test_an_interrupted_or_stalled_rank_shows_so_at_its_real_step_never_done():
     page = render_html(state)
     assert 'width:42.5%' in page and 'width:0.0%' in page and page.count('width:100.0%') == 1
     assert page.count("jr-rank-row jr-stopped") == 2
-    rows = Dashboard(state=state)._rows.children
-    assert [r.bar.value for r in rows] == [1.0, 17 / 40, 0.0]
-    assert [r.bar.bar_style for r in rows] == ["success", "danger", "danger"]
+    rows = _live_rows(Dashboard(state=state))
+    assert [width for _, width, _ in rows] == ["100.0%", "42.5%", "0.0%"]
+    assert [cls for cls, _, _ in rows] == ["jr-rank-row", "jr-rank-row jr-stopped",
+                                           "jr-rank-row jr-stopped"]
     assert "rank 1: step 17/40 (42%), interrupted" in state.summary()
     with pytest.raises(ValueError, match="interrupted"):
         DashboardState(1).freeze({0: "crashed"})

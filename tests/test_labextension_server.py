@@ -26,7 +26,8 @@ pytest_plugins = ["pytest_jupyter.jupyter_server"]
 ROUTES = [("GET", ("jupyter-ring", "clusters")),
           ("GET", ("jupyter-ring", "clusters", "1-abcd")),
           ("POST", ("jupyter-ring", "clusters", "1-abcd", "interrupt")),
-          ("POST", ("jupyter-ring", "clusters", "1-abcd", "stop"))]
+          ("POST", ("jupyter-ring", "clusters", "1-abcd", "stop")),
+          ("POST", ("jupyter-ring", "clusters", "1-abcd", "attach"))]
 
 
 @pytest.fixture
@@ -156,6 +157,40 @@ def test_owner_kernel_and_sidecar_devices(cluster):
         assert info["owner"]["kernel_id"] == "kernel-abc"
     finally:
         os.remove(sidecar)
+
+
+async def test_the_running_cell_is_described_and_its_live_view_asked_for(jp_fetch, cluster):
+    """A cell its kernel runs (jupyter_ring._live, as %%distributed records it) is in the
+    cluster's description; POST .../attach leaves the request the cell's loop takes (409 when
+    no cell runs)."""
+    from jupyter_ring import _live
+    from jupyter_ring.cluster._where import where_dir
+
+    c, client = cluster
+    folder = where_dir(c.profile_dir, c.cluster_id)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    try:
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+        assert json.loads(response.body)["cell"] is None
+        with pytest.raises(HTTPClientError) as exc_info:
+            await jp_fetch("jupyter-ring", "clusters", c.cluster_id, "attach", method="POST", body=b"")
+        code, body = _fetch_error(exc_info)
+        assert code == 409 and "no cell is running on this cluster" in body["message"], body
+        parent = {"header": {"msg_id": "req-1"}, "metadata": {"cellId": "cell-7"}}
+        _live.note_running_cell(folder, parent, 12)
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+        cell = json.loads(response.body)["cell"]
+        assert (cell["cell_id"], cell["msg_id"], cell["execution_count"]) == ("cell-7", "req-1", 12)
+        assert cell["kernel_pid"] == os.getpid()
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id, "attach", method="POST",
+                                  body=b"")
+        assert json.loads(response.body)["cell"]["msg_id"] == "req-1"
+        assert _live.take_attach_request(folder) and not _live.take_attach_request(folder)
+        _live.clear_running_cell(folder)
+        response = await jp_fetch("jupyter-ring", "clusters", c.cluster_id)
+        assert json.loads(response.body)["cell"] is None
+    finally:
+        _live.clear_running_cell(folder)
 
 
 async def test_owner_is_named_by_its_notebook_session(jp_fetch, jp_serverapp, cluster):

@@ -25,7 +25,8 @@ from ..cluster._signals import signal_cluster
 from ..errors import ClusterError, ClusterNotFound
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
-           "interrupt_cluster", "where_cluster", "stop_cluster", "kernel_pids", "kernel_sessions"]
+           "interrupt_cluster", "where_cluster", "attach_cluster", "stop_cluster", "kernel_pids",
+           "kernel_sessions"]
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,9 @@ def describe_cluster(path, kernels=None, sessions=None):
         "controller": {"pid": controller_state.get("pid"), "alive": controller_alive},
         "engine_sets": engine_sets,
         "ranks": ranks,
+        # the %%distributed cell its kernel runs (jupyter_ring._live), None between cells: the
+        # Ring panel offers its live view to a notebook reopened meanwhile
+        "cell": _running_cell(profile_dir, cluster_id) if state != "stopped" else None,
         # Filled by the metrics issue: per-cluster summary of ring.progress()/ring.log().
         "metrics": None,
     }
@@ -338,6 +342,30 @@ async def where_cluster(path, timeout=3.0):
 
     # connecting a client and waiting for the dumps block: not on the server's event loop
     return await asyncio.to_thread(collect)
+
+
+def _running_cell(profile_dir, cluster_id):
+    from .._live import running_cell
+    from ..cluster._where import where_dir
+
+    return running_cell(where_dir(profile_dir, cluster_id))
+
+
+async def attach_cluster(path):
+    """Ask the kernel running a cell on this cluster to show the cell's live view again, for a
+    notebook reopened while it runs (``jupyter_ring._live``): the cell's loop sees the request
+    within a fraction of a second, busy or not. ``{"cell": {...}}``; ClusterError when no cell
+    runs."""
+    from .._live import request_attach
+    from ..cluster._where import where_dir
+
+    info = _read_cluster_file(path).get("cluster", {})
+    profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
+    try:
+        cell = request_attach(where_dir(profile_dir, info.get("cluster_id", "")))
+    except LookupError as exc:
+        raise ClusterError(str(exc)) from None
+    return {"cell": cell}
 
 
 async def stop_cluster(path, grace=5.0):

@@ -7,8 +7,9 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from ..errors import ClusterNotFound, JupyterRingError
-from ._clusters import (CLUSTER_ID_RE, describe_cluster, find_cluster_file, interrupt_cluster,
-                        kernel_pids, kernel_sessions, list_clusters, stop_cluster, where_cluster)
+from ._clusters import (CLUSTER_ID_RE, attach_cluster, describe_cluster, find_cluster_file,
+                        interrupt_cluster, kernel_pids, kernel_sessions, list_clusters, stop_cluster,
+                        where_cluster)
 
 __all__ = ["setup_handlers"]
 
@@ -53,7 +54,7 @@ class ClusterHandler(_RingHandler):
 
 
 class ClusterActionHandler(_RingHandler):
-    """``POST /jupyter-ring/clusters/<id>/(interrupt|stop|where)``."""
+    """``POST /jupyter-ring/clusters/<id>/(interrupt|stop|where|attach)``."""
 
     @tornado.web.authenticated
     async def post(self, cluster_id, action):
@@ -63,6 +64,8 @@ class ClusterActionHandler(_RingHandler):
                 result = await interrupt_cluster(path)
             elif action == "where":
                 result = await where_cluster(path)
+            elif action == "attach":
+                result = await attach_cluster(path)
             else:
                 result = await stop_cluster(path)
         except ClusterNotFound as exc:
@@ -79,5 +82,6 @@ def setup_handlers(web_app):
     web_app.add_handlers(".*$", [
         (base, ClustersHandler),
         (url_path_join(base, f"({CLUSTER_ID_RE})"), ClusterHandler),
-        (url_path_join(base, f"({CLUSTER_ID_RE})", "(interrupt|stop|where)"), ClusterActionHandler),
+        (url_path_join(base, f"({CLUSTER_ID_RE})", "(interrupt|stop|where|attach)"),
+         ClusterActionHandler),
     ])

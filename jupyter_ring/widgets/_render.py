@@ -13,7 +13,8 @@ from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format
                      format_value)
 
 __all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_possible", "ChartData",
-           "render_comm", "render_comm_totals", "render_banner", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
+           "render_comm", "render_comm_totals", "render_banner", "render_rows", "render_title",
+           "row_class", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
            "STYLE", "COMM_CAPTION"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
@@ -21,26 +22,34 @@ COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b0
           "#ff9da7", "#9c755f", "#bab0ac"]
 
 STYLE = """<style>
-.jr-dash{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;color:var(--jp-ui-font-color1,#222)}
-.jr-dash table{border-collapse:collapse;margin:2px 0}
-.jr-dash th,.jr-dash td{padding:2px 8px;text-align:right;white-space:nowrap}
+.jr-dash{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;line-height:16px;color:var(--jp-ui-font-color1,#222)}
+.jr-dash.jr-dash,.jr-dash .jupyter-widgets{margin:0}
+.jr-dash .widget-html,.jr-dash .jupyter-widget-html{font-size:inherit}
+.jr-dash .widget-html-content,.jr-dash .jupyter-widget-html-content{line-height:inherit}
+.jr-dash table{border:none;border-collapse:collapse;margin:0;font-size:inherit;table-layout:auto;color:inherit}
+.jr-dash.jr-dash.jr-dash tr:nth-child(n){background:none}
+.jr-dash th,.jr-dash td{padding:2px 8px;text-align:right;white-space:nowrap;line-height:16px;vertical-align:middle;border:none}
 .jr-dash td.jr-wrap{white-space:normal;max-width:360px}
 .jr-dash th{font-weight:600;border-bottom:1px solid var(--jp-border-color1,#ccc)}
 .jr-dash td.jr-l,.jr-dash th.jr-l{text-align:left}
-.jr-bar{display:inline-block;width:160px;height:10px;background:var(--jp-layout-color3,#e5e5e5);border-radius:2px;vertical-align:middle}
-.jr-bar>div{height:100%;background:#4e79a7;border-radius:2px}
+.jr-title{margin:0;padding:0 0 6px 0}
+.jr-bar{display:inline-block;width:200px;height:20px;background:var(--jp-layout-color2,#eee);vertical-align:middle}
+.jr-bar>div{height:100%;background:var(--jp-brand-color1,#1976d2)}
+.jr-nototal .jr-bar>div{background:var(--jp-info-color1,#0097a7)}
 .jr-straggler td{background:rgba(242,142,43,.18)}
-.jr-straggler .jr-bar>div{background:#f28e2b}
-.jr-stopped .jr-bar>div{background:#e15759}
+.jr-straggler .jr-bar>div{background:var(--jp-warn-color1,#f57c00)}
+.jr-stopped .jr-bar>div{background:var(--jp-error-color1,#d32f2f)}
 .jr-banner{background:#fdecea;color:#611a15;border-left:4px solid #e15759;padding:4px 8px;margin:4px 0;white-space:pre-wrap}
 .jr-chart text{font-size:10px;fill:var(--jp-ui-font-color2,#555)}
 .jr-chart .jr-grid{stroke:var(--jp-border-color2,#e0e0e0);stroke-width:0.5}
+.jr-charts>input{display:none}
 .jr-charts .jr-pick-linear:checked~.jr-chart-log,.jr-charts .jr-pick-log:checked~.jr-chart-linear{display:none}
-.jr-charts{margin-top:4px}
-.jr-charts>span{margin:0 4px 0 8px;color:var(--jp-ui-font-color2,#555)}
-.jr-charts>label{margin:0 10px 0 2px}
-.jr-charts>input{margin:0 0 0 4px;vertical-align:-2px}
-.jr-caption{color:var(--jp-ui-font-color2,#555);font-size:11px;line-height:1.35;margin:0 0 4px 8px;max-width:640px;white-space:normal}
+.jr-switch{display:flex;align-items:baseline;margin:4px 0 0 0;line-height:28px;font-size:var(--jp-ui-font-size1,13px)}
+.jr-switch>span{width:48px;flex-shrink:0;text-align:left;white-space:nowrap;color:var(--jp-widgets-label-color,var(--jp-ui-font-color1,#222))}
+.jr-switch>label{display:inline-block;box-sizing:border-box;width:64px;height:28px;margin:0 2px;padding:0 10px;text-align:center;cursor:pointer;white-space:nowrap;color:var(--jp-ui-font-color1,#222);background:var(--jp-layout-color2,#eee)}
+.jr-switch>label:hover{box-shadow:0 2px 2px 0 rgba(0,0,0,.14),0 3px 1px -2px rgba(0,0,0,.2),0 1px 5px 0 rgba(0,0,0,.12)}
+.jr-pick-linear:checked~.jr-switch>.jr-for-linear,.jr-pick-log:checked~.jr-switch>.jr-for-log{background:var(--jp-layout-color3,#bdbdbd);box-shadow:0 4px 5px 0 rgba(0,0,0,.14),0 1px 10px 0 rgba(0,0,0,.12),0 2px 4px -1px rgba(0,0,0,.2)}
+.jr-caption{color:var(--jp-ui-font-color2,#555);font-size:11px;line-height:1.35;margin:0;padding:2px 0 2px 8px;max-width:640px;white-space:normal}
 </style>"""
 
 # What "time in collectives" measures: the comm table's caption and its column's tooltip.
@@ -248,17 +257,23 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
 def render_charts(state, max_points=500, drawn=None):
     """The static chart: at both scales, with a linear | log switch made of two radio buttons and
     CSS alone (no JavaScript, no kernel), set to ``state.chart_scale``; the linear chart alone
-    where a log axis cannot show the values. Without the CSS (a sanitized view) both charts show."""
+    where a log axis cannot show the values. The switch looks like the live dashboard's y-axis
+    buttons (same size, colours and place), so the output does not change when the cell ends.
+    Without the CSS (a sanitized view) both charts show."""
     drawn = drawn or chart_series(state, max_points)
     if not log_possible(drawn):
         return render_chart(state, drawn=drawn, scale="linear")
     scale = drawn.scale
     group = f"jr-scale-{uuid.uuid4().hex[:12]}"  # one switch per output, however many on a page
-    parts = ['<div class="jr-charts"><span>y-axis</span>']
+    parts = ['<div class="jr-charts">']
     for option in ("linear", "log"):
         checked = " checked" if option == scale else ""
         parts.append(f'<input type="radio" class="jr-pick-{option}" name="{group}" '
-                     f'id="{group}-{option}"{checked}><label for="{group}-{option}">{option}</label>')
+                     f'id="{group}-{option}"{checked}>')
+    parts.append('<div class="jr-switch"><span>y-axis</span>')
+    parts += [f'<label class="jr-for-{option}" for="{group}-{option}">{option}</label>'
+              for option in ("linear", "log")]
+    parts.append("</div>")
     for option in ("linear", "log"):
         parts.append(f'<div class="jr-chart-{option}">'
                      f'{render_chart(state, drawn=drawn, scale=option)}</div>')
@@ -349,20 +364,38 @@ def _share_period(state):
             "measured)")
 
 
+def render_title(title):
+    """The dashboard's heading line."""
+    return f'<div class="jr-title"><b>{_e(title)}</b></div>'
+
+
+def row_class(state: DashboardState, rank: int, straggler: bool) -> str:
+    """The classes of one rank's row, which colour its bar: stopped (interrupted, stalled,
+    failed: red), straggler (orange), no total (the bar only fills when done), else plain."""
+    s = state.ranks[rank]
+    cls = "jr-rank-row"
+    if straggler:
+        cls += " jr-straggler"
+    if s.stopped:
+        cls += " jr-stopped"
+    elif s.fraction is None and not s.done:
+        cls += " jr-nototal"
+    return cls
+
+
 def render_rows(state):
-    """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics."""
+    """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics. The
+    live dashboard shows this same table, so a row looks the same before and after the cell
+    ends."""
     stragglers = set(state.stragglers())
     rows = []
     for rank, s in state.ranks.items():
         cells = rank_cells(state, rank)
-        frac = s.bar_fraction
-        cls = "jr-rank-row jr-straggler" if rank in stragglers else "jr-rank-row"
-        if s.stopped:
-            cls += " jr-stopped"
         note = " (straggler)" if rank in stragglers else ""
-        rows.append(f'<tr class="{cls}" data-rank="{rank}"><td class="jr-l">'
-                    f'<span style="color:{color(rank)}">&#9632;</span> rank {rank}{note}</td>'
-                    f'<td class="jr-l"><span class="jr-bar"><div style="width:{100 * frac:.1f}%">'
+        rows.append(f'<tr class="{row_class(state, rank, rank in stragglers)}" data-rank="{rank}">'
+                    f'<td class="jr-l"><span style="color:{color(rank)}">&#9632;</span> '
+                    f'rank {rank}{note}</td>'
+                    f'<td class="jr-l"><span class="jr-bar"><div style="width:{100 * s.bar_fraction:.1f}%">'
                     f'</div></span></td><td>{_e(cells["pct"])}</td><td>{_e(cells["step"])}</td>'
                     f'<td>{_e(cells["rate"])}</td><td>{_e(cells["eta"])}</td>'
                     f'<td class="jr-l">{_e(cells["metrics"])}</td></tr>')
@@ -370,7 +403,8 @@ def render_rows(state):
 
 
 def render_html(state, title="jupyter_ring training"):
-    """The whole dashboard as one self-contained HTML fragment (the static fallback)."""
-    return (f'{STYLE}<div class="jr-dash jr-static"><div><b>{_e(title)}</b></div>'
+    """The whole dashboard as one self-contained HTML fragment (the static fallback): the live
+    dashboard's parts in the same order and look."""
+    return (f'{STYLE}<div class="jr-dash jr-static">{render_title(title)}'
             f"{render_banner(state)}{render_rows(state)}{render_charts(state)}{render_comm(state)}"
             "</div>")

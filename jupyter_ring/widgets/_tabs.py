@@ -172,6 +172,9 @@ class TextSink:
     def select(self, rank):
         pass
 
+    def attach(self):
+        pass  # the text goes out as it comes: a reopened page shows it from now on
+
     def flush(self):
         self._release(time.monotonic())
 
@@ -246,6 +249,7 @@ class RankTabs:
         self.display_id = None
         self.tab = None
         self.outputs = None
+        self._more = []          # (tab, outputs, display_id) shown again for a reopened page
         self._dirty = False
         self._last_push = time.monotonic()  # the cell's start: the first push waits a period
         self._finished = False
@@ -386,31 +390,46 @@ class RankTabs:
         self._last_push = now
         self._dirty = False
         if self.tab is None:
-            self._create()
+            self.tab, self.outputs, self.display_id = self._create()
         panels = [self.all] + [self.panels[r] for r in self.ranks]
-        with self.tab.hold_sync():
-            for out, panel in zip(self.outputs, panels):
-                items = tuple(panel.tail(LIVE_MAX))
-                if items != out.outputs:
-                    out.outputs = items
-            self.tab.titles = tuple(self._titles())
-            self.tab.selected_index = self._index()
+        for tab, outputs, _ in self._views():
+            with tab.hold_sync():
+                for out, panel in zip(outputs, panels):
+                    items = tuple(panel.tail(LIVE_MAX))
+                    if items != out.outputs:
+                        out.outputs = items
+                tab.titles = tuple(self._titles())
+                tab.selected_index = self._index()
+
+    def attach(self):
+        """Show the live tabs again, as new widgets with the same content (a notebook reopened
+        while the cell runs asked for its live view: see ``jupyter_ring._live``); nothing before
+        the tabs are first shown, which then reach the page as they come."""
+        if self.tab is None or self._finished:
+            return
+        self._more.append(self._create())
+        self._changed(force=True)
+        self.flush()
+
+    def _views(self):
+        """Each live display of the tabs: (tab, outputs, display_id)."""
+        return [(self.tab, self.outputs, self.display_id)] + self._more if self.tab else []
 
     def _create(self):
         from IPython.display import display
         from ipywidgets import Layout, Output, Tab
 
-        self.outputs = [Output(layout=Layout(max_height="32em", overflow="auto"))
-                        for _ in range(len(self.ranks) + 1)]
-        self.tab = Tab(children=self.outputs, titles=self._titles(),
-                       selected_index=self._index())
-        self.tab.add_class("jr-rank-tabs")
-        self.display_id = uuid.uuid4().hex
+        outputs = [Output(layout=Layout(max_height="32em", overflow="auto"))
+                   for _ in range(len(self.ranks) + 1)]
+        tab = Tab(children=outputs, titles=self._titles(), selected_index=self._index())
+        tab.add_class("jr-rank-tabs")
+        display_id = uuid.uuid4().hex
         bundle = {"text/plain": f"(output of ranks {rank_ranges(self.ranks)}: shown when the cell "
                                 "ends)",
                   "application/vnd.jupyter.widget-view+json": {
-                      "version_major": 2, "version_minor": 0, "model_id": self.tab.model_id}}
-        display(bundle, raw=True, display_id=self.display_id)
+                      "version_major": 2, "version_minor": 0, "model_id": tab.model_id}}
+        display(bundle, raw=True, display_id=display_id)
+        return tab, outputs, display_id
 
     # ------------------------------------------------------------------------------- finish
     def finish(self):
@@ -429,16 +448,17 @@ class RankTabs:
         if self.tab is None:
             display(bundle, raw=True, metadata=metadata)
             return
-        update_display(bundle, raw=True, metadata=metadata, display_id=self.display_id)
-        try:
-            with self.tab.hold_sync():  # nbclient keeps closed widgets' state: keep it small
-                for out in self.outputs:
-                    out.outputs = ()
-            for out in self.outputs:
-                out.close()
-            self.tab.close()
-        except Exception:  # a closed comm must not turn a finished cell into an error
-            pass
+        for tab, outputs, display_id in self._views():
+            update_display(bundle, raw=True, metadata=metadata, display_id=display_id)
+            try:
+                with tab.hold_sync():  # nbclient keeps closed widgets' state: keep it small
+                    for out in outputs:
+                        out.outputs = ()
+                for out in outputs:
+                    out.close()
+                tab.close()
+            except Exception:  # a closed comm must not turn a finished cell into an error
+                pass
 
     def _has_content(self):
         return bool(self.plain or self.failed

@@ -1,7 +1,9 @@
 """The live training dashboard: a row per rank, a loss chart of all ranks, communication timing.
 
-Plain ipywidgets (progress bars, HTML) and an SVG chart inside an HTML widget: no JavaScript of
-its own, so it shows in JupyterLab 4, Notebook 7 and VS Code without a build step::
+Plain ipywidgets (HTML, y-axis buttons) holding the HTML and SVG of the static view
+(``_render``): no JavaScript of its own, so it shows in JupyterLab 4, Notebook 7 and VS Code
+without a build step; and it looks as its static view does (rows, bars, colours, heights), so
+the output does not move when the cell ends and the widget is replaced by that view::
 
     from jupyter_ring.widgets import Dashboard
 
@@ -18,48 +20,11 @@ without a kernel still shows the dashboard.
 
 import ipywidgets as widgets
 
-from ._render import (STYLE, chart_series, color, log_possible, rank_cells, render_banner,
-                      render_chart, render_comm, render_html)
+from ._render import (STYLE, chart_series, log_possible, render_banner, render_chart, render_comm,
+                      render_html, render_rows, render_title)
 from ._state import DashboardState
 
 __all__ = ["Dashboard", "DashboardState"]
-
-
-class _RankRow(widgets.HBox):
-    """One rank: label, progress bar, step/percent/rate/ETA and latest metrics."""
-
-    def __init__(self, rank):
-        self.rank = rank
-        self.label = widgets.HTML(
-            f'<span style="color:{color(rank)}">&#9632;</span> rank {rank}',
-            layout=widgets.Layout(width="130px"))
-        self.bar = widgets.FloatProgress(value=0.0, min=0.0, max=1.0,
-                                         layout=widgets.Layout(width="200px"))
-        self.text = widgets.HTML("waiting for the first report")
-        super().__init__([self.label, self.bar, self.text])
-        self.add_class("jr-rank-row")
-        self.straggler = False
-
-    def update(self, state: DashboardState, straggler: bool) -> None:
-        s = state.ranks[self.rank]
-        cells = rank_cells(state, self.rank)
-        if s.stopped:
-            self.bar.bar_style = "danger"   # interrupted, stalled, failed: at its real step
-        elif s.fraction is None and not s.done:
-            self.bar.bar_style = "info"
-        else:
-            self.bar.bar_style = "success" if s.done else ("warning" if straggler else "")
-        self.bar.value = s.bar_fraction
-        note = ' <b style="color:#f28e2b">straggler</b>' if straggler else ""
-        self.label.value = (f'<span style="color:{color(self.rank)}">&#9632;</span> '
-                            f'rank {self.rank}{note}')
-        parts = [cells[k] for k in ("pct", "step", "rate", "eta") if cells[k]]
-        if cells["metrics"]:
-            parts.append(cells["metrics"])
-        self.text.value = '<span class="jr-rank-text">' + " &nbsp;·&nbsp; ".join(parts) + "</span>"
-        if straggler != self.straggler:
-            (self.add_class if straggler else self.remove_class)("jr-straggler")
-            self.straggler = straggler
 
 
 class Dashboard(widgets.VBox):
@@ -72,9 +37,11 @@ class Dashboard(widgets.VBox):
     def __init__(self, ranks=(), state=None, title="jupyter_ring training", **kwargs):
         self.state = state if state is not None else DashboardState(ranks)
         self.title = title
-        self._header = widgets.HTML(f"{STYLE}<b>{title}</b>")
+        self._header = widgets.HTML(STYLE + render_title(title))
         self._banner = widgets.HTML("")
-        self._rows = widgets.VBox([])
+        # the rows are the static view's own table (render_rows): bars, colours and heights
+        # stay as they are when the cell ends and the widget becomes that static view
+        self._rows = widgets.HTML("")
         # The chart at both scales, one shown: the buttons switch them in the browser (jslink),
         # because a click reaches the kernel only after the running cell (the shell is busy).
         self._chart_linear = widgets.HTML("")
@@ -91,7 +58,6 @@ class Dashboard(widgets.VBox):
         self._scale_syncing = False
         self._scale.observe(self._scale_picked, names="value")
         self._comm = widgets.HTML("")
-        self._row_of = {}
         self._drawn = None
         self._chart_drawn = None
         self._handle = None
@@ -108,14 +74,7 @@ class Dashboard(widgets.VBox):
         if self._drawn == state.version and (not chart or self._chart_drawn == state.version):
             return
         self._drawn = state.version
-        if list(self._row_of) != list(state.ranks):
-            for rank in state.ranks:
-                if rank not in self._row_of:
-                    self._row_of[rank] = _RankRow(rank)
-            self._rows.children = [self._row_of[r] for r in state.ranks]
-        stragglers = set(state.stragglers())
-        for rank, row in self._row_of.items():
-            row.update(state, rank in stragglers)
+        self._rows.value = render_rows(state)
         self._banner.value = render_banner(state)
         if chart and self._chart_drawn != state.version:
             self._chart_drawn = state.version
@@ -164,7 +123,8 @@ class Dashboard(widgets.VBox):
         """Final state: no more snapshots; a displayed dashboard becomes its static HTML.
         ``outcomes``: how the cell ended on ranks where it did not end well (see
         ``DashboardState.freeze``)."""
-        self.state.freeze(outcomes)
+        if not self.state.frozen:  # another view of the state may have frozen it
+            self.state.freeze(outcomes)
         self.refresh()
         if self._handle is not None:
             self._handle.update(self._static_bundle(), raw=True)

@@ -119,6 +119,7 @@ class LiveDashboard:
         self.received = 0          # snapshots ingested
         self._last_draw = -float("inf")
         self._stale = False        # ingested since the last redraw
+        self.views = [self.dashboard]  # and more, shown again for a reopened page (attach)
 
     def poll(self, ar, force=False):
         """Ingest new snapshots from ``ar``; redraw if due. Returns how many were ingested."""
@@ -143,13 +144,25 @@ class LiveDashboard:
         if chart:
             self._last_chart = now
             cpu = _cpu_time()
-            self.dashboard.refresh(chart=True)
+            for view in self.views:
+                view.refresh(chart=True)
             self._chart_cost = _cpu_time() - cpu
         else:
-            self.dashboard.refresh(chart=False)
+            for view in self.views:
+                view.refresh(chart=False)
         if self.display and not self.shown and self.state.reported_work():
             self.shown = True
             self.dashboard.display()
+
+    def attach(self) -> None:
+        """Show the dashboard again, as a new widget drawn from the same state (a notebook
+        reopened while the cell runs asked for its live view: see ``jupyter_ring._live``);
+        nothing before it is first shown, which then reaches the page as it comes."""
+        if not self.shown or self.state.frozen:
+            return
+        view = Dashboard(state=self.state, title=self.dashboard.title)
+        self.views.append(view)
+        view.display()
 
     def current_chart_interval(self):
         """Least seconds between two redraws of the chart now: ``chart_interval`` if set, else
@@ -174,7 +187,8 @@ class LiveDashboard:
                     pass
             self.poll(ar, force=True)
         self._draw(time.monotonic(), final=True)
-        self.dashboard.freeze(outcomes)
+        for view in self.views:
+            view.freeze(outcomes)
         return self.state
 
     def to_html(self):

@@ -27,8 +27,8 @@ export async function listClusters(): Promise<IClusterInfo[]> {
   return data.clusters;
 }
 
-/** POST an action (interrupt | stop) for one cluster. */
-export async function clusterAction(id: string, action: 'interrupt' | 'stop'): Promise<unknown> {
+/** POST an action (interrupt | stop | attach: the running cell's live view) for one cluster. */
+export async function clusterAction(id: string, action: 'interrupt' | 'stop' | 'attach'): Promise<unknown> {
   return request(`clusters/${encodeURIComponent(id)}/${action}`, { method: 'POST' });
 }
 

@@ -13,6 +13,7 @@ import { Widget } from '@lumino/widgets';
 
 import { clusterAction, whereCluster } from './api';
 import { watchRestarts } from './cutoff';
+import { showLiveView } from './livecell';
 import { changesClusters, IClusterInfo } from './model';
 import { RingPanel } from './panel';
 import { ClusterPoller } from './poller';
@@ -87,6 +88,23 @@ const plugin: JupyterFrontEndPlugin<void> = {
   ) => {
     const poller = new ClusterPoller();
 
+    const showLive = async (cluster: IClusterInfo): Promise<void> => {
+      if (!tracker) {
+        throw new Error('no notebooks in this JupyterLab');
+      }
+      try {
+        await showLiveView(
+          cluster,
+          tracker,
+          async path => (await app.commands.execute('docmanager:open', { path, factory: 'Notebook' })) as any,
+          panel => app.shell.activateById(panel.id)
+        );
+      } catch (err) {
+        void showErrorMessage(`Show live view: ${cluster.id}`, err as Error);
+        throw err;
+      }
+    };
+
     const act = async (cluster: IClusterInfo, action: ClusterAction): Promise<void> => {
       if (action === 'stop') {
         const orphan = cluster.orphaned ? ' Nothing owns it any more.' : ' Its ranks\' variables are lost.';
@@ -103,6 +121,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         await clusterAction(cluster.id, 'interrupt');
       } else if (action === 'where') {
         await showWhere(cluster);
+      } else if (action === 'live') {
+        await showLive(cluster);
       } else {
         try {
           await restartInKernel(app, cluster);

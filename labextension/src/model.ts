@@ -48,8 +48,31 @@ export interface IClusterInfo {
   controller: { pid: number | null; alive: boolean };
   engine_sets: { id: string; n: number; pid: number | null; alive: boolean }[];
   ranks: IRankInfo[];
+  /** The ``%%distributed`` cell the owner kernel runs now (jupyter_ring._live); null between cells. */
+  cell?: IRunningCell | null;
   /** Reserved for the metrics issue (per-cluster summary); null until then. */
   metrics: unknown | null;
+}
+
+/** A running cell, as the server reads it from the cluster's files. */
+export interface IRunningCell {
+  /** The notebook's id of the cell (JupyterLab sends it with the execute request). */
+  cell_id: string | null;
+  /** The execute request's id: the parent of every output the cell makes. */
+  msg_id: string | null;
+  execution_count: number | null;
+  /** When it started (seconds since the epoch). */
+  started: number;
+  kernel_pid: number;
+}
+
+/** "cell [12] running for 3 min 5 s": the panel's line for a running cell. */
+export function runningCellLabel(cell: IRunningCell, now: number = Date.now() / 1000): string {
+  const count = cell.execution_count === null ? '' : ` [${cell.execution_count}]`;
+  const seconds = Math.max(0, Math.round(now - cell.started));
+  const minutes = Math.floor(seconds / 60);
+  const took = minutes ? `${minutes} min ${seconds % 60} s` : `${seconds} s`;
+  return `cell${count} running for ${took}`;
 }
 
 /** One rank's answer in POST /jupyter-ring/clusters/<id>/where (jupyter_ring.cluster._where). */

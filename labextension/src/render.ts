@@ -10,10 +10,11 @@ import {
   ownerDetail,
   ownerLabel,
   ownerTitle,
+  runningCellLabel,
   stateLabel
 } from './model';
 
-export type ClusterAction = 'interrupt' | 'restart' | 'stop' | 'where';
+export type ClusterAction = 'interrupt' | 'restart' | 'stop' | 'where' | 'live';
 
 export interface IRenderOptions {
   onAction: (cluster: IClusterInfo, action: ClusterAction) => void;
@@ -97,6 +98,9 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
     button(cluster, 'stop', 'Stop', 'Stop every rank and the controller', options, live)
   );
   card.appendChild(actions);
+  if (live && cluster.cell) {
+    card.appendChild(renderRunningCell(cluster, options));
+  }
 
   // What a user reads first comes first (rank, state, step): at the sidebar's default width the
   // last column was cut ("226/40"); what does not fit scrolls, nothing is cut off.
@@ -126,6 +130,21 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
   scroll.appendChild(table);
   card.appendChild(scroll);
   return card;
+}
+
+/**
+ * The cell the owner kernel runs, with "Show live view": a notebook closed and reopened while
+ * the cell runs shows its saved output, and this brings the live one back (./livecell).
+ */
+function renderRunningCell(cluster: IClusterInfo, options: IRenderOptions): HTMLElement {
+  const line = el('div', 'jp-RingPanel-cell');
+  line.appendChild(el('span', 'jp-RingPanel-cellLabel', runningCellLabel(cluster.cell!)));
+  line.appendChild(
+    button(cluster, 'live', 'Show live view',
+      'Show this cell\'s live dashboard and rank output in its notebook (after the notebook was closed and reopened)',
+      options, !!cluster.owner.kernel_id)
+  );
+  return line;
 }
 
 /** Replace ``node``'s content with every cluster (or a hint when there is none). */

@@ -1,9 +1,9 @@
 """The live training dashboard in a real JupyterLab driven by a real browser (Playwright + chromium).
 
 A notebook starts 2 ranks and trains a small PyTorch MLP on them. While it trains, the dashboard
-shows one row per rank (ipywidgets progress bars); when the cell ends it becomes its static final
-HTML: both rows at 100 %, a loss chart with one polyline of points per rank, and the allreduce
-figures. The screenshot (docs/img/dashboard.png) is refreshed with
+shows one row per rank (an ipywidgets view); when the cell ends it becomes its static final
+HTML, which looks the same (height, rows, bars, colours, y-axis buttons): both rows at 100 %, a
+loss chart with one polyline of points per rank, and the allreduce figures. The screenshot (docs/img/dashboard.png) is refreshed with
 ``JUPYTER_RING_SCREENSHOTS=docs/img``.
 
 ``test_dashboard_renders_in_jupyterlab`` feeds the dashboard from the notebook itself, the way the
@@ -78,6 +78,14 @@ def _open_notebook(p, lab):
     return browser, page
 
 
+def _shoot(page, element, path):
+    """A screenshot of ``element`` with a few pixels around it (a letter's overhang at its left
+    edge, the buttons' shadow, are not cut)."""
+    box = element.bounding_box()
+    page.screenshot(path=path, clip={"x": box["x"] - 6, "y": box["y"] - 4,
+                                     "width": box["width"] + 12, "height": box["height"] + 6})
+
+
 def _start_ranks(page):
     from playwright.sync_api import expect
 
@@ -123,12 +131,12 @@ def test_dashboard_renders_in_jupyterlab(lab):
         try:
             _start_ranks(page)
             cell = _run_cell(page, 1, FEED)
-            # live: the ipywidgets view, a row per rank with a progress bar that moves
+            # live: the ipywidgets view, a row per rank with a progress bar that moves (the
+            # static view's own rows, in an HTML widget)
             live_rows = cell.locator(".jr-dashboard .jr-rank-row")
             # the first snapshot comes after torch is imported on both ranks: >60 s at load ~17
             expect(live_rows).to_have_count(2, timeout=120_000)
-            expect(live_rows.first.locator(".widget-hprogress, .jupyter-widgets.widget-progress")
-                   ).to_have_count(1)
+            expect(live_rows.first.locator(".jr-bar")).to_have_count(1)
             expect(cell.locator(".jr-dashboard svg.jr-chart:visible")).to_have_count(1,
                                                                           timeout=15_000)
             # final: replaced by its static HTML
@@ -136,21 +144,65 @@ def test_dashboard_renders_in_jupyterlab(lab):
             expect(cell.locator(".jr-dashboard")).to_have_count(0)
             cell.locator(".jr-static").scroll_into_view_if_needed()
             time.sleep(0.5)
-            cell.locator(".jr-static").screenshot(path=SCREENSHOT)
+            _shoot(page, cell.locator(".jr-static"), SCREENSHOT)
         finally:
             browser.close()
     assert not [e for e in errors if "widget" in e.lower() or "jr-" in e], errors
 
 
+# Every 50 ms in the page: the dashboard's size, its parts' places and its bars' and y-axis
+# buttons' computed colours, live (the widget) and frozen (its static HTML), relative to the
+# dashboard's own top left corner.
+LOOKS = """() => {
+  const look = () => {
+    const dash = document.querySelector('.jr-dash');
+    if (!dash) { return null; }
+    const o = dash.getBoundingClientRect();
+    const box = e => { const r = e.getBoundingClientRect();
+      return [Math.round(r.x - o.x), Math.round(r.y - o.y), Math.round(r.width), Math.round(r.height)]; };
+    const shown = sel => Array.from(dash.querySelectorAll(sel)).filter(e => e.getClientRects().length);
+    return {
+      live: dash.classList.contains('jr-dashboard'),
+      height: o.height,
+      rows: shown('.jr-rank-row').map(e => { const [x, y, , h] = box(e); return [x, y, h]; }),  // width: the text's
+      bars: shown('.jr-bar>div, .progress-bar').map(e => getComputedStyle(e).backgroundColor),
+      barBoxes: shown('.jr-bar, .progress').map(e => box(e).slice(2)),
+      buttons: shown('.jr-scale button, .jr-switch>label').map(e => [...box(e),
+        getComputedStyle(e).backgroundColor, getComputedStyle(e).fontSize]),
+      chart: shown('svg.jr-chart').map(box),
+      comm: shown('table.jr-comm').map(e => { const [x, y, , h] = box(e); return [x, y, h]; })
+    };
+  };
+  window.__jrLooks = [];
+  window.__jrLooker = setInterval(() => { const l = look(); if (l) { window.__jrLooks.push(l); } }, 50);
+}"""
+
+
 def test_distributed_shows_the_dashboard(lab):
+    """A plain ``%%distributed`` cell shows the dashboard, and its output does not jump when the
+    cell ends (issue 36's rough edge: blue bars and toggle buttons live, grey bars and radio
+    buttons frozen, taller rows live): the frozen dashboard has the live one's height, rows,
+    bars, bar colour and y-axis buttons, measured in the page before and after the end."""
     with playwright_api.sync_playwright() as p:
         browser, page = _open_notebook(p, lab)
         try:
             _start_ranks(page)
+            page.evaluate(LOOKS)
             cell = _run_cell(page, 1, "%%distributed\n" + TRAIN)
             _check_final_dashboard(cell)
+            time.sleep(0.3)  # a few samples of the frozen view
+            page.evaluate("() => clearInterval(window.__jrLooker)")
+            looks = page.evaluate("() => window.__jrLooks")
         finally:
             browser.close()
+    live = [look for look in looks if look["live"] and len(look["rows"]) == 2 and look["buttons"]]
+    frozen = [look for look in looks if not look["live"]]
+    assert live and frozen, (len(live), len(frozen), looks[-1:])
+    before, after = live[-1], frozen[-1]
+    for key in ("height", "rows", "barBoxes", "buttons", "chart", "comm"):
+        assert before[key] == after[key], (key, before[key], after[key])
+    assert set(before["bars"]) == set(after["bars"]) == {"rgb(25, 118, 210)"}, (before["bars"],
+                                                                               after["bars"])
 
 
 # Lockstep ranks (an allreduce every step): 3 s of setup after announcing the total (as loading
@@ -208,7 +260,7 @@ def test_first_seconds_show_no_false_figure_on_lockstep_ranks(lab):
             # the loss comes to span decades: the chart turns to log by itself...
             expect(scale.locator("button.mod-active")).to_have_text("log", timeout=30_000)
             expect(dash.locator("svg.jr-chart:visible")).to_have_attribute("data-scale", "log")
-            dash.screenshot(path=LIVE_SCREENSHOT)
+            _shoot(page, dash, LIVE_SCREENSHOT)
             # ...and the buttons switch it while the cell runs (the kernel is busy: in the browser)
             scale.locator("button", has_text="linear").click()
             expect(dash.locator("svg.jr-chart:visible")).to_have_attribute("data-scale", "linear",

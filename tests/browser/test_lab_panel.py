@@ -187,6 +187,9 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
             expect(long.locator(".jp-InputPrompt")).to_contain_text("*", timeout=10_000)
             expect(long.locator(".jp-OutputArea-output").first).to_contain_text("sleeping",
                                                                                  timeout=30_000)
+            # the panel shows the running cell, with its live view on offer (docs/lab.md)
+            expect(card.locator(".jp-RingPanel-cell")).to_contain_text(
+                re.compile(r"cell \[2\] running for \d+"), timeout=15_000)
             page.screenshot(path=SCREENSHOT)
 
             # Where? while the cell is busy: every rank's stack, read through the server
