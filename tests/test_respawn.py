@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from bounds import GONE_S
 
 from jupyter_ring.launch import local_mpiexec, mpi_env
 
@@ -76,7 +77,7 @@ def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monk
     try:
         assert cluster.can_respawn([1])
         os.kill(cluster.ranks[1]["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # a precondition, not a promise: room for a loaded host
         while cluster.dead_ranks() != [1] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert cluster.dead_ranks() == [1]
@@ -89,7 +90,7 @@ def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monk
         assert len(cluster.ipp_cluster.engines) == 2  # the first job and the newcomers'
     finally:
         cluster.stop()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + GONE_S
     left = pids
     while left and time.monotonic() < deadline:
         left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
