@@ -42,6 +42,11 @@ class _ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.command: str | None = None  # the subcommand being parsed: its options are the hints
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.command = args[0] if args else None
+        return super().parse_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         hint = self._nearest_option(message)
@@ -53,7 +58,10 @@ class _ArgumentParser(argparse.ArgumentParser):
         parsers: list[argparse.ArgumentParser] = [self]
         for action in self._subparsers._group_actions if self._subparsers is not None else ():
             if isinstance(action.choices, dict):
-                parsers += [p for p in action.choices.values() if isinstance(p, argparse.ArgumentParser)]
+                # the subcommand's own options when it is known (stop --force is no --from of sync)
+                chosen = action.choices.get(self.command) if self.command else None
+                parsers += [chosen] if isinstance(chosen, argparse.ArgumentParser) else [
+                    p for p in action.choices.values() if isinstance(p, argparse.ArgumentParser)]
         known = [o for p in parsers for o in p._option_string_actions if o not in ("-h", "--help")]
         for word in re.findall(r"(?<![\w-])(--?[\w-]+)", message.partition(":")[2]):
             if word in known:
