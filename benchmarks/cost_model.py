@@ -41,6 +41,21 @@ COSTS: dict[str, Callable[[int, int], tuple[float, float, float]]] = {
     "ring": lambda n, m: (1 + 2 * (n - 1), (n - 1) + 2 * (n - 1), 2 * (n - 1) / n * m),
     "mpi": lambda n, m: (2 * _log(n), 2 * _log(n), 2 * (n - 1) / n * m),
 }
+PER_HOST = 8  # ranks a host in the projection's hierarchy (set by --per-host)
+
+
+def _hier(n: int, m: int) -> tuple[float, float, float]:
+    """Ring reduce-scatter and allgather inside a host of L ranks, the slice m/L across hosts by
+    recursive doubling (up to 256 KiB) or a ring."""
+    per = min(PER_HOST, n)
+    hosts = max(1, n // per)
+    local = 2 * (per - 1)
+    cross = COSTS["rd" if m / per <= 256 * KiB else "ring"](hosts, int(m / per)) if hosts > 1 else (1, 0, 0)
+    return (local + cross[0], (n - 1) + local + cross[1] - (hosts - 1),
+            2 * (per - 1) / per * m + cross[2])
+
+
+COSTS["hier"] = _hier
 
 
 def fit(points: list[tuple[str, int, int, float]]) -> np.ndarray:
@@ -76,7 +91,11 @@ def main() -> None:
     parser.add_argument("--ranks", default=",".join(str(1 << k) for k in range(1, 11)))
     parser.add_argument("--alpha-us", type=float, help="a LAN's step latency for the projection (µs)")
     parser.add_argument("--beta-gbps", type=float, help="a LAN's bandwidth for the projection (GB/s)")
+    parser.add_argument("--overhead-us", type=float, help="a message's overhead for the projection (µs)")
+    parser.add_argument("--per-host", type=int, default=8, help="ranks a host in the hierarchy's projection")
     args = parser.parse_args()
+    global PER_HOST
+    PER_HOST = args.per_host
     points = load(args.results)
     coef = fit(points)
     print(f"fitted: α {coef[0] * 1e6:.1f} µs a step, o {coef[1] * 1e6:.1f} µs a message, "
@@ -91,15 +110,18 @@ def main() -> None:
         coef[0] = args.alpha_us * 1e-6
     if args.beta_gbps is not None:
         coef[2] = 1 / (args.beta_gbps * 1e9)
+    if args.overhead_us is not None:
+        coef[1] = args.overhead_us * 1e-6
     print(f"\nprojection with α {coef[0] * 1e6:.1f} µs, o {coef[1] * 1e6:.1f} µs, β {coef[2] * 1e9:.3f} ns/B\n")
-    print("| ranks | " + " | ".join(f"{label} {alg}" for label in ("4 KiB", "1 MiB", "64 MiB")
-                                    for alg in ("eager", "rd", "ring", "mpi")) + " | winners |")
-    print("|---|" + "---|" * 13)
+    algs = ("eager", "rd", "ring", "hier", "mpi")
+    print("| ranks (ms) | " + " | ".join(f"{label} {alg}" for label in ("4 KiB", "1 MiB", "64 MiB") for alg in algs)
+          + " | ours' best |")
+    print("|---|" + "---|" * (3 * len(algs) + 1))
     for n in [int(r) for r in args.ranks.split(",")]:
         cells, winners = [], []
         for m in (4 * KiB, MiB, 64 * MiB):
-            times = {alg: predict(coef, alg, n, m) for alg in ("eager", "rd", "ring", "mpi")}
-            cells += [f"{times[alg] * 1e3:,.2f}" for alg in times]
+            times = {alg: predict(coef, alg, n, m) for alg in algs}
+            cells += [f"{times[alg] * 1e3:,.3g}" for alg in times]
             ours = {a: t for a, t in times.items() if a != "mpi" and (a != "eager" or m <= 64 * KiB)}
             winners.append(min(ours, key=ours.__getitem__))
         print(f"| {n} | " + " | ".join(cells) + " | " + ", ".join(winners) + " |")
