@@ -54,8 +54,17 @@ def _exchange(rt: Runtime, send: Array | None, recv: Array | None, peer: int, ta
         reqs.append(comm.Irecv(_bytes(recv), peer, tag))
     if send is not None:
         reqs.append(comm.Isend(_bytes(send), peer, tag))
-    rt._inflight = list(rt._inflight) + reqs
+    _track(rt, reqs)
     rt._wait(reqs, what, [peer] * len(reqs))
+
+
+def _track(rt: Runtime, reqs: list[MPI.Request]) -> None:
+    """Count ``reqs`` among the collective's requests (an interrupt abandons them at the resync)."""
+    inflight = rt._inflight
+    if isinstance(inflight, list):  # this collective's own (``_start``): grown in place
+        inflight.extend(reqs)
+    else:
+        rt._inflight = [*inflight, *reqs]
 
 
 def _start(rt: Runtime, src: Array, dst: Array, aliased: bool) -> None:
@@ -172,7 +181,7 @@ def _exchange2(rt: Runtime, send: Array, to: int, recv: Array, frm: int, tag: in
     """Send ``send`` to ``to`` and receive ``recv`` from ``frm``, waiting for both (interruptible)."""
     comm = rt.comm
     reqs = [comm.Irecv(_bytes(recv), frm, tag), comm.Isend(_bytes(send), to, tag)]
-    rt._inflight = list(rt._inflight) + reqs
+    _track(rt, reqs)
     rt._wait(reqs, what, [frm, to])
 
 
