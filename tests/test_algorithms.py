@@ -69,3 +69,13 @@ def test_the_failure_contract_holds_inside_the_new_algorithms(mpirun, mode, algo
     ok = sorted(int(line.split()[1]) for line in result.lines("RANK_OK"))
     assert ok == [0, 1, 2], result.stdout[-3000:]
     assert len(result.lines("STALL" if mode == "stall" else "INTERRUPTED")) == (2 if mode == "stall" else 9)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rd", "hier"])
+def test_ranks_that_joined_are_left_out_of_every_algorithm(mpirun, algorithm):
+    """3 ranks out of data at different steps (rt_engine.py join), every allreduce forced onto
+    one algorithm: the ring indexed its blocks by global rank and raised IndexError once a rank
+    had joined (main before issue 33's item 2: reachable on several hosts or with shared memory off)."""
+    result = mpirun("rt_engine.py", 3, "join", env={"JUPYTER_RING_ALLREDUCE": algorithm}, timeout=120)
+    ok = sorted(int(line.split()[1]) for line in result.lines("RANK_OK"))
+    assert ok == [0, 1, 2], result.stdout[-3000:]

@@ -719,11 +719,13 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
     order = rt.ring_order
-    if rt.joined:  # ranks that called join() are left out of the ring
+    block = {q: q for q in order}  # rank -> its block of bounds
+    if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
         order = [q for q in order if q not in rt.joined]
+        block = {q: i for i, q in enumerate(rt.participants)}
     comm, n, r = rt.comm, len(order), order.index(rt.rank)
     left, right = order[(r - 1) % n], order[(r + 1) % n]
-    seg = [(bounds[q], bounds[q + 1]) for q in order]
+    seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
     hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
                             if rt.hosts[left] != rt.hosts[rt.rank] else "")
     step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
