@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 
 from . import _collectives as C
+from ._algorithms import eager_limit
 from ._config import Config
 from ._waits import WaitPolicy
 from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
@@ -498,7 +499,7 @@ def _blocking(tensor, in_place, average, name, op, prescale, postscale, process_
         engine = _proc.engine if process_set is None else _member_engine(process_set)
         lane = None if engine is None else engine.lanes.get((name, in_place))
         if (lane is not None and lane.prepared is not None and lane.fits(tensor, op, average, prescale, postscale)
-                and (not in_place or _flat_ok(tensor.flags, True))):
+                and (not in_place or _flat_ok(tensor.flags, True)) and lane.nbytes <= eager_limit(engine.rt)):
             if name is None:
                 name, explicit = _auto_name("allreduce", None)
             else:
@@ -506,7 +507,7 @@ def _blocking(tensor, in_place, average, name, op, prescale, postscale, process_
             return engine.run_lane(lane, _lane_entry, tensor, in_place, name, explicit)
     engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
     result = engine.run_now(entry)
-    if entry.src.nbytes <= engine.rt.eager_limit and _lane_worthy(tensor, in_place, prescale, postscale):
+    if entry.src.nbytes <= eager_limit(engine.rt) and _lane_worthy(tensor, in_place, prescale, postscale):
         engine.prepare_lane((name, in_place), C.prepare_lane, entry, op, average, prescale, postscale)
     return result
 
@@ -1050,8 +1051,9 @@ def session():
 
 # ------------------------------------------------------------------ trace
 def stats():
-    """Per collective kind: count, bytes, time_s, algbw and busbw (bytes/s) since init/reset."""
-    return _rt().trace.stats()
+    """Per collective kind: count, bytes, time_s, algbw and busbw (bytes/s) since init/reset;
+    allreduces also per algorithm that ran, as ``allreduce[rd]`` (``JUPYTER_RING_ALLREDUCE``)."""
+    return _rt().trace.stats(algorithms=True)
 
 
 def reset_stats():

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, final
 import numpy as np
 import numpy.typing as npt
 
+from . import _algorithms
 from ._core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
 
 from ._errors import RingError
@@ -240,11 +241,12 @@ def allreduce(rt: Runtime, members: Sequence[Member], plan: ReducePlan, name: st
         dst = Flat(outs)
     nbytes = total * dtype.itemsize
     phases: Phases = {}
-    if rt.fits_eager(nbytes):
+    if nbytes <= _algorithms.eager_limit(rt):
         _eager(rt, src, dst, total, plan, name, desc, pending, own, start, phases)
+        algorithm = "eager"
     else:
-        _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single, sources)
-    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), phases)
+        algorithm = _large(rt, src, dst, total, plan, name, desc, pending, own, start, phases, single, sources)
+    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), phases, algorithm)
     return outs
 
 
@@ -261,7 +263,7 @@ def eager_one(rt: Runtime, src: Array, dst: Array | None, plan: ReducePlan, name
     an idle engine): ``allreduce`` + ``_eager`` for a single member, without the fused pass's
     generality. Returns the flat output: ``dst``, or a new array when it is None."""
     nbytes = src.nbytes
-    if nbytes > rt.eager_limit:  # the capacity changed at a resync since the caller looked
+    if nbytes > _algorithms.eager_limit(rt):  # another algorithm, or the capacity changed at a resync
         return allreduce(rt, [Member(src, dst)], plan, name, desc, None, own)[0]
     start = time.perf_counter()
     dtype = plan.dtype
@@ -278,7 +280,7 @@ def eager_one(rt: Runtime, src: Array, dst: Array | None, plan: ReducePlan, name
     me = rt.rank
     _reduce_into(dst, [payload if q == me else rt.peer_payload(q, dtype, total) for q in rt.participants],
                  plan, rt.joined)
-    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
+    rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)}, "eager")
     return dst
 
 
@@ -340,7 +342,8 @@ class Lane:
             terms = [self.payload if q == me else rt.peer_payload(q, dtype, count).reshape(shape)
                      for q in rt.participants]
         _reduce_into(out, terms, plan, rt.joined)
-        rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)})
+        rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)},
+                        "eager")
         return out
 
     def renew(self, rt: Runtime, _result: object) -> None:
@@ -595,8 +598,9 @@ def _joined_zeros(out: Array, plan: ReducePlan) -> None:
 
 def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: ReducePlan, name: str,
            desc: LazyDesc, pending: int | None, own: bytes | None, start: float, phases: Phases, single: bool,
-           sources: list[Source] | None = None) -> None:
-    """Above ``eager_bytes``: shared memory on one host, the pipelined ring otherwise."""
+           sources: list[Source] | None = None) -> str:
+    """Above the eager path: shared memory on one host, else the pipelined ring, recursive
+    doubling or the hierarchy (``_algorithms.algorithm``). Returns the algorithm that ran."""
     # (``single``: src and dst are arrays, else both are Flats, and ``sources`` is None: mypy does
     # not tie the types to the flag, hence the ignores below)
     dtype = plan.dtype
@@ -608,8 +612,8 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     # takes that path only if every rank offered one, so all ranks choose alike. An in-place
     # tensor in registered memory (a gradient bucket) also names its region: when every rank's
     # is, the peers reduce straight out of each other's buffers (no copy in).
-    threshold = rt.config.shm_threshold
-    shm = rt.shm is not None and 0 < threshold < nbytes
+    algorithm = _algorithms.algorithm(rt, nbytes)
+    shm = algorithm == "shm"
     region = rt.shm.locate(src) if shm and src is dst else 0  # type: ignore[union-attr, arg-type]  # shm: slots; in place: an array
     if sources is not None and (not region or plan.scale_pre != 1.0):
         _fill(src, sources)  # type: ignore[arg-type]  # only the registered path reads them where they lie
@@ -629,6 +633,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         _fill(src, sources)  # type: ignore[arg-type]
         sources = None
     if len(rt.participants) == 1 or total == 0:
+        algorithm = "local"
         if single:
             if src is not dst:
                 np.copyto(dst, src)  # type: ignore[arg-type]
@@ -645,6 +650,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
             if rt.joined:
                 _joined_zeros(out, plan)
     elif offer and all(peers[p].aux for p in peers):
+        algorithm = "shm"
         if registered:
             _registered(rt, src, plan, offer, peers, name, phases, sources)  # type: ignore[arg-type]
         else:
@@ -653,21 +659,32 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
             _shared(rt, src, dst, plan, offer, {p: peers[p].aux for p in peers}, name, phases, aliased,
                     prescaled)
     else:
+        if algorithm not in _algorithms.BODIES:  # (shm that a peer could not offer: the ring)
+            algorithm = "ring"
         if type(src) is Flat or not prescaled:
             staged = np.empty(total, dtype)
             _read(src, 0, total, staged)
             if not prescaled:
                 np.multiply(staged, dtype.type(plan.scale_pre), out=staged)
-            _ring(rt, staged, staged, plan.fn, plan.scale_post, plan.divisor, _even_bounds(total, len(rt.participants)),
-                  name, phases)
+            _p2p(rt, algorithm, staged, staged, plan, total, name, phases, False)
             if rt.joined:
                 _joined_zeros(staged, plan)
             _write(dst, 0, total, staged)
         else:
-            _ring(rt, src, dst, plan.fn, plan.scale_post, plan.divisor,  # type: ignore[arg-type]
-                  _even_bounds(total, len(rt.participants)), name, phases, aliased=aliased)
+            _p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased)  # type: ignore[arg-type]
             if rt.joined:
                 _joined_zeros(dst, plan)  # type: ignore[arg-type]
+    return algorithm
+
+
+def _p2p(rt: Runtime, algorithm: str, src: Array, dst: Array, plan: ReducePlan, total: int, name: str,
+         phases: Phases, aliased: bool) -> None:
+    """The allreduce's data over messages: the pipelined ring, or a body of ``_algorithms``."""
+    if algorithm == "ring":
+        _ring(rt, src, dst, plan.fn, plan.scale_post, plan.divisor, _even_bounds(total, len(rt.participants)),
+              name, phases, aliased=aliased)
+    else:
+        _algorithms.BODIES[algorithm](rt, src, dst, plan.fn, plan.scale_post, plan.divisor, name, phases, aliased)
 
 
 
@@ -704,11 +721,13 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
     order = rt.ring_order
-    if rt.joined:  # ranks that called join() are left out of the ring
+    block = {q: q for q in order}  # rank -> its block of bounds
+    if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
         order = [q for q in order if q not in rt.joined]
+        block = {q: i for i, q in enumerate(rt.participants)}
     comm, n, r = rt.comm, len(order), order.index(rt.rank)
     left, right = order[(r - 1) % n], order[(r + 1) % n]
-    seg = [(bounds[q], bounds[q + 1]) for q in order]
+    seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
     hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
                             if rt.hosts[left] != rt.hosts[rt.rank] else "")
     step_elems = max(1, rt.config.chunk_bytes // src.itemsize)

@@ -4,6 +4,7 @@ import dataclasses
 import os
 from typing import Any, cast
 
+from ._algorithm_choice import ALGORITHMS
 from ._waits import WAIT_MODES
 
 __all__ = ["Config"]
@@ -50,7 +51,8 @@ class Config:
     """Payloads up to this size travel inside the agreement message (one round trip in all)."""
     shm_threshold: int = 64 * 1024
     """Allreduces of more than this many bytes go through shared memory instead of the ring when
-    every rank is on one host; 0 (or ``off`` in the environment) always uses the ring."""
+    every rank is on one host; 0 (or ``off`` in the environment) never uses shared memory (the
+    algorithms over messages run: see ``allreduce``)."""
     shm_window_bytes: int = 1 * MiB
     """Cap of each rank's shared-memory slot (allocated lazily, grown up to this): allreduces go
     through it in pieces of half of it (registered memory: pieces of this size). Smaller pieces
@@ -63,6 +65,11 @@ class Config:
     """How a waiting rank uses its core: ``spin`` polls back to back at first (a core per rank),
     ``yield`` gives the core to any other runnable process between polls (ranks outnumber cores),
     ``auto`` picks ``yield`` where this host runs more ranks than the process may use cores."""
+    allreduce: str = "auto"
+    """Which allreduce algorithm runs: ``auto`` picks by size and world (eager payloads, recursive
+    doubling, the ring, shared memory, the hierarchy of hosts; thresholds in
+    ``runtime/_algorithm_choice.py``); ``eager``, ``rd``, ``ring``, ``shm`` or ``hier`` forces one
+    where it applies. The same on every rank."""
     finalize_timeout: float = 10.0
     """Seconds a rank may spend in MPI_Finalize at exit before it is ended (SIGALRM): a rank
     whose launcher or peers are unreachable (a host cut off) would otherwise wait there forever;
@@ -98,5 +105,8 @@ class Config:
             raise ValueError("eager_bytes, fusion_threshold and shm_threshold must be >= 0")
         if self.wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {', '.join(WAIT_MODES)} (JUPYTER_RING_WAIT), got {self.wait!r}")
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"allreduce must be one of {', '.join(ALGORITHMS)} (JUPYTER_RING_ALLREDUCE), "
+                             f"got {self.allreduce!r}")
         if self.shm_window_bytes < 1 << 16:
             raise ValueError(f"shm_window_bytes must be at least 65536, got {self.shm_window_bytes}")

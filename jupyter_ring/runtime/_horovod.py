@@ -137,7 +137,7 @@ def stop_timeline():
     events.append({"name": "process_name", "ph": "M", "pid": 0,
                    "args": {"name": "jupyter_ring", "start_time_since_epoch_in_micros": int(start_us)}})
     for rank, rank_records in gathered:
-        for kind, name, nbytes, start, end, phases in rank_records:
+        for kind, name, nbytes, start, end, phases, _algorithm in rank_records:
             row = f"{kind}.{name}"
             pid = rows.get(row)
             if pid is None:

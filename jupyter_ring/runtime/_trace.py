@@ -8,8 +8,8 @@ from typing import TypedDict
 __all__ = ["Trace", "busbw_factor"]
 
 
-# kind, name, bytes, start, end (perf_counter seconds), phases: name -> (start, end)
-_Record = tuple[str, str, int, float, float, dict[str, tuple[float, float]]]
+# kind, name, bytes, start, end (perf_counter seconds), phases: name -> (start, end), algorithm ("": none)
+_Record = tuple[str, str, int, float, float, dict[str, tuple[float, float]], str]
 
 
 class RecentRecord(TypedDict):
@@ -21,6 +21,7 @@ class RecentRecord(TypedDict):
     start: float
     end: float
     phases: dict[str, list[float]]   # phase name -> [start, end]
+    algorithm: str                   # the allreduce algorithm that ran ("eager", "rd", "ring", ...), or ""
 
 
 class _ChromeEventFields(TypedDict):
@@ -58,6 +59,7 @@ class Trace:
         self.size = size
         self.records: collections.deque[_Record] = collections.deque(maxlen=max(1, int(maxlen)))
         self.totals: dict[str, list[float]] = {}  # kind -> [count, bytes, seconds]
+        self.by_algorithm: dict[str, list[float]] = {}  # "allreduce[rd]" -> [count, bytes, seconds]
         # records come from the caller's thread, the engine's and, for torch.distributed's
         # asynchronous collectives, the thread that completes them (runtime._torch_comm)
         self._lock = threading.Lock()
@@ -65,25 +67,33 @@ class Trace:
         self.anchor = time.time() - time.perf_counter()
 
     def record(self, kind: str, name: str, nbytes: int, start: float, end: float,
-               phases: dict[str, tuple[float, float]]) -> None:
-        """Store one finished collective; ``phases`` maps phase name to (start, end). Any thread."""
+               phases: dict[str, tuple[float, float]], algorithm: str = "") -> None:
+        """Store one finished collective; ``phases`` maps phase name to (start, end); ``algorithm``
+        names the allreduce algorithm that ran (counted apart too). Any thread."""
         with self._lock:
-            self.records.append((kind, name, nbytes, start, end, phases))
-            total = self.totals.get(kind)
-            if total is None:
-                total = self.totals[kind] = [0, 0, 0.0]
-            total[0] += 1
-            total[1] += nbytes
-            total[2] += end - start
+            self.records.append((kind, name, nbytes, start, end, phases, algorithm))
+            for totals, key in ((self.totals, kind), (self.by_algorithm, f"{kind}[{algorithm}]")):
+                total = totals.get(key)
+                if total is None:
+                    total = totals[key] = [0, 0, 0.0]
+                total[0] += 1
+                total[1] += nbytes
+                total[2] += end - start
+                if not algorithm:
+                    break
 
-    def stats(self) -> dict[str, dict[str, float]]:
-        """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions)."""
+    def stats(self, algorithms: bool = False) -> dict[str, dict[str, float]]:
+        """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions);
+        with ``algorithms`` also per kind and algorithm, as ``allreduce[rd]``."""
         out: dict[str, dict[str, float]] = {}
         with self._lock:
             totals = sorted((kind, tuple(total)) for kind, total in self.totals.items())
-        for kind, (count, nbytes, seconds) in totals:
+            if algorithms:
+                totals += sorted((key, tuple(total)) for key, total in self.by_algorithm.items())
+        for key, (count, nbytes, seconds) in totals:
+            kind = key.split("[")[0]
             algbw = nbytes / seconds if seconds > 0 else 0.0
-            out[kind] = {
+            out[key] = {
                 "count": count,
                 "bytes": nbytes,
                 "time_s": seconds,
@@ -99,14 +109,15 @@ class Trace:
         anchor = self.anchor
         return [{"kind": kind, "name": name, "bytes": nbytes, "start": anchor + start,
                  "end": anchor + end,
-                 "phases": {p: [anchor + a, anchor + b] for p, (a, b) in phases.items()}}
-                for kind, name, nbytes, start, end, phases in list(self.records)
+                 "phases": {p: [anchor + a, anchor + b] for p, (a, b) in phases.items()}, "algorithm": algorithm}
+                for kind, name, nbytes, start, end, phases, algorithm in list(self.records)
                 if now - end <= seconds]
 
     def reset(self) -> None:
         with self._lock:
             self.records.clear()
             self.totals.clear()
+            self.by_algorithm.clear()
 
     def chrome_events(self) -> list[ChromeEvent]:
         """This rank's records as Chrome-trace events (pid = rank, one track per rank)."""
@@ -114,11 +125,11 @@ class Trace:
             {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0, "args": {"sort_index": self.rank}},
         ]
-        for kind, name, nbytes, start, end, phases in self.records:
+        for kind, name, nbytes, start, end, phases, algorithm in self.records:
             events.append({
                 "name": f"{kind} {name}", "cat": kind, "ph": "X", "pid": self.rank, "tid": 0,
                 "ts": (self.anchor + start) * 1e6, "dur": max(0.0, end - start) * 1e6,
-                "args": {"bytes": nbytes},
+                "args": {"bytes": nbytes, "algorithm": algorithm} if algorithm else {"bytes": nbytes},
             })
             for phase, (p_start, p_end) in phases.items():
                 events.append({

@@ -197,6 +197,8 @@ elif mode == "interrupt":
         got = gather()
         assert np.array_equal(got, np.repeat(np.arange(n), np.arange(1, n + 1))[:, None].repeat(2, 1)), got
     for key in (("w.lane", False), ("allgather", "w.glane")):
+        if key[0] == "w.lane" and ring.config().allreduce not in ("auto", "eager"):
+            continue  # (JUPYTER_RING_ALLREDUCE forces another algorithm: allreduces run no lane)
         lane = _api._proc.engine.lanes[key]
         assert lane.prepared.wiring == _api._proc.rt.wiring, f"lane {key} was not prepared anew after the resync"
     expect_correct("after an interrupt inside a lane", seed=5)

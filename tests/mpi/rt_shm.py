@@ -38,10 +38,10 @@ failures = []
 
 
 def last_algorithm():
-    phases = rt.trace.records[-1][5]
-    if any(p.startswith("shm-reduce") for p in phases):
-        return "shm"
-    return "ring" if any(p.startswith("reduce_scatter") for p in phases) else "other"
+    """``shm``; ``ring`` for the algorithms over messages (the ring, or recursive doubling up to
+    its size: ``_algorithm_choice``); else ``other``, as the trace records it."""
+    algorithm = rt.trace.records[-1][6]
+    return algorithm if algorithm == "shm" else "ring" if algorithm in ("ring", "rd") else "other"
 
 
 def inputs(seed, length, dtype, op):

@@ -417,3 +417,20 @@ def test_panel_interrupt_pressed_twice_on_a_hydra_cluster(hosts, kernel):
     assert sorted(topology(out)) == [0, 1, 2, 3], out
     kernel.ok("%ring stop", timeout=60)
 
+
+
+@pytest.mark.parametrize("placement", ["hostfile", "round-robin"])
+def test_every_allreduce_algorithm_is_exact_across_two_hosts(hosts, placement):
+    """Issue 33, item 2: 4 ranks, 2 a host, placed by the hostfile (0, 1 on a) or round robin
+    (``-hosts a,b``: 0, 2 on a); every rank asserts its exact results for auto, rd, ring and hier,
+    and that the hierarchy's step across hosts went over the network (tests/mpi/rt_algorithms.py)."""
+    a, b = hosts.hosts
+    place = ["-f", hosts.hostfile] if placement == "hostfile" else ["-hosts", f"{a['name']},{b['name']}"]
+    root = os.path.dirname(os.path.dirname(HERE))
+    env = dict(host_env(hosts), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    script = os.path.join(os.path.dirname(HERE), "mpi", "rt_algorithms.py")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    proc = subprocess.run(hosts.cmd(0, [mpiexec, *place, "-n", "4", sys.executable, script, "auto,rd,ring,hier"]),
+                          env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    ok = sorted(int(rank) for rank in re.findall(r"RANK_OK (\d+)", proc.stdout))  # (ranks' lines may interleave)
+    assert proc.returncode == 0 and ok == [0, 1, 2, 3], proc.stdout[-3000:] + proc.stderr[-3000:]

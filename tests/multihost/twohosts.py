@@ -88,18 +88,26 @@ class TwoHosts:
         return self
 
     def _build(self):
-        a, b = self.hosts
+        names = "".join(f"{h['ip']} {h['name']}\n" for h in self.hosts)
         for h in self.hosts:
             _run("ip", "netns", "add", h["ns"])
             os.makedirs(f"/etc/netns/{h['ns']}", exist_ok=True)
             with open(f"/etc/netns/{h['ns']}/hosts", "w") as f:
-                f.write(f"127.0.0.1 localhost\n{a['ip']} {a['name']}\n{b['ip']} {b['name']}\n")
-        _run("ip", "link", "add", self.veth[0], "netns", a["ns"], "type", "veth",
-             "peer", "name", self.veth[1], "netns", b["ns"])
+                f.write(f"127.0.0.1 localhost\n{names}")
+        self._link()
         for h, dev in zip(self.hosts, self.veth):
             _run("ip", "-n", h["ns"], "addr", "add", f"{h['ip']}/24", "dev", dev)
             _run("ip", "-n", h["ns"], "link", "set", dev, "up")
             _run("ip", "-n", h["ns"], "link", "set", "lo", "up")
+        self._build_ssh()
+
+    def _link(self):
+        """The network between the hosts: here one veth pair from a to b."""
+        a, b = self.hosts
+        _run("ip", "link", "add", self.veth[0], "netns", a["ns"], "type", "veth",
+             "peer", "name", self.veth[1], "netns", b["ns"])
+
+    def _build_ssh(self):
         key = os.path.join(self.dir, "id_ed25519")
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
         hostkey = os.path.join(self.dir, "host_ed25519")
