@@ -12,13 +12,13 @@ import weakref
 
 import numpy as np
 
-from . import _collectives as C
-from ._config import Config
-from ._waits import WaitPolicy
-from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
-from ._errors import NotInitializedError, RingError
-from ._progress import Call, Engine, Reduce
-from ._report import reporter
+from ._engine import collectives as C
+from ._engine.config import Config
+from ._engine.waits import WaitPolicy
+from ._engine.core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
+from ._engine.errors import NotInitializedError, RingError
+from ._engine.progress import Call, Engine, Reduce
+from ._observe.report import reporter
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",

@@ -15,7 +15,7 @@ __all__ = ["SyncBatchNorm"]
 
 
 def _ring_sum(tensor, name):
-    from . import torch as hvd  # the adapter imports this module: import it lazily
+    from .. import torch as hvd  # the adapter imports this module: import it lazily
 
     return hvd.allreduce(tensor, op=hvd.Sum, name=name)
 
@@ -90,7 +90,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input):
         """Normalise ``input`` with statistics over every rank's batch (training) or the running ones."""
         self._check_input_dim(input)
-        from .. import runtime as ring
+        from ... import runtime as ring
 
         if not (self.training or not self.track_running_stats) or ring.size() == 1:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,

@@ -3,14 +3,14 @@
 
 import tensorflow as tf
 
-from . import _elastic
-from ._elastic import ObjectState, State
+from .._horovod import elastic as _elastic
+from .._horovod.elastic import ObjectState, State
 
 __all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState", "run"]
 
 
 def _hvd():
-    from . import tensorflow as hvd
+    from .. import tensorflow as hvd
 
     return hvd
 
@@ -93,7 +93,7 @@ class TensorFlowKerasState(_VariablesState):
 
     def _vars(self):
         optimizer = self.optimizer
-        from .tensorflow import _optimizer_variables
+        from ..tensorflow import _optimizer_variables
 
         return list(self.model.variables) + (_optimizer_variables(optimizer) if optimizer is not None else [])
 

@@ -11,8 +11,8 @@ adapters' ``elastic`` modules.
 
 import functools
 
-from . import _api
-from ._horovod import HorovodInternalError
+from .. import _api
+from .basics import HorovodInternalError
 
 __all__ = ["State", "ObjectState", "run_fn", "RESET_LIMIT"]
 

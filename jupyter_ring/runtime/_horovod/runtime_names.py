@@ -5,9 +5,9 @@ calls, the reduce ops, ``barrier``, the object collectives, process sets and the
 from here with ``from ._common import *`` and add their own tensor collectives.
 """
 
-from .. import runtime as _ring
-from ._core import Adasum, Average, Max, Min, Product, Sum
-from ._errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
+from ... import runtime as _ring
+from .._engine.core import Adasum, Average, Max, Min, Product, Sum
+from .._engine.errors import CollectiveMismatchError, NotInitializedError, RingError, StallError
 
 init = _ring.init
 shutdown = _ring.shutdown

@@ -17,8 +17,8 @@ import dataclasses
 
 import tensorflow as tf
 
-from . import tensorflow as _tf
-from ._common import Adasum, Average, global_process_set
+from .. import tensorflow as _tf
+from .._horovod.runtime_names import Adasum, Average, global_process_set
 
 keras = tf.keras  # tf_keras: this module is imported only when tf.keras is Keras 2
 

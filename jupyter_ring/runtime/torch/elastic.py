@@ -2,8 +2,8 @@
 
 import copy
 
-from . import _elastic
-from ._elastic import ObjectState, State
+from .._horovod import elastic as _elastic
+from .._horovod.elastic import ObjectState, State
 
 __all__ = ["State", "ObjectState", "TorchState", "run"]
 
@@ -23,7 +23,7 @@ class _ModelHandler:
         self.value.load_state_dict(self.saved)
 
     def sync(self):
-        from . import torch as hvd
+        from .. import torch as hvd
 
         hvd.broadcast_parameters(self.value.state_dict(), root_rank=0)
         self.save()  # restore() before any commit comes back to the synced values
@@ -33,7 +33,7 @@ class _OptimizerHandler(_ModelHandler):
     """A torch optimizer's state_dict, broadcast with broadcast_optimizer_state."""
 
     def sync(self):
-        from . import torch as hvd
+        from .. import torch as hvd
 
         hvd.broadcast_optimizer_state(self.value, root_rank=0)
         self.save()
@@ -45,7 +45,7 @@ class TorchState(ObjectState):
     broadcasts rank 0's (Horovod's TorchState)."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        from . import torch as hvd
+        from .. import torch as hvd
 
         handlers = {}
         for name, value in (("model", model), ("optimizer", optimizer)):

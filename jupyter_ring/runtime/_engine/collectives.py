@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, final
 import numpy as np
 import numpy.typing as npt
 
-from ._core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
+from .core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
 
-from ._errors import RingError
+from .errors import RingError
 
 if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: the runtime does that itself
-    from ._shm import SharedSlots
+    from .shm import SharedSlots
     from mpi4py import MPI
 
-    from ._progress import Reduce
+    from .progress import Reduce
 
 __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",

@@ -26,7 +26,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from ._report import reporter
+from .._observe.report import reporter
 
 __all__ = ["install_counting", "count_ddp", "COUNTED"]
 

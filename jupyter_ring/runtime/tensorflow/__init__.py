@@ -44,18 +44,18 @@ import zlib
 import keras
 import numpy as np
 
-from .. import runtime as _ring
-from . import _api
-from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
-from ._common import __all__ as _COMMON
-from ._core import Abandoned
-from ._errors import PeerError
-from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
-from ._horovod import __all__ as _HOROVOD
-from ._horovod import adasum_combine, reduce_plan
-from ._horovod import init as _init
-from ._progress import feeding as _feeding
-from . import _elastic_tf as elastic  # Horovod's elastic API for a fixed world
+from ... import runtime as _ring
+from .. import _api
+from .._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from .._horovod.runtime_names import __all__ as _COMMON
+from .._engine.core import Abandoned
+from .._engine.errors import PeerError
+from .._horovod.basics import *  # noqa: F403 - capability functions, process sets, timeline, join
+from .._horovod.basics import __all__ as _HOROVOD
+from .._horovod.basics import adasum_combine, reduce_plan
+from .._horovod.basics import init as _init
+from .._engine.progress import feeding as _feeding
+from . import elastic  # Horovod's elastic API for a fixed world
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "NoneCompressor", "FP16Compressor", "allreduce",
@@ -1340,7 +1340,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
                                      gradient_predivide_factor, backward_passes_per_step, process_set)
-    from . import keras as _keras
+    from .. import keras as _keras
 
     return _keras.DistributedOptimizer(optimizer, name=name, compression=compression, op=op,
                                        gradient_predivide_factor=gradient_predivide_factor,

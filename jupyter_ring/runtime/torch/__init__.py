@@ -14,7 +14,7 @@
 CPU tensors reach the ring runtime as numpy arrays: a contiguous CPU tensor is shared without a
 copy (``tensor.numpy()``); bfloat16 travels as float32 (numpy has no bfloat16); non-contiguous
 tensors are copied. CUDA tensors are never staged through host memory: allreduce, broadcast and
-allgather on the global process set go to the device transport (:mod:`jupyter_ring.runtime._device`:
+allgather on the global process set go to the device transport (:mod:`jupyter_ring.runtime._device.transport`:
 NCCL through torch.distributed, agreed over the ring first, completion polled); alltoall,
 reducescatter, Adasum, smaller process sets, integer tensors scaled as Horovod scales them and
 dtype/op pairs NCCL lacks are staged. ``JUPYTER_RING_DEVICE_TRANSPORT=gloo`` sends CPU tensors
@@ -33,16 +33,18 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
-from .. import runtime as _ring
-from . import _api, _device, _report  # _api: epoch, op; _device: CUDA tensors; _report: steps
-from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
-from ._common import __all__ as _COMMON
-from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
-from ._horovod import __all__ as _HOROVOD
-from . import _elastic_torch as elastic  # Horovod's elastic API for a fixed world
-from ._horovod import adasum_combine
-from ._pool import Lender
-from ._torch_sync_bn import SyncBatchNorm
+from ... import runtime as _ring
+from .. import _api  # _api: epoch, op; _device: CUDA tensors; _report: steps
+from .._device import transport as _device
+from .._observe import report as _report
+from .._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from .._horovod.runtime_names import __all__ as _COMMON
+from .._horovod.basics import *  # noqa: F403 - capability functions, process sets, timeline, join
+from .._horovod.basics import __all__ as _HOROVOD
+from . import elastic  # Horovod's elastic API for a fixed world
+from .._horovod.basics import adasum_combine
+from .._engine.pool import Lender
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "NoneCompressor", "FP16Compressor", "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from ._trace import busbw_factor
+from .trace import busbw_factor
 
 __all__ = ["Reporter", "progress", "log", "track", "set_publisher", "flush"]
 

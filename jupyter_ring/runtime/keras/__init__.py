@@ -31,15 +31,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import numpy as np
 
-from . import _report
-from . import tensorflow as _tf_adapter
-from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
-from ._common import __all__ as _COMMON
-from ._horovod import *  # noqa: F403 - capability functions, process sets, timeline, join
-from ._horovod import __all__ as _HOROVOD
-from . import _elastic_keras as elastic  # Horovod's elastic API for a fixed world
-from .tensorflow import LEGACY_KERAS, Compression, broadcast_variables, init
-from .tensorflow import _K  # tf.keras: Keras 3 (the keras package), or Keras 2 (tf_keras)
+from .._observe import report as _report
+from .. import tensorflow as _tf_adapter
+from .._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from .._horovod.runtime_names import __all__ as _COMMON
+from .._horovod.basics import *  # noqa: F403 - capability functions, process sets, timeline, join
+from .._horovod.basics import __all__ as _HOROVOD
+from . import elastic  # Horovod's elastic API for a fixed world
+from ..tensorflow import LEGACY_KERAS, Compression, broadcast_variables, init
+from ..tensorflow import _K  # tf.keras: Keras 3 (the keras package), or Keras 2 (tf_keras)
 
 __all__ = [
     *_COMMON, *(name for name in _HOROVOD if name not in _COMMON), "elastic", "Compression", "allreduce", "allgather",
@@ -281,7 +281,7 @@ class MetricAverageCallback(_K.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
-        from .. import runtime as ring
+        from ... import runtime as ring
 
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(float(v), float))
         values = np.array([float(logs[k]) for k in keys], np.float64)

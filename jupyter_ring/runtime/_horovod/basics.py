@@ -12,10 +12,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .. import runtime as _ring
-from . import _api
-from ._core import Average, Sum
-from ._errors import RingError
+from ... import runtime as _ring
+from .. import _api
+from .._engine.core import Average, Sum
+from .._engine.errors import RingError
 
 __all__ = [
     "init", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",

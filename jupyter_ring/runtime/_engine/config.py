@@ -4,7 +4,7 @@ import dataclasses
 import os
 from typing import Any, cast
 
-from ._waits import WAIT_MODES
+from .waits import WAIT_MODES
 
 __all__ = ["Config"]
 

@@ -44,11 +44,11 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, final
 
 import numpy as np
 
-from . import _collectives as C
-from ._core import Abandoned, Disagree, Prepared, Recut, Restart, Runtime
-from ._debugger import hold
-from ._errors import RingError, StallError
-from ._report import reporter
+from . import collectives as C
+from .core import Abandoned, Disagree, Prepared, Recut, Restart, Runtime
+from .._observe.debugger import hold
+from .errors import RingError, StallError
+from .._observe.report import reporter
 
 __all__ = ["Engine", "Reduce", "Call", "Offer", "Verdict", "settle_by_name", "feeding"]
 

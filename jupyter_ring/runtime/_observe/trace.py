@@ -59,7 +59,7 @@ class Trace:
         self.records: collections.deque[_Record] = collections.deque(maxlen=max(1, int(maxlen)))
         self.totals: dict[str, list[float]] = {}  # kind -> [count, bytes, seconds]
         # records come from the caller's thread, the engine's and, for torch.distributed's
-        # asynchronous collectives, the thread that completes them (runtime._torch_comm)
+        # asynchronous collectives, the thread that completes them (runtime._device.torch_comm)
         self._lock = threading.Lock()
         # perf_counter() is monotonic but has no epoch: keep one anchor to place records in time.
         self.anchor = time.time() - time.perf_counter()

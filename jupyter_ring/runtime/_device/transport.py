@@ -49,13 +49,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import runtime as _ring
-from . import _process_groups as PG
-from . import _waits
-from ._core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
-from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
-from ._pool import Lender
-from ._report import reporter
+from ... import runtime as _ring
+from . import process_groups as PG
+from .._engine import waits as _waits
+from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
+from .._engine.errors import CollectiveMismatchError, PeerError, RingError, StallError
+from .._engine.pool import Lender
+from .._observe.report import reporter
 
 __all__ = ["DeviceTransport", "DeviceWork", "transport", "mode", "routes", "supports", "copies",
            "TRANSPORT_ENV"]

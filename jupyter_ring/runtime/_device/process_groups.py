@@ -425,7 +425,7 @@ def rebuild_all():
     Groups are matched across ranks by torch's group name; a rank re-creates, in creation order,
     each group it is a member of that some rank reported aborted (the members of a group all
     hold it, so each re-creation is entered by exactly its members, in the same order)."""
-    from .. import runtime as ring
+    from ... import runtime as ring
 
     groups = [g for g in registry.groups() if g.pg is not None]
     states = ring.allgather_object({g.key: bool(g.aborted) for g in groups},

@@ -41,18 +41,18 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, NoReturn, TypedDict, Type
 import numpy as np
 import numpy.typing as npt
 
-from . import _shm, _waits
-from ._errors import CollectiveMismatchError, PeerError, RingError, StallError
-from ._pool import ResultPool
-from ._report import reporter
-from ._trace import Trace
-from ._debugger import hold
-from ._where import activity
+from . import shm as _shm, waits as _waits
+from .errors import CollectiveMismatchError, PeerError, RingError, StallError
+from .pool import ResultPool
+from .._observe.report import reporter
+from .._observe.trace import Trace
+from .._observe.debugger import hold
+from .._observe.where import activity
 
 if TYPE_CHECKING:  # mpi4py.MPI is imported when a Runtime is made: importing it initialises MPI
     from mpi4py import MPI
 
-    from ._config import Config
+    from .config import Config
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
            "Disagree", "Abandoned", "Restart", "PeerMsg", "JoinNote", "Prepared"]
