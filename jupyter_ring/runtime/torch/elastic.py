@@ -1,9 +1,11 @@
-"""``horovod.torch.elastic`` for a fixed world: ``TorchState`` and ``run`` (see _elastic)."""
+"""``horovod.torch.elastic`` for a fixed world: ``TorchState`` and ``run`` (see ``_horovod.elastic``)."""
 
 import copy
 
 from .._horovod import elastic as _elastic
 from .._horovod.elastic import ObjectState, State
+from .._horovod.runtime_names import rank
+from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["State", "ObjectState", "TorchState", "run"]
 
@@ -23,9 +25,7 @@ class _ModelHandler:
         self.value.load_state_dict(self.saved)
 
     def sync(self):
-        from .. import torch as hvd
-
-        hvd.broadcast_parameters(self.value.state_dict(), root_rank=0)
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
         self.save()  # restore() before any commit comes back to the synced values
 
 
@@ -33,9 +33,7 @@ class _OptimizerHandler(_ModelHandler):
     """A torch optimizer's state_dict, broadcast with broadcast_optimizer_state."""
 
     def sync(self):
-        from .. import torch as hvd
-
-        hvd.broadcast_optimizer_state(self.value, root_rank=0)
+        broadcast_optimizer_state(self.value, root_rank=0)
         self.save()
 
 
@@ -45,8 +43,6 @@ class TorchState(ObjectState):
     broadcasts rank 0's (Horovod's TorchState)."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        from .. import torch as hvd
-
         handlers = {}
         for name, value in (("model", model), ("optimizer", optimizer)):
             if value is not None:
@@ -54,8 +50,8 @@ class TorchState(ObjectState):
         self._handlers = handlers
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
-        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, 0, name="elastic.TorchState"),
-                         get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=lambda obj: broadcast_object(obj, 0, name="elastic.TorchState"),
+                         get_rank=rank, **kwargs)
 
     def save(self):
         """Copy the model's and optimizer's state_dicts and the attributes."""
@@ -84,5 +80,5 @@ class TorchState(ObjectState):
 
 def run(func, reset_limit=None):
     """Decorate ``train(state, ...)``: sync, run, and after ``HorovodInternalError`` restore the
-    last commit and retry (a fixed world: nothing to re-initialise; see _elastic.run_fn)."""
+    last commit and retry (a fixed world: nothing to re-initialise; see ``_horovod.elastic.run_fn``)."""
     return _elastic.run_fn(func, lambda: None, reset_limit)

@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ... import runtime as _ring
+from .._horovod.runtime_names import Sum
+from .mpi_ops import allreduce
+
 __all__ = ["SyncBatchNorm"]
 
 
 def _ring_sum(tensor, name):
-    from .. import torch as hvd  # the adapter imports this module: import it lazily
-
-    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+    return allreduce(tensor, op=Sum, name=name)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -90,9 +92,7 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input):
         """Normalise ``input`` with statistics over every rank's batch (training) or the running ones."""
         self._check_input_dim(input)
-        from ... import runtime as ring
-
-        if not (self.training or not self.track_running_stats) or ring.size() == 1:
+        if not (self.training or not self.track_running_stats) or _ring.size() == 1:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 self.training or not self.track_running_stats,
                                 0.0 if self.momentum is None else self.momentum, self.eps)
