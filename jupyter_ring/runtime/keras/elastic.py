@@ -1,9 +1,9 @@
 """``horovod.tensorflow.keras.elastic`` (and ``horovod.keras.elastic``) for a fixed world:
-``KerasState``, ``run`` and the callbacks that keep the state's epoch and batch (see _elastic)."""
+``KerasState``, ``run`` and the callbacks that keep the state's epoch and batch (see ``_horovod.elastic``)."""
 
 from .._horovod.elastic import ObjectState, State
 from ..tensorflow.elastic import KerasState, TensorFlowKerasState, run
-from ..tensorflow import _K as keras  # tf.keras: Keras 3, or Keras 2 with TF_USE_LEGACY_KERAS=1
+from ..tensorflow.util import keras_api as keras  # tf.keras: Keras 3, or Keras 2 with TF_USE_LEGACY_KERAS=1
 
 __all__ = ["State", "ObjectState", "KerasState", "TensorFlowKerasState", "run", "CommitStateCallback",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback"]

@@ -1,18 +1,15 @@
 """``horovod.tensorflow.elastic`` and ``horovod.tensorflow.keras.elastic`` for a fixed world:
-``TensorFlowState``, ``TensorFlowKerasState`` (``KerasState``) and ``run`` (see _elastic)."""
+``TensorFlowState``, ``TensorFlowKerasState`` (``KerasState``) and ``run`` (see ``_horovod.elastic``)."""
 
 import tensorflow as tf
 
 from .._horovod import elastic as _elastic
 from .._horovod.elastic import ObjectState, State
+from .._horovod.runtime_names import rank
+from .functions import broadcast_object, broadcast_variables
+from .util import optimizer_variables
 
 __all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState", "run"]
-
-
-def _hvd():
-    from .. import tensorflow as hvd
-
-    return hvd
 
 
 class _VariablesState(ObjectState):
@@ -22,10 +19,9 @@ class _VariablesState(ObjectState):
 
     def __init__(self, session=None, **kwargs):
         self._session = session
-        hvd = _hvd()
         self._saved_values = []
-        super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, 0, name="elastic.state"),
-                         get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=lambda obj: broadcast_object(obj, 0, name="elastic.state"),
+                         get_rank=rank, **kwargs)
         self._saved_values = self._read()
 
     def _vars(self):
@@ -61,11 +57,10 @@ class _VariablesState(ObjectState):
         """Rank 0's variables and attributes on every rank (one broadcast op, one object), saved."""
         variables = self._vars()
         if variables:
-            hvd = _hvd()
             if tf.executing_eagerly():
-                hvd.broadcast_variables(variables, root_rank=0)
+                broadcast_variables(variables, root_rank=0)
             else:
-                self._run(hvd.broadcast_variables(variables, root_rank=0))
+                self._run(broadcast_variables(variables, root_rank=0))
         self._saved_values = self._read()  # restore() before any commit comes back here (as Horovod)
         super().sync()
 
@@ -93,9 +88,7 @@ class TensorFlowKerasState(_VariablesState):
 
     def _vars(self):
         optimizer = self.optimizer
-        from ..tensorflow import _optimizer_variables
-
-        return list(self.model.variables) + (_optimizer_variables(optimizer) if optimizer is not None else [])
+        return list(self.model.variables) + (optimizer_variables(optimizer) if optimizer is not None else [])
 
 
 KerasState = TensorFlowKerasState
@@ -103,5 +96,5 @@ KerasState = TensorFlowKerasState
 
 def run(func, reset_limit=None):
     """Decorate ``train(state, ...)``: sync, run, and after ``HorovodInternalError`` restore the
-    last commit and retry (a fixed world: nothing to re-initialise; see _elastic.run_fn)."""
+    last commit and retry (a fixed world: nothing to re-initialise; see ``_horovod.elastic.run_fn``)."""
     return _elastic.run_fn(func, lambda: None, reset_limit)

@@ -17,8 +17,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from .. import tensorflow as _tf
 from .._horovod.runtime_names import Adasum, Average, global_process_set
+from ._execution import _ref
+from ._gradients import _check_optimizer_args, _reduce_except_local, _scales
+from .compression import Compression
 
 keras = tf.keras  # tf_keras: this module is imported only when tf.keras is Keras 2
 
@@ -44,8 +46,8 @@ class _Reduction:
     def reduce(self, grads, variables):
         """Every gradient averaged (``op``) over the ranks, but those of local variables."""
         variables = list(variables)
-        return _tf._reduce_except_local(
-            list(grads), variables, lambda v: _tf._ref(v) in self.local,
+        return _reduce_except_local(
+            list(grads), variables, lambda v: _ref(v) in self.local,
             [f"{self.name}.gradient.{i}.{getattr(v, 'name', i)}" for i, v in enumerate(variables)], self.op,
             self.prescale, self.postscale, self.compression, self.sparse_as_dense, self.process_set,
             self.scale_local_gradients)
@@ -126,7 +128,7 @@ class _Distributed:
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local (not reduced over the ranks)."""
-        self._jupyter_ring.local.add(_tf._ref(var))
+        self._jupyter_ring.local.add(_ref(var))
 
     def _own_gradients(self, loss, var_list, grad_loss=None, tape=None):
         base = super()
@@ -167,7 +169,7 @@ class _Distributed:
         return self.iterations
 
 
-def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=_tf.Compression.none,
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
                          process_set=global_process_set, scale_local_gradients=True):
@@ -186,13 +188,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain Keras optimizer once")
     if op == Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
-    _tf._check_optimizer_args(op, gradient_predivide_factor)
+    _check_optimizer_args(op, gradient_predivide_factor)
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     base = type(optimizer)
     cls = type(base.__name__, (_Distributed, base), {"__module__": base.__module__, "__doc__": base.__doc__})
     wrapped = cls.from_config(optimizer.get_config())
-    prescale, postscale = _tf._scales(op, gradient_predivide_factor)
+    prescale, postscale = _scales(op, gradient_predivide_factor)
     # object.__setattr__: a trackable's __setattr__ would wrap the dataclass' set for checkpoints
     object.__setattr__(wrapped, "_jupyter_ring", _Reduction(
         op, prescale, postscale, compression, sparse_as_dense, process_set, scale_local_gradients,
@@ -203,7 +205,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     return wrapped
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=_tf.Compression.none,
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
                legacy_opts=False):
     """Load a saved Keras 2 model; its optimizer, with its saved state, comes back distributed.
 
