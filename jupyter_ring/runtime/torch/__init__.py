@@ -20,12 +20,12 @@ reducescatter, Adasum, smaller process sets, integer tensors scaled as Horovod s
 dtype/op pairs NCCL lacks are staged. ``JUPYTER_RING_DEVICE_TRANSPORT=gloo`` sends CPU tensors
 through the same transport over gloo (how it is tested without a GPU); ``off`` stages CUDA tensors.
 
-The package is split as Horovod's ``horovod/torch/``: ``mpi_ops`` (the collectives, handles,
-``poll``/``synchronize``), ``compression``, ``optimizer`` (``DistributedOptimizer``),
+The package is split as Horovod's ``horovod/torch/``: ``compression``, ``mpi_ops`` (the
+collectives, handles, ``poll``/``synchronize``), ``optimizer`` (``DistributedOptimizer``),
 ``functions`` (state made equal on every rank), ``sync_batch_norm``, ``elastic``. Each module
-imports the ones before it in that list (and ``sync_batch_norm``/``elastic`` the ones they use),
-the runtime's ``_horovod``, ``_device``, ``_engine``, ``_observe`` and ``_api`` below them; never
-this ``__init__``, which only gathers the names.
+imports only modules before it in that list and the runtime's ``_horovod``, ``_device``,
+``_engine``, ``_observe`` and ``_api`` below them; never this ``__init__``, which only gathers
+the names.
 """
 
 try:
