@@ -146,10 +146,10 @@ class TorchGuard:
     def on_torch_distributed(self, module: ModuleType) -> None:
         """torch.distributed was imported: record its groups, count its collectives for the
         dashboard; rank 0 serves the rendezvous store."""
-        from ..runtime._device import process_groups as PG
+        from ..runtime._device import process_groups
         from ..runtime._device import torch_comm as _torch_comm
 
-        PG.install_recording()
+        process_groups.install_recording()
         # torch.distributed may be half-imported (it imports this module first): its own
         # ``from .distributed_c10d import *`` then copies the counted functions
         _torch_comm.install_counting(module, sys.modules.get("torch.distributed"))
@@ -244,9 +244,9 @@ class TorchGuard:
     def _groups():
         if _WATCHED not in sys.modules:
             return []
-        from ..runtime._device import process_groups as PG
+        from ..runtime._device import process_groups
 
-        return [g for g in PG.registry.groups() if g.pg is not None and not g.aborted]
+        return [g for g in process_groups.registry.groups() if g.pg is not None and not g.aborted]
 
     @staticmethod
     def _sequence(group):
@@ -333,14 +333,14 @@ def reserve(ring, master_addr):
     127.0.0.1 on one host), or with "" on its own address on the route to the other ranks' hosts.
     Returns ``(address, port)`` on rank 0, None on the others.
     """
-    from ..runtime._device import process_groups as PG
+    from ..runtime._device import process_groups
 
     hosts = None
     if not master_addr:
         hosts = ring.allgather_object(socket.gethostname(), name="jupyter_ring.torch.hosts")
     if ring.rank() != 0:
         return None
-    address = master_addr or PG.rendezvous_address(hosts, 0)
+    address = master_addr or process_groups.rendezvous_address(hosts, 0)
     _holder.listener = socket.create_server((address, 0), backlog=1024)
     return address, _holder.listener.getsockname()[1]
 
@@ -383,13 +383,13 @@ def repair():
     guard = _holder.guard
     if guard is None:
         return None
-    from ..runtime._device import process_groups as PG
+    from ..runtime._device import process_groups
 
     if _WATCHED not in sys.modules:
         # no torch here: still take part, other ranks may hold groups
         guard.ring.allgather_object({}, name="jupyter_ring.process_groups.state")
         return None
-    rebuilt = PG.rebuild_all()
+    rebuilt = process_groups.rebuild_all()
     guard.notes.clear()
     if not rebuilt:
         return None

@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ... import runtime as _ring
-from . import process_groups as PG
+from . import process_groups
 from .._engine import waits as _waits
 from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
 from .._engine.errors import CollectiveMismatchError, PeerError, RingError, StallError
@@ -229,18 +229,18 @@ class DeviceTransport:
         pg = dist.group.WORLD
         if pg.size() != _ring.size() or pg.rank() != _ring.rank():
             return None  # a torch world that is not the ring's world: keep ours apart
-        managed = PG.registry.find(pg)
+        managed = process_groups.registry.find(pg)
         if managed is not None:
             return managed if device_type in managed.backends else None
         try:
             backend = pg._get_backend(torch.device(device_type))
         except RuntimeError:
             return None
-        if PG._kind(backend) != "nccl":
+        if process_groups._kind(backend) != "nccl":
             # a gloo group made outside jupyter_ring's guard: its sockets are unknown, so it
             # could not be aborted; use a group of our own
             return None
-        return PG.registry.record(PG.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(), set()))
+        return process_groups.registry.record(process_groups.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(), set()))
 
     def _new_private(self, device_type):
         import datetime
@@ -251,8 +251,8 @@ class DeviceTransport:
         store = self._rendezvous_store()
         timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
         prefix = dist.PrefixStore(f"jupyter_ring/device/{kind}/", store)
-        backend, sockets = PG.new_backend(kind, prefix, _ring.rank(), _ring.size(), timeout)
-        return PG.ManagedGroup(f"jupyter_ring's {kind} device group", f"jupyter_ring.device.{kind}", None,
+        backend, sockets = process_groups.new_backend(kind, prefix, _ring.rank(), _ring.size(), timeout)
+        return process_groups.ManagedGroup(f"jupyter_ring's {kind} device group", f"jupyter_ring.device.{kind}", None,
                                {device_type: backend},
                                {device_type: kind}, prefix, _ring.rank(), _ring.size(), timeout,
                                sockets, {kind.upper()})
@@ -268,7 +268,7 @@ class DeviceTransport:
         hosts = _ring.allgather_object(socket.gethostname(), name="jupyter_ring.device.hosts")
         address = port = None
         if _ring.rank() == 0:
-            address = PG.rendezvous_address(hosts, 0)
+            address = process_groups.rendezvous_address(hosts, 0)
             self._listener = socket.create_server((address, 0), backlog=1024)
             port = self._listener.getsockname()[1]
         address, port = _ring.broadcast_object((address, port), 0, name="jupyter_ring.device.store")

@@ -1,4 +1,7 @@
-"""The ring runtime: agreement, interruptible waits, resynchronisation and the ring algorithms.
+"""``Runtime``: the communicators, agreement, polled point-to-point waits, resynchronisation.
+
+The collective algorithms (eager, shared memory, the ring) are bodies in ``collectives.py`` that
+``Runtime.run`` runs; this module holds what every body stands on.
 
 One ``Runtime`` object per process holds the communicators. Every collective goes through
 ``Runtime.run``:
@@ -9,7 +12,7 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    raises the same ``CollectiveMismatchError``. Small collectives finish here: one round trip.
 2. **Data.** Larger payloads move over point-to-point messages: a pipelined ring reduce-scatter +
    allgather for allreduce, direct sends for the rest. When every rank is on one host, an
-   allreduce above ``shm_threshold`` goes through shared-memory slots instead (``_shm``), if
+   allreduce above ``shm_threshold`` goes through shared-memory slots instead (``shm``), if
    every rank offers its slot in the agreement message.
 3. **Waiting.** Every wait is a nonblocking request (or a shared-memory counter) polled from
    Python: poll briefly (spinning, or giving the core away where ranks outnumber cores: ``_waits``),

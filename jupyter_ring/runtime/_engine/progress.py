@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, final
 
 import numpy as np
 
-from . import collectives as C
+from . import collectives
 from .core import Abandoned, Disagree, Prepared, Recut, Restart, Runtime
 from .._observe.debugger import hold
 from .errors import RingError, StallError
@@ -94,19 +94,19 @@ class Reduce(NamedTuple):
     handle: int
     name: str                 # for messages and the trace (auto-named when not given)
     explicit: str | None      # the name= the caller passed (str) or None: agreed between ranks
-    src: C.Array              # flat C-contiguous input
-    dst: C.Array | None       # flat output: ``src`` in place, None for a new array
-    result: C.Array | None    # in place: what synchronize() returns (the caller's array)
+    src: collectives.Array              # flat C-contiguous input
+    dst: collectives.Array | None       # flat output: ``src`` in place, None for a new array
+    result: collectives.Array | None    # in place: what synchronize() returns (the caller's array)
     shape: tuple[int, ...]
-    plan: C.ReducePlan
+    plan: collectives.ReducePlan
 
     @property
     def nbytes(self) -> int:
         return self.src.nbytes
 
-    def describe(self) -> C.Desc:
+    def describe(self) -> collectives.Desc:
         """What the ranks agree on (built only to explain a mismatch)."""
-        return C.allreduce_desc(self.explicit, self.shape, self.plan.prescale, self.plan.postscale)
+        return collectives.allreduce_desc(self.explicit, self.shape, self.plan.prescale, self.plan.postscale)
 
 
 @final  # (lets mypy narrow ``type(entry) is not Call`` to a Reduce)
@@ -120,13 +120,13 @@ class Call(NamedTuple):
 
 
 Entry: TypeAlias = Reduce | Call  # what the engine queues
-AnyLane: TypeAlias = C.Lane | C.GatherLane | C.CastLane
+AnyLane: TypeAlias = collectives.Lane | collectives.GatherLane | collectives.CastLane
 LaneKey: TypeAlias = tuple[object, object]  # (name= as passed, in place), or (kind, name= as passed)
 _R = TypeVar("_R")
 
 
 class PreparedLane(Protocol[_R]):
-    """What ``Engine.run_lane`` runs: ``C.Lane``, ``GatherLane`` or ``CastLane`` (``_R``: its result)."""
+    """What ``Engine.run_lane`` runs: ``collectives.Lane``, ``GatherLane`` or ``CastLane`` (``_R``: its result)."""
 
     @property
     def prepared(self) -> Prepared | None: ...
@@ -257,10 +257,10 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.closed = False
         self.waiting = 0                       # threads waiting in wait_background
-        self.plans: dict[tuple[object, ...], C.ReducePlan] = {}  # (dtype, op, average, scales) -> ReducePlan
+        self.plans: dict[tuple[object, ...], collectives.ReducePlan] = {}  # (dtype, op, average, scales) -> ReducePlan
         # (name, shape, plan serial) -> packed agreement (the cache)
         self.agreements: dict[tuple[str | None, tuple[int, ...], int], bytes] = {}
-        self.lanes: dict[LaneKey, AnyLane] = {}  # (name= as passed, in place) -> C.Lane of its last signature;
+        self.lanes: dict[LaneKey, AnyLane] = {}  # (name= as passed, in place) -> collectives.Lane of its last signature;
         #                                        (kind, name= as passed) -> GatherLane / CastLane
         self.serials = itertools.count(1)      # numbers the plans
         self.since = 0.0                       # when the oldest queued entry was queued
@@ -339,7 +339,7 @@ class Engine:
         return _QUEUED
 
     def run_lane(self, lane: PreparedLane[_R], full: Callable[..., Entry], *args: object) -> object:
-        """A blocking call on its prepared ``lane`` (``C.Lane``, ``GatherLane`` or ``CastLane``):
+        """A blocking call on its prepared ``lane`` (``collectives.Lane``, ``GatherLane`` or ``CastLane``):
         ``lane.run(rt, *args)`` at once in this thread, with what ``run_now``, ``_alone`` and
         ``Runtime.run`` do around a collective, in one frame and without an entry.
 
@@ -596,12 +596,12 @@ class Engine:
                 self.agreements.clear()
             own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
                                                       entry.describe())
-        body: Callable[..., C.Array]
+        body: Callable[..., collectives.Array]
         args: tuple[object, ...]
         if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
-            body, args = C.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
+            body, args = collectives.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
         else:
-            body, args = C.allreduce_one, (rt, C.Member(src, entry.dst), plan, entry.name, entry.describe, own)
+            body, args = collectives.allreduce_one, (rt, collectives.Member(src, entry.dst), plan, entry.name, entry.describe, own)
         while True:
             rt.negotiable = True
             try:
@@ -711,7 +711,7 @@ class Engine:
 
         def exchange(rt: Runtime) -> list[Offer] | None:
             # every rank sends its Offer
-            return None if rt.gen != gen else C.allgather_object(rt, data, "jupyter_ring.settle", None)  # type: ignore[return-value]
+            return None if rt.gen != gen else collectives.allgather_object(rt, data, "jupyter_ring.settle", None)  # type: ignore[return-value]
 
         offers = rt.run(exchange, rt)
         if offers is None:
@@ -825,15 +825,15 @@ class Engine:
         plan = first.plan
         # (a batch whose first entry is a Reduce holds Reduces only (plan_batches): the ignores below)
         if len(entries) == 1:
-            desc = C.allreduce_desc(first.explicit, first.shape, plan.prescale, plan.postscale)
+            desc = collectives.allreduce_desc(first.explicit, first.shape, plan.prescale, plan.postscale)
             name = first.name
         else:
 
             members = tuple((e.explicit, e.shape) for e in entries)  # type: ignore[union-attr]
-            desc = C.allreduce_desc(None, (sum(e.src.size for e in entries),),  # type: ignore[union-attr, misc]
+            desc = collectives.allreduce_desc(None, (sum(e.src.size for e in entries),),  # type: ignore[union-attr, misc]
                                     plan.prescale, plan.postscale, members)
             name = f"fused[{first.name} +{len(entries) - 1}]"
-        outs = rt.run(C.allreduce, rt, [C.Member(e.src, e.dst) for e in entries],  # type: ignore[union-attr]
+        outs = rt.run(collectives.allreduce, rt, [collectives.Member(e.src, e.dst) for e in entries],  # type: ignore[union-attr]
                       plan, name, desc)
         for entry, out in zip(entries, outs):
             results.setdefault(entry.handle,
