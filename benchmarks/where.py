@@ -23,7 +23,7 @@ STEP = r"""
 import sys, statistics, tempfile, time
 import numpy as np
 import jupyter_ring.runtime as ring
-from jupyter_ring.runtime import _where
+from jupyter_ring.runtime._observe import where as _where
 ring.init()
 blocks = int(sys.argv[1])
 rng = np.random.default_rng(ring.rank())
@@ -73,7 +73,7 @@ def armed_cost(blocks):
 def record_cost(rounds=200000):
     """Seconds per collective of the record's three rewrites (begin, first wait, end), armed
     and not, interleaved in this process: the part of the armed cost that is not noise."""
-    from jupyter_ring.runtime._where import Activity
+    from jupyter_ring.runtime._observe.where import Activity
 
     activity, where = Activity(), tempfile.mkdtemp(prefix="where-bench-")
     out = {"armed": [], "off": []}

@@ -1,7 +1,7 @@
 """The kernel's end of the ranks' debuggers during one ``%%distributed`` cell.
 
 A rank that stops in ``breakpoint()`` (``engines/_debugger.py``) writes a ``Prompt`` record into
-the cluster's where folder and waits for a ``Reply`` (``runtime/_debugger.py``). ``CellRun``'s
+the cluster's where folder and waits for a ``Reply`` (``runtime/_observe/debugger.py``). ``CellRun``'s
 wait loop asks :meth:`Debuggers.attend` at every tick; it shows the rank's pdb output in the
 cell, asks the user with the kernel's own ``input()`` (an ``input_request`` on the stdin
 channel: JupyterLab, Notebook 7, VS Code and ``jupyter console`` all answer it) and hands the line
@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from .runtime import _debugger as records
+from .runtime._observe import debugger as records
 
 __all__ = ["Debuggers"]
 

@@ -3,8 +3,8 @@ algorithm forced in turn under a real mpiexec with 1 to 4 ranks, exact on every 
 
 import pytest
 
-from jupyter_ring.runtime._algorithm_choice import EAGER_FANOUT_BYTES, RD_MAX_BYTES, choose
-from jupyter_ring.runtime._config import Config
+from jupyter_ring.runtime._engine.algorithm_choice import EAGER_FANOUT_BYTES, RD_MAX_BYTES, choose
+from jupyter_ring.runtime._engine.config import Config
 
 KiB = 1 << 10
 EAGER = 64 * KiB

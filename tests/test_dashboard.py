@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from jupyter_ring.runtime._report import Reporter
+from jupyter_ring.runtime._observe.report import Reporter
 from jupyter_ring.widgets._render import rank_cells, render_chart, render_html
 from jupyter_ring.widgets._state import DashboardState, downsample, format_seconds
 
@@ -64,7 +64,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    import jupyter_ring.runtime._report as report
+    import jupyter_ring.runtime._observe.report as report
 
     monkeypatch.setattr(report.time, "time", c)
     monkeypatch.setattr(report.time, "perf_counter", c)

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from jupyter_ring.runtime._report import Reporter
-from jupyter_ring.runtime._trace import Trace
+from jupyter_ring.runtime._observe.report import Reporter
+from jupyter_ring.runtime._observe.trace import Trace
 from jupyter_ring.widgets._render import linear_ticks, log_ticks, rank_cells, render_chart, render_html
 from jupyter_ring.widgets._state import DashboardState
 from test_dashboard import clock, snap  # noqa: F401 - clock is a fixture

@@ -10,7 +10,7 @@ import pytest
 
 from jupyter_ring._debug import Debuggers
 from jupyter_ring.engines._debugger import RankDebugger
-from jupyter_ring.runtime import _debugger as records
+from jupyter_ring.runtime._observe import debugger as records
 
 
 class Ranks:
@@ -126,7 +126,7 @@ def test_pythonbreakpoint_0_is_honoured(folder, monkeypatch):
 def test_ring_where_says_a_rank_is_in_the_debugger(tmp_path):
     """``%ring where`` (and the Ring panel's Where?) read the held mark: the state line says so."""
     from jupyter_ring.cluster._where import RankWhere, format_where, where_json
-    from jupyter_ring.runtime._debugger import Hold
+    from jupyter_ring.runtime._observe.debugger import Hold
 
     hold = Hold()
     hold.arm(str(tmp_path), 1)

@@ -17,7 +17,7 @@ from dap_client import Dap
 from real_kernel import alive, cluster_pids, ring_kernel
 
 from jupyter_ring.cluster._where import RankWhere, format_where
-from jupyter_ring.runtime._debugger import read_held
+from jupyter_ring.runtime._observe.debugger import read_held
 
 pytestmark = pytest.mark.slow
 

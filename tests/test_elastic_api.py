@@ -8,7 +8,7 @@ tests/mpi/elastic_api.py does the checks (every rank its own); tests/test_horovo
 
 import pytest
 
-from jupyter_ring.runtime import _elastic_world
+from jupyter_ring.runtime._horovod import elastic_world as _elastic_world
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
 

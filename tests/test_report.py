@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from jupyter_ring.runtime._report import Reporter
-from jupyter_ring.runtime._trace import Trace
+from jupyter_ring.runtime._observe.report import Reporter
+from jupyter_ring.runtime._observe.trace import Trace
 
 
 def make(rate=10.0):

@@ -7,9 +7,9 @@ from typing import Any, Callable
 import pytest
 
 import jupyter_ring.runtime as ring
-from jupyter_ring.runtime._config import Config
-from jupyter_ring.runtime._core import describe_mismatch
-from jupyter_ring.runtime._trace import Trace, busbw_factor
+from jupyter_ring.runtime._engine.config import Config
+from jupyter_ring.runtime._engine.core import describe_mismatch
+from jupyter_ring.runtime._observe.trace import Trace, busbw_factor
 
 PUBLIC = {
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -75,7 +75,7 @@ def test_shm_threshold_rejects_nonsense(monkeypatch):
 
 def test_wait_policy_yields_where_ranks_outnumber_cores_and_obeys_the_setting(monkeypatch, tmp_path):
     """Issue 33, item 1: a waiting rank gives its core away only where a peer may need it."""
-    from jupyter_ring.runtime import _waits
+    from jupyter_ring.runtime._engine import waits as _waits
 
     assert _waits.choose("auto", 4, 2.0).mode == "yield"
     assert _waits.choose("auto", 2, 2.0).mode == "spin"
@@ -141,7 +141,7 @@ def test_tiny_pieces_and_no_eager_path_exercise_the_pipelined_ring(mpirun):
 
 _LEAVE_FILES = """
 import os, signal
-from jupyter_ring.runtime import _shm
+from jupyter_ring.runtime._engine import shm as _shm
 slots = _shm.SharedSlots(0, 2)
 buf, region = slots.register(1 << 20)
 slots.advertise(1 << 16, 1 << 20)
@@ -159,7 +159,7 @@ def test_files_of_a_sigkilled_rank_are_swept_from_dev_shm_at_the_next_init(mpiru
     import os
     import time
 
-    from jupyter_ring.runtime import _shm
+    from jupyter_ring.runtime._engine import shm as _shm
 
     if not _shm.supported():
         pytest.skip("no shared-memory path on this machine (Linux x86-64 with /dev/shm only)")
@@ -302,7 +302,7 @@ def test_engine_honest_poll_errors_at_synchronize_background_interrupt_and_stall
 
 
 def test_settling_by_name_runs_common_names_in_the_lowest_ranks_order_and_never_waits_forever():
-    from jupyter_ring.runtime._progress import Offer, settle_by_name
+    from jupyter_ring.runtime._engine.progress import Offer, settle_by_name
 
     a, b, c = ("allreduce", "a"), ("barrier", "barrier"), ("allgather", "c")
     run = settle_by_name([Offer(False, 0.0, (a, b, c)), Offer(True, 0.0, (c, b))], 60.0)
@@ -353,7 +353,7 @@ def test_registered_buffers_are_reduced_in_place_without_copies_and_exactly(mpir
 
 def test_an_unnamed_collective_is_called_unnamed_in_errors():
     """Issue 21, item 6: the runtime's made-up name ('allreduce.noname.0') is noise in a message."""
-    from jupyter_ring.runtime._core import collective_title, describe_mismatch
+    from jupyter_ring.runtime._engine.core import collective_title, describe_mismatch
 
     assert collective_title("allreduce", "allreduce.noname.7") == "allreduce (unnamed)"
     assert collective_title("allreduce", "fc1.weight") == "allreduce 'fc1.weight'"

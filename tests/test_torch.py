@@ -44,7 +44,7 @@ def test_distributed_optimizer_is_a_plain_subclass():
 
     # a static subclass (LR schedulers need isinstance(opt, Optimizer)), never one made by type()
     assert issubclass(hvd.DistributedOptimizer, torch.optim.Optimizer)
-    assert hvd.DistributedOptimizer.__module__ == "jupyter_ring.runtime.torch"
+    assert hvd.DistributedOptimizer.__module__ == "jupyter_ring.runtime.torch.optimizer"
 
 
 def test_missing_torch_names_the_extra():

@@ -9,7 +9,7 @@ import time
 import pytest
 from real_kernel import cluster_pids, ring_kernel
 
-from jupyter_ring.runtime._where import Activity, Doing, parse_stacks, read_doing
+from jupyter_ring.runtime._observe.where import Activity, Doing, parse_stacks, read_doing
 
 pytestmark = pytest.mark.slow
 
@@ -193,8 +193,8 @@ def test_where_hides_the_runtimes_own_frames_above_the_users_call():
     from jupyter_ring.cluster._where import RankWhere, format_where, where_json
 
     text = ('Current thread 0x00007f0000000002 (most recent call first):\n'
-            '  File "/venv/site-packages/jupyter_ring/runtime/_core.py", line 410 in _wait\n'
-            '  File "/venv/site-packages/jupyter_ring/runtime/_collectives.py", line 88 in allreduce\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_engine/core.py", line 410 in _wait\n'
+            '  File "/venv/site-packages/jupyter_ring/runtime/_engine/collectives.py", line 88 in allreduce\n'
             '  File "/venv/site-packages/jupyter_ring/runtime/_api.py", line 300 in allreduce\n'
             '  File "/tmp/cell.py", line 12 in train_step\n'
             '  File "/tmp/cell.py", line 20 in <module>\n'
@@ -203,12 +203,12 @@ def test_where_hides_the_runtimes_own_frames_above_the_users_call():
     item = RankWhere(0, "vm", 123, None, tuple(parse_stacks(text)), "", 0.01)
     report = format_where([item])
     assert "... 3 frame(s) inside jupyter_ring above (--all-threads shows them)" in report
-    assert "_core.py" not in report and "_collectives.py" not in report
+    assert "_engine/core.py" not in report and "_engine/collectives.py" not in report
     assert report.index("inside jupyter_ring above") < report.index("in train_step") < report.index("in <module>")
     assert "_runner.py" in report  # only the innermost run is hidden, not the engine below the cell
     assert "... 1 frame(s) of the engine (IPython, ipyparallel) below" in report
     full = format_where([item], all_threads=True)
-    assert "_core.py" in full and "inside jupyter_ring above" not in full
+    assert "_engine/core.py" in full and "inside jupyter_ring above" not in full
     (thread,) = where_json([item])[0]["threads"]
     assert thread["hidden_inside"] == 3 and thread["frames"][0]["function"] == "train_step"
     # a thread of ours (the progress engine, the torch monitor) is not the user's: shown only
@@ -233,7 +233,7 @@ def test_where_groups_ranks_whose_state_and_frames_read_the_same_at_many_ranks()
 
     assert rank_ranges([5, 0, 1, 2, 7, 8, 63]) == "0-2, 5, 7-8, 63" and rank_ranges([4]) == "4"
     waiting = ('Current thread 0x00007f00000000{t:02x} (most recent call first):\n'
-               '  File "/venv/site-packages/jupyter_ring/runtime/_core.py", line 410 in _wait\n'
+               '  File "/venv/site-packages/jupyter_ring/runtime/_engine/core.py", line 410 in _wait\n'
                '  File "/tmp/cell.py", line 12 in train_step\n'
                '  File "/tmp/cell.py", line 20 in <module>\n')
     slow = ('Current thread 0x00007f00000000aa (most recent call first):\n'

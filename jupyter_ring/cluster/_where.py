@@ -1,6 +1,6 @@
 """``%ring where``: every rank's Python stack and collective, read from outside the ranks.
 
-Each rank keeps two files in the cluster's where folder (``runtime/_where.py`` arms them at
+Each rank keeps two files in the cluster's where folder (``runtime/_observe/where.py`` arms them at
 ``%ring start``): ``rank<r>.doing``, a record of its collective in progress rewritten by the
 runtime, and ``rank<r>.stacks``, to which faulthandler appends every thread's stack when the rank
 gets ``WHERE_SIGNAL``. This module sends the signal (through the nannies, like an interrupt),
@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from ..engines._setup import RankRow
-from ..runtime._debugger import read_held
-from ..runtime._where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path,
+from ..runtime._observe.debugger import read_held
+from ..runtime._observe.where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path,
                               doing_path, parse_stacks, read_doing, stack_path)
 from ._sidecar import SidecarRank
 
@@ -55,7 +55,7 @@ class RankWhere(NamedTuple):
     problem: str        # "" when the stacks were read
     seconds: float      # from the signal to the dump read
     debugger: str = ""  # where it is stopped, while the rank is held in a debugger (issue 35)
-    cells: str = ""     # the folder of the rank's recent cells' sources (runtime._where.cells_path)
+    cells: str = ""     # the folder of the rank's recent cells' sources (runtime._observe.where.cells_path)
 
     def source(self, frame: Frame) -> str:
         """The frame's source line: from the file where this host can read it, else (a cell's

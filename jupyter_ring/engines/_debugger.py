@@ -6,7 +6,7 @@ in ``pdb.set_trace``). It stops
 the rank in a :class:`RankPdb`, a ``pdb.Pdb`` whose stdin and stdout are a :class:`PromptChannel`:
 what pdb prints is kept, and when pdb reads a line the rank writes a ``Prompt`` record (the text,
 where it stands) into the cluster's where folder and waits for the kernel's ``Reply``
-(``runtime/_debugger.py`` has the records; ``jupyter_ring/_debug.py`` is the kernel's end, which
+(``runtime/_observe/debugger.py`` has the records; ``jupyter_ring/_debug.py`` is the kernel's end, which
 asks the user with the kernel's own ``input()``).
 
 While pdb has the rank (its prompt up, or a command typed there running) the rank is marked held
@@ -23,8 +23,8 @@ import time
 from types import FrameType, TracebackType
 from typing import IO, cast
 
-from ..runtime import _debugger as records
-from ..runtime._debugger import hold
+from ..runtime._observe import debugger as records
+from ..runtime._observe.debugger import hold
 
 __all__ = ["PromptChannel", "RankPdb", "RankDebugger", "install"]
 

@@ -21,7 +21,7 @@ on ``127.0.0.1`` at a free port, and makes it safe and usable there:
   here only the thread that reached it (a client may ask otherwise: ``stopAllThreadsOnSuspend``):
   the engine's threads (output, control) and the runtime's (the peers' collectives) run on.
 - **Peers do not stall.** While debugpy holds the rank (a breakpoint, a step) the rank is marked
-  held, as at a pdb prompt (``runtime/_debugger.py``): peers waiting for it in a collective
+  held, as at a pdb prompt (``runtime/_observe/debugger.py``): peers waiting for it in a collective
   do not raise ``StallError``.
 
 debugpy can listen once per process: a second ``start`` returns the same endpoint.
@@ -37,8 +37,8 @@ import sys
 import threading
 from typing import Any, TypedDict
 
-from ..runtime._debugger import hold
-from ..runtime._where import cells_path
+from ..runtime._observe.debugger import hold
+from ..runtime._observe.where import cells_path
 
 __all__ = ["Endpoint", "OwnerOnlySocket", "MissingDebugpy", "start", "connected", "peer_uid"]
 

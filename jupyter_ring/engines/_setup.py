@@ -234,13 +234,13 @@ def _after_cell(result):
 
 
 def arm_where(directory, rank):
-    """Make this rank's stacks and collective readable by ``%ring where`` (runtime/_where.py).
+    """Make this rank's stacks and collective readable by ``%ring where`` (runtime/_observe/where.py).
 
     ``directory`` is the kernel's folder for the cluster; a rank on another host without that
     folder on a shared file system makes its own, which ``%ring where`` cannot read: it says so.
     Never fails the setup: where it cannot arm, ``%ring where`` finds no file and says so.
     """
-    from ..runtime import _where
+    from ..runtime._observe import where as _where
 
     try:
         _where.arm(directory, rank)
@@ -261,7 +261,7 @@ def _keep_cell_sources(folder: str) -> None:
 
     from IPython import get_ipython
 
-    from ..runtime._where import cell_source_name
+    from ..runtime._observe.where import cell_source_name
 
     compiler = get_ipython().compile
     if getattr(compiler, "_jupyter_ring_keeps_sources", False):

@@ -7,9 +7,9 @@ __all__ = ["recent_collectives"]
 
 def recent_collectives(seconds):
     """``{"rank", "now", "records"}``: the collectives this rank's runtime finished in the last
-    ``seconds`` (``runtime._trace.Trace.recent``); no records when the runtime is not started."""
+    ``seconds`` (``runtime._observe.trace.Trace.recent``); no records when the runtime is not started."""
     from ..runtime import _api
-    from ..runtime._report import reporter
+    from ..runtime._observe.report import reporter
 
     trace = reporter.trace if _api.is_initialized() else None
     return {"rank": _api.rank() if trace is not None else -1, "now": time.time(),

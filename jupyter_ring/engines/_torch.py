@@ -18,7 +18,7 @@ nothing listening on 0.0.0.0, and re-running ``init_process_group`` after
 
 **The failure contract.** A rank blocked inside a torch.distributed collective is blocked in C++
 (gloo's ``all_reduce`` ignores SIGINT; DDP waits inside ``backward()``). Every group user code
-creates is recorded with its sockets (``runtime._process_groups``). A monitor thread, woken by
+creates is recorded with its sockets (``runtime._device.process_groups``). A monitor thread, woken by
 SIGINT through ``signal.set_wakeup_fd``, checks 0.3 s later whether the main thread is still where
 it was (stuck in C) and then aborts the groups: their connections are shut down, the blocked call
 fails at once on this rank and on its peers, and the pending SIGINT raises KeyboardInterrupt. The
@@ -146,10 +146,10 @@ class TorchGuard:
     def on_torch_distributed(self, module: ModuleType) -> None:
         """torch.distributed was imported: record its groups, count its collectives for the
         dashboard; rank 0 serves the rendezvous store."""
-        from ..runtime import _process_groups as PG
-        from ..runtime import _torch_comm
+        from ..runtime._device import process_groups
+        from ..runtime._device import torch_comm as _torch_comm
 
-        PG.install_recording()
+        process_groups.install_recording()
         # torch.distributed may be half-imported (it imports this module first): its own
         # ``from .distributed_c10d import *`` then copies the counted functions
         _torch_comm.install_counting(module, sys.modules.get("torch.distributed"))
@@ -163,8 +163,8 @@ class TorchGuard:
                                    multi_tenant=True, master_listen_fd=self.listener.fileno())
 
     def on_ddp(self, module: ModuleType) -> None:
-        """DDP was imported: its models count their gradient allreduces (``runtime._torch_comm``)."""
-        from ..runtime import _torch_comm
+        """DDP was imported: its models count their gradient allreduces (``runtime._device.torch_comm``)."""
+        from ..runtime._device import torch_comm as _torch_comm
 
         _torch_comm.count_ddp(module.DistributedDataParallel)
 
@@ -207,7 +207,8 @@ class TorchGuard:
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_code.co_name)
 
     def _tick(self):
-        from ..runtime import _api, _progress  # on the rank only (the notebook imports this module too)
+        from ..runtime import _api  # on the rank only (the notebook imports this module too)
+        from ..runtime._engine import progress as _progress
 
         groups = self._groups()
         if not self.executing or not (groups or self._sigint_at is not None):
@@ -243,9 +244,9 @@ class TorchGuard:
     def _groups():
         if _WATCHED not in sys.modules:
             return []
-        from ..runtime import _process_groups as PG
+        from ..runtime._device import process_groups
 
-        return [g for g in PG.registry.groups() if g.pg is not None and not g.aborted]
+        return [g for g in process_groups.registry.groups() if g.pg is not None and not g.aborted]
 
     @staticmethod
     def _sequence(group):
@@ -267,7 +268,7 @@ class TorchGuard:
         still = now - self._still_since
         if still < stall:
             return
-        from ..runtime._debugger import hold
+        from ..runtime._observe.debugger import hold
 
         if hold.anyone():  # a rank held in a debugger is a pause, not a stall: the clock restarts
             self._still_since = now
@@ -332,14 +333,14 @@ def reserve(ring, master_addr):
     127.0.0.1 on one host), or with "" on its own address on the route to the other ranks' hosts.
     Returns ``(address, port)`` on rank 0, None on the others.
     """
-    from ..runtime import _process_groups as PG
+    from ..runtime._device import process_groups
 
     hosts = None
     if not master_addr:
         hosts = ring.allgather_object(socket.gethostname(), name="jupyter_ring.torch.hosts")
     if ring.rank() != 0:
         return None
-    address = master_addr or PG.rendezvous_address(hosts, 0)
+    address = master_addr or process_groups.rendezvous_address(hosts, 0)
     _holder.listener = socket.create_server((address, 0), backlog=1024)
     return address, _holder.listener.getsockname()[1]
 
@@ -382,13 +383,13 @@ def repair():
     guard = _holder.guard
     if guard is None:
         return None
-    from ..runtime import _process_groups as PG
+    from ..runtime._device import process_groups
 
     if _WATCHED not in sys.modules:
         # no torch here: still take part, other ranks may hold groups
         guard.ring.allgather_object({}, name="jupyter_ring.process_groups.state")
         return None
-    rebuilt = PG.rebuild_all()
+    rebuilt = process_groups.rebuild_all()
     guard.notes.clear()
     if not rebuilt:
         return None

@@ -55,12 +55,12 @@ from ._api import (
     timeline,
     wait_policy,
 )
-from ._config import Config
-from ._waits import WaitPolicy
-from ._core import Adasum, Average, Max, Min, Product, Sum
-from ._report import log, progress, track
-from ._where import Doing, doing
-from ._errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
+from ._engine.config import Config
+from ._engine.waits import WaitPolicy
+from ._engine.core import Adasum, Average, Max, Min, Product, Sum
+from ._observe.report import log, progress, track
+from ._observe.where import Doing, doing
+from ._engine.errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",

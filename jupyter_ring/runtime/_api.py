@@ -12,14 +12,14 @@ import weakref
 
 import numpy as np
 
-from . import _collectives as C
-from ._algorithms import eager_limit
-from ._config import Config
-from ._waits import WaitPolicy
-from ._core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
-from ._errors import NotInitializedError, RingError
-from ._progress import Call, Engine, Reduce
-from ._report import reporter
+from ._engine import collectives
+from ._engine.algorithms import eager_limit
+from ._engine.config import Config
+from ._engine.waits import WaitPolicy
+from ._engine.core import DTYPE_CODE, DTYPES, Average, Runtime, Sum
+from ._engine.errors import NotInitializedError, RingError
+from ._engine.progress import Call, Engine, Reduce
+from ._observe.report import reporter
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -314,7 +314,7 @@ def add_process_set(process_set):
     ranks = None if problem else ps.ranks
 
     def split(rt):
-        everyone = C.allgather_object(rt, _pickle(ranks, where), "jupyter_ring.add_process_set", None)
+        everyone = collectives.allgather_object(rt, _pickle(ranks, where), "jupyter_ring.add_process_set", None)
         if problem is not None or any(other != ranks for other in everyone):
             return everyone
         # Split is a blocking collective: every rank is known to be here (the exchange above), so
@@ -470,7 +470,7 @@ def _plan(engine, dtype, op, average, prescale, postscale, where):
             engine.lanes.clear()
         # equal arguments give the same plan object and serial on every rank that made the same
         # calls (the cache clears at the same call everywhere): batches are keyed by the serial
-        plan = C.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where,
+        plan = collectives.reduce_plan(engine.rt, dtype, resolve_op(op, average, where), prescale, postscale, where,
                              next(engine.serials))
         plans[key] = plan
     return plan
@@ -508,7 +508,7 @@ def _blocking(tensor, in_place, average, name, op, prescale, postscale, process_
     engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
     result = engine.run_now(entry)
     if entry.src.nbytes <= eager_limit(engine.rt) and _lane_worthy(tensor, in_place, prescale, postscale):
-        engine.prepare_lane((name, in_place), C.prepare_lane, entry, op, average, prescale, postscale)
+        engine.prepare_lane((name, in_place), collectives.prepare_lane, entry, op, average, prescale, postscale)
     return result
 
 
@@ -582,7 +582,7 @@ def _queued(tensor, in_place, average, name, op, prescale, postscale, process_se
     has one, else checked the full way, which leaves a signature-only lane for the next call."""
     engine, lane, entry = _entry(tensor, in_place, average, name, op, prescale, postscale, process_set)
     if lane is None and _lane_worthy(tensor, in_place, prescale, postscale):
-        engine.keep_lane((name, in_place), C.prepare_lane(None, entry, op, average, prescale, postscale))
+        engine.keep_lane((name, in_place), collectives.prepare_lane(None, entry, op, average, prescale, postscale))
     return _submit(engine, entry, entry.src.nbytes)
 
 
@@ -634,10 +634,10 @@ def bucket_allreduce_async_(array, name, op=None, prescale_factor=1.0, postscale
     whatever its neighbours are.
     """
     engine, entry = _reduce(array, True, None, name, op, prescale_factor, postscale_factor, process_set)
-    members = [C.Member(entry.src, entry.src)]
+    members = [collectives.Member(entry.src, entry.src)]
     desc = entry.describe()
     if sources is not None:
-        sources = sorted((C.Source(int(offset), arr.reshape(-1)) for offset, arr in sources),
+        sources = sorted((collectives.Source(int(offset), arr.reshape(-1)) for offset, arr in sources),
                          key=lambda s: s.offset)
         for src in sources:
             if src.array.dtype != entry.src.dtype or src.offset < 0 or src.offset + src.array.size > entry.src.size:
@@ -646,7 +646,7 @@ def bucket_allreduce_async_(array, name, op=None, prescale_factor=1.0, postscale
                                  "give flat arrays of the bucket's dtype inside it")
 
     def run(rt):
-        C.allreduce(rt, members, entry.plan, entry.name, desc, sources=sources)
+        collectives.allreduce(rt, members, entry.plan, entry.name, desc, sources=sources)
         if sources:
             sources.clear()  # the fresh gradients are in the bucket now: let them go
         return array
@@ -684,15 +684,15 @@ def _group(tensors, in_place, average, name, op, prescale, postscale, process_se
             raise TypeError(f"{where}: all tensors of a group must share one dtype, got {sorted(map(str, dtypes))}")
         dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
         plan = _plan(engine, dtype, op, average, prescale, postscale, where)
-    members = [C.Member(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), None)
+    members = [collectives.Member(a.reshape(-1) if a.flags.c_contiguous else np.ascontiguousarray(a).reshape(-1), None)
                for a in arrays]
     if in_place:
-        members = [C.Member(m.src, m.src) for m in members]
-    desc = C.allreduce_desc(None, (sum(m.src.size for m in members),), plan.prescale, plan.postscale,
+        members = [collectives.Member(m.src, m.src) for m in members]
+    desc = collectives.allreduce_desc(None, (sum(m.src.size for m in members),), plan.prescale, plan.postscale,
                             tuple((explicit, a.shape) for a in arrays))
 
     def run(rt):
-        outs = C.allreduce(rt, members, plan, name, desc)
+        outs = collectives.allreduce(rt, members, plan, name, desc)
         return list(arrays) if in_place else [out.reshape(a.shape) for out, a in zip(outs, arrays)]
     return _submit(engine, Call(next(_proc.handles), "allreduce", name, run), sum(a.nbytes for a in arrays))
 
@@ -711,14 +711,14 @@ def allgather(tensor, name=None, process_set=None):
         arr = _array(tensor, f"allgather '{name}'")
     out, rows = engine.run_now(_gather_call("allgather", arr, name, explicit))
     if arr is tensor:  # a numpy array: later calls of its signature may take a lane
-        engine.prepare_lane(("allgather", given), C.prepare_gather_lane, "allgather", arr, rows, explicit)
+        engine.prepare_lane(("allgather", given), collectives.prepare_gather_lane, "allgather", arr, rows, explicit)
     return out
 
 
 def _gather_call(kind, arr, name, explicit):
     """The entry of an allgather (``kind``: or allgather_object) the full way: its result is
     (output, every rank's dim 0)."""
-    return Call(next(_proc.handles), kind, name, lambda rt: C.allgather(rt, arr, name, explicit, kind))
+    return Call(next(_proc.handles), kind, name, lambda rt: collectives.allgather(rt, arr, name, explicit, kind))
 
 
 def _gather_entry(lane, arr, name, explicit):
@@ -732,7 +732,7 @@ def allgather_async(tensor, name=None, process_set=None):
         name, explicit = _auto_name("allgather", name)
         arr = _array(tensor, f"allgather '{name}'")
     return _submit(engine, Call(next(_proc.handles), "allgather", name,
-                                lambda rt: C.allgather(rt, arr, name, explicit)[0]))
+                                lambda rt: collectives.allgather(rt, arr, name, explicit)[0]))
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set=None):
@@ -765,7 +765,7 @@ def _broadcast(tensor, in_place, root_rank, name, process_set):
         root = _set_root(process_set, engine, root_rank, where)
     result = engine.run_now(_broadcast_call(arr, arr if in_place else np.empty_like(arr), root, name, explicit))
     if type(tensor) is np.ndarray and type(root_rank) is int:
-        engine.prepare_lane((key, given), C.prepare_cast_lane, arr, root_rank, root, explicit)
+        engine.prepare_lane((key, given), collectives.prepare_cast_lane, arr, root_rank, root, explicit)
     return result
 
 
@@ -777,7 +777,7 @@ def _broadcast_entry(lane, tensor, in_place, name, explicit):
 
 def _broadcast_call(arr, out, root, name, explicit):
     """The entry of a broadcast of ``arr`` from ``root`` (this set's rank) into ``out``."""
-    return Call(next(_proc.handles), "broadcast", name, lambda rt: C.broadcast_into(rt, arr, out, root, name, explicit))
+    return Call(next(_proc.handles), "broadcast", name, lambda rt: collectives.broadcast_into(rt, arr, out, root, name, explicit))
 
 
 def broadcast_async(tensor, root_rank=0, name=None, process_set=None):
@@ -808,9 +808,9 @@ def _reducescatter(tensor, op, name, process_set):
         arr = np.ascontiguousarray(_array(tensor, where))
         if arr.ndim == 0:
             raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
-        C._reducer(op, arr.dtype)
+        collectives._reducer(op, arr.dtype)
     return engine, Call(next(_proc.handles), "reducescatter", name,
-                        lambda rt: C.reducescatter(rt, arr, op, name, explicit))
+                        lambda rt: collectives.reducescatter(rt, arr, op, name, explicit))
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
@@ -832,7 +832,7 @@ def _alltoall(tensor, splits, name, process_set):
         arr = np.ascontiguousarray(_array(tensor, where))
         splits = _splits(arr, splits, engine.rt.size, where)
     return engine, Call(next(_proc.handles), "alltoall", name,
-                        lambda rt: C.alltoall(rt, arr, splits, name, explicit))
+                        lambda rt: collectives.alltoall(rt, arr, splits, name, explicit))
 
 
 def _splits(arr, splits, n, where):
@@ -856,7 +856,7 @@ def _splits(arr, splits, n, where):
 def barrier(process_set=None):
     """Wait until every rank arrives (interruptible, with the stall timeout)."""
     engine = _engine(process_set, "barrier")
-    engine.run_now(Call(next(_proc.handles), "barrier", "barrier", lambda rt: C.barrier(rt, "barrier")))
+    engine.run_now(Call(next(_proc.handles), "barrier", "barrier", lambda rt: collectives.barrier(rt, "barrier")))
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
@@ -867,7 +867,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         me = engine.rt.rank
         data = _pickle(obj, f"broadcast_object '{name}'") if me == root else None
     result = engine.run_now(Call(next(_proc.handles), "broadcast_object", name,
-                                 lambda rt: C.broadcast_object(rt, data, root, name, explicit)))
+                                 lambda rt: collectives.broadcast_object(rt, data, root, name, explicit)))
     return obj if me == root else result
 
 
@@ -892,9 +892,9 @@ def allgather_object(obj, name=None, process_set=None):
     else:
         gathered, sizes = engine.run_now(_gather_call("allgather_object", data, name, explicit))
         if given is None or type(given) is str:
-            engine.prepare_lane(("allgather_object", given), C.prepare_gather_lane, "allgather_object", data, sizes,
+            engine.prepare_lane(("allgather_object", given), collectives.prepare_gather_lane, "allgather_object", data, sizes,
                                 explicit)
-    return C.unpickle_gathered(gathered, sizes)
+    return collectives.unpickle_gathered(gathered, sizes)
 
 
 def join():

@@ -12,7 +12,7 @@
 Data paths, chosen per process:
 
 * **The device transport** (torch installed): the array is handed to torch without a copy
-  (DLPack) and reduced by :mod:`jupyter_ring.runtime._device` over NCCL, the same transport as
+  (DLPack) and reduced by :mod:`jupyter_ring.runtime._device.transport.transport` over NCCL, the same transport as
   torch CUDA tensors (agreement over the ring, completion polled, abort and rebuild; one NCCL
   communicator shared with torch.distributed).
 * **cupy's NCCL** (no torch, ``cupy.cuda.nccl`` importable, every rank on its own GPU): the buffers
@@ -42,9 +42,9 @@ import numpy as np
 
 from .. import runtime as _ring
 from . import _api  # named helpers: session(), resolve_op()
-from . import _device
-from ._common import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
-from ._common import __all__ as _COMMON
+from ._device import transport as _device
+from ._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
+from ._horovod.runtime_names import __all__ as _COMMON
 
 __all__ = [
     *_COMMON, "gpu_available", "nccl_available", "allreduce", "allreduce_", "allgather",

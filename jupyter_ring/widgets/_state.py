@@ -1,6 +1,6 @@
 """The dashboard's state: every rank's latest snapshot and metric history, in pure Python.
 
-Snapshots come from ``jupyter_ring.runtime._report.Reporter.snapshot()`` on each rank (through
+Snapshots come from ``jupyter_ring.runtime._observe.report.Reporter.snapshot()`` on each rank (through
 whatever transport the front end uses). Their ``history`` holds only the points logged since the
 previous snapshot, so every snapshot must be ingested once; ingesting one twice, or out of order,
 does no harm: points are de-duplicated and kept in time order, and an older snapshot never

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 import jupyter_ring.runtime.torch as hvd
-from jupyter_ring.runtime import _elastic, _elastic_world
+from jupyter_ring.runtime._horovod import elastic as _elastic
+from jupyter_ring.runtime._horovod import elastic_world as _elastic_world
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

@@ -23,6 +23,7 @@ keras = tf.keras
 
 import jupyter_ring.runtime.keras as hvd  # noqa: E402
 import jupyter_ring.runtime.tensorflow as hvd_tf  # noqa: E402
+from jupyter_ring.runtime.tensorflow.util import optimizer_variables  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -190,8 +191,8 @@ loaded = hvd.load_model(path)
 os.unlink(path)
 if not hasattr(loaded.optimizer, "register_local_var"):
     failures.append(f"load_model: the optimizer is not distributed ({type(loaded.optimizer).__mro__})")
-close("load_model optimizer state", flat(v.numpy() for v in hvd_tf._optimizer_variables(loaded.optimizer)),
-      flat(v.numpy() for v in hvd_tf._optimizer_variables(model.optimizer)), 0)
+close("load_model optimizer state", flat(v.numpy() for v in optimizer_variables(loaded.optimizer)),
+      flat(v.numpy() for v in optimizer_variables(model.optimizer)), 0)
 loaded.fit(X[MINE[:PER]], Y[MINE[:PER]], batch_size=PER, epochs=1, verbose=0)
 same_on_all_ranks("load_model then fit", [w.numpy() for w in loaded.trainable_variables])
 

@@ -110,10 +110,10 @@ check("allreduce 0-d", ring.allreduce(np.float32(r + 1), op=ring.Sum, name="scal
 # reference and, bit for bit, the same input through the full way (an async call never takes a
 # lane); lanes really ran (counted); a change of shape, dtype, op or scale, a different input
 # object or an anonymous call each get the right result.
-from jupyter_ring.runtime import _collectives as _C  # noqa: E402
+from jupyter_ring.runtime._engine import collectives  # noqa: E402
 
 lane_runs = [0]
-LANE_CLASSES = (_C.Lane, _C.GatherLane, _C.CastLane)
+LANE_CLASSES = (collectives.Lane, collectives.GatherLane, collectives.CastLane)
 _lane_bodies = [cls.run for cls in LANE_CLASSES]
 
 

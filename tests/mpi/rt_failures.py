@@ -307,7 +307,7 @@ elif mode == "held":
     # queued another name first: the queues disagree until it queues theirs); neither raises
     # StallError, the results are exact, and a wait that outlasts the stall warning says the rank
     # is in the debugger (on stderr, checked by the test).
-    from jupyter_ring.runtime._debugger import hold
+    from jupyter_ring.runtime._observe.debugger import hold
 
     hold.arm(sys.argv[2], r)
     timeout = float(os.environ["JUPYTER_RING_STALL_TIMEOUT"])

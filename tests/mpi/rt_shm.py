@@ -23,7 +23,7 @@ import numpy as np
 import jupyter_ring.runtime as ring
 from _checks import INTERRUPT_S, Meeting
 from jupyter_ring.runtime import _api
-from jupyter_ring.runtime._core import OP_NAMES
+from jupyter_ring.runtime._engine.core import OP_NAMES
 
 mode = sys.argv[1]
 ring.init()

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import jupyter_ring.runtime as ring
-from jupyter_ring.runtime import _waits
+from jupyter_ring.runtime._engine import waits as _waits
 
 ring.init()
 r, n = ring.rank(), ring.size()

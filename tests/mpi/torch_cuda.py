@@ -16,7 +16,8 @@ import _checks
 import torch
 
 import jupyter_ring.runtime.torch as hvd
-from jupyter_ring.runtime import RingError, _device
+from jupyter_ring.runtime import RingError
+from jupyter_ring.runtime._device.transport.transport import transport as _device
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

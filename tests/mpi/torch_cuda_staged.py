@@ -14,6 +14,7 @@ import _checks
 import torch
 
 import jupyter_ring.runtime.torch as hvd
+from jupyter_ring.runtime.torch import mpi_ops
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -68,11 +69,11 @@ for k in reversed(range(4)):
     hvd.synchronize(handles[k])
     check(f"in flight {k}", tensors[k], sum(inputs[k]))
 # buffers are kept and lent again, not allocated per call
-before = {key: len(v) for key, v in hvd._staging.free.items()}
+before = {key: len(v) for key, v in mpi_ops._staging.free.items()}
 for _ in range(5):
     hvd.allreduce_(torch.ones(1009, device=dev), op=hvd.Sum, name="reuse")
-after = {key: len(v) for key, v in hvd._staging.free.items()}
-if after != before or not all(b.is_pinned() for v in hvd._staging.free.values() for b in v):
+after = {key: len(v) for key, v in mpi_ops._staging.free.items()}
+if after != before or not all(b.is_pinned() for v in mpi_ops._staging.free.values() for b in v):
     failures.append(f"staging buffers not reused or not pinned: {before} -> {after}")
 # DistributedOptimizer on CUDA parameters with the transport off: host buckets the ring reduces
 opt = _checks.train_matches_one_process(hvd, dev, failures)

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import jupyter_ring.runtime.torch as hvd
-from jupyter_ring.runtime import _device
-from jupyter_ring.runtime import _process_groups as PG
+from jupyter_ring.runtime._device.transport.transport import transport as _device
+from jupyter_ring.runtime._device.transport.transport import process_groups
 
 torch.set_num_threads(1)
 hvd.init()
@@ -200,12 +200,12 @@ if n > 1:
     exact_round("after-join")
 
     # ---- the user's default group, shared by the transport, aborted and re-created in place
-    PG.install_recording()
+    process_groups.install_recording()
     port = _checks.free_port(ring)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n))
     dist.init_process_group("gloo")
     world = dist.group.WORLD
-    expect("the default group is recorded", PG.registry.find(world) is not None)
+    expect("the default group is recorded", process_groups.registry.find(world) is not None)
     model = torch.nn.Linear(4, 3)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)

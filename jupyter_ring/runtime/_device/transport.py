@@ -1,0 +1,652 @@
+"""The device transport: collectives on device buffers over a torch.distributed process group.
+
+CUDA tensors (torch, and cupy through DLPack) are never staged through host memory: they go to
+NCCL through torch.distributed's NCCL backend, which launches on its own stream after the
+caller's stream. The same code runs over a gloo group on CPU tensors, which is how everything but
+NCCL itself is tested without a GPU (``JUPYTER_RING_DEVICE_TRANSPORT=gloo``).
+
+Every collective is::
+
+    agreement (over the ring runtime) -> fusion into one flat device buffer -> launch (async work)
+    -> completion polled (Work.is_completed) -> results copied out of the fusion buffer
+
+* **Agreement first.** NCCL and gloo hang when ranks disagree; so every rank first votes, over
+  the ring runtime (interruptible, with its stall timeout naming the ranks that never arrived),
+  with a fingerprint of what it is about to do (kind, device, name, dtype, shapes, op, root,
+  scales), its group's generation and whether its arguments were good: one element-wise Max of
+  six int64s (a prepared lane of the ring after the first call; allgather also needs every
+  rank's first dimension, so it gathers them). One rank votes with nobody. A mismatch raises
+  ``CollectiveMismatchError`` on every rank, bad arguments on one rank ``PeerError`` on the others.
+* **Polled completion.** The caller's thread polls ``Work.is_completed()`` (spin briefly, then
+  back off), so SIGINT raises ``KeyboardInterrupt`` within milliseconds and a transfer that does
+  not end within the stall timeout raises ``StallError``.
+* **Abort and rebuild.** A collective given up on this rank (interrupt, stall, an error) aborts
+  the group (``_process_groups.ManagedGroup.abort``: NCCL ``abort()``, gloo connections shut
+  down), so the peers' pending transfer fails at once instead of hanging; the next agreement
+  sees the aborted group on some rank and every rank re-creates it before going on. Buffers
+  handed to an abandoned transfer are never reused.
+* **One NCCL group.** When the user's default process group (``%ring start --torch-distributed``,
+  or ``init_process_group()`` in a cell) has a backend for the device, it is used, not a second
+  one: ``allreduce`` of the runtime and the user's DDP share its communicator.
+
+Interface (the runtime engine routes fused device buckets here)::
+
+    t = transport()                                        # this process's transport
+    t.allreduce_([g1, g2], op=Average, name="bucket.3")    # in place, fused, blocking
+    work = t.allreduce_async_([g1, g2], op=Sum, name="b")  # agreed and launched; work.wait()
+    t.broadcast_(x, root=0, name="w");  y = t.allgather(x, name="rows")
+
+Tensors are torch tensors on one device type; ``supports(dtype, op)`` says which pairs go here
+(the adapters stage the others through the ring).
+"""
+
+import logging
+import os
+import socket
+import time
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+
+from ... import runtime as _ring
+from . import process_groups
+from .._engine import waits as _waits
+from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
+from .._engine.errors import CollectiveMismatchError, PeerError, RingError, StallError
+from .._engine.pool import Lender
+from .._observe.report import reporter
+
+__all__ = ["DeviceTransport", "DeviceWork", "transport", "mode", "routes", "supports", "copies",
+           "TRANSPORT_ENV"]
+
+log = logging.getLogger(__name__)
+
+TRANSPORT_ENV = "JUPYTER_RING_DEVICE_TRANSPORT"
+_MODES = ("auto", "gloo", "off")
+# status of a rank in the agreement message
+_OK, _BAD_ARGS = 0, 1
+# free fusion buffers kept per (device, dtype) for later grouped collectives
+_FUSION_KEPT = 4
+
+
+def mode():
+    """``auto`` (CUDA tensors over NCCL), ``gloo`` (also CPU torch tensors, over gloo: the CI
+    switch that exercises this transport without a GPU) or ``off`` (stage everything)."""
+    value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
+    if value not in _MODES:
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: use auto, gloo or off")
+    return value
+
+
+def routes(tensor):
+    """Whether ``tensor`` (a torch tensor) goes through the device transport."""
+    kind = tensor.device.type
+    current = mode()
+    if kind == "cuda":
+        return current != "off" and _nccl_available()
+    return kind == "cpu" and current == "gloo"
+
+
+def _nccl_available():
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def _dtypes():
+    import torch
+
+    return {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+            torch.int32, torch.int64}
+
+
+def supports(dtype, op):
+    """Whether an allreduce of ``dtype`` with ``op`` runs on the device transport (else: staged)."""
+    import torch
+
+    if dtype in _dtypes():
+        return op in (Sum, Average, Min, Max, Product)
+    if dtype == torch.bool:
+        return op in (Min, Max, Product)   # on a uint8 view: min = and, max = or
+    if dtype in (torch.complex64, torch.complex128):
+        return op in (Sum, Average)        # as (real, imag) pairs
+    return False
+
+
+def copies(dtype):
+    """Whether a broadcast or allgather of ``dtype`` runs on the device transport."""
+    import torch
+
+    return dtype in _dtypes() or dtype in (torch.bool, torch.complex64, torch.complex128)
+
+
+def _fingerprint(desc):
+    text = repr(desc).encode()
+    return ((zlib.crc32(text) << 31) ^ zlib.adler32(text)) & ((1 << 62) - 1)
+
+
+def _check(tensors, where):
+    import torch
+
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
+    bad = [type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{where}: expected torch tensors, got {', '.join(bad)}")
+    if not tensors:
+        return None
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"{where}: tensors on several devices ({sorted(map(str, devices))}); "
+                         "move them to one device")
+    return next(iter(devices))
+
+
+class Agreement(NamedTuple):
+    """What every rank agreed to before a device collective."""
+
+    rows: object    # every rank's aux (allgather's first dimensions), an int64 array, or None
+    joined: bool    # some rank has called join(): its zeros go through the ring, not the group
+
+
+class DeviceWork:
+    """A device collective agreed and launched: ``poll()`` tells whether it is done, ``wait()``
+    finishes it (copies results out, scales) and returns its result."""
+
+    __slots__ = ("_transport", "_group", "_work", "_what", "_finish", "_buffers", "_start",
+                 "_agreed", "_nbytes", "_kind", "_name", "_result", "_done")
+
+    def __init__(self, transport, group, work, what, finish, buffers, times, nbytes, kind, name):
+        self._transport, self._group, self._work, self._what = transport, group, work, what
+        self._finish, self._buffers = finish, buffers
+        self._start, self._agreed = times
+        self._nbytes, self._kind, self._name = nbytes, kind, name
+        self._result = None
+        self._done = False
+
+    def poll(self):
+        """True when the transfer has completed (never blocks)."""
+        return self._done or self._work is None or self._work.is_completed()
+
+    def wait(self):
+        """Wait for the transfer (interruptible, bounded by the stall timeout); the result."""
+        if self._done:
+            return self._result
+        self._done = True
+        if self._work is not None:
+            self._transport._wait(self._work, self._what, self._group, self._buffers)
+        self._result = self._finish()
+        trace = reporter.trace
+        if trace is not None:
+            end = time.perf_counter()
+            trace.record(self._kind, self._name, self._nbytes, self._start, end,
+                         {"negotiate": (self._start, self._agreed), "device": (self._agreed, end)})
+        return self._result
+
+
+class DeviceTransport:
+    """Device collectives of this process over one managed process group per device type."""
+
+    def __init__(self):
+        self._private = {}   # device type -> our own ManagedGroup (when the user has none)
+        self._fusion = Lender(_FUSION_KEPT)  # flat fusion buffers by (device, dtype), each lent to one collective
+        self._store = None   # the rendezvous store of our own groups
+        self._listener = None
+        self._unnamed = {}   # kind -> counter for names of unnamed collectives (same on every rank)
+        # tests: called with (kind, name) after the agreement, before the transfer is launched
+        self.before_launch = None
+
+    def auto_name(self, kind, name):
+        """``name``, or ``<kind>.device.<n>`` for the n-th unnamed ``kind`` of this process."""
+        if name is not None:
+            return name
+        count = self._unnamed.get(kind, 0)
+        self._unnamed[kind] = count + 1
+        return f"{kind}.device.{count}"
+
+    # ------------------------------------------------------------------ groups
+    def group(self, device_type):
+        """The managed group for ``device_type``: the user's default group when it has a backend
+        for it (never a second NCCL communicator), else one of our own, made on first use
+        (collective: every rank calls this at the same point, which the agreement guarantees)."""
+        group = self._lookup(device_type)
+        if group is None:
+            group = self._private[device_type] = self._new_private(device_type)
+        return group
+
+    def _lookup(self, device_type):
+        """The group for ``device_type`` if there is one already (never collective)."""
+        shared = self._shared(device_type)
+        return shared if shared is not None else self._private.get(device_type)
+
+    def _shared(self, device_type):
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        pg = dist.group.WORLD
+        if pg.size() != _ring.size() or pg.rank() != _ring.rank():
+            return None  # a torch world that is not the ring's world: keep ours apart
+        managed = process_groups.registry.find(pg)
+        if managed is not None:
+            return managed if device_type in managed.backends else None
+        try:
+            backend = pg._get_backend(torch.device(device_type))
+        except RuntimeError:
+            return None
+        if process_groups._kind(backend) != "nccl":
+            # a gloo group made outside jupyter_ring's guard: its sockets are unknown, so it
+            # could not be aborted; use a group of our own
+            return None
+        return process_groups.registry.record(process_groups.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(), set()))
+
+    def _new_private(self, device_type):
+        import datetime
+
+        import torch.distributed as dist
+
+        kind = "nccl" if device_type == "cuda" else "gloo"
+        store = self._rendezvous_store()
+        timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
+        prefix = dist.PrefixStore(f"jupyter_ring/device/{kind}/", store)
+        backend, sockets = process_groups.new_backend(kind, prefix, _ring.rank(), _ring.size(), timeout)
+        return process_groups.ManagedGroup(f"jupyter_ring's {kind} device group", f"jupyter_ring.device.{kind}", None,
+                               {device_type: backend},
+                               {device_type: kind}, prefix, _ring.rank(), _ring.size(), timeout,
+                               sockets, {kind.upper()})
+
+    def _rendezvous_store(self):
+        """A TCPStore on rank 0, listening on loopback when every rank is on its host."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if self._store is not None:
+            return self._store
+        hosts = _ring.allgather_object(socket.gethostname(), name="jupyter_ring.device.hosts")
+        address = port = None
+        if _ring.rank() == 0:
+            address = process_groups.rendezvous_address(hosts, 0)
+            self._listener = socket.create_server((address, 0), backlog=1024)
+            port = self._listener.getsockname()[1]
+        address, port = _ring.broadcast_object((address, port), 0, name="jupyter_ring.device.store")
+        timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
+        if _ring.rank() == 0:
+            self._store = dist.TCPStore(address, port, None, True, timeout=timeout, wait_for_workers=False,
+                                        master_listen_fd=self._listener.fileno())
+        else:
+            self._store = dist.TCPStore(address, port, None, False, timeout=timeout)
+        return self._store
+
+    # ------------------------------------------------------------------ agreement
+    def _agree(self, kind, name, device_type, desc, aux=None, error=None):
+        """Agree with every rank on ``desc`` (raises on every rank if anyone differs or failed);
+        re-create the group where a rank abandoned a collective. Returns an ``Agreement``: every
+        rank's ``aux`` (an int; allgather's first dimensions; None without ``aux``), and whether
+        some rank has called ``join()`` (then only an allreduce may run, through the ring).
+
+        Without ``aux`` the vote is one element-wise Max over seven int64s, which takes the ring's
+        prepared lane after the first call (~4x cheaper than an allgather): the fingerprint and
+        the generation go in as ``x`` and ``-x``, so ``max(x) != -max(-x)`` exactly when two
+        ranks differ. Every rank sees the same reduced vote, so all take the same branch. A rank
+        that called ``join()`` contributes zeros to the ring's allreduces: every voting rank
+        puts -1 last, so a 0 there says that some rank joined (its zeros make the rest of the
+        vote meaningless, and it takes no part in the group's transfers).
+        """
+        group = self._lookup(device_type)
+        # a group aborted here (this transport gave a collective up, or the notebook's guard
+        # aborted the user's group it shares) is re-created by every rank before going on
+        generation, aborted = (group.generation, bool(group.aborted)) if group else (0, False)
+        if _ring.size() == 1:  # nobody to disagree with; the checks below stay local
+            if error is not None:
+                raise error
+            if aborted:
+                self._rebuild(device_type, [0])
+            return Agreement(None if aux is None else np.array([aux], np.int64), False)
+        fingerprint = _fingerprint(desc)
+        if aux is None:
+            vote = np.array([fingerprint, -fingerprint, generation, -generation, aborted,
+                             _BAD_ARGS if error else _OK, -1], np.int64)
+            _ring.allreduce_(vote, op=Max, name="jupyter_ring.device.vote")
+            if vote[6] == 0:
+                if error is not None:
+                    raise error
+                if vote[5] == _BAD_ARGS:  # (no object exchange while a rank is joined)
+                    raise PeerError(f"{kind} '{name}': another rank could not join this collective and raised "
+                                    "its own error there; fix the call on that rank. Every rank raises here so "
+                                    "that none is left waiting.", None, None)
+                return Agreement(None, True)
+            bad, differ = vote[5] == _BAD_ARGS, vote[0] != -vote[1]
+            rebuild, rows, abandoned = bool(vote[4]) or vote[2] != -vote[3], None, None
+        else:
+            mine = np.array([[fingerprint, generation, aborted, _BAD_ARGS if error else _OK, aux]], np.int64)
+            every = _ring.allgather(mine, name="jupyter_ring.device")
+            bad, differ = (every[:, 3] == _BAD_ARGS).any(), (every[:, 0] != every[0, 0]).any()
+            rebuild, rows = every[:, 2].any() or (every[:, 1] != every[0, 1]).any(), every[:, 4]
+            abandoned = [r for r in range(len(every)) if every[r, 2]]
+        if bad:
+            reasons = _ring.allgather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                             name="jupyter_ring.device.error")
+            if error is not None:
+                raise error
+            bad = next(r for r, reason in enumerate(reasons) if reason)
+            raise PeerError(f"{kind} '{name}': rank {bad} could not join this collective and raised "
+                            f"{reasons[bad]}. Fix the call on rank {bad}; every rank raises here so that "
+                            "none is left waiting.", bad, reasons[bad])
+        if differ:
+            labelled = dict(desc)
+            mine_desc = {"kind": kind, "name": name, "op": OP_NAMES.get(labelled.get("op"), labelled.get("op")),
+                         "root": labelled.get("root"), "dtype": labelled.get("dtype"),
+                         "desc": tuple(item for item in desc if item[0] not in ("op", "root", "dtype"))}
+            descs = _ring.allgather_object(mine_desc, name="jupyter_ring.device.describe")
+            raise CollectiveMismatchError(describe_mismatch(dict(enumerate(descs))))
+        if rebuild:
+            if abandoned is None:  # which ranks, for the log: every rank takes this branch
+                flags = _ring.allgather_object(aborted, name="jupyter_ring.device.aborted")
+                abandoned = [r for r, flag in enumerate(flags) if flag]
+            self._rebuild(device_type, abandoned)
+        return Agreement(rows, False)
+
+    def _rebuild(self, device_type, abandoned_on):
+        group = self.group(device_type)
+        group.rebuild()
+        # a fresh group, fresh buffers (those of abandoned transfers were never given back)
+        self._fusion.drop(lambda key: key[0].type != device_type)
+        log.warning("jupyter_ring: %s re-created on every rank after a collective was abandoned "
+                    "on rank(s) %s", group.label, abandoned_on)
+
+    # ------------------------------------------------------------------ waiting
+    def _wait(self, work, what, group, buffers):
+        """Poll ``work`` until it completes: interruptible, bounded by the stall timeout."""
+        config = _ring.config()
+        start = time.perf_counter()
+        try:
+            if not work.is_completed():
+                spin_until = start + _waits.SPIN_SECONDS
+                yields = _ring.wait_policy().yields  # ranks outnumber cores: the peer may need this one
+                while time.perf_counter() < spin_until and not work.is_completed():
+                    if yields:
+                        os.sched_yield()
+                delay = _waits.FIRST_NAP
+                while not work.is_completed():
+                    waited = time.perf_counter() - start
+                    if waited > config.stall_timeout:
+                        raise StallError(
+                            f"{what}: rank {_ring.rank()} waited {waited:.1f} s for the transfer after every "
+                            f"rank had agreed to it (stall timeout {config.stall_timeout:g} s): a rank died or "
+                            "is stuck inside the backend. The group is re-created before the next collective.",
+                            ())
+                    time.sleep(delay)
+                    delay = _waits.next_nap(delay, waited)
+            work.wait()  # raises the backend's error; on NCCL, orders the caller's stream after it
+        except RuntimeError as exc:
+            if isinstance(exc, RingError):
+                self._abandon(group, what, buffers, type(exc).__name__)
+                raise
+            self._abandon(group, what, buffers, "the backend failed")
+            raise RingError(f"{what}: the transfer failed ({_first_line(exc)}): a peer rank gave it up "
+                            "(interrupted, failed or timed out). The group is re-created before the next "
+                            "collective; tensors passed in place may hold partial results.") from exc
+        except BaseException as exc:
+            self._abandon(group, what, buffers, type(exc).__name__)
+            raise
+
+    def _abandon(self, group, what, buffers, why):
+        device_type = next(iter(group.backends))
+        group.abort(f"{what} abandoned on rank {_ring.rank()} ({why})")
+        # ``buffers`` are never given back: the abandoned transfer may still write into them
+        log.info("jupyter_ring: %s abandoned (%s) on %s", what, why, device_type)
+
+    # ------------------------------------------------------------------ collectives
+    def _launching(self, kind, name):
+        if self.before_launch is not None:
+            self.before_launch(kind, name)
+
+    def _fusion_buffer(self, device, dtype, numel):
+        """A flat buffer of at least ``numel`` elements, lent to one collective until its finish
+        gives it back: two collectives in flight never share one."""
+        import torch
+
+        return self._fusion.lend((device, dtype), numel,
+                                 lambda: torch.empty(max(numel, 1), dtype=dtype, device=device))
+
+    def allreduce_async_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
+        """Agree, fuse and launch an in-place allreduce of ``tensors``; returns a DeviceWork."""
+        import torch
+
+        where = f"allreduce '{name}'"
+        error, device = None, None
+        try:
+            device = _check(tensors, where)
+            if op not in OP_NAMES or op == Adasum:
+                raise ValueError(f"{where}: op {OP_NAMES.get(op, op)!r} is not supported here; use Sum, Average, "
+                                 "Min, Max or Product")
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) > 1:
+                raise TypeError(f"{where}: all tensors of a group must share one dtype, got {sorted(map(str, dtypes))}")
+            dtype = next(iter(dtypes)) if dtypes else torch.float32
+            if tensors and not supports(dtype, op):
+                raise TypeError(f"{where}: op={OP_NAMES[op]} on {dtype} is not supported by the device transport")
+            integer = not (dtype.is_floating_point or dtype.is_complex)
+            if integer and (prescale_factor != 1.0 or postscale_factor != 1.0):
+                raise TypeError(f"{where}: prescale_factor/postscale_factor need a floating-point tensor, got "
+                                f"{dtype}; cast it to float32 first")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        device_type = device.type if device is not None else _default_device_type()
+        if error is None:
+            desc = (("device", device_type), ("name", name), ("op", op), ("dtype", str(dtype)),
+                    ("tensors (shape)", tuple(tuple(t.shape) for t in tensors)),
+                    ("prescale_factor", float(prescale_factor)), ("postscale_factor", float(postscale_factor)))
+        else:
+            desc = (("device", device_type), ("name", name), ("op", op))
+        start = time.perf_counter()
+        joined = self._agree("allreduce", name, device_type, desc, error=error).joined
+        if joined:
+            return self._allreduce_with_joined(tensors, op, name, prescale_factor, postscale_factor, start)
+        group = self.group(device_type)
+        size = _ring.size()
+        total = sum(t.numel() for t in tensors)
+        what = f"allreduce '{name}' ({device_type}, {group.kinds[device_type]})"
+        if total == 0:
+            return DeviceWork(self, group, None, what, lambda: tensors, [], (start, time.perf_counter()), 0,
+                              "allreduce", name)
+        dtype = tensors[0].dtype
+        single = len(tensors) == 1 and tensors[0].is_contiguous()
+        fused = None if single else self._fusion_buffer(device, dtype, total)
+        flat = tensors[0].view(-1) if single else fused[:total]
+        if not single:
+            torch.cat([t.reshape(-1) for t in tensors], out=flat)
+        wire = flat
+        if dtype == torch.bool:
+            wire = flat.view(torch.uint8)
+        elif dtype.is_complex:
+            wire = torch.view_as_real(flat)
+        if prescale_factor != 1.0:
+            wire.mul_(prescale_factor)
+        scale = postscale_factor / (size if op == Average and not _integer(dtype) else 1)
+        divisor = size if op == Average and _integer(dtype) else 1
+        work = None
+        self._launching("allreduce", name)
+        if size > 1:
+            work = group.backend(device_type).allreduce([wire], _allreduce_options(op))
+        agreed = time.perf_counter()
+
+        def finish():
+            if scale != 1.0:
+                wire.mul_(scale)
+            if divisor != 1:
+                wire.floor_divide_(divisor)
+            if not single:
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                self._fusion.give_back((device, dtype), fused)  # the copies come before any later use
+            return tensors
+
+        return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),
+                          total * dtype.itemsize, "allreduce", name)
+
+    def _allreduce_with_joined(self, tensors, op, name, prescale_factor, postscale_factor, start):
+        """Some rank has called ``join()``: it takes part in the ring's allreduces with zeros (as
+        in Horovod), never in the group's transfers, so the tensors go through the ring, staged
+        through host memory, on every rank that voted (all of them saw the join in the vote)."""
+        import torch
+
+        for index, t in enumerate(tensors):
+            host = t.detach().to(device="cpu", dtype=torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
+                                 copy=True)
+            _ring.allreduce_(host.numpy(), op=op, name=f"{name}.joined.{index}", prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor)
+            t.copy_(host)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return DeviceWork(self, None, None, f"allreduce '{name}' (a rank joined: through the ring)",
+                          lambda: tensors, [], (start, time.perf_counter()), nbytes, "allreduce", name)
+
+    def allreduce_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
+        """In-place allreduce of a list of tensors (one fused transfer); blocking."""
+        return self.allreduce_async_(tensors, op, name, prescale_factor, postscale_factor).wait()
+
+    def broadcast_async_(self, tensor, root=0, name="broadcast"):
+        """Agree and launch an in-place broadcast of root's ``tensor``; returns a DeviceWork."""
+        import torch
+
+        where = f"broadcast '{name}'"
+        error = None
+        try:
+            _check([tensor], where)
+            if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < _ring.size():
+                raise ValueError(f"{where}: root_rank {root!r} is not a rank of this world (0..{_ring.size() - 1})")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else _default_device_type()
+        desc = (("device", device_type), ("name", name), ("root", root),
+                ("dtype", str(getattr(tensor, "dtype", None))), ("shape", tuple(getattr(tensor, "shape", ()))))
+        start = time.perf_counter()
+        if self._agree("broadcast", name, device_type, desc, error=error).joined:
+            raise CollectiveMismatchError(
+                f"broadcast '{name}': a rank called join() and waits for the others to join; only "
+                "allreduce can run until every rank has joined (as in Horovod). Call join() on this "
+                "rank too, or run this collective before any rank joins.")
+        group = self.group(device_type)
+        what = f"broadcast '{name}' ({device_type}, {group.kinds[device_type]})"
+        contiguous = tensor.is_contiguous()
+        flat = tensor.view(-1) if contiguous else tensor.contiguous().view(-1)
+        wire = _wire(flat)
+        work = None
+        self._launching("broadcast", name)
+        if _ring.size() > 1 and tensor.numel():
+            import torch.distributed as dist
+
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = root, 0
+            work = group.backend(device_type).broadcast([wire], opts)
+        agreed = time.perf_counter()
+
+        def finish():
+            if not contiguous:
+                tensor.copy_(flat.view_as(tensor))
+            return tensor
+
+        return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),
+                          tensor.numel() * tensor.element_size(), "broadcast", name)
+
+    def broadcast_(self, tensor, root=0, name="broadcast"):
+        """In-place broadcast of root's ``tensor``; blocking; returns ``tensor``."""
+        return self.broadcast_async_(tensor, root, name).wait()
+
+    def allgather_async(self, tensor, name="allgather"):
+        """Agree and launch an allgather along dim 0 (which may differ between ranks)."""
+        import torch
+
+        where = f"allgather '{name}'"
+        error = None
+        try:
+            _check([tensor], where)
+            if tensor.dim() == 0:
+                raise ValueError(f"{where}: needs a tensor with at least one dimension; pass tensor.reshape(1)")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        ok = error is None
+        device_type = tensor.device.type if isinstance(tensor, torch.Tensor) else _default_device_type()
+        desc = (("device", device_type), ("name", name), ("dtype", str(getattr(tensor, "dtype", None))),
+                ("trailing shape", tuple(tensor.shape[1:]) if ok else None))
+        start = time.perf_counter()
+        rows = self._agree("allgather", name, device_type, desc, aux=tensor.shape[0] if ok else 0, error=error).rows
+        group = self.group(device_type)
+        what = f"allgather '{name}' ({device_type}, {group.kinds[device_type]})"
+        most = int(rows.max())
+        trail = tuple(tensor.shape[1:])
+        padded = torch.zeros((most,) + trail, dtype=tensor.dtype, device=tensor.device)
+        padded[:tensor.shape[0]] = tensor
+        outs = [torch.empty_like(padded) for _ in range(len(rows))]
+        work = None
+        self._launching("allgather", name)
+        if len(rows) > 1 and padded.numel():
+            work = group.backend(device_type).allgather([[_wire(o) for o in outs]], [_wire(padded)])
+        else:
+            outs[0].copy_(padded)
+        agreed = time.perf_counter()
+
+        def finish():
+            return torch.cat([o[:int(r)] for o, r in zip(outs, rows)])
+
+        return DeviceWork(self, group, work, what, finish, [padded, *outs], (start, agreed),
+                          padded.numel() * padded.element_size() * len(rows), "allgather", name)
+
+    def allgather(self, tensor, name="allgather"):
+        """Every rank's ``tensor`` concatenated along dim 0; blocking."""
+        return self.allgather_async(tensor, name).wait()
+
+
+def _integer(dtype):
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _wire(tensor):
+    """The view a backend reduces: bool as uint8, complex as (real, imag) pairs."""
+    import torch
+
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    if tensor.dtype.is_complex:
+        return torch.view_as_real(tensor)
+    return tensor
+
+
+def _allreduce_options(op):
+    import torch.distributed as dist
+
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
+                     Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}[op]
+    return opts
+
+
+def _default_device_type():
+    return "cuda" if mode() != "gloo" else "cpu"
+
+
+def _first_line(exc):
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _Holder:
+    """This process's transport, made on first use."""
+
+    def __init__(self):
+        self.transport = None
+
+
+_holder = _Holder()
+
+
+def transport():
+    """This process's :class:`DeviceTransport` (one per process, made on first use)."""
+    if _holder.transport is None:
+        _holder.transport = DeviceTransport()
+    return _holder.transport

@@ -1,0 +1,27 @@
+"""Horovod's Keras ``DistributedOptimizer`` (Keras 3's, or Keras 2's wrapper), ``PartialDistributedOptimizer``
+and ``load_model``."""
+
+from .._horovod.runtime_names import Average, global_process_set
+from ..tensorflow.compression import Compression
+from ..tensorflow.util import LEGACY_KERAS, local_weights
+
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
+
+
+if LEGACY_KERAS:  # Keras 2 (tf_keras): Horovod's wrapper, a subclass of the optimizer's own class
+    from ..tensorflow._keras2 import DistributedOptimizer, load_model
+else:
+    from ..tensorflow._keras3 import DistributedOptimizer, load_model
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=global_process_set, local_layers=None, scale_local_gradients=True):
+    """A DistributedOptimizer whose ``local_layers``' gradients stay local (model parallelism)."""
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step,
+                               average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for var in local_weights(local_layers):
+        opt.register_local_var(var)
+    return opt
