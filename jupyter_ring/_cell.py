@@ -81,7 +81,7 @@ class CellRun:
         self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
 
-    def run(self):
+    def run(self) -> None:
         stopping = None
         try:
             self._run()

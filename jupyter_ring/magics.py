@@ -27,7 +27,8 @@ from traitlets import Bool, Enum, Float, default
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
 from .cluster import RingCluster, format_table, parse_ranks, rank_ranges
-from .errors import DistributedError, _ename
+from ._postmortem import PostMortem
+from .errors import CellInterrupted, DistributedError, _ename
 from .widgets._tabs import RankTabs, TextSink
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
@@ -71,8 +72,9 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
-    sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,where,timeline,stop,restart,push,pull,auto}")
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="{start,status,where,timeline,stop,restart,push,pull,auto,debug,pdb}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -122,7 +124,20 @@ def _ring_parser():
                           help="run every following cell on the ranks (on), or not (off)")
     auto.add_argument("state", nargs="?", choices=["on", "off"],
                       help="on or off (without it: show whether auto mode is on)")
+    _post_mortem_parsers(sub)
     return parser
+
+
+def _post_mortem_parsers(sub: Any) -> None:
+    """``%ring debug`` and ``%ring pdb`` (``_postmortem.py``)."""
+    debug = sub.add_parser("debug", add_help=False,
+                           help="pdb where a rank of the last failed cell raised")
+    debug.add_argument("ranks", nargs="?", default=None, metavar="RANKS",
+                       help="the rank (default: the first failing rank), ranks as 0,2, or all")
+    pdb = sub.add_parser("pdb", add_help=False,
+                         help="open %%ring debug after every failed %%distributed cell (on), or not")
+    pdb.add_argument("state", nargs="?", choices=["on", "off"],
+                     help="on or off (without it: show whether it is on)")
 
 
 _RING_PARSER = _ring_parser()
@@ -184,6 +199,7 @@ class RingMagics(Magics):
         self._dashboard_ready = False
         self._local_depth = 0
         self._shim = None
+        self.post_mortem = PostMortem(self)
         atexit.register(self._atexit)
 
     # ------------------------------------------------------------------------------- %ring
@@ -205,6 +221,8 @@ class RingMagics(Magics):
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
             %ring auto on|off        # every following cell runs on the ranks (%%local: here)
+            %ring debug [RANKS|all]  # pdb where a rank of the last failed cell raised
+            %ring pdb on|off         # %ring debug after every failed %%distributed cell
 
         Example::
 
@@ -233,8 +251,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, push, pull "
-                             "or auto (see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, where, timeline, stop, restart, "
+                             "push, pull, auto, debug or pdb (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
@@ -363,6 +381,17 @@ class RingMagics(Magics):
             self.auto = args.state == "on"
         print(self._auto_status())
 
+    # ------------------------------------------------------------- post-mortem (_postmortem.py)
+    def _ring_debug(self, args, argv):
+        self.post_mortem.debug(args.ranks)
+
+    def _ring_pdb(self, args, argv):
+        if args.state is not None:
+            self.post_mortem.auto = args.state == "on"
+        print("%ring pdb on: a failed %%distributed cell opens pdb where its first failing rank "
+              "raised (%ring pdb off ends it)" if self.post_mortem.auto else
+              "%ring pdb off: %ring debug opens pdb where a rank of the last failed cell raised")
+
     def _auto_status(self):
         if self.auto:
             return ("auto mode on: every cell runs on the ranks; a %%local cell runs in this "
@@ -475,8 +504,13 @@ class RingMagics(Magics):
         from .engines._setup import CELL_NUMBER  # the ranks' side of this line
 
         body = (cell if args.auto else f"# %%distributed {line}".rstrip() + "\n" + cell)
-        body = body.rstrip("\n") + "\n" + CELL_NUMBER.format(self._cell_number())
-        return CellRun(self, cluster, ranks, body, args, self._sink(ranks, args)).run()
+        number = self._cell_number()
+        body = body.rstrip("\n") + "\n" + CELL_NUMBER.format(number)
+        try:
+            return CellRun(self, cluster, ranks, body, args, self._sink(ranks, args)).run()
+        except (DistributedError, CellInterrupted) as exc:
+            self.post_mortem.note(exc, number, cluster)  # for %ring debug
+            raise
 
     @cell_magic
     def local(self, line, cell):
@@ -547,7 +581,7 @@ class RingMagics(Magics):
     def _start_hint(self):
         return f"%ring {shlex.join(self._start_argv)}" if self._start_argv else "%ring start -n N"
 
-    def _alive_cluster(self):
+    def _alive_cluster(self) -> RingCluster:
         stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
@@ -589,6 +623,7 @@ def load_ipython_extension(ipython):
     magics = RingMagics(shell=ipython)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, magics._auto_transform)
+    magics.post_mortem.install(ipython)
     kernel = getattr(ipython, "kernel", None)
     if kernel is not None and hasattr(kernel, "do_complete"):
         magics._shim = KernelShim(magics, kernel)
@@ -600,6 +635,7 @@ def unload_ipython_extension(ipython):
     if magics is None:
         return
     magics.close()
+    magics.post_mortem.remove()
     try:
         ipython.input_transformers_cleanup.remove(magics._auto_transform)
     except ValueError:

@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 
 from ..cluster import rank_ranges
 
@@ -124,7 +125,7 @@ class TextSink:
 
     Given ``ranks`` (``FOLD_FROM`` or more), lines that several ranks print alike are folded."""
 
-    def __init__(self, tag=True, ranks=()):
+    def __init__(self, tag: bool = True, ranks: Sequence[int] = ()) -> None:
         self.tag = tag
         self.fold = LineFold(ranks) if tag and len(ranks) >= FOLD_FROM else None
 
