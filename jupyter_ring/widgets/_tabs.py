@@ -173,8 +173,8 @@ class TextSink:
     def select(self, rank):
         pass
 
-    def flush(self):
-        self._release(time.monotonic())
+    def flush(self, force=False):
+        self._release(None if force else time.monotonic())
 
     def finish(self):
         self._release(None)
@@ -376,13 +376,15 @@ class RankTabs:
     def _index(self):
         return 0 if self.selected is None else 1 + self.ranks.index(self.selected)
 
-    def flush(self):
-        """Push new output to the live widget (at most every LIVE_PERIOD seconds)."""
-        self._release(time.monotonic())
+    def flush(self, force=False):
+        """Push new output to the live widget (at most every LIVE_PERIOD seconds; ``force``: now,
+        with every folded line held, as before a debugger's prompt, while which nothing else is
+        pushed)."""
+        self._release(None if force else time.monotonic())
         if not self._dirty or self._finished:
             return
         now = time.monotonic()
-        if now - self._last_push < LIVE_PERIOD:
+        if now - self._last_push < LIVE_PERIOD and not force:
             return
         self._last_push = now
         self._dirty = False
