@@ -244,6 +244,15 @@ def test_post_mortem_opens_where_the_rank_raised_moves_up_and_down_and_quits(ker
     assert error is None and not script.lines, (error, out)
     assert script.prompts[0][0].startswith("(Pdb rank 1)"), script.prompts
     assert "\n8\n" in out and "_cell.py" not in out, out
+    # the kernel's interrupt at the post-mortem prompt ends it; the failure is still there
+    asked = []
+    out, error = kernel.execute("%ring debug", answer=lambda p, t: asked.append(p), timeout=60,
+                                interrupt_when=lambda: bool(asked))
+    assert asked and asked[0].startswith("(Pdb rank 1)"), asked
+    assert error is not None and "Interrupt" in error["ename"] + error["evalue"], (error, out)
+    script = Script(["p scale", "q"])
+    out, error = kernel.execute("%ring debug 1", answer=script, timeout=60)
+    assert error is None and not script.lines and "\n8\n" in out, (error, out)
     # q left the ranks usable: the next cell runs on both, with their state
     out = kernel.ok("%%distributed\nimport numpy as np\n"
                     "print('next', ring.rank(), secret, ring.allreduce(np.ones(3), op=ring.Sum, "

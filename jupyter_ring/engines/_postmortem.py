@@ -77,6 +77,11 @@ def post_mortem(cell: int) -> None:
         print(f"rank {rank}: the error of In[{cell}] has no traceback to debug", file=sys.stderr)
         return
     debugger = RankDebugger(hold.directory, rank)
+    if not debugger.listened():  # the notebook cannot see this rank's records: nobody would answer
+        print(f"rank {rank}: the notebook's debugger cannot reach this rank (its where folder, "
+              f"{hold.directory}, is not on a file system the notebook's host shares)",
+              file=sys.stderr)
+        return
     debugger.clear()  # a reply left over from an earlier stop must not answer this one
     pdb = PostMortemPdb(debugger)
     pdb.reset()
