@@ -299,6 +299,36 @@ def test_ring_pdb_on_drops_a_failed_cell_into_the_rank_and_a_library_error_at_th
     assert error is not None and "(Pdb" not in out and "post-mortem" not in out, (error, out)
 
 
+NAPPING = """%%distributed --output text
+import time
+def nap(seconds):
+    marker = 100 + ring.rank()
+    print("napping", flush=True)
+    time.sleep(seconds)
+nap(60)
+"""
+
+
+def test_post_mortem_of_an_interrupted_cell_on_every_rank(kernel):
+    """A cell you interrupted counts as failed: ``%ring debug all`` opens both ranks where the
+    interrupt stopped them (in ``nap``, its local there); ``q`` on one moves to the other."""
+    messages = []
+
+    def both_napping():
+        text = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+        return text.count("napping") >= 2
+
+    out, error = kernel.execute(NAPPING, timeout=60, messages=messages, interrupt_when=both_napping)
+    assert error is not None and error["ename"] == "CellInterrupted", (error, out)
+    script = Script(["p marker", "q", "p marker", "q"])
+    out, error = kernel.execute("%ring debug all", answer=script, timeout=60)
+    assert error is None and not script.lines, (error, out, script.prompts)
+    labels = sorted({re.match(r"\(Pdb rank (\d)", p).group(1) for p, _ in script.prompts})
+    assert labels == ["0", "1"], script.prompts
+    assert out.count("KeyboardInterrupt") >= 2 and "\n100\n" in out and "\n101\n" in out, out
+    assert out.count("-> time.sleep(seconds)") >= 2, out
+
+
 def test_post_mortem_after_a_restart_says_the_tracebacks_are_gone(kernel):
     """The module's last test: it restarts the cluster."""
     out, error = kernel.execute(FAILING, timeout=60)
