@@ -297,6 +297,13 @@ def test_ring_pdb_on_drops_a_failed_cell_into_the_rank_and_a_library_error_at_th
     kernel.ok("%ring pdb off")
     out, error = kernel.execute(MISMATCH, answer=Script([]), timeout=60)  # no prompt now
     assert error is not None and "(Pdb" not in out and "post-mortem" not in out, (error, out)
+    # IPython's own %pdb on goes to the rank too, and with %ring pdb on as well: one post-mortem
+    kernel.ok("%pdb on\n%ring pdb on")
+    script = Script(["q", "q"])
+    out, error = kernel.execute(MISMATCH, answer=script, timeout=60)
+    assert error is not None and len(script.prompts) == 1, (script.prompts, out)
+    assert script.prompts[0][0].startswith("(Pdb rank ") and out.count("post-mortem of In[") == 1, out
+    kernel.ok("%pdb off\n%ring pdb off")
 
 
 NAPPING = """%%distributed --output text
