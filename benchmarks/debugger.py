@@ -1,6 +1,6 @@
 """What a breakpoint on a rank costs (issue 35): its prompt's latency, and the CPU while it holds.
 
-Usage: python benchmarks/debugger.py [--stops 8] [--commands 30] [--hold 10]
+Usage: python benchmarks/debugger.py [--stops 8] [--commands 30] [--post-mortems 8] [--hold 10]
 
 A real kernel (jupyter_client, ``allow_stdin``) with ``%ring start -n 2``, answering the kernel's
 input requests as a front end does:
@@ -8,6 +8,8 @@ input requests as a front end does:
 - breakpoint -> prompt: from rank 1's ``breakpoint()`` (its ``time.time()`` just before, read back
   with ``p``) to the input request reaching this client, ``--stops`` cells;
 - a command's round trip: ``p 1`` sent -> the next input request here, ``--commands`` times;
+- ``%ring debug`` -> prompt: from the request's sending to the post-mortem's input request here,
+  after a cell that failed on rank 1, ``--post-mortems`` times (each ended with ``q``);
 - CPU over ``--hold`` seconds while rank 1 sits at its prompt and rank 0 waits for it in an
   allreduce: each engine process's and the kernel's (psutil, user + system), against the same
   processes idle between cells for as long.
@@ -95,6 +97,22 @@ def t_break_of(session, msg_id):
     return float("nan")
 
 
+def post_mortem_latencies(session, times):
+    """Seconds from sending ``%ring debug`` to its prompt here, after a cell failed on rank 1."""
+    msg_id = session.kc.execute("%%distributed\nif ring.rank() == 1:\n    raise ValueError('x')",
+                                stop_on_error=False)
+    t_break_of(session, msg_id)  # waits for the cell's end
+    out = []
+    for _ in range(times):
+        sent = time.time()
+        msg_id = session.kc.execute("%ring debug", stop_on_error=False, allow_stdin=True)
+        _, arrived = session.next_prompt()
+        out.append(arrived - sent)
+        session.kc.input("q")
+        t_break_of(session, msg_id)
+    return out
+
+
 def cpu(procs):
     return [sum(p.cpu_times()[:2]) for p in procs]
 
@@ -103,6 +121,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stops", type=int, default=8)
     parser.add_argument("--commands", type=int, default=30)
+    parser.add_argument("--post-mortems", type=int, default=8)
     parser.add_argument("--hold", type=float, default=10.0)
     args = parser.parse_args()
     session = Session()
@@ -141,10 +160,13 @@ def main():
         held = [(b - a) / args.hold for a, b in zip(before, cpu(procs))]
         session.kc.input("c")
         t_break_of(session, msg_id)
+        post_mortems = post_mortem_latencies(session, args.post_mortems)
         print(f"breakpoint -> prompt here, {len(stops)} times: median "
               f"{statistics.median(stops) * 1e3:.0f} ms, max {max(stops) * 1e3:.0f} ms")
         print(f"a command's round trip ('p 1'), {len(trips)} times: median "
               f"{statistics.median(trips) * 1e3:.1f} ms, max {max(trips) * 1e3:.1f} ms")
+        print(f"%ring debug -> prompt here, {len(post_mortems)} times: median "
+              f"{statistics.median(post_mortems) * 1e3:.0f} ms, max {max(post_mortems) * 1e3:.0f} ms")
         print(f"CPU over {args.hold:g} s, share of one core (idle cluster -> rank 1 held at its prompt):")
         for name, a, b in zip(names, idle, held):
             print(f"  {name:24s} {a:7.2%} -> {b:7.2%}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import _live
 from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
+from .runtime._observe.debugger import MARK
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback, where_stopped)
 
@@ -39,6 +40,10 @@ _SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
 # Seconds between the loop's wake-ups when nothing arrives: output wakes it at once; this is for
 # redraws that were throttled (rank tabs every 0.1 s) and for the clock's deadlines.
 _TICK = 0.1
+
+# Before a rank's debugger prompt is asked, the seconds its output may take to come (it is
+# waited for only until the prompt's mark comes behind it: milliseconds).
+_SETTLE_MAX = 1.0
 
 # Seconds an interrupted rank may keep running before the cell shows where every rank is.
 _WHERE_AFTER = 1.0
@@ -85,8 +90,9 @@ class CellRun:
         self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
         self._next_attach_look = 0.0  # when to look for a request for the live view again
+        self.marks: dict[int, int] = {}  # rank -> seq of the last debugger prompt mark that came
 
-    def run(self):
+    def run(self) -> None:
         stopping = None
         try:
             self._run()
@@ -207,10 +213,17 @@ class CellRun:
         self._show_results()
         self._raise_errors()
 
-    def _show_output(self) -> None:
-        """Show the ranks' output that has come (before a debugger's prompt: it came first)."""
+    def _show_output(self, rank: int, seq: int) -> None:
+        """Show the ranks' output before ``rank``'s debugger prompt ``seq``, at once (the kernel
+        shows nothing more while the prompt waits): what the rank printed before it stopped is
+        there once the prompt's mark (``runtime/_debugger.MARK``) has come behind it; the output
+        travels through the controller while the prompt is a file. At most ``_SETTLE_MAX`` s."""
+        deadline = time.monotonic() + _SETTLE_MAX
         self._deliver()
-        self.sink.flush()
+        while self.marks.get(rank, 0) < seq and time.monotonic() < deadline:
+            self.execution.wait(0.01)
+            self._deliver()
+        self.sink.flush(force=True)
 
     def _wait_for_output(self):
         """Wait for the ranks' last output (their IOPub idle), showing it as it comes.
@@ -379,6 +392,10 @@ class CellRun:
                 if self.only_rank is None or rank == self.only_rank:
                     self._stream_text(rank, content["name"], content["text"])
             elif kind == "display_data":
+                mark = (content.get("data") or {}).get(MARK)
+                if mark is not None:  # not output: a debugger prompt's mark (_show_output)
+                    self.marks[rank] = max(self.marks.get(rank, 0), int(mark.get("seq", 0)))
+                    continue
                 metadata = dict(content.get("metadata") or {})
                 metadata["jupyter_ring_rank"] = rank
                 self.sink.display(rank, content.get("data") or {}, metadata)

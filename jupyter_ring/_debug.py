@@ -47,13 +47,14 @@ class Debuggers:
 
     ``directory`` is the cluster's where folder. ``ask`` defaults to the kernel's ``input()``,
     ``show`` to writing on the kernel's stdout (the cell's output, below the rank tabs);
-    ``before_ask`` runs before each question (the cell shows the ranks' output that came).
+    ``before_ask(rank, seq)`` runs before each question to ``rank`` at its prompt ``seq`` (the
+    cell shows what the ranks printed before they stopped).
     """
 
     def __init__(self, directory: str, ranks: Sequence[int],
                  ask: Callable[[str], str] | None = None,
                  show: Callable[[str], None] | None = None,
-                 before_ask: Callable[[], None] | None = None) -> None:
+                 before_ask: Callable[[int, int], None] | None = None) -> None:
         self.directory = directory
         self.ranks = list(ranks)
         self.ask = ask or _input
@@ -100,9 +101,9 @@ class Debuggers:
             if not self.can_ask:
                 self._continue_all(waiting)
             else:
-                if self.before_ask is not None:
-                    self.before_ask()
                 rank = self.current if self.current in waiting else min(waiting)
+                if self.before_ask is not None:
+                    self.before_ask(rank, waiting[rank]["seq"])
                 self._announce(rank, waiting)
                 self.current = rank
                 self._show_prompt_text(rank, waiting[rank])

@@ -134,7 +134,7 @@ class CellInterrupted(JupyterRingError, KeyboardInterrupt):
         return [f"KeyboardInterrupt: {self}"]
 
 
-def where_stopped(error):
+def where_stopped(error: object) -> str:
     """Where a rank was when an interrupt stopped it, from its traceback: ``at line 5:
     time.sleep(1)``, ``in allreduce, line 3: ring.allreduce(x, name='x')``; ``finished``
     for a rank without an error."""
@@ -203,9 +203,9 @@ def trim_traceback(text, full=False):
     return out
 
 
-def _ename(error):
+def _ename(error: object) -> str:
     """The exception type's name of a local or remote error (ipyparallel's ``ename``)."""
-    return getattr(error, "ename", None) or type(error).__name__
+    return str(getattr(error, "ename", None) or type(error).__name__)
 
 
 def _first_line(text):

@@ -27,7 +27,8 @@ from traitlets import Bool, Enum, Float, default
 from ._cell import CellRun, routes_to_ranks
 from ._completion import KernelShim
 from .cluster import RingCluster, format_table, parse_ranks, rank_ranges
-from .errors import ClusterError, DistributedError, _ename
+from ._postmortem import PostMortem
+from .errors import CellInterrupted, ClusterError, DistributedError, _ename
 from .widgets._tabs import RankTabs, TextSink
 
 __all__ = ["RingMagics", "DistributedError", "load_ipython_extension", "unload_ipython_extension"]
@@ -79,8 +80,9 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _ring_parser():
     parser = _ArgumentParser(prog="%ring", add_help=False,
                              description="Start, inspect and stop the cluster of ranks.")
-    sub = parser.add_subparsers(dest="command",
-                                metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debugpy}")
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debug,pdb,debugpy}")
     start = sub.add_parser("start", add_help=False, help="start the ranks (mpiexec + engines)")
     start.add_argument("-n", type=int, default=None,
                        help="number of ranks (default: one per GPU, else CPU ranks)")
@@ -139,19 +141,9 @@ def _ring_parser():
                           help="run every following cell on the ranks (on), or not (off)")
     auto.add_argument("state", nargs="?", choices=["on", "off"],
                       help="on or off (without it: show whether auto mode is on)")
-    _add_debugpy_parser(sub)
-    return parser
-
-
-def _add_debugpy_parser(sub):
-    debugpy = sub.add_parser("debugpy", add_help=False,
-                             help="start debugpy on a rank (127.0.0.1) and print VS Code's attach "
-                                  "configuration")
-    debugpy.add_argument("rank", type=int, metavar="RANK", help="the rank to debug")
-    debugpy.add_argument("--wait", action="store_true",
-                         help="then wait until a debugger client attaches (interrupt: stop waiting)")
-    debugpy.add_argument("--timeout", type=float, default=None,
-                         help="with --wait: give up after this many seconds")
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debug,pdb,debugpy}")
 
 
 _RING_PARSER = _ring_parser()
@@ -213,6 +205,7 @@ class RingMagics(Magics):
         self._dashboard_ready = False
         self._local_depth = 0
         self._shim = None
+        self.post_mortem = PostMortem(self)
         atexit.register(self._atexit)
 
     # ------------------------------------------------------------------------------- %ring
@@ -236,6 +229,8 @@ class RingMagics(Magics):
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
             %ring auto on|off        # every following cell runs on the ranks (%%local: here)
+            %ring debug [RANKS|all]  # pdb where a rank of the last failed cell raised
+            %ring pdb on|off         # %ring debug after every failed %%distributed cell
             %ring debugpy RANK [--wait]  # debugpy on RANK: attach VS Code (docs/debugging.md)
 
         Example::
@@ -265,8 +260,8 @@ class RingMagics(Magics):
         """
         argv = shlex.split(line)
         if not argv:
-            raise UsageError("%ring needs a subcommand: start, status, where, stop, restart, sync, push, "
-                             "pull, auto or debugpy (see %ring?)")
+            raise UsageError("%ring needs a subcommand: start, status, where, timeline, stop, restart, "
+                             "sync, push, pull, auto, debug, pdb or debugpy (see %ring?)")
         args = _RING_PARSER.parse_args(argv)
         return getattr(self, f"_ring_{args.command}")(args, argv)
 
@@ -421,6 +416,17 @@ class RingMagics(Magics):
             self.auto = args.state == "on"
         print(self._auto_status())
 
+    # ------------------------------------------------------------- post-mortem (_postmortem.py)
+    def _ring_debug(self, args, argv):
+        self.post_mortem.debug(args.ranks)
+
+    def _ring_pdb(self, args, argv):
+        if args.state is not None:
+            self.post_mortem.auto = args.state == "on"
+        print("%ring pdb on: a failed %%distributed cell opens pdb where its first failing rank "
+              "raised (%ring pdb off ends it)" if self.post_mortem.auto else
+              "%ring pdb off: %ring debug opens pdb where a rank of the last failed cell raised")
+
     def _auto_status(self):
         if self.auto:
             return ("auto mode on: every cell runs on the ranks; a %%local cell runs in this "
@@ -564,8 +570,13 @@ class RingMagics(Magics):
         from .engines._setup import CELL_NUMBER  # the ranks' side of this line
 
         body = (cell if args.auto else f"# %%distributed {line}".rstrip() + "\n" + cell)
-        body = body.rstrip("\n") + "\n" + CELL_NUMBER.format(self._cell_number())
-        return CellRun(self, cluster, ranks, body, args, self._sink(ranks, args)).run()
+        number = self._cell_number()
+        body = body.rstrip("\n") + "\n" + CELL_NUMBER.format(number)
+        try:
+            return CellRun(self, cluster, ranks, body, args, self._sink(ranks, args)).run()
+        except (DistributedError, CellInterrupted) as exc:
+            self.post_mortem.note(exc, number, cluster)  # for %ring debug
+            raise
 
     @cell_magic
     def local(self, line, cell):
@@ -636,7 +647,7 @@ class RingMagics(Magics):
     def _start_hint(self):
         return f"%ring {shlex.join(self._start_argv)}" if self._start_argv else "%ring start -n N"
 
-    def _alive_cluster(self):
+    def _alive_cluster(self) -> RingCluster:
         stopped = self._stopped_outside()
         cluster = self.cluster
         if cluster is None or not cluster.running:
@@ -704,6 +715,7 @@ def load_ipython_extension(ipython):
     magics = RingMagics(shell=ipython)
     ipython.register_magics(magics)
     ipython.input_transformers_cleanup.insert(0, magics._auto_transform)
+    magics.post_mortem.install(ipython)
     kernel = getattr(ipython, "kernel", None)
     if kernel is not None and hasattr(kernel, "do_complete"):
         magics._shim = KernelShim(magics, kernel)
@@ -715,6 +727,7 @@ def unload_ipython_extension(ipython):
     if magics is None:
         return
     magics.close()
+    magics.post_mortem.remove()
     try:
         ipython.input_transformers_cleanup.remove(magics._auto_transform)
     except ValueError:

@@ -152,3 +152,14 @@ def test_the_mark_of_a_killed_rank_holds_nobody(tmp_path):
     with open(records.held_path(str(tmp_path), 2), "w") as fh:
         json.dump({"pid": int(gone.stdout), "host": socket.gethostname(), "where": "x.py:1"}, fh)
     assert records.held_ranks(str(tmp_path)) == []
+
+
+def test_post_mortem_before_any_failed_cell_says_so():
+    """``%ring debug`` in a session where no distributed cell has failed: a clear UsageError
+    (checked before anything of the cluster is touched)."""
+    from IPython.core.error import UsageError
+
+    from jupyter_ring._postmortem import PostMortem
+
+    with pytest.raises(UsageError, match=r"no %%distributed cell has failed in this session yet"):
+        PostMortem(None).debug(None)

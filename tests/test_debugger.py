@@ -194,3 +194,154 @@ def test_interrupt_at_the_prompt_ends_the_cell_and_keeps_the_state(kernel):
     # no prompt is left behind: a later breakpoint-free cell runs without asking anything
     out = kernel.ok("%%distributed\nprint('plain', ring.rank())", timeout=60)
     assert "plain 0" in out and "plain 1" in out, out
+
+
+# ------------------------------------------------------------------ post-mortem (%ring debug)
+FAILING = """%%distributed
+import numpy as np
+secret = int(np.random.default_rng().integers(1000, 9999))
+print(f"rank {ring.rank()} secret {secret}")
+def inner(values):
+    scale = 7 + ring.rank()
+    if ring.rank() == 1:
+        raise ValueError(f"bad scale {scale}")
+    return values * scale
+def outer():
+    data = np.arange(5) + secret
+    return inner(data)
+result = outer()
+"""
+
+
+def _secret(out, rank):
+    return int(re.search(rf"rank {rank} secret (\d+)", out).group(1))
+
+
+def _cell_of(error):
+    """In[N] of a failed cell: the rank's traceback names it."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
+    return int(re.search(r"Cell In\[(\d+)\]", text).group(1))
+
+
+def test_post_mortem_opens_where_the_rank_raised_moves_up_and_down_and_quits(kernel):
+    out, error = kernel.execute(FAILING, timeout=60)
+    assert error is not None and "ValueError: bad scale 8" in error["evalue"], (error, out)
+    secret, cell = _secret(out, 1), _cell_of(error)
+    script = Script(["p scale", "p int(values[0])", "u", "p int(data[-1]) - 4", "d", "p scale * 2", "q"])
+    out, error = kernel.execute("%ring debug", answer=script, timeout=60)
+    assert error is None, (error, out)
+    assert not script.lines, f"only {len(script.prompts)} prompts came\n{out}"
+    assert all(p.startswith("(Pdb rank 1)") for p, _ in script.prompts), script.prompts
+    assert f"post-mortem of In[{cell}] on rank 1: ValueError: bad scale 8" in out, out
+    assert "-> raise ValueError" in out, out                          # the raising line
+    assert f"\n8\n{secret}\n" in out, out                             # p scale, p values[0]
+    assert ")outer()" in out and f"\n{secret}\n" in out.split(")outer()")[1], out  # u, p data
+    assert "\n16\n" in out, out                                       # d, back in inner
+    # IPython's own %debug (its last exception is the cell's) goes to the rank, not into
+    # the notebook's _cell.py
+    script = Script(["p scale", "w", "q"])
+    out, error = kernel.execute("%debug", answer=script, timeout=60)
+    assert error is None and not script.lines, (error, out)
+    assert script.prompts[0][0].startswith("(Pdb rank 1)"), script.prompts
+    assert "\n8\n" in out and "_cell.py" not in out, out
+    # the kernel's interrupt at the post-mortem prompt ends it; the failure is still there
+    asked = []
+    out, error = kernel.execute("%ring debug", answer=lambda p, t: asked.append(p), timeout=60,
+                                interrupt_when=lambda: bool(asked))
+    assert asked and asked[0].startswith("(Pdb rank 1)"), asked
+    assert error is not None and "Interrupt" in error["ename"] + error["evalue"], (error, out)
+    script = Script(["p scale", "q"])
+    out, error = kernel.execute("%ring debug 1", answer=script, timeout=60)
+    assert error is None and not script.lines and "\n8\n" in out, (error, out)
+    # q left the ranks usable: the next cell runs on both, with their state
+    out = kernel.ok("%%distributed\nimport numpy as np\n"
+                    "print('next', ring.rank(), secret, ring.allreduce(np.ones(3), op=ring.Sum, "
+                    "name='after_post_mortem').tolist())", timeout=60)
+    assert f"next 1 {secret} [2.0, 2.0, 2.0]" in out, out
+    # the failure is kept after a cell that ran well, as IPython's %debug keeps it; the errors
+    # (a UsageError is printed, as IPython prints one)
+    out = kernel.ok("%ring debug 0")
+    assert (f"UsageError: %ring debug 0: rank(s) 0 did not fail in In[{cell}]; the rank(s) that "
+            "did: 1 (ValueError)") in out, out
+    out = kernel.ok("%ring debug 2")
+    assert "UsageError: %ring debug 2: the cluster has ranks 0..1" in out, out
+
+
+MISMATCH = """%%distributed
+import numpy as np
+mine = np.full(3, 5.0 + ring.rank())
+if ring.rank() == 0:
+    ring.allreduce(mine, name="grads")
+else:
+    ring.broadcast(mine, root_rank=0, name="weights")
+"""
+
+
+def test_ring_pdb_on_drops_a_failed_cell_into_the_rank_and_a_library_error_at_the_call(kernel):
+    """%ring pdb on: the failed cell shows its error, then rank 1's prompt; a mismatch raised
+    inside jupyter_ring opens at the user's call (``d`` goes down into the library)."""
+    kernel.ok("%ring pdb on")
+    script, messages = Script(["p float(mine[0])", "d", "u", "q"]), []
+    out, error = kernel.execute(MISMATCH, answer=script, timeout=60, messages=messages)
+    assert error is not None and "CollectiveMismatchError" in error["evalue"], (error, out)
+    assert not script.lines, f"only {len(script.prompts)} prompts came\n{out}"
+    rank = int(re.match(r"\(Pdb rank (\d)\)", script.prompts[0][0]).group(1))
+    assert all(p.startswith(f"(Pdb rank {rank})") for p, _ in script.prompts), script.prompts
+    kinds = [m["msg_type"] if m["msg_type"] != "stream" or "post-mortem of In[" not in
+             m["content"]["text"] else "post-mortem" for m in messages]
+    assert kinds.index("error") < kinds.index("post-mortem"), kinds  # the error shows first
+    assert "frames down, inside jupyter_ring: `d` goes there)" in out, out
+    assert "-> ring.allreduce(mine" in out or "-> ring.broadcast(mine" in out, out
+    assert f"\n{5.0 + rank}\n" in out, out                       # p mine[0] at the user's call
+    assert "jupyter_ring/runtime/" in out.split(f"\n{5.0 + rank}\n", 1)[1], out  # d
+    kernel.ok("%ring pdb off")
+    out, error = kernel.execute(MISMATCH, answer=Script([]), timeout=60)  # no prompt now
+    assert error is not None and "(Pdb" not in out and "post-mortem" not in out, (error, out)
+    # IPython's own %pdb on goes to the rank too, and with %ring pdb on as well: one post-mortem
+    kernel.ok("%pdb on\n%ring pdb on")
+    script = Script(["q", "q"])
+    out, error = kernel.execute(MISMATCH, answer=script, timeout=60)
+    assert error is not None and len(script.prompts) == 1, (script.prompts, out)
+    assert script.prompts[0][0].startswith("(Pdb rank ") and out.count("post-mortem of In[") == 1, out
+    kernel.ok("%pdb off\n%ring pdb off")
+
+
+NAPPING = """%%distributed --output text
+import time
+def nap(seconds):
+    marker = 100 + ring.rank()
+    print("napping", flush=True)
+    time.sleep(seconds)
+nap(60)
+"""
+
+
+def test_post_mortem_of_an_interrupted_cell_on_every_rank(kernel):
+    """A cell you interrupted counts as failed: ``%ring debug all`` opens both ranks where the
+    interrupt stopped them (in ``nap``, its local there); ``q`` on one moves to the other."""
+    messages = []
+
+    def both_napping():
+        text = "".join(m["content"].get("text", "") for m in messages if m["msg_type"] == "stream")
+        return text.count("napping") >= 2
+
+    out, error = kernel.execute(NAPPING, timeout=60, messages=messages, interrupt_when=both_napping)
+    assert error is not None and error["ename"] == "CellInterrupted", (error, out)
+    script = Script(["p marker", "q", "p marker", "q"])
+    out, error = kernel.execute("%ring debug all", answer=script, timeout=60)
+    assert error is None and not script.lines, (error, out, script.prompts)
+    labels = sorted({re.match(r"\(Pdb rank (\d)", p).group(1) for p, _ in script.prompts})
+    assert labels == ["0", "1"], script.prompts
+    assert out.count("KeyboardInterrupt") >= 2 and "\n100\n" in out and "\n101\n" in out, out
+    assert out.count("-> time.sleep(seconds)") >= 2, out
+
+
+def test_post_mortem_after_a_restart_says_the_tracebacks_are_gone(kernel):
+    """The module's last test: it restarts the cluster."""
+    out, error = kernel.execute(FAILING, timeout=60)
+    assert error is not None, out
+    cell = _cell_of(error)
+    kernel.ok("%ring restart", timeout=120)
+    cluster_pids(kernel)
+    out = kernel.ok("%ring debug")
+    assert f"the cluster was stopped or restarted since In[{cell}] failed" in out, out

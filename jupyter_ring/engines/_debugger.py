@@ -85,6 +85,7 @@ class RankDebugger:
         seq = self.seq
         prompt = records.prompt_path(self.directory, self.rank)
         reply = records.reply_path(self.directory, self.rank)
+        _mark_output(seq)
         records.write_record(prompt, records.Prompt(seq=seq, pid=os.getpid(), text=text, where=where))
         try:
             while True:
@@ -168,6 +169,17 @@ class RankPdb(pdb.Pdb):
 
 def _where(frame: FrameType) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _mark_output(seq: int) -> None:
+    """Publish the prompt's mark behind what the rank printed (``runtime/_debugger.MARK``): the
+    kernel asks once it came, so the rank's last lines are shown above the prompt."""
+    try:
+        from IPython.display import publish_display_data
+
+        publish_display_data({records.MARK: {"seq": seq}})  # flushes stdout and stderr first
+    except Exception:  # no IPython display here (a plain process): the kernel waits a little
+        pass
 
 
 def _flush_output() -> None:

@@ -291,11 +291,14 @@ def arm_debugger(directory: str, rank: int) -> None:
     """Make ``breakpoint()`` and ``pdb.set_trace()`` on this rank open a pdb prompt in the
     notebook, and mark the rank held while it is there (``engines/_debugger.py``).
 
-    Never fails the setup: where the folder cannot be written, a breakpoint is skipped as before.
+    Also keeps the traceback of the last cell that raised on the rank, for ``%ring debug``
+    (``engines/_postmortem.py``). Never fails the setup: where the folder cannot be written, a
+    breakpoint is skipped as before.
     """
-    from . import _debugger
+    from . import _debugger, _postmortem
 
     try:
         _debugger.install(directory, rank)
     except OSError:
         pass
+    _postmortem.keep_failures()  # %ring debug: the last failed cell's traceback, kept

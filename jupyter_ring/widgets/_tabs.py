@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 
 from ..cluster import rank_ranges
 
@@ -124,7 +125,7 @@ class TextSink:
 
     Given ``ranks`` (``FOLD_FROM`` or more), lines that several ranks print alike are folded."""
 
-    def __init__(self, tag=True, ranks=()):
+    def __init__(self, tag: bool = True, ranks: Sequence[int] = ()) -> None:
         self.tag = tag
         self.fold = LineFold(ranks) if tag and len(ranks) >= FOLD_FROM else None
 
@@ -175,8 +176,8 @@ class TextSink:
     def attach(self):
         pass  # the text goes out as it comes: a reopened page shows it from now on
 
-    def flush(self):
-        self._release(time.monotonic())
+    def flush(self, force=False):
+        self._release(None if force else time.monotonic())
 
     def finish(self):
         self._release(None)
@@ -379,13 +380,15 @@ class RankTabs:
     def _index(self):
         return 0 if self.selected is None else 1 + self.ranks.index(self.selected)
 
-    def flush(self):
-        """Push new output to the live widget (at most every LIVE_PERIOD seconds)."""
-        self._release(time.monotonic())
+    def flush(self, force=False):
+        """Push new output to the live widget (at most every LIVE_PERIOD seconds; ``force``: now,
+        with every folded line held, as before a debugger's prompt, while which nothing else is
+        pushed)."""
+        self._release(None if force else time.monotonic())
         if not self._dirty or self._finished:
             return
         now = time.monotonic()
-        if now - self._last_push < LIVE_PERIOD:
+        if now - self._last_push < LIVE_PERIOD and not force:
             return
         self._last_push = now
         self._dirty = False

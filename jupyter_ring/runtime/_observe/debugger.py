@@ -10,6 +10,9 @@ Everything lives in the cluster's where folder (``<profile>/security/jupyter_rin
 - ``rank<r>.prompt``: a :class:`Prompt`, written by the rank when its debugger wants a line.
 - ``rank<r>.reply``: a :class:`Reply`, written by the notebook kernel; the rank takes it and
   removes both files.
+- no file: before writing its prompt the rank publishes a display of the MIME type ``MARK``
+  (``{"seq": n}``), which travels behind what it printed: the kernel takes it out of the cell's
+  output and asks only once it came, so that the rank's last lines show above its prompt.
 - ``listening``: written by the kernel while a ``%%distributed`` cell that can answer runs; a
   ``breakpoint()`` without it is skipped (as before), since nobody would answer.
 
@@ -27,11 +30,14 @@ import os
 import socket
 from typing import TypedDict
 
-__all__ = ["Prompt", "Reply", "Hold", "hold", "held_path", "prompt_path", "reply_path",
+__all__ = ["MARK", "Prompt", "Reply", "Hold", "hold", "held_path", "prompt_path", "reply_path",
            "listening_path", "write_record", "read_record", "remove", "held_ranks", "read_held",
            "waiting_prompts"]
 
 _HELD = ".held"
+
+# The display a rank publishes before each prompt (see above); never shown.
+MARK = "application/vnd.jupyter-ring.debug-prompt+json"
 _PROMPT = ".prompt"
 
 
