@@ -141,9 +141,32 @@ def _ring_parser():
                           help="run every following cell on the ranks (on), or not (off)")
     auto.add_argument("state", nargs="?", choices=["on", "off"],
                       help="on or off (without it: show whether auto mode is on)")
-    sub = parser.add_subparsers(
-        dest="command",
-        metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debug,pdb,debugpy}")
+    _post_mortem_parsers(sub)
+    _add_debugpy_parser(sub)
+    return parser
+
+
+def _post_mortem_parsers(sub: Any) -> None:
+    """``%ring debug`` and ``%ring pdb`` (``_postmortem.py``)."""
+    debug = sub.add_parser("debug", add_help=False,
+                           help="pdb where a rank of the last failed cell raised")
+    debug.add_argument("ranks", nargs="?", default=None, metavar="RANKS",
+                       help="the rank (default: the first failing rank), ranks as 0,2, or all")
+    pdb = sub.add_parser("pdb", add_help=False,
+                         help="open %%ring debug after every failed %%distributed cell (on), or not")
+    pdb.add_argument("state", nargs="?", choices=["on", "off"],
+                     help="on or off (without it: show whether it is on)")
+
+
+def _add_debugpy_parser(sub):
+    debugpy = sub.add_parser("debugpy", add_help=False,
+                             help="start debugpy on a rank (127.0.0.1) and print VS Code's attach "
+                                  "configuration")
+    debugpy.add_argument("rank", type=int, metavar="RANK", help="the rank to debug")
+    debugpy.add_argument("--wait", action="store_true",
+                         help="then wait until a debugger client attaches (interrupt: stop waiting)")
+    debugpy.add_argument("--timeout", type=float, default=None,
+                         help="with --wait: give up after this many seconds")
 
 
 _RING_PARSER = _ring_parser()
