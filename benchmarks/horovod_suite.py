@@ -239,8 +239,11 @@ def main():
                    help="a previous --json: run only the tests that failed there, keep its other rows")
     args = p.parse_args()
     tests_dir = os.path.join(os.path.abspath(args.checkout), "test", "parallel")
-    if not os.path.isdir(tests_dir) or not os.path.isdir(os.path.join(os.path.dirname(tests_dir), "single")):
+    if not os.path.isdir(tests_dir):
         raise SystemExit(f"{args.checkout} has no test/parallel folder; pass a clone of horovod/horovod")
+    if set(args.suite) & set(SINGLE) and not os.path.isdir(os.path.join(os.path.dirname(tests_dir), "single")):
+        raise SystemExit(f"{args.checkout} has no test/single folder (suites {sorted(set(args.suite) & set(SINGLE))}); "
+                         "pass a clone of horovod/horovod")
     for module in ("parameterized", "mock", "cloudpickle", "packaging", "pytest"):
         try:
             __import__(module)
