@@ -73,3 +73,25 @@ def test_the_chart_of_a_large_world_is_the_median_and_its_band_plus_the_notable_
     assert svg.count('class="jr-series"') == NOTABLE  # the notable ranks' lines, not 64
     assert "rank 17 (straggler)" in svg and "median (64 ranks)" in svg
     assert render_summary_chart(DashboardState(64)) == ""  # nothing logged: no chart
+
+
+def test_the_dashboard_of_a_large_world_live_and_frozen_shows_the_summary_not_64_rows():
+    """The live widget and the frozen HTML draw the same summary: the percentile table, the
+    notable ranks' rows (why each is there), the median chart, the comm rows of the notable ranks
+    with the spread over all in the caption. Below SUMMARY_FROM ranks: a row per rank, as before."""
+    from jupyter_ring.widgets._render import render_html
+    from jupyter_ring.widgets.dashboard import Dashboard
+
+    state = world()
+    live = Dashboard(state=state)
+    live.refresh()
+    for page in (live._rows.value + live._chart_linear.value + live._comm.value, render_html(state)):
+        assert page.count('class="jr-summary"') == 1
+        rows = re.findall(r'<tr class="[^"]*jr-rank-row[^"]*" data-rank="(\d+)">', page)
+        assert rows[0] == "17" and len(rows) == NOTABLE, rows
+        assert "rank 17 (straggler)" in page and 'class="jr-band"' in page
+        assert len(re.findall(r'class="jr-comm-row"', page)) == NOTABLE
+        assert "over all 64 ranks the share is" in page
+    small = world(n=SUMMARY_FROM - 1, slow=3)
+    page = render_html(small)
+    assert "jr-summary" not in page and len(re.findall(r'jr-rank-row[^"]*" data-rank=', page)) == SUMMARY_FROM - 1

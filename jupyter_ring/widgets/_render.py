@@ -9,6 +9,8 @@ import math
 import uuid
 from typing import NamedTuple
 
+from ._axes import CHAR_PX, COLORS, color, linear_ticks, log_label, log_ticks, tick_label, x_axis
+from ._summary import notable_ranks, percentiles, render_summary, render_summary_chart, summarised
 from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
                      format_value)
 
@@ -16,10 +18,6 @@ __all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_
            "render_comm", "render_comm_totals", "render_banner", "render_rows", "render_title",
            "row_class", "rank_cells", "linear_ticks", "log_ticks", "COLORS",
            "STYLE", "COMM_CAPTION"]
-
-# Tableau 10: distinguishable, and readable on light and dark themes.
-COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
-          "#ff9da7", "#9c755f", "#bab0ac"]
 
 STYLE = """<style>
 .jr-dash{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;line-height:16px;color:var(--jp-ui-font-color1,#222)}
@@ -56,17 +54,8 @@ STYLE = """<style>
 COMM_CAPTION = ("time in collectives: the share of wall-clock time each rank spent inside "
                 "collectives (allreduce, broadcast, ...; waiting for the other ranks included)")
 
-# Average width of a digit of the chart's 10px font: margins are sized to the longest label.
-_CHAR_PX = 6.2
-
-
 def _e(text):
     return html.escape(str(text), quote=True)
-
-
-def color(rank):
-    """The chart and legend colour of ``rank``."""
-    return COLORS[rank % len(COLORS)]
 
 
 def rank_cells(state: DashboardState, rank: int) -> dict[str, str]:
@@ -105,53 +94,6 @@ def render_banner(state):
     # every waiting rank waits for ranks in a debugger: paused by the user, not stalled
     head = "Waiting" if all(stall["held"] for stall in state.stalls()) else "Stalled"
     return f'<div class="jr-banner"><b>{head}:</b> {_e(text)}</div>'
-
-
-def linear_ticks(lo, hi, count=5):
-    """Round ticks (1, 2 or 5 x 10^k apart) covering [lo, hi]: (ticks, step); the first and last
-    tick are the axis' ends."""
-    if not hi > lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    raw = (hi - lo) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 5, 10) if raw <= m * magnitude * (1 + 1e-9))
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    return [round(i * step, 12) for i in range(first, last + 1)], step
-
-
-def log_ticks(lo, hi):
-    """Ticks for a log axis over [lo, hi] (both > 0): ([(value, labelled)], low decade, high
-    decade). Decades always; 2 and 5 too over at most two decades; past six decades only every
-    other decade is labelled."""
-    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-    if b == a:
-        b = a + 1
-    ticks = []
-    for k in range(a, b + 1):
-        ticks.append((10.0 ** k, b - a <= 6 or (k - a) % 2 == 0))
-        if b - a <= 2 and k < b:
-            ticks += [(m * 10.0 ** k, True) for m in (2, 5)]
-    return sorted(ticks), a, b
-
-
-def _tick_label(value, step):
-    """A tick value with the decimals its spacing needs: 0.002, 0.75, 1500, 1.2e-05."""
-    if value == 0:
-        return "0"
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
-    if decimals <= 4 and abs(value) < 1e6:
-        return f"{value:.{decimals}f}"
-    digits = max(1, math.floor(math.log10(abs(value))) - math.floor(math.log10(step)) + 1)
-    return _short_exponent(f"{value:.{digits - 1}e}")
-
-
-def _log_label(value):
-    return _short_exponent(f"{value:g}")
-
-
-def _short_exponent(text):
-    mantissa, _, exponent = text.partition("e")
-    return f"{mantissa}e{int(exponent)}" if exponent else text
 
 
 class ChartData(NamedTuple):
@@ -194,7 +136,10 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
     The x-axis runs from the first charted step to the last (both labelled); the y-axis is
     linear or logarithmic (``scale``; by default ``state.chart_scale``), with round ticks and grid
     lines. ``drawn``: the :func:`chart_series` of this redraw, when the caller has it already.
+    A large world (``_summary.summarised``) is drawn as the median with its band instead.
     """
+    if summarised(state):
+        return render_summary_chart(state, width, height, scale=scale)
     data = drawn or chart_series(state, max_points)
     if data is None:
         return ""
@@ -203,15 +148,15 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
     scale = wanted if wanted == "linear" or log_possible(data) else "linear"
     if scale == "log":
         yticks, v0, v1 = log_ticks(data.y0, data.y1)
-        ylabels = [(math.log10(v), _log_label(v) if labelled else "") for v, labelled in yticks]
+        ylabels = [(math.log10(v), log_label(v) if labelled else "") for v, labelled in yticks]
         log10 = math.log10
         series = {rank: [(x, log10(y)) for x, y in pts] for rank, pts in series.items()}
     else:
         ticks, ystep = linear_ticks(data.y0, data.y1)
-        ylabels = [(v, _tick_label(v, ystep)) for v in ticks]
+        ylabels = [(v, tick_label(v, ystep)) for v in ticks]
         v0, v1 = ticks[0], ticks[-1]
     # room for the longest y label on the left, the legend on the right
-    left = 10 + math.ceil(_CHAR_PX * max(len(label) for _, label in ylabels))
+    left = 10 + math.ceil(CHAR_PX * max(len(label) for _, label in ylabels))
     right, top, bottom = 80, 20, 32
     pw, ph = width - left - right, height - top - bottom
     # screen coordinates are linear in the step and in the (log of the) value: px = ax * x + bx
@@ -235,7 +180,7 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
                          f'text-anchor="end">{label}</text>')
     parts.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" '
                  'stroke="#bbb" stroke-width="0.5"/>')
-    parts += _x_axis(x0, x1, lambda x: ax * x + bx, left, pw, top + ph)
+    parts += x_axis(x0, x1, lambda x: ax * x + bx, left, pw, top + ph)
     for i, (rank, pts) in enumerate(sorted(series.items())):
         # the costly part of a redraw (~1000 points): one formatting per point, no calls
         coords = " ".join(["%.1f,%.1f" % (ax * x + bx, ay * v + by) for x, v in pts])
@@ -281,37 +226,6 @@ def render_charts(state, max_points=500, drawn=None):
     return "".join(parts)
 
 
-def _x_axis(x0, x1, sx, left, pw, base):
-    """Tick marks and labels of the step axis: both ends labelled with their step, round steps
-    between them where their label does not run into an end's."""
-    integral = float(x0).is_integer() and float(x1).is_integer()
-    ticks, step = linear_ticks(x0, x1, count=6)
-    if integral:
-        step = max(step, 1)
-    label = (lambda v: f"{v:.0f}") if integral else (lambda v: _tick_label(v, step))
-    ends = [(x0, label(x0), "start"), (x1, label(x1), "end")] if x1 > x0 else [(x0, label(x0), "start")]
-    out = []
-    for value, text, anchor in ends:
-        x = sx(value)
-        out.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#bbb"/>'
-                   f'<text class="jr-xtick" x="{x:.1f}" y="{base + 14}" text-anchor="{anchor}">'
-                   f"{text}</text>")
-    # an end label and a round tick keep at least 3 characters between them
-    room = [(sx(v) - _CHAR_PX * (len(t) + 3), sx(v) + _CHAR_PX * (len(t) + 3)) for v, t, _ in ends]
-    for value in ticks:
-        if not x0 < value < x1:
-            continue
-        text, x = label(value), sx(value)
-        half = _CHAR_PX * len(text) / 2
-        if any(x - half < end and x + half > start for start, end in room):
-            continue
-        out.append(f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" stroke="#bbb"/>'
-                   f'<text class="jr-xtick" x="{x:.1f}" y="{base + 14}" text-anchor="middle">'
-                   f"{text}</text>")
-    out.append(f'<text x="{left + pw / 2:.1f}" y="{base + 27}" text-anchor="middle">step</text>')
-    return out
-
-
 def render_comm(state: DashboardState) -> str:
     """A table per rank of this cell's allreduce count, bytes, time, busbw and the share of
     wall-clock time spent in collectives (over the state's window; the whole cell's once
@@ -319,7 +233,10 @@ def render_comm(state: DashboardState) -> str:
     totals since ``ring.init()`` where earlier cells ran collectives too."""
     rows = []
     kinds = sorted({k for s in state.ranks.values() for k in s.comm} - {"allreduce"})
-    for rank, s in state.ranks.items():
+    large = summarised(state)  # a large world: the notable ranks' rows, the others in the caption
+    shown = [rank for rank, _ in notable_ranks(state)] if large else list(state.ranks)
+    for rank in shown:
+        s = state.ranks[rank]
         if not s.seen:
             continue
         ar = state.comm_totals(rank)
@@ -333,6 +250,13 @@ def render_comm(state: DashboardState) -> str:
     if not rows:
         return ""
     caption = _e(f"{COMM_CAPTION}, {_share_period(state)}.")
+    if large:
+        shares = {r: 100 * s.comm_share for r, s in state.ranks.items() if s.comm_share is not None}
+        if shares:
+            low, mid, high = percentiles(list(shares.values()), (0, 50, 100))
+            top = max(shares, key=lambda r: (shares[r], -r))
+            caption += _e(f" Rows: the notable ranks; over all {len(state.ranks)} ranks the share is "
+                          f"{low:.0f}-{high:.0f} %, median {mid:.0f} % (highest: rank {top}).")
     return ('<table class="jr-comm"><tr><th class="jr-l">communication in this cell</th>'
             '<th>allreduces</th><th>bytes</th><th>time</th><th>busbw</th>'
             f'<th title="{caption}">time in collectives</th>'
@@ -386,12 +310,15 @@ def row_class(state: DashboardState, rank: int, straggler: bool) -> str:
 def render_rows(state):
     """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics. The
     live dashboard shows this same table, so a row looks the same before and after the cell
-    ends."""
+    ends. A large world (``_summary.summarised``): the percentiles over the ranks first, then a
+    row for each notable rank only, saying why it is there."""
     stragglers = set(state.stragglers())
+    why = dict(notable_ranks(state)) if summarised(state) else {}
     rows = []
-    for rank, s in state.ranks.items():
+    for rank in (why or state.ranks):
+        s = state.ranks[rank]
         cells = rank_cells(state, rank)
-        note = " (straggler)" if rank in stragglers else ""
+        note = f" ({why[rank]})" if rank in why else " (straggler)" if rank in stragglers else ""
         rows.append(f'<tr class="{row_class(state, rank, rank in stragglers)}" data-rank="{rank}">'
                     f'<td class="jr-l"><span style="color:{color(rank)}">&#9632;</span> '
                     f'rank {rank}{note}</td>'
@@ -399,7 +326,7 @@ def render_rows(state):
                     f'</div></span></td><td>{_e(cells["pct"])}</td><td>{_e(cells["step"])}</td>'
                     f'<td>{_e(cells["rate"])}</td><td>{_e(cells["eta"])}</td>'
                     f'<td class="jr-l">{_e(cells["metrics"])}</td></tr>')
-    return '<table class="jr-ranks">' + "".join(rows) + "</table>"
+    return (render_summary(state) if why else "") + '<table class="jr-ranks">' + "".join(rows) + "</table>"
 
 
 def render_html(state, title="jupyter_ring training"):

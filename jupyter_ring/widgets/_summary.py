@@ -21,7 +21,7 @@ import html
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ._render import _x_axis, color, linear_ticks, log_ticks
+from ._axes import CHAR_PX, color, linear_ticks, log_label, log_ticks, x_axis
 from ._state import ENDINGS, DashboardState, choose_scale, format_rate, format_seconds, format_value
 
 __all__ = ["SUMMARY_FROM", "NOTABLE", "summarised", "percentiles", "notable_ranks",
@@ -156,9 +156,11 @@ def summary_series(state: DashboardState, metric: str, ranks: Iterable[int],
     return band, {r: series[r] for r in ranks if r in series}
 
 
-def render_summary_chart(state: DashboardState, width: int = 640, height: int = 220) -> str:
+def render_summary_chart(state: DashboardState, width: int = 640, height: int = 220,
+                         scale: str | None = None) -> str:
     """An SVG of the chart metric over a large world: the median over the ranks per step, the
-    min-max band around it, and the notable ranks' own lines, with a legend; '' without data."""
+    min-max band around it, and the notable ranks' own lines, with a legend; '' without data.
+    ``scale``: 'linear' or 'log' (where the values allow it), else the state's choice."""
     metric = state.chart_metric()
     if metric is None:
         return ""
@@ -170,11 +172,11 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
     for pts in own.values():
         x0, x1 = min(x0, pts[0][0]), max(x1, pts[-1][0])
     ys = [v for _, low, _, high in band for v in (low, high)] + [y for pts in own.values() for _, y in pts]
-    scale = choose_scale(state.y_scale, min(ys), max(ys))
+    scale = choose_scale(scale or state.y_scale, min(ys), max(ys))
     if scale == "log":
         ticks, a, b = log_ticks(min(ys), max(ys))
         v0, v1 = float(a), float(b)
-        labels = [(math.log10(v), f"{v:g}" if labelled else "") for v, labelled in ticks]
+        labels = [(math.log10(v), log_label(v) if labelled else "") for v, labelled in ticks]
 
         def fy(y: float) -> float:
             return math.log10(y)
@@ -185,7 +187,7 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
 
         def fy(y: float) -> float:
             return y
-    left = 10 + math.ceil(6.2 * max(len(label) for _, label in labels))
+    left = 10 + math.ceil(CHAR_PX * max(len(label) for _, label in labels))
     right, top, bottom = 130, 20, 32
     pw, ph = width - left - right, height - top - bottom
     ax = pw / ((x1 - x0) or 1)
@@ -205,7 +207,7 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
         parts.append(f'<line class="jr-grid" x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}"/>')
         if label:
             parts.append(f'<text class="jr-ytick" x="{left - 4}" y="{y + 3.5:.1f}" text-anchor="end">{label}</text>')
-    parts += _x_axis(x0, x1, sx, left, pw, top + ph)
+    parts += x_axis(x0, x1, sx, left, pw, top + ph)
     upper = " ".join(f"{sx(x):.1f},{sy(high):.1f}" for x, _, _, high in band)
     lower = " ".join(f"{sx(x):.1f},{sy(low):.1f}" for x, low, _, _ in reversed(band))
     parts.append(f'<polygon class="jr-band" points="{upper} {lower}" fill="#4e79a7" fill-opacity="0.18" stroke="none"/>')
