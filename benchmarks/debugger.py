@@ -1,8 +1,8 @@
 """What a breakpoint on a rank costs (issue 35): its prompt's latency, and the CPU while it holds.
 
-Usage: python benchmarks/debugger.py [--stops 8] [--commands 30] [--post-mortems 8] [--hold 10]
+Usage: python benchmarks/debugger.py [--ranks 2] [--stops 8] [--commands 30] [--post-mortems 8] [--hold 10]
 
-A real kernel (jupyter_client, ``allow_stdin``) with ``%ring start -n 2``, answering the kernel's
+A real kernel (jupyter_client, ``allow_stdin``) with ``%ring start -n RANKS``, answering the kernel's
 input requests as a front end does:
 
 - breakpoint -> prompt: from rank 1's ``breakpoint()`` (its ``time.time()`` just before, read back
@@ -11,8 +11,9 @@ input requests as a front end does:
 - ``%ring debug`` -> prompt: from the request's sending to the post-mortem's input request here,
   after a cell that failed on rank 1, ``--post-mortems`` times (each ended with ``q``);
 - CPU over ``--hold`` seconds while rank 1 sits at its prompt and rank 0 waits for it in an
-  allreduce: each engine process's and the kernel's (psutil, user + system), against the same
-  processes idle between cells for as long.
+  allreduce (every other rank, at more than 2 ranks): each engine process's and the kernel's
+  (psutil, user + system), against the same processes idle between cells for as long; at more
+  than 2 ranks the waiting ranks' highest share is shown.
 """
 
 import argparse
@@ -123,16 +124,18 @@ def main():
     parser.add_argument("--commands", type=int, default=30)
     parser.add_argument("--post-mortems", type=int, default=8)
     parser.add_argument("--hold", type=float, default=10.0)
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     session = Session()
     try:
         session.run("%load_ext jupyter_ring")
-        session.run("%ring start -n 2")
+        session.run(f"%ring start -n {args.ranks}")
         pids = json.loads(session.run(
             "import json\nc = get_ipython().magics_manager.registry['RingMagics'].cluster\n"
             "print(json.dumps([row['pid'] for row in c.ranks]))").strip().splitlines()[-1])
         procs = [psutil.Process(pid) for pid in pids] + [psutil.Process(session.km.provisioner.process.pid)]
-        names = ["rank 0 (waiting)", "rank 1 (at the prompt)", "kernel (in input())"]
+        names = ["rank 0 (waiting)", "rank 1 (at the prompt)"] + [f"rank {r} (waiting)" for r in range(2, len(pids))] \
+            + ["kernel (in input())"]
 
         before = cpu(procs)
         time.sleep(args.hold)
@@ -170,6 +173,8 @@ def main():
         print(f"CPU over {args.hold:g} s, share of one core (idle cluster -> rank 1 held at its prompt):")
         for name, a, b in zip(names, idle, held):
             print(f"  {name:24s} {a:7.2%} -> {b:7.2%}")
+        waiting = [b for name, b in zip(names, held) if "(waiting)" in name]
+        print(f"  the {len(waiting)} waiting ranks: at most {max(waiting):.2%} of a core each")
         print(f"load average: {os.getloadavg()[0]:.1f}")
     finally:
         session.close()
