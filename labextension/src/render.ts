@@ -104,13 +104,37 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
 
   // What a user reads first comes first (rank, state, step): at the sidebar's default width the
   // last column was cut ("226/40"); what does not fit scrolls, nothing is cut off.
+  const table = rankTable(cluster.ranks);
+  if (cluster.ranks.length > COMPACT_FROM) {
+    // 64 rows do not fit a sidebar: ranks alike (state, host) share a row, every rank in a
+    // collapsed table below
+    card.appendChild(groupTable(cluster.ranks));
+    const all = el('details', 'jp-RingPanel-allRanks');
+    all.appendChild(el('summary', '', `every rank (${cluster.ranks.length})`));
+    const scroll = el('div', 'jp-RingPanel-ranksScroll');
+    scroll.appendChild(table);
+    all.appendChild(scroll);
+    card.appendChild(all);
+    return card;
+  }
+  const scroll = el('div', 'jp-RingPanel-ranksScroll');
+  scroll.appendChild(table);
+  card.appendChild(scroll);
+  return card;
+}
+
+/** Above this many ranks a cluster's ranks are listed in groups (the full table collapsed). */
+export const COMPACT_FROM = 16;
+
+/** A row per rank: rank, state, step, host, pid, device. */
+function rankTable(ranks: IRankInfo[]): HTMLTableElement {
   const table = el('table', 'jp-RingPanel-ranks');
   const head = el('tr', '');
   for (const name of ['rank', 'state', 'step', 'host', 'pid', 'device']) {
     head.appendChild(el('th', '', name));
   }
   table.appendChild(head);
-  for (const rank of cluster.ranks) {
+  for (const rank of ranks) {
     const row = el('tr', `jp-RingPanel-rank jp-mod-${livenessLabel(rank)}`);
     row.dataset.rank = String(rank.rank);
     const cells = [
@@ -126,10 +150,77 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
     }
     table.appendChild(row);
   }
-  const scroll = el('div', 'jp-RingPanel-ranksScroll');
-  scroll.appendChild(table);
-  card.appendChild(scroll);
-  return card;
+  return table;
+}
+
+/** Ranks that share a state and a host, with the span of their steps. */
+export interface IRankGroup {
+  ranks: number[];
+  state: string;
+  host: string;
+  steps: string;
+}
+
+/**
+ * The ranks in groups of one state and host, the groups that are not alive first (what needs
+ * the user), then by their first rank; ``steps`` is the group's lowest and highest step.
+ */
+export function rankGroups(ranks: IRankInfo[]): IRankGroup[] {
+  const groups = new Map<string, { ranks: number[]; state: string; host: string; steps: number[] }>();
+  for (const rank of ranks) {
+    const state = livenessLabel(rank);
+    const host = rank.host ?? '?';
+    const key = `${state}\u0000${host}`;
+    let group = groups.get(key);
+    if (!group) {
+      group = { ranks: [], state, host, steps: [] };
+      groups.set(key, group);
+    }
+    group.ranks.push(rank.rank);
+    if (rank.step !== null && rank.step !== undefined) {
+      group.steps.push(rank.step);
+    }
+  }
+  const out = Array.from(groups.values()).map(g => {
+    const low = Math.min(...g.steps);
+    const high = Math.max(...g.steps);
+    const steps = !g.steps.length ? '–' : low === high ? String(low) : `${low}–${high}`;
+    return { ranks: g.ranks.sort((a, b) => a - b), state: g.state, host: g.host, steps };
+  });
+  return out.sort((a, b) => Number(a.state === 'alive') - Number(b.state === 'alive') || a.ranks[0] - b.ranks[0]);
+}
+
+/** ``[0, 1, 2, 5]`` -> ``0-2, 5``. */
+export function rankRanges(ranks: number[]): string {
+  const parts: string[] = [];
+  let i = 0;
+  while (i < ranks.length) {
+    let j = i;
+    while (j + 1 < ranks.length && ranks[j + 1] === ranks[j] + 1) {
+      j++;
+    }
+    parts.push(i === j ? String(ranks[i]) : `${ranks[i]}-${ranks[j]}`);
+    i = j + 1;
+  }
+  return parts.join(', ');
+}
+
+/** A row per group of ranks (``rankGroups``): ranks, how many, state, steps, host. */
+function groupTable(ranks: IRankInfo[]): HTMLTableElement {
+  const table = el('table', 'jp-RingPanel-groups');
+  const head = el('tr', '');
+  for (const name of ['ranks', 'n', 'state', 'step', 'host']) {
+    head.appendChild(el('th', '', name));
+  }
+  table.appendChild(head);
+  for (const group of rankGroups(ranks)) {
+    const row = el('tr', `jp-RingPanel-group jp-mod-${group.state}`);
+    for (const text of [rankRanges(group.ranks), String(group.ranks.length), group.state, group.steps, group.host]) {
+      row.appendChild(el('td', '', text));
+    }
+    table.appendChild(row);
+  }
+  return table;
 }
 
 /**

@@ -1,4 +1,4 @@
-import { renderClusters, renderWhereReport } from '../src/render';
+import { COMPACT_FROM, rankGroups, rankRanges, renderClusters, renderWhereReport } from '../src/render';
 import { makeCluster } from './fixtures';
 
 function buttons(node: HTMLElement): Record<string, HTMLButtonElement> {
@@ -132,5 +132,59 @@ describe('renderWhereReport', () => {
     const pre = body.querySelector('pre.jp-RingPanel-whereText')!;
     expect(pre.textContent).toBe(text);
     expect(body.querySelector('.jp-RingPanel-whereMeta')!.textContent).toContain('3 rank(s) at');
+  });
+});
+
+describe('a large cluster', () => {
+  function large(): ReturnType<typeof makeCluster> {
+    const ranks = Array.from({ length: 64 }, (_, rank) => ({
+      rank,
+      host: rank < 32 ? 'node-a' : 'node-b',
+      pid: 1000 + rank,
+      device: 'cpu',
+      alive: rank !== 17,
+      step: rank === 40 ? 90 : 100 + (rank % 3)
+    }));
+    return makeCluster({ n: 64, ranks });
+  }
+
+  it('writes rank lists as ranges', () => {
+    expect(rankRanges([0, 1, 2, 5, 7, 8])).toBe('0-2, 5, 7-8');
+    expect(rankRanges([3])).toBe('3');
+  });
+
+  it('groups ranks alike (state, host) into a row each, the ranks that are not alive first', () => {
+    const groups = rankGroups(large().ranks);
+    expect(groups).toEqual([
+      { ranks: [17], state: 'dead', host: 'node-a', steps: '102' },
+      { ranks: [...Array.from({ length: 17 }, (_, r) => r), ...Array.from({ length: 14 }, (_, r) => r + 18)],
+        state: 'alive', host: 'node-a', steps: '100–102' },
+      { ranks: Array.from({ length: 32 }, (_, r) => r + 32), state: 'alive', host: 'node-b', steps: '90–102' }
+    ]);
+  });
+
+  it('lists 64 ranks in three rows, with every rank in a collapsed table', () => {
+    const node = document.createElement('div');
+    renderClusters(node, [large()], { onAction: () => undefined });
+    const rows = Array.from(node.querySelectorAll('tr.jp-RingPanel-group')).map(row =>
+      Array.from(row.querySelectorAll('td')).map(td => td.textContent)
+    );
+    expect(rows).toEqual([
+      ['17', '1', 'dead', '102', 'node-a'],
+      ['0-16, 18-31', '31', 'alive', '100–102', 'node-a'],
+      ['32-63', '32', 'alive', '90–102', 'node-b']
+    ]);
+    const details = node.querySelector('details.jp-RingPanel-allRanks') as HTMLDetailsElement;
+    expect(details.open).toBe(false);
+    expect(details.querySelectorAll('tr.jp-RingPanel-rank')).toHaveLength(64);
+  });
+
+  it(`keeps a row per rank up to ${COMPACT_FROM} ranks`, () => {
+    const node = document.createElement('div');
+    const cluster = large();
+    cluster.ranks = cluster.ranks.slice(0, COMPACT_FROM);
+    renderClusters(node, [cluster], { onAction: () => undefined });
+    expect(node.querySelector('tr.jp-RingPanel-group')).toBeNull();
+    expect(node.querySelectorAll('tr.jp-RingPanel-rank')).toHaveLength(COMPACT_FROM);
   });
 });
