@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from . import _live
 from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
-from .runtime._observe.debugger import MARK
+from .runtime.internal import MARK
 from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
-    from .cluster._ring import RingCluster
+    from .cluster import RingCluster
     from .magics import RingMagics
     from .widgets._tabs import RankTabs, TextSink
     from .widgets.live import LiveDashboard

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from .runtime._observe import debugger as records
+from .runtime.internal import debugger as records
 
 __all__ = ["Debuggers"]
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from .engines import _debugpy as rank_side
 from .engines._debugpy import Endpoint
-from .runtime._observe.where import cells_path
+from .runtime.internal import cells_path
 
 __all__ = ["DebugpyError", "attach_config", "describe", "start_on_rank", "wait_for_client"]
 

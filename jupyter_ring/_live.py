@@ -74,7 +74,7 @@ def running_cell(where_dir: str) -> RunningCell | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    from .cluster._procs import live_process
+    from .cluster import live_process
 
     if not isinstance(data, dict) or live_process(data.get("kernel_pid")) is None:
         return None

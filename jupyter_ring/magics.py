@@ -688,7 +688,7 @@ class RingMagics(Magics):
         fresh; or %ring restart)."""
         if not cluster.can_respawn(dead):
             return cluster.describe_death(dead)
-        from .cluster._respawn import replaced_note
+        from .cluster import replaced_note
 
         head = cluster.describe_death(dead, fix="").rstrip()  # how they died: read before the
         try:                                                    # new ranks take their rows

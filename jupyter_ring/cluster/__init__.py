@@ -46,8 +46,15 @@ if TYPE_CHECKING:  # the lazy exports below, as a type checker (and a reader) sh
                           default_size as default_size, host_slots as host_slots,
                           parse_ranks as parse_ranks, share_note as share_note,
                           threads_per_rank as threads_per_rank, visible_gpus as visible_gpus)
+    from ._launchers import atomic_cluster_class as atomic_cluster_class, ipp_log as ipp_log
+    from ._respawn import replaced_note as replaced_note
+    from ._procs import (cluster_file_patterns as cluster_file_patterns, kill_processes as kill_processes,
+                         live_process as live_process, process_trees as process_trees,
+                         remove_files as remove_files, wait_exit as wait_exit)
+    from ._sidecar import mark_stopped as mark_stopped, read_sidecar as read_sidecar, remove_sidecar as remove_sidecar
     from ._where import (RankWhere as RankWhere, collect_where as collect_where,
-                         format_where as format_where, rank_ranges as rank_ranges)
+                         format_where as format_where, rank_ranges as rank_ranges, where_dir as where_dir,
+                         where_json as where_json)
 
 # name -> the submodule that defines it. Imported on first use: the watchdog process
 # (``python -m jupyter_ring.cluster._watchdog``) and the Ring panel's listing import only the
@@ -62,7 +69,13 @@ _EXPORTS = {
     "default_size": "_sizing", "threads_per_rank": "_sizing", "share_note": "_sizing",
     "parse_ranks": "_sizing", "host_slots": "_sizing",
     "RankWhere": "_where", "collect_where": "_where", "format_where": "_where",
-    "rank_ranges": "_where",
+    "rank_ranges": "_where", "where_dir": "_where", "where_json": "_where",
+    # for the Jupyter server's routes (server/_clusters.py): the cluster's files and processes
+    "cluster_file_patterns": "_procs", "kill_processes": "_procs", "live_process": "_procs",
+    "process_trees": "_procs", "remove_files": "_procs", "wait_exit": "_procs",
+    "mark_stopped": "_sidecar", "read_sidecar": "_sidecar", "remove_sidecar": "_sidecar",
+    "atomic_cluster_class": "_launchers", "ipp_log": "_launchers",
+    "replaced_note": "_respawn",
 }
 
 __all__ = ["ClusterError", "DeadRankError", *_EXPORTS]

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from ..engines._setup import RankRow
-from ..runtime._observe.debugger import read_held
-from ..runtime._observe.where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path,
+from ..runtime.internal import read_held
+from ..runtime.internal import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path,
                               doing_path, parse_stacks, read_doing, stack_path)
 from ._sidecar import SidecarRank
 

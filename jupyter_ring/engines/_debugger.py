@@ -23,8 +23,8 @@ import time
 from types import FrameType, TracebackType
 from typing import IO, cast
 
-from ..runtime._observe import debugger as records
-from ..runtime._observe.debugger import hold
+from ..runtime.internal import debugger as records
+from ..runtime.internal import hold
 
 __all__ = ["PromptChannel", "RankPdb", "RankDebugger", "install"]
 

@@ -37,8 +37,8 @@ import sys
 import threading
 from typing import Any, TypedDict
 
-from ..runtime._observe.debugger import hold
-from ..runtime._observe.where import cells_path
+from ..runtime.internal import hold
+from ..runtime.internal import cells_path
 
 __all__ = ["Endpoint", "OwnerOnlySocket", "MissingDebugpy", "start", "connected", "peer_uid"]
 

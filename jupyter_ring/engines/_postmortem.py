@@ -16,7 +16,7 @@ import sys
 from types import FrameType, TracebackType
 from typing import Any
 
-from ..runtime._observe.debugger import hold
+from ..runtime.internal import hold
 from ._debugger import RankDebugger, RankPdb
 
 __all__ = ["keep_failures", "post_mortem", "PostMortemPdb", "CALL", "last_failure"]

@@ -15,7 +15,7 @@ Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's
 from typing import TYPE_CHECKING, Callable, TypedDict
 
 if TYPE_CHECKING:
-    from ..runtime._observe.report import Reporter
+    from ..runtime.internal import Reporter
 
 __all__ = ["KEY_PREFIX", "MAX_RATE", "Snapshot", "CommTotals", "Stall", "Publisher",
            "snapshot_key", "install", "uninstall", "enable"]
@@ -116,7 +116,7 @@ def install(max_rate=MAX_RATE, shell=None):
     """Install a :class:`Publisher` on this engine (replacing an earlier one); returns it."""
     from ipyparallel.datapub import publish_data
 
-    from ..runtime._observe import report as _report
+    from ..runtime.internal import report as _report
 
     if shell is None:
         from IPython import get_ipython
@@ -135,7 +135,7 @@ def install(max_rate=MAX_RATE, shell=None):
 
 def uninstall(shell=None):
     """Remove this module's publisher (and its cell events) from this engine, if installed."""
-    from ..runtime._observe import report as _report
+    from ..runtime.internal import report as _report
 
     if shell is None:
         from IPython import get_ipython
@@ -155,7 +155,7 @@ def uninstall(shell=None):
 
 def enable(on=True):
     """Pause (False) or resume publishing on this engine; the reporter keeps counting."""
-    from ..runtime._observe import report as _report
+    from ..runtime.internal import report as _report
 
     publisher = _report.reporter.publisher
     if isinstance(publisher, Publisher):

@@ -227,7 +227,7 @@ def ascii_logs():
 
 def _after_cell(result):
     if result.error_in_exec is not None:
-        from ..runtime import _api
+        from ..runtime.internal import api as _api
 
         _api.abandon_queued("the cell that queued this collective failed or was interrupted "
                             f"on this rank ({type(result.error_in_exec).__name__})")
@@ -240,7 +240,7 @@ def arm_where(directory, rank):
     folder on a shared file system makes its own, which ``%ring where`` cannot read: it says so.
     Never fails the setup: where it cannot arm, ``%ring where`` finds no file and says so.
     """
-    from ..runtime._observe import where as _where
+    from ..runtime.internal import where as _where
 
     try:
         _where.arm(directory, rank)
@@ -261,7 +261,7 @@ def _keep_cell_sources(folder: str) -> None:
 
     from IPython import get_ipython
 
-    from ..runtime._observe.where import cell_source_name
+    from ..runtime.internal import cell_source_name
 
     compiler = get_ipython().compile
     if getattr(compiler, "_jupyter_ring_keeps_sources", False):

@@ -8,8 +8,8 @@ __all__ = ["recent_collectives"]
 def recent_collectives(seconds):
     """``{"rank", "now", "records"}``: the collectives this rank's runtime finished in the last
     ``seconds`` (``runtime._observe.trace.Trace.recent``); no records when the runtime is not started."""
-    from ..runtime import _api
-    from ..runtime._observe.report import reporter
+    from ..runtime.internal import api as _api
+    from ..runtime.internal import reporter
 
     trace = reporter.trace if _api.is_initialized() else None
     return {"rank": _api.rank() if trace is not None else -1, "now": time.time(),

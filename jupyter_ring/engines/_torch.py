@@ -146,8 +146,8 @@ class TorchGuard:
     def on_torch_distributed(self, module: ModuleType) -> None:
         """torch.distributed was imported: record its groups, count its collectives for the
         dashboard; rank 0 serves the rendezvous store."""
-        from ..runtime._device import process_groups
-        from ..runtime._device import torch_comm as _torch_comm
+        from ..runtime.internal import process_groups
+        from ..runtime.internal import torch_comm as _torch_comm
 
         process_groups.install_recording()
         # torch.distributed may be half-imported (it imports this module first): its own
@@ -164,7 +164,7 @@ class TorchGuard:
 
     def on_ddp(self, module: ModuleType) -> None:
         """DDP was imported: its models count their gradient allreduces (``runtime._device.torch_comm``)."""
-        from ..runtime._device import torch_comm as _torch_comm
+        from ..runtime.internal import torch_comm as _torch_comm
 
         _torch_comm.count_ddp(module.DistributedDataParallel)
 
@@ -207,8 +207,8 @@ class TorchGuard:
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_code.co_name)
 
     def _tick(self):
-        from ..runtime import _api  # on the rank only (the notebook imports this module too)
-        from ..runtime._engine import progress as _progress
+        from ..runtime.internal import api as _api  # on the rank only (the notebook imports this module too)
+        from ..runtime.internal import progress as _progress
 
         groups = self._groups()
         if not self.executing or not (groups or self._sigint_at is not None):
@@ -244,7 +244,7 @@ class TorchGuard:
     def _groups():
         if _WATCHED not in sys.modules:
             return []
-        from ..runtime._device import process_groups
+        from ..runtime.internal import process_groups
 
         return [g for g in process_groups.registry.groups() if g.pg is not None and not g.aborted]
 
@@ -268,7 +268,7 @@ class TorchGuard:
         still = now - self._still_since
         if still < stall:
             return
-        from ..runtime._observe.debugger import hold
+        from ..runtime.internal import hold
 
         if hold.anyone():  # a rank held in a debugger is a pause, not a stall: the clock restarts
             self._still_since = now
@@ -333,7 +333,7 @@ def reserve(ring, master_addr):
     127.0.0.1 on one host), or with "" on its own address on the route to the other ranks' hosts.
     Returns ``(address, port)`` on rank 0, None on the others.
     """
-    from ..runtime._device import process_groups
+    from ..runtime.internal import process_groups
 
     hosts = None
     if not master_addr:
@@ -383,7 +383,7 @@ def repair():
     guard = _holder.guard
     if guard is None:
         return None
-    from ..runtime._device import process_groups
+    from ..runtime.internal import process_groups
 
     if _WATCHED not in sys.modules:
         # no torch here: still take part, other ranks may hold groups

@@ -18,10 +18,8 @@ import socket
 
 import psutil
 
-from ..cluster._procs import (cluster_file_patterns, kill_processes, live_process, process_trees,
-                             remove_files, wait_exit)
-from ..cluster._sidecar import mark_stopped, read_sidecar, remove_sidecar
-from ..cluster._signals import signal_cluster
+from ..cluster import (cluster_file_patterns, kill_processes, live_process, mark_stopped, process_trees,
+                       read_sidecar, remove_files, remove_sidecar, signal_cluster, wait_exit)
 from ..errors import ClusterError, ClusterNotFound
 
 __all__ = ["ClusterNotFound", "find_cluster_file", "list_clusters", "describe_cluster",
@@ -323,7 +321,7 @@ async def where_cluster(path, timeout=3.0):
     """Every rank's stack and collective (``cluster._where``), also while a cell is busy: the
     ranks' where signal goes through the nannies, as an interrupt does; their dumps are read
     from the cluster's where folder. ``{"ranks": [...], "text": ...}``."""
-    from ..cluster._where import collect_where, format_where, where_dir, where_json
+    from ..cluster import collect_where, format_where, where_dir, where_json
 
     info = _read_cluster_file(path).get("cluster", {})
     profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
@@ -346,7 +344,7 @@ async def where_cluster(path, timeout=3.0):
 
 def _running_cell(profile_dir, cluster_id):
     from .._live import running_cell
-    from ..cluster._where import where_dir
+    from ..cluster import where_dir
 
     return running_cell(where_dir(profile_dir, cluster_id))
 
@@ -357,7 +355,7 @@ async def attach_cluster(path):
     within a fraction of a second, busy or not. ``{"cell": {...}}``; ClusterError when no cell
     runs."""
     from .._live import request_attach
-    from ..cluster._where import where_dir
+    from ..cluster import where_dir
 
     info = _read_cluster_file(path).get("cluster", {})
     profile_dir = info.get("profile_dir") or os.path.dirname(os.path.dirname(path))
@@ -399,7 +397,7 @@ async def stop_cluster(path, grace=5.0):
 
 
 def _load(path):
-    from ..cluster._launchers import atomic_cluster_class, ipp_log
+    from ..cluster import atomic_cluster_class, ipp_log
 
     # not the server's log: ipyparallel would write the controller's whole output there
     return atomic_cluster_class().from_file(path, log=ipp_log(f"{__name__}.ipyparallel"))
