@@ -173,20 +173,7 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
         x0, x1 = min(x0, pts[0][0]), max(x1, pts[-1][0])
     ys = [v for _, low, _, high in band for v in (low, high)] + [y for pts in own.values() for _, y in pts]
     scale = choose_scale(scale or state.y_scale, min(ys), max(ys))
-    if scale == "log":
-        ticks, a, b = log_ticks(min(ys), max(ys))
-        v0, v1 = float(a), float(b)
-        labels = [(math.log10(v), log_label(v) if labelled else "") for v, labelled in ticks]
-
-        def fy(y: float) -> float:
-            return math.log10(y)
-    else:
-        values, step = linear_ticks(min(ys), max(ys))
-        v0, v1 = values[0], values[-1]
-        labels = [(v, f"{v:g}") for v in values]
-
-        def fy(y: float) -> float:
-            return y
+    fy, v0, v1, labels = _y_axis(scale, min(ys), max(ys))
     left = 10 + math.ceil(CHAR_PX * max(len(label) for _, label in labels))
     right, top, bottom = 130, 20, 32
     pw, ph = width - left - right, height - top - bottom
@@ -227,3 +214,15 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
                      f'<text x="{left + pw + 30}" y="{ly}">{_e(text)}</text>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _y_axis(scale: str, low: float, high: float) -> tuple[Callable[[float], float], float, float,
+                                                          list[tuple[float, str]]]:
+    """The value axis over [low, high] at ``scale``: the value's position function (the log for
+    'log'), the axis' ends in that position, and the ticks (position, label; '' unlabelled)."""
+    if scale == "log":
+        ticks, a, b = log_ticks(low, high)
+        return math.log10, float(a), float(b), [(math.log10(v), log_label(v) if labelled else "")
+                                                for v, labelled in ticks]
+    values, _step = linear_ticks(low, high)
+    return float, values[0], values[-1], [(v, f"{v:g}") for v in values]
