@@ -7,10 +7,12 @@ tests/test_notebooks.py::test_dead_engine_is_reported_by_rank_within_2s."""
 
 import json
 import os
+import re
 import time
 
 import pytest
 
+from jupyter_ring.server._clusters import describe_cluster
 from real_kernel import alive, cluster_pids, ring_kernel, sigkill_during
 
 pytestmark = pytest.mark.timeout(300)
@@ -72,6 +74,21 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert rank_lines(out, 1) == ["True"] and rank_lines(out, 0) == ["True"], out
         status = kernel.ok("%ring status")
         assert "DEAD" not in status, status
+        # issue 34 item 4: the replacement is marked, the restarts counted, in the notebook...
+        assert re.search(r"^1 .* replaced 1\u00d7, fresh namespace$", status, re.M), status
+        assert "restarts 1 of --max-restarts 3 used" in status, status
+        # ... and in the Ring panel's description (the server reads the kernel's sidecar)
+        path = kernel.ok(f"print({CLUSTER}._running_cluster.cluster_file)").strip()
+        described = describe_cluster(path)
+        assert (described["state"], described["n"], described["restarts"]) == (
+            "running", 2, {"used": 1, "max": 3}), described
+        assert [(r["rank"], r["alive"], r["replaced"]) for r in described["ranks"]] == [
+            (0, True, 0), (1, True, 1)], described
+        # %ring where on the new world: every rank, the replacement included, with its stack
+        where = kernel.ok("%ring where")
+        for rank, pid in rank_pids(kernel).items():  # between cells: each rank's state line
+            assert re.search(rf"^rank {rank} @ \S+ \(pid {pid}\): running \(not in a collective\)\n"
+                             r"  main thread: idle \(waiting for a cell\)$", where, re.M), where
         print(f"FIGURE respawn: kill -> cell failed (replacement included) {failed:.2f} s, "
               f"kill -> next cell ran on the full world {ready:.2f} s")
         # the new rank 1 dies too: its own job (mpiexec -n 1) ends with it, which is no reason
