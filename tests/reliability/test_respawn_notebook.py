@@ -25,6 +25,16 @@ def rank_lines(text, rank):
     return [line[len(tag):] for line in text.splitlines() if line.startswith(tag)]
 
 
+def shm_mapped(pids):
+    """The /dev/shm files that the processes ``pids`` map (from /proc/PID/maps)."""
+    found = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            found |= {line.split()[-1] for line in f
+                      if " /dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+    return found
+
+
 def rank_pids(kernel):
     out = kernel.ok(f"import json\nprint(json.dumps({CLUSTER}.ranks))")
     return {r["rank"]: r["pid"] for r in json.loads(out.strip().splitlines()[-1])}
@@ -94,8 +104,13 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         # the new rank 1 dies too: its own job (mpiexec -n 1) ends with it, which is no reason
         # to count rank 0 dead; it is replaced again and rank 0 still keeps its variables
         new = cluster_pids(kernel)
+        mapped = shm_mapped(rank_pids(kernel).values())
         _, error, _ = kill_during_allreduces(kernel, 1)
         assert error is not None and "restart 2 of --max-restarts 3" in error["evalue"], error
+        # the killed replacement's /dev/shm segments went with it (they were left until %ring
+        # stop: one more a kill); what is left of them is mapped by a live rank
+        now = shm_mapped(rank_pids(kernel).values())
+        assert [f for f in mapped - now if os.path.exists(f)] == [], (mapped, now)
         out = kernel.ok("%%distributed\nprint('kept' in dir(), ring.rank(), ring.size())")
         assert rank_lines(out, 0) == ["True 0 2"] and rank_lines(out, 1) == ["False 1 2"], out
         exact_collectives(kernel, "replaced_again")
