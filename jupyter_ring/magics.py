@@ -361,13 +361,14 @@ class RingMagics(Magics):
                   f"{self._start_hint()}")
             return
         dead = cluster.dead_ranks()
-        rows = [dict(row, device=row["device"] + ("  DEAD" if row["rank"] in dead else ""))
+        rows = [dict(row, device=row["device"] + _rank_mark(row["rank"], dead, cluster.replaced))
                 for row in cluster.ranks]
         print(format_table(rows))
         if dead:
             print(cluster.describe_death(dead))
         else:
             print(f"{cluster.size} ranks alive (started with %ring {' '.join(self._start_argv)})")
+        print(_restarts_line(cluster))
         print(self._auto_status())
 
     def _ring_where(self, args, argv):
@@ -717,6 +718,26 @@ class RingMagics(Magics):
         """Stop the cluster (unload_ipython_extension)."""
         self._atexit()
         atexit.unregister(self._atexit)
+
+
+def _rank_mark(rank: int, dead: list[int], replaced: dict[int, int]) -> str:
+    """What ``%ring status`` adds to a rank's device: DEAD, or that it is a replacement."""
+    if rank in dead:
+        return "  DEAD"
+    times = replaced.get(rank, 0)
+    return f"  replaced {times}\u00d7, fresh namespace" if times else ""
+
+
+def _restarts_line(cluster: RingCluster) -> str:
+    """``%ring status``'s line on replacing ranks in place: used of --max-restarts, or off."""
+    if not cluster.respawns:
+        return "dead ranks are not replaced in place (--max-restarts 0): %ring restart"
+    line = f"restarts {cluster.restarts} of --max-restarts {cluster.max_restarts} used"
+    if cluster.replaced:
+        kept = [r for r in range(cluster.size) if r not in cluster.replaced]
+        line += (f"; replaced rank(s) started with a fresh namespace: %ring sync NAME"
+                 + (f" --from {kept[0]}" if kept else "") + " copies variables to them")
+    return line
 
 
 def _render_pull_error(exc, name, ranks, cluster):

@@ -4,6 +4,7 @@ MPI clusters of ipyparallel engines."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -395,3 +396,33 @@ def test_a_cluster_its_kernel_is_stopping_reads_stopped_not_degraded(tmp_path):
     assert describe_cluster(str(path))["state"] == "degraded"  # ranks gone, nobody said why
     assert mark_stopping(str(profile), "c1")
     assert describe_cluster(str(path))["state"] == "stopped"
+
+
+def test_a_cluster_with_ranks_replaced_in_place_reads_running_with_its_restarts(tmp_path):
+    """Issue 34 item 4: rank 1 replaced twice (each replacement an engine set of its own, the
+    first one ended with the rank it started) is a running 2-rank cluster, 'restarts 2/3', rank 1
+    marked; the same files without respawn's fields read degraded (a set ended, 4 engines
+    launched for 2 ranks). Made-up files: this process stands in for the live processes."""
+    from jupyter_ring.cluster._sidecar import write_sidecar
+    from jupyter_ring.server._clusters import describe_cluster
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    profile = tmp_path / "profile_default"
+    (profile / "security").mkdir(parents=True)
+    path = profile / "security" / "cluster-c2.json"
+    sets = {"s0": {"n": 2, "pid": os.getpid()}, "s1": {"n": 1, "pid": gone.pid},
+            "s2": {"n": 1, "pid": os.getpid()}}
+    path.write_text(json.dumps({"cluster": {"cluster_id": "c2", "profile_dir": str(profile), "n": 2},
+                                "controller": {"state": {"pid": os.getpid()}},
+                                "engines": {"sets": sets}}))
+    rows = [{"rank": r, "host": socket.gethostname(), "pid": os.getpid(), "device": "cpu",
+             "replaced": 2 * r} for r in (0, 1)]
+    write_sidecar(str(profile), "c2", rows, kernel_pid=os.getpid(), connection_file=None,
+                  restarts=(2, 3))
+    described = describe_cluster(str(path))
+    assert (described["state"], described["n"], described["restarts"]) == ("running", 2, {"used": 2, "max": 3})
+    assert [(r["rank"], r["alive"], r["replaced"]) for r in described["ranks"]] == [(0, True, 0), (1, True, 2)]
+    write_sidecar(str(profile), "c2", rows, kernel_pid=os.getpid(), connection_file=None)
+    described = describe_cluster(str(path))
+    assert (described["state"], described["n"], described["restarts"]) == ("degraded", 4, None)

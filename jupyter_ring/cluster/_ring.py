@@ -168,6 +168,7 @@ class RingCluster(LoggingConfigurable):
         self.rendezvous: tuple[str, int] | None = None  # torch.distributed's, reserved by rank 0
         self.restarts = 0        # ranks replaced in place so far (respawn); --max-restarts bounds it
         self.replace_failed = False  # a replacement failed: dead ranks now need %ring restart
+        self.replaced: dict[int, int] = {}  # rank -> how many times it was replaced in place
 
     def __enter__(self) -> RingCluster:
         if not self.running:
@@ -266,6 +267,12 @@ class RingCluster(LoggingConfigurable):
         """The kernel's umask when the cluster started: the ranks' own (files cells write)."""
         return self._user_umask
 
+    @property
+    def respawns(self) -> bool:
+        """Whether this cluster replaces dead ranks in place (its ranks run under keepers and
+        ``max_restarts`` is not 0), used up or not."""
+        return bool(self.plan_used is not None and self.plan_used.keeper and self.max_restarts > 0)
+
     def can_respawn(self, dead: Iterable[int] = ()) -> bool:
         """Whether ``dead`` ranks would be replaced in place now: the ranks run under the keeper
         (``LaunchPlan.keeper``), some rank survives, and ``max_restarts`` is not used up."""
@@ -292,7 +299,13 @@ class RingCluster(LoggingConfigurable):
             self.replace_failed = True
             self._watch()
             raise
-        self._shm |= shm_files(self._local_rank_pids())
+        for rank in dead:
+            self.replaced[rank] = self.replaced.get(rank, 0) + 1
+        # the dead ranks' segments that no live rank maps (their job's, the killed replacement's
+        # never unlinked): gone now, not at stop, so that a long session of kills leaks none
+        live = shm_files(self._local_rank_pids())
+        remove_shm_files(self._shm - live)
+        self._shm = live
         self._watch()
         self._write_sidecar()
         return done
@@ -379,8 +392,10 @@ class RingCluster(LoggingConfigurable):
         try:
             write_sidecar(cluster.profile_dir, cluster.cluster_id,
                           [SidecarRow(rank=row["rank"], host=row["host"], pid=row["pid"],
-                                      device=row["device"], **self.steps.get(row["rank"], {}))
-                           for row in self.ranks])
+                                      device=row["device"], replaced=self.replaced.get(row["rank"], 0),
+                                      **self.steps.get(row["rank"], {}))
+                           for row in self.ranks],
+                          restarts=(self.restarts, self.max_restarts) if self.respawns else None)
         except OSError as exc:
             log.warning("could not write the Ring panel's sidecar file: %s", exc)
 
@@ -437,6 +452,7 @@ class RingCluster(LoggingConfigurable):
         self.ranks, self.engine_ids, self.size, self.steps, self._shm = [], [], 0, {}, set()
         self._repair, self.torch_backend = None, None
         self.plan_used, self.rendezvous, self.restarts, self.replace_failed = None, None, 0, False
+        self.replaced = {}
 
     def stopped_by(self) -> str | None:
         """Who stopped this cluster from outside the kernel (``"the Ring panel"``), or None while

@@ -10,7 +10,12 @@ Format (one JSON object)::
     {"version": 1, "cluster_id": "1795400639-v1wr", "kernel_pid": 4242,
      "connection_file": "/.../kernel-<id>.json",
      "ranks": [{"rank": 0, "host": "vm", "pid": 9130, "device": "cpu",
-                "step": 120, "total": 500}, ...]}
+                "step": 120, "total": 500, "replaced": 0}, ...],
+     "restarts": 1, "max_restarts": 3}
+
+``replaced``: how many times the rank was replaced in place (``RingCluster.respawn``: a new
+engine, a fresh namespace); ``restarts``/``max_restarts``: the replacements used of
+``--max-restarts``, absent when the cluster does not replace ranks (``--max-restarts 0``).
 
 ``step``/``total``: the rank's last ``ring.progress()`` as the kernel's dashboard saw it (rewritten
 at most once a second while a cell reports, and when it ends); null before any report.
@@ -50,6 +55,7 @@ class SidecarRank(TypedDict):
     device: str
     step: int | float | None    # the rank's last ring.progress() step the dashboard saw
     total: int | float | None
+    replaced: NotRequired[int]  # times replaced in place (absent: 0, a sidecar of before)
 
 
 class RankProgress(TypedDict, total=False):
@@ -69,6 +75,7 @@ class SidecarRow(TypedDict):
     device: str
     step: NotRequired[int | float | None]
     total: NotRequired[int | float | None]
+    replaced: NotRequired[int]
 
 
 class Sidecar(TypedDict):
@@ -79,6 +86,8 @@ class Sidecar(TypedDict):
     kernel_pid: int
     connection_file: str | None
     ranks: list[SidecarRank]
+    restarts: NotRequired[int]      # ranks replaced in place so far (absent: respawn is off)
+    max_restarts: NotRequired[int]  # --max-restarts
     stopped_by: NotRequired[str]  # who stopped the cluster from outside the kernel
     stopping: NotRequired[bool]   # its kernel is stopping it (%ring stop): the ranks going is no fault
 
@@ -89,8 +98,10 @@ def sidecar_path(profile_dir: str, cluster_id: str) -> str:
 
 
 def write_sidecar(profile_dir: str, cluster_id: str, ranks: Iterable[SidecarRow],
-                  kernel_pid: int | None = None, connection_file: str | None = None) -> str:
+                  kernel_pid: int | None = None, connection_file: str | None = None,
+                  restarts: tuple[int, int] | None = None) -> str:
     """Record ``ranks`` (rows with rank, host, pid, device) and the owner kernel; owner-only file.
+    ``restarts``: (used, ``--max-restarts``) where the cluster replaces dead ranks in place.
 
     Called in the kernel after the ranks are up (``RingCluster`` does, at the end of its start,
     and removes it on stop).
@@ -103,8 +114,11 @@ def write_sidecar(profile_dir: str, cluster_id: str, ranks: Iterable[SidecarRow]
                    connection_file=connection_file,
                    ranks=[SidecarRank(rank=row.get("rank"), host=row.get("host"),
                                       pid=row.get("pid"), device=row.get("device"),
-                                      step=row.get("step"), total=row.get("total"))
+                                      step=row.get("step"), total=row.get("total"),
+                                      replaced=row.get("replaced", 0))
                           for row in ranks])
+    if restarts is not None:
+        data["restarts"], data["max_restarts"] = restarts
     return _write(profile_dir, cluster_id, data)
 
 

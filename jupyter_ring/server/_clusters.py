@@ -217,12 +217,18 @@ def describe_cluster(path, kernels=None, sessions=None):
     n = n or info.get("n") or 0
 
     ranks = _rank_rows(engines, sidecar, here)
+    restarts = _restarts(sidecar)
+    if restarts is not None and ranks:
+        # ranks replaced in place: each replacement is an engine set of its own, and a set whose
+        # rank died (and was replaced again) has ended; the world is the sidecar's rows
+        n = len(ranks)
     if n < len(ranks):
         n = len(ranks)
     owner = _owner(controller, sidecar, kernels)
     owner["session"] = (sessions or {}).get(owner["kernel_id"])
     controller_alive = controller is not None
-    sets_alive = bool(engine_sets) and all(s["alive"] for s in engine_sets)
+    sets_alive = bool(engine_sets) and (any if restarts is not None else all)(
+        s["alive"] for s in engine_sets)
     anything_alive = controller_alive or any(s["alive"] for s in engine_sets)
     dead = [r for r in ranks if r["alive"] is False]
     if not anything_alive or (sidecar or {}).get("stopping"):
@@ -249,9 +255,19 @@ def describe_cluster(path, kernels=None, sessions=None):
         # the %%distributed cell its kernel runs (jupyter_ring._live), None between cells: the
         # Ring panel offers its live view to a notebook reopened meanwhile
         "cell": _running_cell(profile_dir, cluster_id) if state != "stopped" else None,
+        # {"used": 1, "max": 3}: ranks replaced in place of --max-restarts (None: respawn off)
+        "restarts": restarts,
         # Filled by the metrics issue: per-cluster summary of ring.progress()/ring.log().
         "metrics": None,
     }
+
+
+def _restarts(sidecar):
+    """``{"used", "max"}`` from the sidecar of a cluster that replaces dead ranks in place."""
+    used, most = (sidecar or {}).get("restarts"), (sidecar or {}).get("max_restarts")
+    if isinstance(used, int) and isinstance(most, int):
+        return {"used": used, "max": most}
+    return None
 
 
 def _rank_rows(engines, sidecar, here):
@@ -265,7 +281,7 @@ def _rank_rows(engines, sidecar, here):
             local = host in (here, None, "localhost")
             alive = (live_process(pid) is not None) if local else None  # None: another host, unknown
             rows.append(_row(row.get("rank"), host, pid, row.get("device"), alive,
-                             row.get("step"), row.get("total")))
+                             row.get("step"), row.get("total"), row.get("replaced") or 0))
         return sorted(rows, key=lambda r: (r["rank"] is None, r["rank"]))
     device = None if _nvidia_present() else "cpu"
     unranked = 0
@@ -277,11 +293,11 @@ def _rank_rows(engines, sidecar, here):
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def _row(rank, host, pid, device, alive, step=None, total=None):
+def _row(rank, host, pid, device, alive, step=None, total=None, replaced=0):
     # step/total: the rank's last ring.progress() as the owner kernel's dashboard saw it (None:
-    # no report yet, or a cluster without a sidecar)
+    # no report yet, or a cluster without a sidecar); replaced: times replaced in place
     return {"rank": rank, "host": host, "pid": pid, "device": device, "alive": alive,
-            "step": step, "total": total}
+            "step": step, "total": total, "replaced": replaced}
 
 
 def list_clusters(kernels=None, ipython_dir=None, sessions=None):

@@ -14,6 +14,8 @@ export interface IRankInfo {
   step: number | null;
   /** That progress's total, when the rank gave one. */
   total?: number | null;
+  /** How many times the rank was replaced in place (a new engine, a fresh namespace); 0: never. */
+  replaced?: number;
 }
 
 /** A Jupyter session of the owner kernel (from the server's session manager). */
@@ -50,6 +52,8 @@ export interface IClusterInfo {
   ranks: IRankInfo[];
   /** The ``%%distributed`` cell the owner kernel runs now (jupyter_ring._live); null between cells. */
   cell?: IRunningCell | null;
+  /** Dead ranks replaced in place so far of --max-restarts; null: the cluster does not replace them. */
+  restarts?: { used: number; max: number } | null;
   /** Reserved for the metrics issue (per-cluster summary); null until then. */
   metrics: unknown | null;
 }

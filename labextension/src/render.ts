@@ -66,7 +66,7 @@ export function renderCluster(cluster: IClusterInfo, options: IRenderOptions): H
   header.appendChild(el('span', 'jp-RingPanel-id', cluster.id));
   header.appendChild(el('span', `jp-RingPanel-state jp-mod-${cluster.state}`, stateLabel(cluster)));
   card.appendChild(header);
-  card.appendChild(el('div', 'jp-RingPanel-meta', `${cluster.n} ranks · profile ${cluster.profile}`));
+  card.appendChild(el('div', 'jp-RingPanel-meta', metaLabel(cluster)));
   // the notebook that owns the cluster first; the kernel id and pid after it, in grey
   const owner = el('div', 'jp-RingPanel-owner');
   owner.title = ownerTitle(cluster);
@@ -137,9 +137,10 @@ function rankTable(ranks: IRankInfo[]): HTMLTableElement {
   for (const rank of ranks) {
     const row = el('tr', `jp-RingPanel-rank jp-mod-${livenessLabel(rank)}`);
     row.dataset.rank = String(rank.rank);
+    markReplaced(row, rank);
     const cells = [
       String(rank.rank),
-      livenessLabel(rank),
+      rankStateLabel(rank),
       stepLabel(rank),
       rank.host ?? '?',
       rank.pid === null ? '?' : String(rank.pid),
@@ -281,6 +282,31 @@ export function renderWhereReport(report: IWhereReport, at: Date = new Date()): 
   body.appendChild(summary);
   body.appendChild(el('pre', 'jp-RingPanel-whereText', report.text));
   return body;
+}
+
+/** The card's meta line: "2 ranks · restarts 1/3 · profile default" (restarts where ranks are
+ * replaced in place). */
+export function metaLabel(cluster: IClusterInfo): string {
+  const restarts = cluster.restarts ? ` · restarts ${cluster.restarts.used}/${cluster.restarts.max}` : '';
+  return `${cluster.n} ranks${restarts} · profile ${cluster.profile}`;
+}
+
+/** A replaced rank's row: marked (class jp-mod-replaced), its state cell says so, the tooltip why. */
+function markReplaced(row: HTMLElement, rank: IRankInfo): void {
+  const times = rank.replaced ?? 0;
+  if (times <= 0) {
+    return;
+  }
+  row.classList.add('jp-mod-replaced');
+  row.dataset.replaced = String(times);
+  row.title = `Rank ${rank.rank} was replaced in place ${times}× (a new engine): its namespace ` +
+    'started fresh; %ring sync NAME copies variables to it';
+}
+
+/** "alive · replaced 1×" for a replaced rank's state cell, else the liveness alone. */
+export function rankStateLabel(rank: IRankInfo): string {
+  const times = rank.replaced ?? 0;
+  return times > 0 ? `${livenessLabel(rank)} · replaced ${times}×` : livenessLabel(rank);
 }
 
 /** "120/500", "120" or "–" (no report yet). */

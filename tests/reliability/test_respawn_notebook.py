@@ -7,10 +7,12 @@ tests/test_notebooks.py::test_dead_engine_is_reported_by_rank_within_2s."""
 
 import json
 import os
+import re
 import time
 
 import pytest
 
+from jupyter_ring.server._clusters import describe_cluster
 from real_kernel import alive, cluster_pids, ring_kernel, sigkill_during
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,6 +23,16 @@ CLUSTER = "get_ipython().magics_manager.registry['RingMagics'].cluster"
 def rank_lines(text, rank):
     tag = f"[rank {rank}] "
     return [line[len(tag):] for line in text.splitlines() if line.startswith(tag)]
+
+
+def shm_mapped(pids):
+    """The /dev/shm files that the processes ``pids`` map (from /proc/PID/maps)."""
+    found = set()
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            found |= {line.split()[-1] for line in f
+                      if " /dev/shm/" in line and not line.rstrip().endswith("(deleted)")}
+    return found
 
 
 def rank_pids(kernel):
@@ -72,13 +84,33 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert rank_lines(out, 1) == ["True"] and rank_lines(out, 0) == ["True"], out
         status = kernel.ok("%ring status")
         assert "DEAD" not in status, status
+        # issue 34 item 4: the replacement is marked, the restarts counted, in the notebook...
+        assert re.search(r"^1 .* replaced 1\u00d7, fresh namespace$", status, re.M), status
+        assert "restarts 1 of --max-restarts 3 used" in status, status
+        # ... and in the Ring panel's description (the server reads the kernel's sidecar)
+        path = kernel.ok(f"print({CLUSTER}._running_cluster.cluster_file)").strip()
+        described = describe_cluster(path)
+        assert (described["state"], described["n"], described["restarts"]) == (
+            "running", 2, {"used": 1, "max": 3}), described
+        assert [(r["rank"], r["alive"], r["replaced"]) for r in described["ranks"]] == [
+            (0, True, 0), (1, True, 1)], described
+        # %ring where on the new world: every rank, the replacement included, with its stack
+        where = kernel.ok("%ring where")
+        for rank, pid in rank_pids(kernel).items():  # between cells: each rank's state line
+            assert re.search(rf"^rank {rank} @ \S+ \(pid {pid}\): running \(not in a collective\)\n"
+                             r"  main thread: idle \(waiting for a cell\)$", where, re.M), where
         print(f"FIGURE respawn: kill -> cell failed (replacement included) {failed:.2f} s, "
               f"kill -> next cell ran on the full world {ready:.2f} s")
         # the new rank 1 dies too: its own job (mpiexec -n 1) ends with it, which is no reason
         # to count rank 0 dead; it is replaced again and rank 0 still keeps its variables
         new = cluster_pids(kernel)
+        mapped = shm_mapped(rank_pids(kernel).values())
         _, error, _ = kill_during_allreduces(kernel, 1)
         assert error is not None and "restart 2 of --max-restarts 3" in error["evalue"], error
+        # the killed replacement's /dev/shm segments went with it (they were left until %ring
+        # stop: one more a kill); what is left of them is mapped by a live rank
+        now = shm_mapped(rank_pids(kernel).values())
+        assert [f for f in mapped - now if os.path.exists(f)] == [], (mapped, now)
         out = kernel.ok("%%distributed\nprint('kept' in dir(), ring.rank(), ring.size())")
         assert rank_lines(out, 0) == ["True 0 2"] and rank_lines(out, 1) == ["False 1 2"], out
         exact_collectives(kernel, "replaced_again")
