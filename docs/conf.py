@@ -17,6 +17,9 @@ suppress_warnings = ["misc.highlighting_failure"]
 autodoc_default_options = {"undoc-members": False}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
+# Annotations by the names their modules give them (``from __future__ import annotations``), not
+# numpy's long expansion of ArrayLike (a union of private protocols) or NDArray's generic form
+autodoc_type_aliases = {"npt.ArrayLike": "numpy.typing.ArrayLike", "Array": "numpy.ndarray"}
 # cupy needs a GPU wheel; its adapter is documented from its source without it
 autodoc_mock_imports = ["cupy", "tensorflow", "keras", "tf_keras"]
 intersphinx_mapping = {}

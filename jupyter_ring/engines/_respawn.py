@@ -125,7 +125,7 @@ def _adopt(new: "MPI.Intracomm") -> int:
             old.Free()  # local in MPICH: does not wait for the rank that died
         except MPI.Exception:
             pass
-    ring.init(comm=new, **_state.config)
+    ring.init(comm=new, process_sets=None, **_state.config)  # (the sets are the user's to add again)
     return new.Get_rank()
 
 
