@@ -69,7 +69,12 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) ->
     ipc.start_engines_sync(len(dead))
     cluster._watch()
     survivor_ids = [cluster.engine_ids[r] for r in survivors]
-    cluster.signal_ranks(signal.SIGINT, survivors)  # the running cell ends there too
+    # the running cell ends there too; only busy ranks are signalled, and leaving waits until
+    # their cell has ended: a SIGINT that reached an idle rank late would interrupt the leaving
+    busy = [r for r, eid in zip(survivors, survivor_ids) if _busy(client, eid)]
+    if busy:
+        cluster.signal_ranks(signal.SIGINT, busy)
+        _wait_idle(client, [cluster.engine_ids[r] for r in busy], busy, cluster.setup_timeout)
     ports = _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.leave, dead),
                         cluster.setup_timeout, "leaving the old world")
     port = next(p for p in ports if p)
@@ -108,6 +113,22 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) ->
     cluster.view = client[cluster.engine_ids]
     cluster.view.block = False
     return Replacement(dead, [rows[r] for r in dead], time.monotonic() - t0)
+
+
+def _busy(client: ipp.Client, engine_id: int) -> bool:
+    """Whether the engine has a request queued or running (a cell, an apply)."""
+    status = cast("dict[int, dict[str, int]]", client.queue_status(targets=[engine_id], verbose=False))
+    return bool(status.get(engine_id, {}).get("queue", 0))
+
+
+def _wait_idle(client: ipp.Client, engine_ids: Sequence[int], ranks: Sequence[int], timeout: float) -> None:
+    """Wait until none of the engines has a request left; ClusterError naming ``ranks`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(_busy(client, eid) for eid in engine_ids):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"rank(s) {_names(list(ranks))} did not end their cell within {timeout:g} s "
+                               "of the interrupt; run %ring restart")
+        time.sleep(0.05)
 
 
 def _everywhere(client: ipp.Client, engine_ids: Sequence[int],
