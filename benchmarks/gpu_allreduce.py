@@ -71,7 +71,7 @@ def worker(args):
     import torch
 
     import jupyter_ring.runtime.torch as hvd
-    from jupyter_ring.runtime._device.transport.transport import transport as _device
+    from jupyter_ring.runtime._device import transport as _device
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

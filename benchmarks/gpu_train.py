@@ -56,7 +56,7 @@ def worker(args):
     import torch.distributed as dist
 
     import jupyter_ring.runtime.torch as hvd
-    from jupyter_ring.runtime._device.transport.transport import TRANSPORT_ENV
+    from jupyter_ring.runtime._device.transport import TRANSPORT_ENV
 
     cuda = args.device == "cuda"
     if not cuda:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 SCRIPT = r"""
 import json, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from jupyter_ring.runtime._device.transport.transport import torch_comm as _torch_comm
+from jupyter_ring.runtime._device import torch_comm as _torch_comm
 from jupyter_ring.runtime._observe.report import reporter
 from jupyter_ring.runtime._observe.trace import Trace
 

@@ -12,7 +12,7 @@
 Data paths, chosen per process:
 
 * **The device transport** (torch installed): the array is handed to torch without a copy
-  (DLPack) and reduced by :mod:`jupyter_ring.runtime._device.transport.transport` over NCCL, the same transport as
+  (DLPack) and reduced by :mod:`jupyter_ring.runtime._device.transport` over NCCL, the same transport as
   torch CUDA tensors (agreement over the ring, completion polled, abort and rebuild; one NCCL
   communicator shared with torch.distributed).
 * **cupy's NCCL** (no torch, ``cupy.cuda.nccl`` importable, every rank on its own GPU): the buffers

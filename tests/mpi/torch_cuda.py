@@ -17,7 +17,7 @@ import torch
 
 import jupyter_ring.runtime.torch as hvd
 from jupyter_ring.runtime import RingError
-from jupyter_ring.runtime._device.transport.transport import transport as _device
+from jupyter_ring.runtime._device import transport as _device
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()

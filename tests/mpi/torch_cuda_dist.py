@@ -20,7 +20,7 @@ import jupyter_ring.runtime as ring
 import jupyter_ring.runtime.torch as hvd
 from jupyter_ring.cluster._plan import torchrun_environment
 from jupyter_ring.engines import _torch as engine_torch
-from jupyter_ring.runtime._device.transport.transport import transport as _device
+from jupyter_ring.runtime._device import transport as _device
 
 ring.init()
 r, n = ring.rank(), ring.size()

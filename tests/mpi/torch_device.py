@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 import jupyter_ring.runtime.torch as hvd
-from jupyter_ring.runtime._device.transport.transport import transport as _device
-from jupyter_ring.runtime._device.transport.transport import process_groups
+from jupyter_ring.runtime._device import transport as _device
+from jupyter_ring.runtime._device import process_groups
 
 torch.set_num_threads(1)
 hvd.init()

@@ -46,6 +46,19 @@ def kill_during_allreduces(kernel, victim):
                           "for step in range(10**9):\n    ring.allreduce(np.ones(1000), name='t')")
 
 
+# A known defect, kept visible rather than hidden: when a rank dies, a survivor sometimes aborts
+# inside MPICH (SIGABRT, ch4/UCX), more often when the dead rank was itself a replacement (about
+# 1 kill in 5 of a replacement, benchmarks/respawn_soak.py). The cell then fails naming the
+# survivor "died (signal: Aborted)" and the way on is %ring restart. A test that meets it is
+# reported as an expected failure naming the defect; every other failure fails the test.
+SURVIVOR_ABORT = "died (signal: Aborted)"
+
+
+def xfail_on_survivor_abort(error):
+    if error is not None and SURVIVOR_ABORT in error.get("evalue", ""):
+        pytest.xfail(f"issue 34's known defect: a survivor aborted in MPICH when a rank died ({error['evalue'][:160]})")
+
+
 def exact_collectives(kernel, tag):
     """An allreduce of 1,009 random ints and a broadcast from rank 1: exact on every rank."""
     out = kernel.ok("%%distributed\nimport numpy as np\n"
@@ -65,6 +78,7 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         old_rank1 = rank_pids(kernel)[1]
         out, error, killed = kill_during_allreduces(kernel, 1)
         failed = time.monotonic() - killed
+        xfail_on_survivor_abort(error)
         assert error is not None and error["ename"] == "DeadRankError", (out, error)
         message = error["evalue"]
         assert "rank 1" in message and "Killed" in message, message
@@ -107,12 +121,6 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert left == [], [p.cmdline() for p in left]
 
 
-# A known defect, kept visible rather than hidden: when a rank that was itself a replacement
-# dies, a survivor sometimes aborts inside MPICH (SIGABRT, ch4/UCX; about 1 kill in 5 on this
-# machine, benchmarks/respawn_soak.py). The cell then fails naming rank 0 and the way on is
-# %ring restart. Not strict: a run where no survivor aborts passes (XPASS).
-@pytest.mark.xfail(reason="issue 34: a survivor can abort (SIGABRT in MPICH ch4/UCX) when a replacement "
-                          "dies, about 1 kill in 5", strict=False)
 def test_a_replacement_that_dies_is_replaced_again():
     with ring_kernel(2) as kernel:
         kernel.ok("%%distributed\nimport numpy as np\n"
@@ -120,6 +128,7 @@ def test_a_replacement_that_dies_is_replaced_again():
         old = cluster_pids(kernel)
         old_rank1 = rank_pids(kernel)[1]
         _, error, _ = kill_during_allreduces(kernel, 1)
+        xfail_on_survivor_abort(error)
         assert error is not None and error["ename"] == "DeadRankError", error
         kernel.ok("%%distributed\nprint(ring.size())")
         # the new rank 1 dies too: its own job (mpiexec -n 1) ends with it, which is no reason
@@ -127,6 +136,7 @@ def test_a_replacement_that_dies_is_replaced_again():
         new = cluster_pids(kernel)
         mapped = shm_mapped(rank_pids(kernel).values())
         _, error, _ = kill_during_allreduces(kernel, 1)
+        xfail_on_survivor_abort(error)
         assert error is not None and "restart 2 of --max-restarts 3" in error["evalue"], error
         # the killed replacement's /dev/shm segments went with it (they were left until %ring
         # stop: one more a kill); what is left of them is mapped by a live rank

@@ -14,7 +14,7 @@
 CPU tensors reach the ring runtime as numpy arrays: a contiguous CPU tensor is shared without a
 copy (``tensor.numpy()``); bfloat16 travels as float32 (numpy has no bfloat16); non-contiguous
 tensors are copied. CUDA tensors are never staged through host memory: allreduce, broadcast and
-allgather on the global process set go to the device transport (:mod:`jupyter_ring.runtime._device.transport.transport`:
+allgather on the global process set go to the device transport (:mod:`jupyter_ring.runtime._device.transport`:
 NCCL through torch.distributed, agreed over the ring first, completion polled); alltoall,
 reducescatter, Adasum, smaller process sets, integer tensors scaled as Horovod scales them and
 dtype/op pairs NCCL lacks are staged. ``JUPYTER_RING_DEVICE_TRANSPORT=gloo`` sends CPU tensors
