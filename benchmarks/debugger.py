@@ -73,8 +73,9 @@ class Session:
         self.km.shutdown_kernel(now=True)
 
 
-def t_break_of(session, msg_id):
-    """Wait for the cell's end; the time rank 1 printed with ``p t_break`` (the first large number)."""
+def t_break_of(session, msg_id, errors=None):
+    """Wait for the cell's end; the time rank 1 printed with ``p t_break`` (the first large number).
+    ``errors``: a list the cell's error (ename: evalue), if it raised, is appended to."""
     deadline = time.monotonic() + 60
     text = []
     while time.monotonic() < deadline:
@@ -86,6 +87,8 @@ def t_break_of(session, msg_id):
             continue
         if msg["msg_type"] == "stream":
             text.append(msg["content"]["text"])
+        if msg["msg_type"] == "error" and errors is not None:
+            errors.append(f"{msg['content']['ename']}: {msg['content']['evalue'][:200]}")
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
     for line in "".join(text).splitlines():
@@ -162,7 +165,8 @@ def main():
         time.sleep(args.hold)
         held = [(b - a) / args.hold for a, b in zip(before, cpu(procs))]
         session.kc.input("c")
-        t_break_of(session, msg_id)
+        held_errors = []
+        t_break_of(session, msg_id, held_errors)  # the held cell ends well: no stall error
         post_mortems = post_mortem_latencies(session, args.post_mortems)
         print(f"breakpoint -> prompt here, {len(stops)} times: median "
               f"{statistics.median(stops) * 1e3:.0f} ms, max {max(stops) * 1e3:.0f} ms")
@@ -175,6 +179,8 @@ def main():
             print(f"  {name:24s} {a:7.2%} -> {b:7.2%}")
         waiting = [b for name, b in zip(names, held) if "(waiting)" in name]
         print(f"  the {len(waiting)} waiting ranks: at most {max(waiting):.2%} of a core each")
+        print(f"the cell held {args.hold:g} s at the prompt then continued: "
+              f"{'; '.join(held_errors) or 'ended without an error (no StallError)'}")
         print(f"load average: {os.getloadavg()[0]:.1f}")
     finally:
         session.close()
