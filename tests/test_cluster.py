@@ -13,7 +13,7 @@ import pytest
 
 from jupyter_ring.cluster._sidecar import read_sidecar, sidecar_path
 from jupyter_ring.cluster._procs import shm_files
-from jupyter_ring.cluster import RingCluster, default_size, parse_ranks, visible_gpus
+from jupyter_ring.cluster import ClusterError, RingCluster, default_size, parse_ranks, visible_gpus
 from real_kernel import alive
 from bounds import GONE_S
 
@@ -94,6 +94,18 @@ def ring_cluster():
     yield make
     for cluster in made:
         cluster.stop()
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_do_not_register_in_time_say_how_many_and_show_the_engines_output(ring_cluster):
+    """A start that gives up names how many ranks came and ends with the engines' own output
+    (where a rank that never registered says why), as a ClusterError; nothing is left running."""
+    cluster = ring_cluster(n=2, gpus="none", engine_timeout=0.01)  # no engine registers that fast
+    with pytest.raises(ClusterError, match=r"of 2 ranks did not register with the controller within "
+                                           r"0.01 s \(\d did\)\. The end of the engines' output:") as info:
+        cluster.start()
+    assert "Run %ring start again" in str(info.value)
+    assert not cluster.running
 
 
 @pytest.mark.timeout(90)

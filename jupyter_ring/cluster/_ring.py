@@ -226,8 +226,11 @@ class RingCluster(LoggingConfigurable):
                 self._watch()
                 with curve_client():
                     self.client = cluster.connect_client_sync()
-                self.client.wait_for_engines(plan.n, timeout=self.engine_timeout, block=True,
-                                            interactive=False)
+                try:
+                    self.client.wait_for_engines(plan.n, timeout=self.engine_timeout, block=True,
+                                                interactive=False)
+                except TimeoutError as exc:
+                    raise ClusterError(self._not_ready(plan.n)) from exc
                 self._setup_ranks(plan)
             except BaseException:
                 self.stop()
@@ -527,6 +530,21 @@ class RingCluster(LoggingConfigurable):
             dead = [r for r in dead if r in ranks] or dead
         if dead:
             raise DeadRankError(self.describe_death(dead), dead)
+
+    def _not_ready(self, n: int) -> str:
+        """Why ``start`` gave up: how many ranks registered, and the end of the engines' output
+        (mpiexec's and the engines' own lines: where a rank that never came says why)."""
+        ready = len(self._running_client.ids) if self.client is not None else 0
+        output = ""
+        try:
+            for engine_set in self._running_cluster.engines.values():
+                output += _read(getattr(engine_set, "output_file", ""))
+        except Exception:  # noqa: BLE001 - the message is the point; its detail is a bonus
+            output = ""
+        tail = "\n".join(output.strip().splitlines()[-20:]) or "(the engines wrote nothing)"
+        return (f"{n - ready} of {n} ranks did not register with the controller within "
+                f"{self.engine_timeout:g} s ({ready} did). The end of the engines' output:\n{tail}\n"
+                "Run %ring start again; if it happens again, the lines above say why.")
 
     def describe_death(self, dead: Iterable[int], fix: str = RESTART_FIX) -> str:
         """A message for dead ranks: which died first and how (nanny log, mpiexec report), ``fix``."""
