@@ -3,7 +3,7 @@ large world (``_summary``): round ticks, the step axis, a colour per rank."""
 
 import math
 
-__all__ = ["COLORS", "color", "linear_ticks", "log_ticks", "tick_label", "log_label", "x_axis", "CHAR_PX"]
+__all__ = ["COLORS", "color", "linear_ticks", "log_ticks", "tick_label", "log_label", "x_axis", "legend_entry", "CHAR_PX"]
 
 # Tableau 10: distinguishable, and readable on light and dark themes.
 COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
@@ -94,3 +94,11 @@ def x_axis(x0, x1, sx, left, pw, base):
                    f"{text}</text>")
     out.append(f'<text x="{left + pw / 2:.1f}" y="{base + 27}" text-anchor="middle">step</text>')
     return out
+
+
+def legend_entry(x: float, index: int, top: float, stroke: str, label: str, width: float = 2) -> str:
+    """The chart's legend line ``index`` at ``x`` (right of the plot): a stroke sample and its
+    label (already HTML-escaped)."""
+    ly = top + 12 + 14 * index
+    return (f'<line x1="{x + 10}" y1="{ly - 4}" x2="{x + 26}" y2="{ly - 4}" stroke="{stroke}" '
+            f'stroke-width="{width:g}"/><text x="{x + 30}" y="{ly}">{label}</text>')

@@ -9,7 +9,7 @@ import math
 import uuid
 from typing import NamedTuple
 
-from ._axes import CHAR_PX, COLORS, color, linear_ticks, log_label, log_ticks, tick_label, x_axis
+from ._axes import CHAR_PX, COLORS, color, legend_entry, linear_ticks, log_label, log_ticks, tick_label, x_axis
 from ._summary import notable_ranks, percentiles, render_summary, render_summary_chart, summarised
 from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
                      format_value)
@@ -191,10 +191,7 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
             x, v = pts[0]
             parts.append(f'<circle cx="{ax * x + bx:.1f}" cy="{ay * v + by:.1f}" r="2.5" '
                          f'fill="{color(rank)}"/>')
-        ly = top + 12 + 14 * i
-        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 26}" y2="{ly - 4}" '
-                     f'stroke="{color(rank)}" stroke-width="2"/>'
-                     f'<text x="{left + pw + 30}" y="{ly}">rank {rank}</text>')
+        parts.append(legend_entry(left + pw, i, top, color(rank), f"rank {rank}"))
     parts.append("</svg>")
     return "".join(parts)
 

@@ -21,7 +21,7 @@ import html
 import math
 from collections.abc import Callable, Iterable, Sequence
 
-from ._axes import CHAR_PX, color, linear_ticks, log_label, log_ticks, x_axis
+from ._axes import CHAR_PX, color, legend_entry, linear_ticks, log_label, log_ticks, x_axis
 from ._state import ENDINGS, DashboardState, choose_scale, format_rate, format_seconds, format_value
 
 __all__ = ["SUMMARY_FROM", "NOTABLE", "summarised", "percentiles", "notable_ranks",
@@ -208,10 +208,7 @@ def render_summary_chart(state: DashboardState, width: int = 640, height: int = 
                      f'stroke-width="1.2" stroke-dasharray="4 2" points="{coords}"/>')
         legend.append((color(rank), f"rank {rank} ({why[rank]})"))
     for i, (stroke, text) in enumerate(legend):
-        ly = top + 12 + 14 * i
-        parts.append(f'<line x1="{left + pw + 10}" y1="{ly - 4}" x2="{left + pw + 26}" y2="{ly - 4}" '
-                     f'stroke="{stroke}" stroke-width="{6 if text == "min-max" else 2}"/>'
-                     f'<text x="{left + pw + 30}" y="{ly}">{_e(text)}</text>')
+        parts.append(legend_entry(left + pw, i, top, stroke, _e(text), 6 if text == "min-max" else 2))
     parts.append("</svg>")
     return "".join(parts)
 
