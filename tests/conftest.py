@@ -44,7 +44,7 @@ class MPIResult:
         self.n = n
 
     def lines(self, prefix):
-        """Lines starting with ``prefix``; mpiexec may glue two ranks' lines together, so split there."""
+        """Lines starting with ``prefix`` and a number (split there too, should a line arrive glued)."""
         marker = re.escape(prefix) + r" \d"
         text = re.sub(f"(?={marker})", "\n", self.stdout)
         return [line for line in text.splitlines() if re.match(marker, line)]
@@ -54,7 +54,10 @@ def run_mpi(script, n, *args, env=None, timeout=120, check=True):
     """Run ``tests/mpi/<script>`` under a real ``mpiexec -n n``; fail with every rank's output."""
     path = script if os.path.isabs(script) else os.path.join(MPI_SCRIPTS, script)
     full_env = mpi_env()
-    full_env["PYTHONUNBUFFERED"] = "1"
+    # No PYTHONUNBUFFERED: unbuffered, print() writes its text and its newline in two writes and
+    # mpiexec can put another rank's line between them ("RANK_OK 1SOAK {...}"); the scripts
+    # print with flush=True, one write per line, so every line arrives whole and nothing is held.
+    full_env.pop("PYTHONUNBUFFERED", None)
     full_env.update(env or {})
     cmd = [find_mpiexec(), "-n", str(n), sys.executable, path, *map(str, args)]
     try:
