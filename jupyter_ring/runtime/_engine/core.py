@@ -24,7 +24,9 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    ``Idup``. Messages of the abandoned collective stay on the old communicator, which is kept
    until ``close`` (MPICH hands a freed communicator's context id to the next one made, where
    they would match), so they can never match a later receive. A clean rank that receives a
-   notice while waiting joins the resync and retries its collective on the fresh communicator.
+   notice while waiting joins the resync and retries its collective on the fresh communicator,
+   unless the engine planned it before the resync: then ``Replan`` (the engine plans its round
+   again, as every rank does after a resync).
 """
 
 from __future__ import annotations

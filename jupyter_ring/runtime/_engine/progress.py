@@ -25,7 +25,10 @@ always match. Errors of a batch fail that batch and the rest of its round (every
 surface at ``synchronize()``. Giving up (an interrupt while waiting for the background thread,
 ``abandon``) sets ``Runtime.abort``: the executor's next poll raises ``Abandoned``, its requests
 are abandoned and the runtime resyncs at the next collective, as after an interrupt in the
-caller's own thread; everything queued fails with "cancelled".
+caller's own thread; everything queued fails with "cancelled". A round's plan (settled names, a
+cut) is made with the peers and holds for one communicator generation: a rank that drops its
+round resyncs even with nothing in flight, and after a resync every rank plans again from its
+queue (``Replan``), so no rank runs a plan that a peer has left.
 """
 
 from __future__ import annotations
