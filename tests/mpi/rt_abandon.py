@@ -23,7 +23,7 @@ import numpy as np
 import jupyter_ring.runtime as ring
 from jupyter_ring.runtime import _api
 
-iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 60
 ring.init()
 r, n = ring.rank(), ring.size()
 failures = []
@@ -48,9 +48,9 @@ for it in range(iterations):
     reason = f"the test abandons iteration {it}"
     label = f"iteration {it}"
     try:
-        # -- the round to abandon: fused in the background after cycle_ms
-        # each rank its own moments: the background thread cuts its round after one entry on
-        # one rank, after all on another (then the ranks cut again, or settle by name) ...
+        # -- the round to abandon, queued at each rank's own moments: the background thread cuts
+        # its round after one entry on one rank, after all on another (then the ranks cut
+        # again, or settle by name) ...
         moments = np.random.default_rng((it, r)).uniform(-0.002, 0.002, 6)
         handles = []
         for k, size in enumerate(sizes):

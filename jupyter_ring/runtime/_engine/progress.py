@@ -533,7 +533,8 @@ class Engine:
 
         Called from the caller's thread, never while it holds the executor lock. The executor's
         next poll raises ``Abandoned``; its requests are abandoned and the next collective
-        resyncs every rank, so nothing of the abandoned round reaches a later one.
+        resyncs every rank (also when nothing of the round was in flight here: the peers may be
+        running its plan, see ``Replan``), so nothing of the abandoned round reaches a later one.
         """
         rt = self.rt
         gave_up = bool(self.queue) or self.lock.locked()
