@@ -24,7 +24,9 @@ One ``Runtime`` object per process holds the communicators. Every collective goe
    ``Idup``. Messages of the abandoned collective stay on the old communicator, which is kept
    until ``close`` (MPICH hands a freed communicator's context id to the next one made, where
    they would match), so they can never match a later receive. A clean rank that receives a
-   notice while waiting joins the resync and retries its collective on the fresh communicator.
+   notice while waiting joins the resync and retries its collective on the fresh communicator,
+   unless the engine planned it before the resync: then ``Replan`` (the engine plans its round
+   again, as every rank does after a resync).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ if TYPE_CHECKING:  # mpi4py.MPI is imported when a Runtime is made: importing it
     from .config import Config
 
 __all__ = ["Runtime", "Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "Recut",
-           "Disagree", "Abandoned", "Restart", "PeerMsg", "JoinNote", "Prepared"]
+           "Disagree", "Replan", "Abandoned", "Restart", "PeerMsg", "JoinNote", "Prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,17 @@ class Disagree(Exception):
     def __init__(self, gen: int) -> None:
         super().__init__(gen)
         self.gen = gen
+
+
+class Replan(Exception):
+    """A resync came between the engine's plan of its round and this collective: stop before sending.
+
+    A round's plan (the names settled, the cut of a ``Recut``) holds for the communicator
+    generation it was made in (``Runtime.plan``): a resync means some rank gave up a collective
+    of it, or dropped the round, and every rank moves to the next generation before it sends
+    anything there. So every rank plans again from its queue (negotiable, every entry pending),
+    as at the start of a round, and no rank runs a batch of a plan that a peer has left.
+    """
 
 
 class Abandoned(BaseException):
@@ -238,6 +251,9 @@ class Runtime:
         # the engine may settle a disagreement of the next exchange by name (Disagree); cleared by
         # every exchange, so a collective's own later exchanges never raise it
         self.negotiable = False
+        # the generation in which the engine planned the round running now (-1: a collective run
+        # alone, retried as it is after a resync); a resync since raises Replan (see run)
+        self.plan = -1
         self.nap = 0.0            # seconds a background wait sleeps between polls (see poll)
         self.pool = ResultPool()  # memory for out-of-place results, recycled
         self.trace = Trace(self.rank, self.size, config.trace_records)
@@ -266,6 +282,7 @@ class Runtime:
         self._agree_cache: dict[tuple[str, np.dtype | None, int, int, int, Desc], bytes] = {}
         self.wiring = 0           # +1 whenever header buffers, requests or active peers change (Prepared)
         self._retired: list[MPI.Comm] = []  # data communicators left by resyncs, freed at close (see resync)
+        self._stuck: list[MPI.Prequest] = []  # active persistent sends given up, kept until close (see _discard)
 
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
@@ -431,6 +448,7 @@ class Runtime:
                 except MPI.Exception:  # pragma: no cover - freeing is best effort at shutdown
                     pass
         self._retired = []
+        self._stuck = []
 
     # ------------------------------------------------------------------ waiting
     def _wait(self, reqs: Sequence[MPI.Request], what: str | Callable[[], str], peers_of: Sequence[int],
@@ -569,6 +587,15 @@ class Runtime:
         MPI = self.MPI
         if req == MPI.REQUEST_NULL:
             return
+        if isinstance(req, MPI.Prequest):
+            # A persistent header send (the persistent receives are cancelled by _free_persistent)
+            # is never cancelled: MPICH over UCX crashes cancelling an active one (a message past
+            # its eager limit, ~16 KiB: MPI_Cancel -> ucp_request_cancel, SIGSEGV). Its message
+            # waits on the retired communicator until close drains it: the request and the
+            # buffer it sends from are kept until then.
+            if not req.Test():
+                self._stuck.append(req)
+            return
         try:
             if not req.Test():
                 req.Cancel()
@@ -659,6 +686,8 @@ class Runtime:
             for _attempt in range(5):
                 if self.resync_due():
                     self.resync()
+                if self.plan >= 0 and self.plan != self.gen:
+                    raise Replan()  # before this rank sends anything on the new communicator
                 self.partial = False
                 try:
                     return self.attempt(fn, *args)
@@ -1047,7 +1076,8 @@ def _drain(comm: MPI.Comm, MPI: ModuleType) -> None:
     where such a message would match a receive of an unrelated collective.
 
     Best effort and bounded: only messages already here are received; one that does not arrive in
-    full at once (a large one whose sender gave up) is left, cancelled.
+    full at once (a large one whose sender gave up) is left, cancelled, and so is one that MPI
+    cannot read (its sender has exited).
     """
     status = MPI.Status()
     for _ in range(10000):
@@ -1059,11 +1089,14 @@ def _drain(comm: MPI.Comm, MPI: ModuleType) -> None:
             return
         req = message.Irecv(bytearray(max(status.Get_count(MPI.BYTE), 1)))
         deadline = time.perf_counter() + 0.05
-        while not req.Test():
-            if time.perf_counter() > deadline:
-                req.Cancel()
-                return
-            time.sleep(1e-4)
+        try:
+            while not req.Test():
+                if time.perf_counter() > deadline:
+                    req.Cancel()
+                    return
+                time.sleep(1e-4)
+        except MPI.Exception:  # a large message whose sender has exited (MPICH reads it from there)
+            return
 
 
 def collective_title(kind: str, name: str) -> str:

@@ -25,7 +25,10 @@ always match. Errors of a batch fail that batch and the rest of its round (every
 surface at ``synchronize()``. Giving up (an interrupt while waiting for the background thread,
 ``abandon``) sets ``Runtime.abort``: the executor's next poll raises ``Abandoned``, its requests
 are abandoned and the runtime resyncs at the next collective, as after an interrupt in the
-caller's own thread; everything queued fails with "cancelled".
+caller's own thread; everything queued fails with "cancelled". A round's plan (settled names, a
+cut) is made with the peers and holds for one communicator generation: a rank that drops its
+round resyncs even with nothing in flight, and after a resync every rank plans again from its
+queue (``Replan``), so no rank runs a plan that a peer has left.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, final
 import numpy as np
 
 from . import collectives
-from .core import Abandoned, Disagree, Prepared, Recut, Restart, Runtime
+from .core import Abandoned, Disagree, Prepared, Recut, Replan, Restart, Runtime
 from .._observe.debugger import hold
 from .errors import RingError, StallError
 from .._observe.report import reporter
@@ -530,15 +533,22 @@ class Engine:
 
         Called from the caller's thread, never while it holds the executor lock. The executor's
         next poll raises ``Abandoned``; its requests are abandoned and the next collective
-        resyncs every rank, so nothing of the abandoned round reaches a later one.
+        resyncs every rank (also when nothing of the round was in flight here: the peers may be
+        running its plan, see ``Replan``), so nothing of the abandoned round reaches a later one.
         """
-        self.rt.abort = reason
+        rt = self.rt
+        gave_up = bool(self.queue) or self.lock.locked()
+        rt.abort = reason
         self.fail_queued(RingError(f"cancelled: {reason}"))
         # The executor notices within a poll interval (or when its numpy call returns).
         try:  # taken inside the try: an interrupt as it is taken must not leak it
             while not self.lock.take(timeout=0.5):
                 log.info("jupyter_ring: waiting for the background collective to stop (%s)", reason)
-            self.rt.abort = None
+            rt.abort = None
+            if gave_up:
+                # peers may have sent headers of the round given up, or be in it: resync at the
+                # next collective, so that every rank drops it alike (Replan)
+                rt.dirty = True
         finally:
             self.lock.give_back()
         self._notify()
@@ -675,14 +685,14 @@ class Engine:
         finished: set[int] = set()
         limit = self.config.fusion_threshold
         settled = False
+        plan = rt.gen  # the generation this round's plan holds in (see Replan)
         try:
             while todo or settle is not None:
                 if settle is not None:
                     todo = self._settle(finished, settle)
                     settle, settled = None, todo is not None
-                    if todo is None:  # the disagreement was with an abandoned op: start over
-                        with self.qlock:
-                            todo = [e for e in self.queue if e.handle not in finished]
+                    if todo is None:  # a resync came first: start over, on the new generation
+                        todo, plan = self._unfinished(finished), rt.gen
                     if not todo:
                         break
                 batches = plan_batches(todo, limit)
@@ -693,9 +703,10 @@ class Engine:
                             raise Abandoned(rt.abort)
                         rt.pending = left  # entries of this round from this batch on
                         rt.negotiable = not settled
+                        rt.plan = plan
                         try:
                             self._run_batch(batch)
-                        except (Recut, Disagree, Abandoned, KeyboardInterrupt):
+                        except (Recut, Disagree, Replan, Abandoned, KeyboardInterrupt):
                             raise
                         except Exception as exc:  # noqa: BLE001 - surfaces at synchronize()
                             # the batch and the rest of the round fail alike on every rank
@@ -715,15 +726,25 @@ class Engine:
                     todo = [e for e in todo if e.handle not in finished][:recut.count]
                 except Disagree as disagree:
                     settle = disagree.gen
+                except Replan:
+                    # a rank gave up a collective of this plan (or dropped the round) and every
+                    # rank resynced: every rank plans again from its queue, as a new round
+                    todo, plan, settled = self._unfinished(finished), rt.gen, False
         except BaseException as exc:
             for entry in todo:  # type: ignore[union-attr]  # (a list: None from _settle is replaced at once)
                 self.results.setdefault(entry.handle, _cancelled(exc))
             self._drop_queue(exc)
             raise
         finally:
+            rt.plan = -1
             if finished:
                 self._remove(finished)
             self._notify()
+
+    def _unfinished(self, finished: set[int]) -> list[Entry]:
+        """The queued entries not in ``finished``, in call order (a round planned again)."""
+        with self.qlock:
+            return [e for e in self.queue if e.handle not in finished]
 
     def _settle(self, finished: set[int], gen: int) -> list[Entry] | None:
         """The ranks' queues disagree: agree by name on what runs now (one exchange, every rank).
@@ -755,12 +776,21 @@ class Engine:
         rt.negotiable = False
         data = np.frombuffer(pickle.dumps(offer), np.uint8)
 
-        def exchange(rt: Runtime) -> list[Offer] | None:
+        def exchange(rt: Runtime) -> list[Offer]:
             # every rank sends its Offer
-            return None if rt.gen != gen else collectives.allgather_object(rt, data, "jupyter_ring.settle", None)  # type: ignore[return-value]
+            return collectives.allgather_object(rt, data, "jupyter_ring.settle", None)  # type: ignore[return-value]
 
-        offers = rt.run(exchange, rt)
-        if offers is None:
+        rt.plan = gen  # a resync since the disagreement: it was with a round a peer gave up
+        try:
+            offers = rt.run(exchange, rt)
+        except Replan:
+            return None
+        except Recut:
+            # A header of another round met this exchange. Every rank that saw the disagreement
+            # settles now, so it was sent before its sender gave that round up: its sender
+            # resyncs at its next collective. This rank resyncs too, at once: every rank then
+            # plans again on the new generation (Replan), none acts on what it read here.
+            rt.dirty = True
             return None
         verdict = settle_by_name(offers, self.config.stall_timeout)
         if verdict.action == "run":
@@ -830,8 +860,14 @@ class Engine:
         self._notify()
 
     def _drop_queue(self, exc: BaseException) -> None:
-        """Interrupted (this thread) or abandoned (another): the queue is gone, the rest cancelled."""
+        """Interrupted (this thread) or abandoned (another): the queue is gone, the rest cancelled.
+
+        The peers may be in the round this rank drops (they settled it with this rank, or cut it
+        with it): the runtime resyncs at its next collective, which makes them plan again
+        (``Replan``) instead of waiting in a round that this rank left.
+        """
         self.fail_queued(_cancelled(exc))
+        self.rt.dirty = True
         if isinstance(exc, Abandoned):
             self.rt.abort = None
         self._notify()
