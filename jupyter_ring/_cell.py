@@ -28,6 +28,7 @@ from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _
 
 if TYPE_CHECKING:  # the front end's modules import this one
     from .cluster import RingCluster
+    from .engines._interrupts import CellId
     from .magics import RingMagics
     from .widgets._tabs import RankTabs, TextSink
     from .widgets.live import LiveDashboard
@@ -85,7 +86,9 @@ class CellRun:
         self.interrupted: dict[int, str] = {}          # rank -> why it was interrupted
         self.interrupted_at: dict[int, float] = {}     # rank -> time.monotonic() of its interrupt
         self.where_shown = False  # the ranks' stacks are shown once per cell, unasked
-        self.unstarted: set[int] = set()  # ranks signalled before their cell began: signalled again once it has
+        self.cell_id: "CellId | None" = None  # the id the cell's requests carry, which its interrupts name
+        self.answers: dict[int, Any] = {}  # rank -> the future of its answer to the cell's interrupt
+        self.waiting_noted: set[int] = set()  # ranks named as not begun yet (once each)
         self.lost_noted = False   # ranks that went idle without a reply are named once
         self.interrupts = _DeferredInterrupt()  # SIGINT while the cell runs: see the class
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
@@ -157,8 +160,12 @@ class CellRun:
         # An interrupt while the requests go out is the cell's (self.interrupts notes it): raised
         # in the try below, where the ranks that got theirs are interrupted too (raised here, it
         # left them running the whole cell)
+        from .engines._interrupts import METADATA
+
+        cell_id = self.cell_id = cluster.new_cell()
         execution = self.execution = CellExecution(
-            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell)
+            cluster.client, [cluster.engine_ids[r] for r in self.ranks], self.ranks, self.cell,
+            metadata={METADATA: cell_id.wire()})
         magics = self.magics
         t0 = time.monotonic()
         first_failure = None
@@ -199,7 +206,7 @@ class CellRun:
                     self._interrupt([r for r in pending if r not in held], "a peer rank failed")
                 if self.timeout is not None and now - t0 > self.timeout and pending:
                     self._interrupt(pending, f"--timeout {self.timeout:g} s")
-                self._signal_late_starters()
+                self._note_waiting()
                 self._where_if_stuck(pending, now)
         except KeyboardInterrupt:
             unstopped = self._interrupt_all()
@@ -277,27 +284,36 @@ class CellRun:
         self._signal(todo)
 
     def _signal(self, ranks: list[int]) -> None:
-        """SIGINT to ``ranks``; those that have not begun the cell yet get it again once they have.
+        """Interrupt this cell on ``ranks``: each rank stops it if it runs, or as it begins, and
+        never the cell after it (``engines/_interrupts``; ``RingCluster.interrupt_cell``).
 
-        An engine ignores SIGINT between requests (ipyparallel logs "Ignoring SIGINT"), and one
-        still busy with an earlier request (a completion, a pull, or only slow to start on a
-        loaded host) takes it there: that rank then ran the whole interrupted cell, and its
-        collectives met the next cell's on the other ranks ("called allreduce on rank 0 but
-        barrier on rank 1").
+        Not a bare SIGINT: an engine ignores SIGINT between requests, and one still busy with an
+        earlier request (a completion, a pull, or only slow to start on a loaded host) took it
+        there. Signalled again once it began, a rank that had already ended the cell took that
+        second signal in the next cell (a CI rehearsal across two hosts saw it).
         """
-        self.unstarted |= {r for r in ranks if not self.execution.started(r)}
-        self.cluster.signal_ranks(signal.SIGINT, ranks)
+        if self.cell_id is not None:  # None: no request has left yet
+            self.answers.update(self.cluster.interrupt_cell(self.cell_id, ranks))
 
-    def _signal_late_starters(self) -> None:
-        """Signal again the ranks signalled before their cell began, now that it has."""
-        if not self.unstarted:
-            return
+    def _note_waiting(self) -> None:
+        """Name, once, the interrupted ranks that had not begun the cell yet: they stop as they
+        begin it, once the earlier request that holds them ends."""
         pending = set(self.execution.pending())
-        begun = [r for r in sorted(self.unstarted) if self.execution.started(r) or r not in pending]
-        self.unstarted.difference_update(begun)
-        late = [r for r in begun if r in pending]
-        if late:
-            self.cluster.signal_ranks(signal.SIGINT, late)
+        waiting = []
+        for rank, answer in self.answers.items():
+            if rank in self.waiting_noted or rank not in pending or not answer.done():
+                continue
+            try:
+                state = answer.result()["content"].get("state")
+            except Exception:  # the client closed under the cell: its own error says so
+                continue
+            if state == "waiting":
+                self.waiting_noted.add(rank)
+                waiting.append(rank)
+        if waiting:
+            print(f"(rank(s) {_join(waiting)} had not begun the cell when interrupted (busy with "
+                  "an earlier request, or slow to start): they stop as they begin it, running "
+                  "none of its code)", file=sys.stderr)
 
     def _where_if_stuck(self, pending: list[int], now: float) -> None:
         """Show where the ranks are, once, when a collective stalled (the missing ranks first)
@@ -317,8 +333,8 @@ class CellRun:
             why = (f"a collective stalled waiting for rank(s) {_join(missing)}; where the ranks "
                    "are (innermost frame first):")
         elif late:
-            why = (f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s after SIGINT; where "
-                   "the ranks are (innermost frame first):")
+            why = (f"rank(s) {_join(late)} still running {_WHERE_AFTER:g} s after the interrupt; "
+                   "where the ranks are (innermost frame first):")
         else:
             return
         self._show_where(missing or late, why)
@@ -335,7 +351,8 @@ class CellRun:
         print(f"{why}\n{text}", file=sys.stderr)
 
     def _interrupt_all(self) -> list[int]:
-        """Ctrl-C in the notebook: SIGINT every rank, give them a moment, show what they said.
+        """Ctrl-C in the notebook: interrupt the cell on every rank, give them a moment, show what
+        they said.
         The ranks that did not stop, in a list: a rank that went idle without a reply stopped."""
         execution = self.execution
         self._signal(list(range(self.cluster.size)))
@@ -365,14 +382,15 @@ class CellRun:
         return pending
 
     def _await_ranks(self, seconds: float) -> bool:
-        """Wait up to ``seconds`` for every rank's reply, signalling late starters; True if all came."""
+        """Wait up to ``seconds`` for every rank's reply, naming those that had not begun the
+        cell; True if all came."""
         deadline = time.monotonic() + seconds
         while not self.execution.done():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             self.execution.wait(min(_TICK, left))
-            self._signal_late_starters()
+            self._note_waiting()
         return True
 
     def _note_lost(self) -> None:

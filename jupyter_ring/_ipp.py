@@ -12,7 +12,8 @@ the request leaves: no message can come first, none is seen twice.
 The callbacks run on ipyparallel's IO thread and only queue a record and wake the notebook's
 thread, which takes them in order (:meth:`CellExecution.take`) and draws them. Everything else
 the front end does with ipyparallel goes through its public API (views, ``Client.ids``,
-``send_signal``, launchers' ``pid``/``state``/``output_file``). If an ipyparallel release
+``send_signal``, launchers' ``pid``/``state``/``output_file``), except the notebook's interrupt of
+a cell, a control-channel request of our own (:func:`send_control`). If an ipyparallel release
 changes these internals, this file is the one to change.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from ipyparallel import Client
 
-__all__ = ["Arrival", "CellExecution"]
+__all__ = ["Arrival", "CellExecution", "send_control"]
 
 # Seconds a rank's engine may be idle after a request (its iopub status for it said so) before a
 # reply that has not come counts as lost: the engine sends the reply first, but the two travel
@@ -48,10 +49,12 @@ class Arrival(NamedTuple):
 class CellExecution:
     """``code`` executed on ``engine_ids`` (one per rank of ``ranks``), messages queued as they come.
 
+    ``metadata``: added to each request's (the cell's id: ``engines._interrupts.METADATA``).
     ``ar`` is the public ``AsyncResult`` of the requests (``wait``, ``wait_for_output``, ``data``).
     """
 
-    def __init__(self, client: "Client", engine_ids: list[int], ranks: list[int], code: str) -> None:
+    def __init__(self, client: "Client", engine_ids: list[int], ranks: list[int], code: str,
+                 metadata: dict[str, Any] | None = None) -> None:
         from ipyparallel.client.asyncresult import AsyncResult
 
         self.ranks = list(ranks)
@@ -59,14 +62,14 @@ class CellExecution:
         self._arrivals: collections.deque[tuple[int, str, Any]] = collections.deque()  # IO thread appends, ours takes
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
-        self._started: set[int] = set()        # ranks whose cell has begun (IO thread adds)
         self._idle_at: dict[int, float] = {}   # rank -> when its engine went idle (IO thread)
         view = client[list(engine_ids)]
         idents, targets = client._build_targets(list(engine_ids))
         self._futures = []
         for rank, ident in zip(self.ranks, idents):
             self._futures.append(client.send_execute_request(
-                view._socket, code, silent=False, ident=ident, metadata={"label": None},
+                view._socket, code, silent=False, ident=ident,
+                metadata={"label": None, **(metadata or {})},
                 message_future_hook=functools.partial(self._hook, rank)))
         self.ar = AsyncResult(client, self._futures, fname="execute", targets=targets, owner=True)
 
@@ -78,11 +81,6 @@ class CellExecution:
 
     def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
-        if kind == "execute_input":
-            # ipykernel publishes it once the request's SIGINT handler raises KeyboardInterrupt
-            # (pre_handler_hook): before, ipyparallel's engine ignores SIGINT ("Ignoring SIGINT")
-            self._started.add(rank)
-            self._wake.set()
         if kind in DELIVERED:
             self._arrivals.append(Arrival(rank, kind, msg["content"]))
             self.last_arrival = time.monotonic()
@@ -145,10 +143,6 @@ class CellExecution:
         futures = self._futures if rank is None else [self._futures[self._index[rank]]]
         return all(f.output.done() for f in futures)
 
-    def started(self, rank: int) -> bool:
-        """Whether the rank has begun this cell: from then on SIGINT interrupts it."""
-        return rank in self._started
-
     def pending(self) -> list[int]:
         """Ranks that have not replied yet (those whose reply is :meth:`lost` aside)."""
         lost = self.lost()
@@ -174,3 +168,14 @@ class CellExecution:
         """When the rank's reply says its cell ended (or was received), or None."""
         md = self._futures[self._index[rank]].output.metadata
         return md["completed"] or md["received"]
+
+
+def send_control(client: "Client", engine_ids: list[int], msg_type: str,
+                 content: dict[str, Any]) -> list[Any]:
+    """Send a control-channel request of ``msg_type`` to each engine of ``engine_ids``; the
+    futures of their replies (the reply message once done), in that order. The engine's control
+    thread answers it while a cell runs; the controller and the engine's nanny relay it to any
+    host, as they relay ``send_signal``."""
+    idents = client._build_targets(list(engine_ids))[0]
+    return [client._send(client._control_stream, msg_type, content=content, ident=ident)
+            for ident in idents]

@@ -20,6 +20,8 @@ code written against earlier releases working.
 import re
 from collections.abc import Sequence
 
+from .engines._interrupts import BEFORE_IT_BEGAN
+
 __all__ = ["JupyterRingError", "ClusterError", "DeadRankError", "ClusterNotFound",
            "DistributedError", "CellInterrupted", "trim_traceback", "where_stopped"]
 
@@ -136,10 +138,13 @@ class CellInterrupted(JupyterRingError, KeyboardInterrupt):
 
 def where_stopped(error: object) -> str:
     """Where a rank was when an interrupt stopped it, from its traceback: ``at line 5:
-    time.sleep(1)``, ``in allreduce, line 3: ring.allreduce(x, name='x')``; ``finished``
-    for a rank without an error."""
+    time.sleep(1)``, ``in allreduce, line 3: ring.allreduce(x, name='x')``; ``before the cell
+    began`` for a rank interrupted while busy with an earlier request; ``had finished`` for a rank
+    without an error."""
     if error is None:
         return "had finished"
+    if str(getattr(error, "evalue", "")).startswith(BEFORE_IT_BEGAN):
+        return "before the cell began (none of its code ran)"
     text = _ANSI.sub("", str(getattr(error, "traceback", "") or ""))
     frames = re.split(r"\n\s*\n", text)
     cell = None

@@ -238,10 +238,10 @@ def test_interrupt_during_collective_keeps_state(ip: InteractiveShell) -> None:
 
 def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip: InteractiveShell) -> None:
     """Rank 1 is still busy with another request (a completion, a pull, or a slow start on a
-    loaded host) when the interrupt comes: the SIGINT lands there, or is ignored between
-    requests, so rank 1 ran the whole cell and its barrier met the next cell's allreduce. The
-    first interrupt must stop every rank: a rank signalled before its cell began is signalled
-    again once it has."""
+    loaded host) when the interrupt comes: a bare SIGINT landed in that request, or was ignored
+    between requests, so rank 1 ran the whole cell and its barrier met the next cell's allreduce.
+    The first interrupt must stop every rank: the interrupt names the cell, and rank 1 stops as it
+    begins it, leaving the earlier request alone (engines/_interrupts.py)."""
     cluster = ip.magics_manager.registry["RingMagics"].cluster
     busy = cluster.client[cluster.engine_ids[1]].execute("import time; time.sleep(2.5)", block=False)
     t0 = time.monotonic()
@@ -252,8 +252,10 @@ def test_interrupt_before_a_rank_began_the_cell_still_stops_it(ip: InteractiveSh
         timer.cancel()
     elapsed = time.monotonic() - t0
     busy.wait(10)
+    assert busy.successful(), busy.get()  # the request that held rank 1 was not interrupted
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     assert "every rank stopped" in str(result.error_in_exec), str(result.error_in_exec)
+    assert "rank 1 before the cell began" in str(result.error_in_exec), str(result.error_in_exec)
     assert elapsed < 10, f"the interrupt took {elapsed:.1f} s"
     t1 = time.monotonic()
     assert cell(ip, "late = ring.allreduce(np.ones(3), op=ring.Sum, name='after_late')").success

@@ -7,16 +7,19 @@ other modules.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Container, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
+from ..engines._interrupts import CellId
 from ..engines._setup import RankRow
 from ..errors import ClusterError, DeadRankError
 from ._death import RESTART_FIX, describe_death
@@ -28,7 +31,7 @@ from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_proce
 from ._respawn import Replacement, replace_ranks
 from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
                        write_sidecar)
-from ._signals import signal_engines
+from ._signals import interrupt_cells, signal_engines
 from ._where import RankWhere, collect_where, where_dir
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ ring.init()
 _jr_engine.watch_cells()
 _jr_engine.number_cells()
 _jr_engine.keep_own_errors()
+_jr_engine.address_interrupts()
 _jr_engine.reply_always()
 _jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
@@ -169,6 +173,9 @@ class RingCluster(LoggingConfigurable):
         self.restarts = 0        # ranks replaced in place so far (respawn); --max-restarts bounds it
         self.replace_failed = False  # a replacement failed: dead ranks now need %ring restart
         self.replaced: dict[int, int] = {}  # rank -> how many times it was replaced in place
+        # the notebook's cells: ids a rank's interrupt names (engines/_interrupts.py)
+        self._cell_token = uuid.uuid4().hex[:16]
+        self._cell_numbers = itertools.count(1)
 
     def __enter__(self) -> RingCluster:
         if not self.running:
@@ -564,6 +571,22 @@ class RingCluster(LoggingConfigurable):
             return
         ranks = range(self.size) if ranks is None else ranks
         signal_engines(self.client, sig, [self.engine_ids[r] for r in ranks])
+
+    def new_cell(self) -> CellId:
+        """The id of the next cell the notebook runs on the ranks (its requests carry it)."""
+        return CellId(self._cell_token, next(self._cell_numbers))
+
+    def interrupt_cell(self, cell: CellId, ranks: Iterable[int]) -> dict[int, Any]:
+        """Interrupt ``cell``, and any earlier cell still running, on ``ranks``: each rank stops
+        it if it runs, or as it begins (see ``engines/_interrupts``). Returns rank -> the future
+        of the rank's reply (an ``InterruptReply`` in its content)."""
+        if not self.running:
+            return {}
+        client = self._running_client
+        alive = set(client.ids)
+        ranks = [r for r in ranks if self.engine_ids[r] in alive]
+        futures = interrupt_cells(client, cell, [self.engine_ids[r] for r in ranks])
+        return dict(zip(ranks, futures))
 
     # ---------------------------------------------------------------------------- watchdog
     def where(self, ranks: Iterable[int] | None = None, timeout: float = 3.0) -> list[RankWhere]:

@@ -5,6 +5,10 @@ through the controller), and the nanny signals its own engine process. Never thr
 (``ipyparallel.Cluster.signal_engines``): MPICH's mpiexec (Hydra) forwards the first SIGINT but
 aborts the whole job on the second, so two quick presses of Interrupt would kill every rank and
 its variables. Through the nannies any number of interrupts only interrupt, on one host or many.
+
+The notebook's own interrupt of a cell is no bare signal (``interrupt_cells``): it names the cell,
+and the rank decides, on its control thread, whether that cell runs, has not begun or has ended
+(``engines/_interrupts``); a signal would interrupt whatever runs when it lands.
 """
 
 from __future__ import annotations
@@ -12,15 +16,17 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from .._ipp import send_control
+from ..engines._interrupts import REQUEST, CellId
 from ..errors import ClusterError
 
 if TYPE_CHECKING:
     # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its Client as Any
     import ipyparallel as ipp
 
-__all__ = ["signal_engines", "signal_cluster"]
+__all__ = ["signal_engines", "signal_cluster", "interrupt_cells"]
 
 
 def signal_engines(client: ipp.Client, sig: int = signal.SIGINT,
@@ -49,6 +55,12 @@ def signal_engines(client: ipp.Client, sig: int = signal.SIGINT,
             raise ClusterError(f"{_name(sig)} could not be delivered to {len(failed)} engine(s): "
                                f"{failed[0]}")
     return targets
+
+
+def interrupt_cells(client: ipp.Client, cell: CellId, engine_ids: list[int]) -> list[Any]:
+    """Ask the engines ``engine_ids`` to interrupt ``cell`` and every earlier cell of its cluster
+    still running there, now or as it begins; the futures of their replies, in that order."""
+    return send_control(client, engine_ids, REQUEST, {"token": cell.token, "upto": cell.number})
 
 
 def signal_cluster(profile_dir: str, cluster_id: str, sig: int = signal.SIGINT,

@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any, TypedDict
 
 __all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
-           "keep_own_errors", "reply_always", "arm_where", "arm_debugger", "ascii_logs", "CELL_NUMBER"]
+           "keep_own_errors", "address_interrupts", "reply_always", "arm_where", "arm_debugger", "ascii_logs", "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -157,6 +157,14 @@ def _too_late(_signum: int, _frame: FrameType | None) -> None:
     """SIGINT while a failed cell's error is formatted: the cell is over on this rank already."""
 
 
+def address_interrupts() -> None:
+    """The notebook's interrupt stops the cell it names, on this rank, never the one after
+    (``engines/_interrupts``). Registered once per engine, before ``reply_always``."""
+    from . import _interrupts
+
+    _interrupts.install()
+
+
 def reply_always() -> None:
     """Make every cell's execute request get its reply, whenever an interrupt reaches the rank.
 
@@ -195,12 +203,10 @@ def reply_always() -> None:
 
 def _interrupted_reply(kernel: Any) -> dict:
     """The execute reply of a request interrupted outside its cell's code (as ipykernel's)."""
-    return {"status": "error", "ename": "KeyboardInterrupt",
-            "evalue": "interrupted while the engine started or ended the cell, outside its code",
-            "traceback": ["KeyboardInterrupt: interrupted while the engine started or ended the "
-                          "cell, outside its code"],
-            "execution_count": kernel.execution_count, "user_expressions": {}, "payload": [],
-            "engine_info": kernel.get_engine_info(method="execute")}
+    from ._interrupts import interrupted_reply
+
+    return interrupted_reply(kernel, "interrupted while the engine started or ended the cell, "
+                                     "outside its code")
 
 
 def ascii_logs():

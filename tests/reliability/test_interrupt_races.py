@@ -16,6 +16,7 @@ import asyncio
 import os
 import queue
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,6 +165,111 @@ def test_a_rank_that_goes_idle_without_replying_ends_the_cell(ring: Ring, tmp_pa
         assert error is not None and error["ename"] == "CellInterrupted", (out, error)
     assert rank_values(kernel, "lost") == {0: "1", 1: "2"}
     state_kept(kernel, f"lost_{interrupt}")
+
+
+# ------------------------------------------------- an interrupt is its cell's, on every rank
+# Rank 1 is held when the notebook's interrupt comes, its cell not begun: by an earlier request of
+# its own (a slow pull, the user's own execute: a bare SIGINT interrupted that request instead), or
+# between requests, its event loop busy (the request not begun yet, as on a loaded host: a bare
+# SIGINT is ignored there, and the second one sent once the rank began could land in the next
+# cell). The hold ends when RELEASE exists; the test makes it once the notebook has said that rank
+# 1 had not begun (or, if it never says so, once it shows where the ranks are, 1 s later).
+HOLDS = {
+    "request": "import os, time\n"
+               "while not os.path.exists({release!r}):\n"
+               "    time.sleep(0.01)\n"
+               "held = 'released'\n",
+    "between": "import asyncio, os, time\n"
+               "def _hold_the_loop():\n"
+               "    open({holding!r}, 'w').close()\n"
+               "    while not os.path.exists({release!r}):\n"
+               "        time.sleep(0.01)\n"
+               "    globals()['held'] = 'released'\n"
+               "asyncio.get_running_loop().call_soon(_hold_the_loop)\n",
+}
+
+# The interrupted cell: rank 0 begins it and waits there (the kernel's interrupt), or fails in it
+# (the peer interrupt, 0.3 s later, is rank 1's); rank 1 cannot end it but by an interrupt.
+ADDRESSED = """%%distributed
+open(os.path.join({started!r}, str(ring.rank())), 'w').close()
+ran_x = ring.rank()
+if ring.rank() == 0:
+    {rank0}
+ring.allreduce(np.ones(5), name='x_interrupted')
+"""
+
+
+@pytest.mark.parametrize("hold", sorted(HOLDS))
+@pytest.mark.parametrize("by", ["kernel", "peer"])
+def test_an_interrupt_reaches_a_rank_that_had_not_begun_the_cell_and_never_the_next_one(
+        ring: Ring, tmp_path: Path, hold: str, by: str) -> None:
+    """The notebook's interrupt (the toolbar's, or a failed rank's peers') comes while rank 1 has
+    not begun the cell: rank 1 stops as it begins it, running none of its code; the earlier
+    request that held it ends as it would have; the cell's message says where each rank stopped;
+    the next cell runs clean on every rank, which kept its variables."""
+    kernel = ring.kernel
+    release, holding = str(tmp_path / "release"), str(tmp_path / "holding")
+    started = str(tmp_path / "started")
+    os.mkdir(started)
+    kernel.ok("_rc = get_ipython().magics_manager.registry['RingMagics'].cluster\n"
+              "_held = _rc.client[_rc.engine_ids[1]].execute("
+              f"{HOLDS[hold].format(release=release, holding=holding)!r}, block=False)")
+    try:
+        if hold == "between":  # the loop is held once the request that set it up has ended
+            kernel.ok("_held.wait(30)\nassert _held.successful(), _held.get()")
+            _wait_for(lambda: os.path.exists(holding), "rank 1's loop to be held")
+        rank0 = "pass" if by == "kernel" else "raise ValueError('rank 0 fails on purpose')"
+        messages: list[dict] = []
+
+        def release_once_rank_1_waits(got: list[dict]) -> None:
+            text = "".join(m["content"].get("text", "") for m in got if m["msg_type"] == "stream")
+            if "had not begun the cell" in text or "where the ranks are" in text:
+                open(release, "w").close()
+
+        try:
+            out, error = kernel.execute(
+                ADDRESSED.format(started=started, rank0=rank0), timeout=ENDS_WITHIN,
+                messages=messages, during=release_once_rank_1_waits,
+                interrupt_when=lambda: by == "kernel" and os.path.exists(os.path.join(started, "0")))
+        except TimeoutError as exc:
+            open(release, "w").close()
+            kernel.km.interrupt_kernel()
+            _drain_until_idle(kernel, 60)
+            pytest.fail(f"the cell did not end within {ENDS_WITHIN} s: {exc}")
+    finally:
+        open(release, "w").close()
+    # the request that held rank 1 ended as it would have: the interrupt was not its
+    kernel.ok("_held.wait(30)\nprint(_held.successful() or _held.get())")
+    assert rank_values(kernel, "globals().pop('held', None)") == {0: "None", 1: "released"}
+    # rank 1 ran none of the interrupted cell; rank 0 ran it up to where it stopped; the next cell
+    # runs clean on both, which kept their variables
+    assert rank_values(kernel, "globals().pop('ran_x', None)") == {0: "0", 1: "None"}, out
+    state_kept(kernel, f"addressed_{hold}_{by}")
+    # the cell said so, rank by rank
+    assert "(rank(s) 1 had not begun the cell when interrupted" in out, out
+    assert "did not stop" not in out and "%ring restart" not in out, out
+    assert error is not None, out
+    if by == "kernel":
+        assert error["ename"] == "CellInterrupted", (out, error)
+        # (rank 0's place is unknown: this module's ranks format tracebacks in one line)
+        assert error["evalue"].startswith("interrupted by you; every rank stopped: rank 0 "), error
+        assert error["evalue"].endswith(", rank 1 before the cell began (none of its code ran)"), \
+            error
+    else:
+        text = "\n".join(error["traceback"])
+        assert error["ename"] == "DistributedError", (out, error)
+        assert error["evalue"].startswith("[rank 0 @ ") and "ValueError: rank 0 fails on purpose" \
+            in error["evalue"], error
+        assert re.search(r"\[rank 1 @ [^]]+\] KeyboardInterrupt: interrupted before this cell "
+                         r"began on this rank .*\(interrupted: a peer rank failed\)", text), text
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = ENDS_WITHIN) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}")
+        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------- stress: many sequences
