@@ -87,7 +87,7 @@ def mpi_threads_supported():
 
 def is_homogeneous():
     """Whether every host runs the same number of ranks."""
-    hosts = _api._rt().hosts
+    hosts = _api.running_runtime().hosts
     return len({hosts.count(h) for h in set(hosts)}) == 1
 
 
@@ -111,7 +111,7 @@ def start_timeline(file_path, mark_cycles=False):
     """
     if not isinstance(file_path, (str, os.PathLike)):
         raise TypeError(f"start_timeline: file_path must be a path, got {type(file_path).__name__}")
-    _api._rt()
+    _api.running_runtime()
     _timeline.path = os.fspath(file_path)
     _timeline.since = time.perf_counter()
     _timeline.mark_cycles = bool(mark_cycles)
@@ -124,7 +124,7 @@ def stop_timeline():
     spans, ``start_time_since_epoch_in_micros`` in the metadata; opens in chrome://tracing or
     Perfetto.
     """
-    rt = _api._rt()
+    rt = _api.running_runtime()
     path, since, marks = _timeline.path, _timeline.since, _timeline.mark_cycles
     _timeline.path = None
     records = [rec for rec in rt.trace.records if rec[3] >= since] if path is not None else []

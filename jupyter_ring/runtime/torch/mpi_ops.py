@@ -249,8 +249,8 @@ class _Reduce:
     __slots__ = ("op", "pre", "post", "after", "wide")
 
     def __init__(self, tensor, op, pre, post, process_set, where):
-        pre = _api._factor(pre, "prescale_factor", where)
-        post = _api._factor(post, "postscale_factor", where)
+        pre = _api.scale_factor(pre, "prescale_factor", where)
+        post = _api.scale_factor(post, "postscale_factor", where)
         wide = (torch.float64 if tensor.dtype in _INTEGER_DTYPES else
                 torch.float32 if tensor.dtype == torch.float16 else None)
         self.wide = wide if wide is not None and (pre != 1.0 or post != 1.0 or op == Average) else None
