@@ -45,7 +45,7 @@ import os
 import socket
 import time
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -165,11 +165,11 @@ class DeviceWork:
         self._result = None
         self._done = False
 
-    def poll(self):
+    def poll(self) -> bool:
         """True when the transfer has completed (never blocks)."""
         return self._done or self._work is None or self._work.is_completed()
 
-    def wait(self):
+    def wait(self) -> Any:  # (what the collective returns: a tensor, a list of them)
         """Wait for the transfer (interruptible, bounded by the stall timeout); the result."""
         if self._done:
             return self._result

@@ -1,12 +1,19 @@
 """Horovod's ``DistributedOptimizer`` for torch: gradients allreduced in buckets while backward runs."""
 
+from __future__ import annotations
+
 import contextlib
+from collections import OrderedDict
 import math
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, DefaultDict, NoReturn, TypeAlias, cast, overload
 
 import numpy as np
+import numpy.typing as npt
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ... import runtime as _ring
 from .. import _api
@@ -14,8 +21,8 @@ from .._device import transport as _device
 from .._engine.errors import CollectiveMismatchError, RingError
 from .._horovod.runtime_names import Adasum, Average, ProcessSet, Sum, global_process_set
 from .._observe import report as _report
-from .compression import Compression, NoneCompressor
-from .mpi_ops import _NUMPY_DTYPES, sparse_allreduce_async
+from .compression import Compression, Compressor, NoneCompressor
+from .mpi_ops import _NUMPY_DTYPES, SparseReduction, sparse_allreduce_async
 
 __all__ = ["DistributedOptimizer"]
 
@@ -50,7 +57,9 @@ class _Bucket:
     __slots__ = ("index", "params", "offsets", "flat", "slots", "array", "views", "device", "ready", "handle",
                  "name", "contexts", "sparse")
 
-    def __init__(self, index, params, offsets, flat, array, views, device, shapes):
+    def __init__(self, index: int, params: list[int], offsets: list[int], flat: torch.Tensor,
+                 array: npt.NDArray[Any] | None, views: bool, device: torch.device | None,
+                 shapes: list[torch.Size]) -> None:
         self.index = index
         self.params = params       # parameter indices
         self.offsets = offsets     # element offset of each parameter in flat
@@ -61,10 +70,11 @@ class _Bucket:
         self.views = views
         self.device = device       # torch device of a device-transport bucket, else None
         self.ready = 0
-        self.handle = None
+        self.handle: _BucketHandle | None = None
         self.name = f"DistributedOptimizer.bucket{index}"
-        self.contexts = {}         # parameter index -> the compressor's context (copied buckets)
-        self.sparse = {}           # parameter index -> sparse_allreduce_async's wait, or None (as dense)
+        self.contexts: dict[int, Any] = {}   # parameter index -> the compressor's context (copied buckets)
+        # parameter index -> sparse_allreduce_async's wait, or None (as dense)
+        self.sparse: dict[int, SparseReduction | None] = {}
 
 
 class _LaunchFailed:
@@ -73,18 +83,27 @@ class _LaunchFailed:
 
     __slots__ = ("error",)
 
-    def __init__(self, error):
+    def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def wait(self):
+    def wait(self) -> NoReturn:
         raise self.error
 
 
-def _finish_bucket(handle):
+# a bucket's allreduce in flight: a runtime handle (the ring), or the device transport's work
+_BucketHandle: TypeAlias = "int | _device.DeviceWork | _LaunchFailed"
+
+
+# what a bucket holds: (wire dtype, zero copy, the device of a device-transport bucket)
+_BucketKey: TypeAlias = "tuple[torch.dtype, bool, torch.device | None]"
+
+
+def _finish_bucket(handle: _BucketHandle | None) -> None:
     """Wait for a bucket's allreduce, ring or device."""
     if isinstance(handle, (_device.DeviceWork, _LaunchFailed)):
         handle.wait()
     else:
+        assert handle is not None  # (synchronize() launches every bucket before it finishes them)
         _ring.synchronize(handle)
 
 
@@ -115,17 +134,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` are shared, not copied.
     """
 
-    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                 groups=None, sparse_as_dense=False, process_set=global_process_set, bucket_bytes=None):
+    _ring_reported_step: float | bool  # the dashboard's step this optimizer set last (_report_step)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: Compressor = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: object = None,
+                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set,
+                 bucket_bytes: int | None = None) -> None:
         # Optimizer.__init__ is not called: it would build new param_groups; we share the wrapped
         # optimizer's. These are the attributes the base class methods (hooks) rely on.
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch "
                             "optimizer once (re-running a cell? wrap the original optimizer again)")
@@ -163,70 +186,70 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_bytes = bucket_bytes
         self._should_synchronize = True
         self._synchronized = False
-        self._params = []          # parameters that need a gradient, in param_groups order
-        self._names = []
-        self._index = {}           # id(param) -> position in self._params
-        self._hooks = []
+        self._params: list[torch.Tensor] = []  # parameters that need a gradient, in param_groups order
+        self._names: list[str] = []
+        self._index: dict[int, int] = {}      # id(param) -> position in self._params
+        self._hooks: list[RemovableHandle] = []
         self._given_names = self._check_names(named_parameters)
         for group in optimizer.param_groups:
             self._register(group["params"])
         self._order = list(range(len(self._params)))[::-1]  # backward runs roughly last-to-first
         self._order_learned = False
-        self._buckets = []
-        self._bucket_of = []
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: list[int] = []       # parameter index -> its bucket's index
         self._make_buckets()
         self._reset_step()
 
     # -- the wrapped optimizer's state, shared
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self._opt.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._opt.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> DefaultDict[torch.Tensor, Any]:
         return self._opt.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: DefaultDict[torch.Tensor, Any]) -> None:
         self._opt.state = value
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:
         return self._opt.defaults
 
     @defaults.setter
-    def defaults(self, value):
+    def defaults(self, value: dict[str, Any]) -> None:
         self._opt.defaults = value
 
     @property
-    def _parameter_names(self):
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
         """Horovod's {parameter: name} of every parameter that gets an allreduced gradient."""
         return {p: name for p, name in zip(self._params, self._names)}
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer."""
         return self._opt
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"DistributedOptimizer({self._opt!r})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise TypeError("a DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state_dict (identical on every rank after step())."""
         return self._opt.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer."""
         return self._opt.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer; its parameters get gradient hooks too."""
         self._drop_stale_step()
         if any(self._counts):
@@ -240,13 +263,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_step()
 
     # -- set-up
-    def _check_names(self, named_parameters):
+    def _check_names(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[int, str] | None:
         if named_parameters is None:
             return None
         pairs = list(named_parameters)
         if any(not (isinstance(p, tuple) and len(p) == 2) for p in pairs):
             raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
-        counts = {}
+        counts: dict[str, int] = {}
         for name, _p in pairs:
             counts[name] = counts.get(name, 0) + 1
         dups = sorted(n for n, c in counts.items() if c > 1)
@@ -263,7 +286,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "the named_parameters() of the model whose parameters the optimizer holds")
         return given
 
-    def _register(self, params):
+    def _register(self, params: Iterable[torch.Tensor]) -> None:
         if self._local_only:
             return
         for p in params:
@@ -281,11 +304,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._names.append(self._given_names[id(p)])
             else:
                 self._names.append(f"param.{i}")
-            handle = p.register_post_accumulate_grad_hook(_GradHook(self, i))
+            # (torch leaves register_post_accumulate_grad_hook unannotated)
+            handle = p.register_post_accumulate_grad_hook(_GradHook(self, i))  # type: ignore[no-untyped-call]
             _HOOKS[id(p)] = (weakref.ref(p), handle)
             self._hooks.append(handle)
 
-    def _wire_dtype(self, p):
+    def _wire_dtype(self, p: torch.Tensor) -> torch.dtype:
         """The dtype a parameter's gradient travels in (compression decides; bfloat16 as float32
         through the ring, which reduces numpy arrays)."""
         probe = torch.empty(0, dtype=p.dtype, device="cpu")
@@ -294,20 +318,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return dtype
         return torch.float32 if dtype == torch.bfloat16 else dtype
 
-    def _on_device(self, p, dtype):
+    def _on_device(self, p: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether ``p``'s gradient goes to the device transport (NCCL for CUDA), in a bucket on
         its device: the same rule as ``allreduce`` of a tensor (global set, a floating dtype the
         transport reduces with this op)."""
         return (_api.is_global(self._process_set) and dtype.is_floating_point and _device.routes(p)
                 and _device.supports(dtype, self._op))
 
-    def _zero_copy(self, p, dtype):
+    def _zero_copy(self, p: torch.Tensor, dtype: torch.dtype) -> bool:
         return (self._compression is NoneCompressor and p.device.type == "cpu" and dtype == p.dtype
                 and dtype in _NUMPY_DTYPES)
 
-    def _make_buckets(self):
+    def _make_buckets(self) -> None:
         """Cut ``self._order`` into buckets of about ``bucket_bytes`` of one wire dtype each."""
-        groups, current, current_bytes, current_key = [], [], 0, None
+        groups: list[tuple[list[int], _BucketKey]] = []
+        current: list[int] = []
+        current_bytes = 0
+        current_key: _BucketKey = (torch.float32, False, None)  # (set with the first parameter)
         for i in self._order:
             p = self._params[i]
             dtype = self._wire_dtype(p)
@@ -352,17 +379,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for i in members:
                 self._bucket_of[i] = index
 
-    def _reset_step(self):
+    def _reset_step(self) -> None:
         self._epoch = _api.epoch()
         self._counts = [0] * len(self._params)
         self._next = 0             # index of the next bucket to launch
-        self._fired = []           # hook order of this step (rank 0's becomes the canonical order)
+        self._fired: list[int] = []  # hook order of this step (rank 0's becomes the canonical order)
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.handle = None
             bucket.sparse = {}
 
-    def _drop_stale_step(self):
+    def _drop_stale_step(self) -> None:
         # A notebook cell failed or was interrupted on this rank after backward() and before
         # step(): its queued allreduces were abandoned (every rank drops its own), so the half
         # step is dropped too and the next cell starts a clean one.
@@ -384,7 +411,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
 
     # -- hooks
-    def _on_grad(self, i):
+    def _on_grad(self, i: int) -> None:
         self._drop_stale_step()
         self._synchronized = False
         self._counts[i] += 1
@@ -407,7 +434,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(buckets[self._next])
                 self._next += 1
 
-    def _launch(self, bucket):
+    def _launch(self, bucket: _Bucket) -> None:
         """Put the bucket's gradients in place and start its allreduce in the background.
 
         Zero copy: a gradient autograd made afresh is moved into its slot by the engine's executor
@@ -422,7 +449,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grad = p.grad
                 if grad is not None and grad.is_sparse:
                     if not self._sparse_as_dense:
-                        bucket.sparse[i] = self._sparse_allreduce(p, i)
+                        bucket.sparse[i] = self._sparse_allreduce(grad, i)
                         view.zero_()   # the slot carries nothing; the allgathers carry the gradient
                         continue
                     bucket.sparse[i] = None
@@ -451,20 +478,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             except Exception as exc:  # noqa: BLE001 - raised by synchronize(), as a ring bucket's
                 bucket.handle = _LaunchFailed(exc)
             return
+        assert bucket.array is not None  # (a ring bucket's memory: device buckets returned above)
         bucket.handle = _api.bucket_allreduce_async_(bucket.array, bucket.name, op=self._op,
                                                      prescale_factor=self._prescale, postscale_factor=self._postscale,
                                                      process_set=self._process_set, sources=moves or None)
         _api.flush(self._process_set)
 
-    def _sparse_allreduce(self, p, i):
+    def _sparse_allreduce(self, grad: torch.Tensor, i: int) -> SparseReduction:
         """A sparse gradient without sparse_as_dense: Horovod's two allgathers (Average or Sum)."""
         if self._op not in (Average, Sum):
             raise ValueError(f"parameter '{self._names[i]}' has a sparse gradient, which op={self._op} cannot "
                              "reduce; use op=Average/Sum or sparse_as_dense=True")
-        return sparse_allreduce_async(p.grad, name=self._names[i], op=self._op, process_set=self._process_set)
+        return sparse_allreduce_async(grad, name=self._names[i], op=self._op, process_set=self._process_set)
 
     # -- public
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Finish the allreduce of every gradient (parameters without one get averaged zeros)."""
         if self._local_only:
             self._synchronized = True
@@ -496,7 +524,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
         self._synchronized = True
 
-    def _unpack(self, bucket):
+    def _unpack(self, bucket: _Bucket) -> None:
         """Results into ``.grad`` where they are not there already (copied buckets, sparse gradients)."""
         with torch.no_grad():
             for i, out in zip(bucket.params, bucket.slots):
@@ -504,6 +532,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if i in bucket.sparse:
                     continue
                 if not bucket.views:
+                    assert p.grad is not None  # (_launch gave every parameter of a copied bucket one)
                     p.grad.copy_(self._compression.decompress(out, bucket.contexts.pop(i, None)))
             for i, gathered in bucket.sparse.items():
                 p = self._params[i]
@@ -517,14 +546,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     out = self._compression.decompress(out, bucket.contexts.pop(i, None))
                 p.grad = out.to(p.dtype).to_sparse()
 
-    def _explain(self, bucket, exc):
+    def _explain(self, bucket: _Bucket, exc: CollectiveMismatchError) -> BaseException:
         """A bucket's mismatch names the parameter whose shape or dtype differs between ranks."""
         mine = [(self._names[i], tuple(self._params[i].shape), str(self._params[i].dtype)) for i in bucket.params]
         try:
             everyone = _ring.allgather_object(mine, name=f"{bucket.name}.explain", process_set=self._process_set)
         except RingError:
             return exc
-        ranks = list(range(len(everyone))) if _api.is_global(self._process_set) else self._process_set.ranks
+        ranks = list(range(len(everyone))) if _api.is_global(self._process_set) else self._set_ranks()
         for pos in range(max(len(e) for e in everyone)):
             values = {ranks[q]: e[pos] if pos < len(e) else None for q, e in enumerate(everyone)}
             if len(set(values.values())) > 1:
@@ -535,13 +564,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "wrap the same model (same parameter names, shapes and dtypes)")
         return exc
 
-    def _learn_order(self):
+    def _set_ranks(self) -> list[int]:
+        return cast("list[int]", self._process_set.ranks)  # (a registered set has its ranks)
+
+    def _learn_order(self) -> None:
         # Rank 0's hook order of its first step becomes everyone's bucket order, so that later
         # steps launch each bucket as soon as it is ready (overlap with the rest of backward).
         # An allreduce, not a broadcast: a rank that called join() before this step answers it
         # with zeros, as Horovod's join does for every allreduce. Rank 0's order + 1 in a Sum
         # with everyone else's zeros; all zeros (rank 0 itself joined) keeps the present order.
-        root = 0 if _api.is_global(self._process_set) else self._process_set.ranks[0]
+        root = 0 if _api.is_global(self._process_set) else self._set_ranks()[0]
         code = np.zeros(len(self._params), np.int64)
         if _ring.rank() == root:
             code[:len(self._fired)] = np.asarray(self._fired, np.int64) + 1
@@ -556,7 +588,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._make_buckets()
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """Inside, ``step()`` does not synchronize (after an explicit ``synchronize()``)."""
         self._should_synchronize = False
         try:
@@ -564,7 +596,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
@@ -578,7 +616,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _report_step(self)
         return result
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; an error between backward() and step(), where it would lose them."""
         self._drop_stale_step()
         waiting = sum(1 for c in self._counts if c)
@@ -589,7 +627,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "or after step(); to drop this step's gradients call optimizer.synchronize() first")
         return self._opt.zero_grad(set_to_none=set_to_none)
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapper stops allreducing); for re-wrapping in a notebook."""
         for h in self._hooks:
             h.remove()
@@ -602,10 +640,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 # Each parameter's current gradient hook, so that re-wrapping (a re-run cell) replaces it. Kept
 # here, not on the parameter, so that pickling a model (%ring pull model) stays possible.
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves.
-_HOOKS: dict[int, object] = {}
+_HOOKS: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
 
 
-def _hook_of(param):
+def _hook_of(param: torch.Tensor) -> RemovableHandle | None:
     entry = _HOOKS.get(id(param))
     if entry is None or entry[0]() is not param:  # gone, or an id reused by another tensor
         _HOOKS.pop(id(param), None)
@@ -618,27 +656,27 @@ class _GradHook:
 
     __slots__ = ("optimizer", "index")
 
-    def __init__(self, optimizer, index):
+    def __init__(self, optimizer: DistributedOptimizer, index: int) -> None:
         self.optimizer = optimizer
         self.index = index
 
-    def __call__(self, _param):
+    def __call__(self, _param: torch.Tensor) -> None:
         self.optimizer._on_grad(self.index)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[], Callable[[torch.Tensor], None]], tuple[()]]:
         return (_detached_hook, ())
 
 
-def _no_allreduce(_param):
+def _no_allreduce(_param: torch.Tensor) -> None:
     """The hook of a model unpickled away from its DistributedOptimizer: nothing to do."""
 
 
-def _detached_hook():
+def _detached_hook() -> Callable[[torch.Tensor], None]:
     return _no_allreduce
 
 
 # ------------------------------------------------------------------ dashboard (owner: widgets)
-def _report_step(optimizer):
+def _report_step(optimizer: DistributedOptimizer) -> None:
     """Count optimizer steps for the notebook's dashboard, unless the user reports progress.
 
     The optimizer advances ``ring.progress`` by one per ``step()`` as long as the reporter's step
