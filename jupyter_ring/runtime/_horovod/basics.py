@@ -181,8 +181,13 @@ def join(device: int = -1) -> int:
 
 
 # ------------------------------------------------------------------ numpy helpers for the adapters
-class ReducePlan(NamedTuple):
-    """How one reduction of a numpy array is split between the runtime and the adapter."""
+class HorovodScaling(NamedTuple):
+    """How Horovod's scaling of one numpy reduction is split between the adapter and the runtime.
+
+    Not the engine's ``_engine.collectives.ReducePlan`` (the checked op, reducer and factors the
+    runtime caches per dtype): this says what the adapter hands the runtime and how it finishes
+    the result. torch's adapter does the same for tensors in ``torch/mpi_ops._Reduce``.
+    """
 
     staged: npt.NDArray[Any]  # what the runtime reduces
     op: int                   # the runtime's op
@@ -195,8 +200,8 @@ def _same(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return arr
 
 
-def reduce_plan(arr: npt.NDArray[Any], op: int, pre: float, post: float, n: int,
-                scale_in_numpy: bool = False) -> ReducePlan:
+def horovod_scaling(arr: npt.NDArray[Any], op: int, pre: float, post: float, n: int,
+                    scale_in_numpy: bool = False) -> HorovodScaling:
     """Horovod's scaling, split around the runtime.
 
     Integer arrays with a scale factor or op=Average are scaled in float64 and truncated toward
@@ -210,12 +215,12 @@ def reduce_plan(arr: npt.NDArray[Any], op: int, pre: float, post: float, n: int,
         staged = (arr.astype(wide) * pre).astype(arr.dtype) if pre != 1.0 else arr
         after = post / n if op == Average else post
         finish = (lambda res: (res.astype(wide) * after).astype(res.dtype)) if after != 1.0 else _same
-        return ReducePlan(staged, Sum if op == Average else op, 1.0, 1.0, finish)
+        return HorovodScaling(staged, Sum if op == Average else op, 1.0, 1.0, finish)
     if scale_in_numpy and (pre != 1.0 or post != 1.0):
         staged = (arr * pre).astype(arr.dtype) if pre != 1.0 else arr
         finish = (lambda res: (res * post).astype(res.dtype)) if post != 1.0 else _same
-        return ReducePlan(staged, op, 1.0, 1.0, finish)
-    return ReducePlan(arr, op, pre, post, _same)
+        return HorovodScaling(staged, op, 1.0, 1.0, finish)
+    return HorovodScaling(arr, op, pre, post, _same)
 
 
 def _adasum_pair(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
