@@ -24,8 +24,6 @@ both forms, so nothing is shown twice. Nothing at all is displayed for a cell th
 nothing and succeeds, so a trivial cell creates no widget.
 """
 
-import html
-import re
 import sys
 import time
 import uuid
@@ -33,10 +31,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from ..cluster import rank_ranges
+from ._tabs_html import _ALL, _BOTH, _ONE, _join, _tag, page, strip_ansi
 
 __all__ = ["TextSink", "RankTabs", "strip_ansi"]
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 # The live widget shows at most this many characters per tab (the tail); the final static view
 # and the text/plain keep everything up to FINAL_MAX characters per tab.
@@ -51,11 +48,6 @@ LIVE_PERIOD = 0.1
 # a line waits at most FOLD_HOLD seconds for its copies from the other ranks.
 FOLD_FROM = 5
 FOLD_HOLD = 0.5
-
-
-def strip_ansi(text):
-    """``text`` without terminal colour codes."""
-    return _ANSI.sub("", text)
 
 
 class _Group:
@@ -113,11 +105,6 @@ class LineFold:
 
     def __bool__(self):
         return bool(self.groups)
-
-
-def _tag(ranks):
-    """``[rank 3] `` or ``[ranks 0-2, 5] ``."""
-    return f"[rank {ranks[0]}] " if len(ranks) == 1 else f"[ranks {rank_ranges(ranks)}] "
 
 
 class TextSink:
@@ -463,6 +450,11 @@ class RankTabs:
             except Exception:  # a closed comm must not turn a finished cell into an error
                 pass
 
+    def html(self):
+        """The static tabs, in HTML and CSS (radio buttons), no JavaScript: ``_tabs_html.page``."""
+        return page(self.ranks, self.failed, self._titles(), self._index(), self.log, self.fold is not None,
+                    FINAL_MAX)
+
     def _has_content(self):
         return bool(self.plain or self.failed
                     or any(p.items for p in self.panels.values()))
@@ -475,144 +467,10 @@ class RankTabs:
                     + text[-FINAL_MAX:])
         return strip_ansi(text).rstrip("\n") or f"(no output from ranks {rank_ranges(self.ranks)})"
 
-    def html(self):
-        """Tabs in HTML and CSS (radio buttons), no JavaScript.
-
-        Every output is in the page once, in arrival order, classed by its rank: the "all ranks"
-        tab shows the stream lines with their ``[rank r]`` tags (and a one-line label for each
-        rich output or error), a rank's tab shows that rank's items untagged (rich outputs and
-        tracebacks in full). Without CSS the page reads as the tagged lines with the rich
-        outputs in place.
-        """
-        uid = "jr" + uuid.uuid4().hex[:12]
-        titles = self._titles()
-        selected = self._index()
-        css = (f"#{uid}>input{{display:none}}"
-               f"#{uid}>label{{display:inline-block;padding:2px 12px;margin-right:2px;"
-               "cursor:pointer;border:1px solid var(--jp-border-color1,#ccc);border-bottom:none;"
-               "border-radius:3px 3px 0 0;background:var(--jp-layout-color2,#eee);"
-               "font-family:var(--jp-ui-font-family,sans-serif);font-size:12px}"
-               f"#{uid}>input:checked+label{{background:var(--jp-layout-color0,#fff);"
-               "font-weight:600}"
-               f"#{uid}>label.jr-failed{{color:#c62828;border-color:#c62828}}"
-               f"#{uid}>.jr-panel{{border:1px solid var(--jp-border-color1,#ccc);"
-               "padding:4px 6px;max-height:32em;overflow:auto}"
-               f"#{uid}>.jr-panel>*{{display:none}}"
-               f"#{uid} pre{{margin:0;white-space:pre-wrap}}"
-               f"#{uid} i{{font-style:normal}}"
-               f"#{uid} .jr-stderr{{background:var(--jp-rendermime-error-background,#fdd)}}"
-               f"#{uid} .jr-error{{color:#c62828}}"
-               f"#{uid}>input:nth-of-type(1):checked~.jr-panel>:not(.{_ONE}){{display:block}}")
-        for i, rank in enumerate(self.ranks):
-            on = f"#{uid}>input:nth-of-type({i + 2}):checked~.jr-panel"
-            css += f"{on}>.jr-r{rank}:not(.{_ALL}){{display:block}}{on} i{{display:none}}"
-        parts = [f'<div class="jr-rank-tabs" id="{uid}"><style>{css}</style>']
-        for i, title in enumerate(titles):
-            checked = " checked" if i == selected else ""
-            failed = ' class="jr-failed"' if i and self.ranks[i - 1] in self.failed else ""
-            parts.append(f'<input type="radio" name="{uid}" id="{uid}-{i}"{checked}>'
-                         f'<label for="{uid}-{i}"{failed}>{html.escape(title)}</label>')
-        parts.append('<div class="jr-panel">')
-        parts.extend(self._body_html())
-        parts.append("</div></div>")
-        return "".join(parts)
-
-    def _body_html(self):
-        """The logged items as HTML, each rank's stream text (and the folded lines of "all
-        ranks", together) cut to its last FINAL_MAX characters."""
-        budget = dict.fromkeys([*self.ranks, _FOLDED], FINAL_MAX)
-        cut = dict.fromkeys([*self.ranks, _FOLDED], 0)
-        out = []
-        for rank, where, item in reversed(self.log):
-            folded = type(rank) is tuple  # a folded line: its ranks
-            cls = f"jr-fold {where}" if folded else f"jr-r{rank} {where}"
-            if item["output_type"] != "stream":
-                out.append(_item_html(item, cls))
-                continue
-            text = "".join(item["parts"])
-            tag = _tag(rank) if folded else f"[rank {rank}] "
-            if where == _ALL and not folded:  # a one-line label in the "all ranks" tab: not counted
-                out.append(_stream_html(item["name"], text, cls, tag))
-                continue
-            key = _FOLDED if folded else rank
-            if budget[key] <= 0:
-                cut[key] += len(text)
-                continue
-            if len(text) > budget[key]:
-                keep = text[len(text) - budget[key]:]
-                keep = keep[keep.find("\n") + 1:] if "\n" in keep[:-1] else keep
-                cut[key] += len(text) - len(keep)
-                text = keep
-            budget[key] -= len(text)
-            out.append(_stream_html(item["name"], text, cls, tag))
-        shown = {rank for rank, where, _ in self.log if where != _ALL}
-        for rank in self.ranks:
-            if cut[rank]:
-                note = (f"… earlier output of rank {rank} not shown here ({cut[rank]:,} "
-                        "characters; the text/plain form of this output keeps more)\n")
-                where = _ONE if self.fold is not None else _BOTH
-                out.append(_stream_html("stdout", note, f"jr-r{rank} {where}", f"[rank {rank}] "))
-            elif rank not in shown:
-                out.append(f'<pre class="jr-r{rank} {_ONE}">(no output)</pre>')
-        if cut[_FOLDED]:
-            note = (f"… earlier output not shown here ({cut[_FOLDED]:,} characters; the text/plain "
-                    "form of this output keeps more)\n")
-            out.append(_stream_html("stdout", note, f"jr-fold {_ALL}", ""))
-        if not self.log:
-            out.append(f'<pre class="{_ALL}">(no output)</pre>')
-        return out[::-1]
-
-
-_FOLDED = "folded"  # the budget key of the folded lines of "all ranks" in _body_html
-
-
-# Where a logged item shows: both in "all ranks" and in its rank's tab, only in its rank's tab
-# (rich output, tracebacks), only in "all ranks" (their one-line labels).
-_BOTH, _ONE, _ALL = "jr-b", "jr-o", "jr-a"
-
-
 def _tagged(rank, lines):
     """``lines`` (without their newlines) as text, each line led by ``[rank r] ``."""
     tag = f"[rank {rank}] "
     return tag + f"\n{tag}".join(lines) + "\n"
-
-
-def _stream_html(name, text, cls, tag):
-    """Stream text as one <pre>, each line led by ``tag`` (``[rank r] ``; shown in "all ranks")."""
-    if name == "stderr":
-        cls += " jr-stderr"
-    body = html.escape(strip_ansi(text))
-    tag = f"<i>{html.escape(tag)}</i>" if tag else ""
-    trail = body.endswith("\n")
-    if trail:
-        body = body[:-1]
-    body = tag + body.replace("\n", "\n" + tag) + ("\n" if trail else "")
-    return f'<pre class="{cls}">{body}</pre>'
-
-
-def _item_html(item, cls):
-    if item["output_type"] == "error":
-        tb = strip_ansi("\n".join(item["traceback"]))
-        return f'<pre class="{cls} jr-error">{html.escape(tb)}</pre>'
-    return f'<div class="{cls}">{_data_html(item.get("data") or {})}</div>'
-
-
-def _data_html(data):
-    """One display bundle as HTML: the richest format a static page can show."""
-    if "text/html" in data:
-        return f"<div>{_join(data['text/html'])}</div>"
-    if "image/svg+xml" in data:
-        return f"<div>{_join(data['image/svg+xml'])}</div>"
-    for mime in ("image/png", "image/jpeg", "image/gif"):
-        if mime in data:
-            return f'<img src="data:{mime};base64,{_join(data[mime]).strip()}">'
-    if "text/markdown" in data:
-        return f"<pre>{html.escape(_join(data['text/markdown']))}</pre>"
-    return f"<pre>{html.escape(strip_ansi(_join(data.get('text/plain', ''))))}</pre>"
-
-
-def _join(value):
-    return "".join(value) if isinstance(value, list) else str(value)
 
 
 def _short_repr(data):
