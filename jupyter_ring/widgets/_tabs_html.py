@@ -2,23 +2,34 @@
 output once in arrival order, classed by its rank, so a notebook reopened without a kernel (or
 nbconvert, GitHub) shows them."""
 
+from __future__ import annotations
+
 import html
 import re
 import uuid
+from collections.abc import Collection, Sequence
+from typing import Any, TypeAlias
 
 from ..cluster import rank_ranges
 
 __all__ = ["page", "strip_ansi"]
 
+# An output as nbformat writes it ({"output_type": "stream", "name": ..., "parts": [...]}, a
+# display_data or an error) and a MIME bundle: JSON values of any kind, hence Any.
+Item: TypeAlias = dict[str, Any]
+Bundle: TypeAlias = dict[str, Any]
+# (the rank, or the ranks of a folded line; where it shows: _BOTH, _ONE, _ALL; the item)
+LogEntry: TypeAlias = tuple[int | tuple[int, ...], str, Item]
+
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def strip_ansi(text):
+def strip_ansi(text: str) -> str:
     """``text`` without terminal colour codes."""
     return _ANSI.sub("", text)
 
 
-def _tag(ranks):
+def _tag(ranks: Sequence[int]) -> str:
     """``[rank 3] `` or ``[ranks 0-2, 5] ``."""
     return f"[rank {ranks[0]}] " if len(ranks) == 1 else f"[ranks {rank_ranges(ranks)}] "
 
@@ -31,7 +42,8 @@ _FOLDED = "folded"  # the budget key of the folded lines of "all ranks" in _body
 _BOTH, _ONE, _ALL = "jr-b", "jr-o", "jr-a"
 
 
-def page(ranks, failed, titles, selected, log, folding, limit):
+def page(ranks: Sequence[int], failed: Collection[int], titles: Sequence[str], selected: int, log: Sequence[LogEntry],
+         folding: bool, limit: int) -> str:
     """The rank tabs in HTML and CSS (radio buttons), no JavaScript: ``titles`` ("all ranks"
     first), the ``selected`` tab's index, the ``failed`` ranks, the ``log`` of (rank or folded
     ranks, where, item) in arrival order, each rank's stream text cut to its last ``limit``
@@ -75,24 +87,24 @@ def page(ranks, failed, titles, selected, log, folding, limit):
     return "".join(parts)
 
 
-def _body(ranks, log, folding, limit):
+def _body(ranks: Sequence[int], log: Sequence[LogEntry], folding: bool, limit: int) -> list[str]:
     """The logged items as HTML, each rank's stream text (and the folded lines of "all
     ranks", together) cut to its last ``limit`` characters."""
-    budget = dict.fromkeys([*ranks, _FOLDED], limit)
-    cut = dict.fromkeys([*ranks, _FOLDED], 0)
+    budget: dict[int | str, int] = dict.fromkeys([*ranks, _FOLDED], limit)
+    cut: dict[int | str, int] = dict.fromkeys([*ranks, _FOLDED], 0)
     out = []
     for rank, where, item in reversed(log):
-        folded = type(rank) is tuple  # a folded line: its ranks
+        folded = isinstance(rank, tuple)  # a folded line: its ranks
         cls = f"jr-fold {where}" if folded else f"jr-r{rank} {where}"
         if item["output_type"] != "stream":
             out.append(_item_html(item, cls))
             continue
         text = "".join(item["parts"])
-        tag = _tag(rank) if folded else f"[rank {rank}] "
+        tag = _tag(rank) if isinstance(rank, tuple) else f"[rank {rank}] "
         if where == _ALL and not folded:  # a one-line label in the "all ranks" tab: not counted
             out.append(_stream_html(item["name"], text, cls, tag))
             continue
-        key = _FOLDED if folded else rank
+        key = _FOLDED if isinstance(rank, tuple) else rank
         if budget[key] <= 0:
             cut[key] += len(text)
             continue
@@ -121,7 +133,7 @@ def _body(ranks, log, folding, limit):
     return out[::-1]
 
 
-def _stream_html(name, text, cls, tag):
+def _stream_html(name: str, text: str, cls: str, tag: str) -> str:
     """Stream text as one <pre>, each line led by ``tag`` (``[rank r] ``; shown in "all ranks")."""
     if name == "stderr":
         cls += " jr-stderr"
@@ -134,14 +146,14 @@ def _stream_html(name, text, cls, tag):
     return f'<pre class="{cls}">{body}</pre>'
 
 
-def _item_html(item, cls):
+def _item_html(item: Item, cls: str) -> str:
     if item["output_type"] == "error":
         tb = strip_ansi("\n".join(item["traceback"]))
         return f'<pre class="{cls} jr-error">{html.escape(tb)}</pre>'
     return f'<div class="{cls}">{_data_html(item.get("data") or {})}</div>'
 
 
-def _data_html(data):
+def _data_html(data: Bundle) -> str:
     """One display bundle as HTML: the richest format a static page can show."""
     if "text/html" in data:
         return f"<div>{_join(data['text/html'])}</div>"
@@ -155,5 +167,5 @@ def _data_html(data):
     return f"<pre>{html.escape(strip_ansi(_join(data.get('text/plain', ''))))}</pre>"
 
 
-def _join(value):
+def _join(value: object) -> str:
     return "".join(value) if isinstance(value, list) else str(value)
