@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from ._axes import CHAR_PX, COLORS, color, legend_entry, linear_ticks, log_label, log_ticks, tick_label, x_axis
 from ._summary import notable_ranks, percentiles, render_summary, render_summary_chart, summarised
-from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
+from ._state import (DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
                      format_value)
 
 __all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_possible", "ChartData",
@@ -72,7 +72,7 @@ def rank_cells(state: DashboardState, rank: int) -> dict[str, str]:
     step = f"{s.step:g}" if isinstance(s.step, (int, float)) else str(s.step)
     pct = f"{100 * s.fraction:.0f} %" if s.fraction is not None else ""
     if s.stopped:
-        eta = ENDINGS[s.ended]
+        eta = s.stopped_as
     elif s.done:
         eta = "done" if s.fraction in (None, 1.0) else "ended"
     else:
