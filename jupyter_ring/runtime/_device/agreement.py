@@ -7,14 +7,21 @@ its group's generation and whether its arguments were good. A mismatch raises
 a group some rank abandoned is re-created on every rank before going on.
 """
 
+from __future__ import annotations
+
 import zlib
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ... import runtime as _ring
-from .._engine.core import OP_NAMES, Max, describe_mismatch
+from .._engine.core import OP_NAMES, Desc, Description, Max, describe_mismatch
 from .._engine.errors import CollectiveMismatchError, PeerError
+
+if TYPE_CHECKING:
+    from .groups import DeviceGroups
 
 __all__ = ["Agreement", "agree"]
 
@@ -25,16 +32,17 @@ _OK, _BAD_ARGS = 0, 1
 class Agreement(NamedTuple):
     """What every rank agreed to before a device collective."""
 
-    rows: object    # every rank's aux (allgather's first dimensions), an int64 array, or None
+    rows: npt.NDArray[np.int64] | None  # every rank's aux (allgather's first dimensions), or None
     joined: bool    # some rank has called join(): its zeros go through the ring, not the group
 
 
-def _fingerprint(desc):
+def _fingerprint(desc: Desc) -> int:
     text = repr(desc).encode()
     return ((zlib.crc32(text) << 31) ^ zlib.adler32(text)) & ((1 << 62) - 1)
 
 
-def agree(groups, rebuild, kind, name, device_type, desc, aux=None, error=None):
+def agree(groups: DeviceGroups, rebuild: Callable[[str, list[int]], None], kind: str, name: str, device_type: str,
+          desc: Desc, aux: int | None = None, error: Exception | None = None) -> Agreement:
     """Agree with every rank on ``desc`` (raises on every rank if anyone differs or failed);
     re-create the group (``rebuild(device_type, abandoned_on)``) where a rank abandoned a
     collective. Returns an ``Agreement``: every rank's ``aux`` (an int; allgather's first
@@ -68,8 +76,8 @@ def agree(groups, rebuild, kind, name, device_type, desc, aux=None, error=None):
     else:
         mine = np.array([[fingerprint, generation, aborted, _BAD_ARGS if error else _OK, aux]], np.int64)
         every = _ring.allgather(mine, name="jupyter_ring.device")
-        bad, differ = (every[:, 3] == _BAD_ARGS).any(), (every[:, 0] != every[0, 0]).any()
-        rebuilds, rows = every[:, 2].any() or (every[:, 1] != every[0, 1]).any(), every[:, 4]
+        bad, differ = bool((every[:, 3] == _BAD_ARGS).any()), bool((every[:, 0] != every[0, 0]).any())
+        rebuilds, rows = bool(every[:, 2].any()) or bool((every[:, 1] != every[0, 1]).any()), every[:, 4]
         abandoned = [r for r in range(len(every)) if every[r, 2]]
     if bad:
         _raise_bad_arguments(kind, name, error)
@@ -83,7 +91,8 @@ def agree(groups, rebuild, kind, name, device_type, desc, aux=None, error=None):
     return Agreement(rows, False)
 
 
-def _vote(kind, name, fingerprint, generation, aborted, error):
+def _vote(kind: str, name: str, fingerprint: int, generation: int, aborted: bool,
+          error: Exception | None) -> tuple[bool, bool, bool, None, None] | None:
     """The one-allreduce vote: (bad, differ, rebuild, rows, abandoned), or None when some rank
     has joined (after raising this rank's own error, or a peer's bad arguments)."""
     vote = np.array([fingerprint, -fingerprint, generation, -generation, aborted,
@@ -97,10 +106,11 @@ def _vote(kind, name, fingerprint, generation, aborted, error):
                             "its own error there; fix the call on that rank. Every rank raises here so "
                             "that none is left waiting.", None, None)
         return None
-    return vote[5] == _BAD_ARGS, vote[0] != -vote[1], bool(vote[4]) or vote[2] != -vote[3], None, None
+    return (bool(vote[5] == _BAD_ARGS), bool(vote[0] != -vote[1]), bool(vote[4]) or bool(vote[2] != -vote[3]),
+            None, None)
 
 
-def _raise_bad_arguments(kind, name, error):
+def _raise_bad_arguments(kind: str, name: str, error: Exception | None) -> NoReturn:
     """Some rank's arguments were bad: it raises its own error, every other rank a PeerError."""
     reasons = _ring.allgather_object(None if error is None else f"{type(error).__name__}: {error}",
                                      name="jupyter_ring.device.error")
@@ -112,11 +122,13 @@ def _raise_bad_arguments(kind, name, error):
                     "none is left waiting.", bad, reasons[bad])
 
 
-def _raise_mismatch(kind, name, desc):
+def _raise_mismatch(kind: str, name: str, desc: Desc) -> NoReturn:
     """The ranks' descriptions differ: every rank raises the same CollectiveMismatchError."""
     labelled = dict(desc)
-    mine_desc = {"kind": kind, "name": name, "op": OP_NAMES.get(labelled.get("op"), labelled.get("op")),
+    op = labelled.get("op")
+    mine_desc = {"kind": kind, "name": name, "op": OP_NAMES.get(op, op) if isinstance(op, int) else op,
                  "root": labelled.get("root"), "dtype": labelled.get("dtype"),
                  "desc": tuple(item for item in desc if item[0] not in ("op", "root", "dtype"))}
     descs = _ring.allgather_object(mine_desc, name="jupyter_ring.device.describe")
-    raise CollectiveMismatchError(describe_mismatch(dict(enumerate(descs))))
+    # (the engine's Description, with root None where a collective has none)
+    raise CollectiveMismatchError(describe_mismatch(cast("dict[int, Description]", dict(enumerate(descs)))))
