@@ -1,5 +1,13 @@
 """Horovod's API over numpy arrays: argument checks, process sets and join, over one progress
-engine (``_progress.Engine``) per process set."""
+engine (``_engine.progress.Engine``) per process set.
+
+``__all__`` is the user's API (re-exported by ``jupyter_ring.runtime``). The framework adapters
+(``torch/``, ``tensorflow/``, ``keras/``, ``cupy``, ``_horovod/``) also call the typed helpers
+without an underscore here, and no ``_``-name: ``running_runtime``, ``session``, ``resolve_op``,
+``scale_factor``, ``is_global``, ``set_size``, ``set_rank``, ``process_set_by_id``,
+``bucket_buffer``, ``bucket_allreduce_async_``, ``discard``, ``epoch``, ``flush``, ``busy``, ``registered``,
+``abandon_queued``.
+"""
 
 from __future__ import annotations
 
@@ -230,7 +238,8 @@ def is_initialized() -> bool:
     return _proc.rt is not None
 
 
-def _rt() -> Runtime:
+def running_runtime() -> Runtime:
+    """This process's initialised Runtime, for the adapters (NotInitializedError before ``init()``)."""
     rt = _proc.rt
     if rt is None:
         raise NotInitializedError("jupyter_ring's runtime is not initialised; call ring.init() on every "
@@ -240,37 +249,37 @@ def _rt() -> Runtime:
 
 def size() -> int:
     """Number of ranks."""
-    return _rt().size
+    return running_runtime().size
 
 
 def rank() -> int:
     """This process's rank, 0 .. size()-1."""
-    return _rt().rank
+    return running_runtime().rank
 
 
 def local_size() -> int:
     """Number of ranks on this host."""
-    return _rt().local_size
+    return running_runtime().local_size
 
 
 def local_rank() -> int:
     """This rank's index among the ranks on its host (use it to pick a GPU)."""
-    return _rt().local_rank
+    return running_runtime().local_rank
 
 
 def cross_size() -> int:
     """Number of ranks with this rank's local_rank (the number of hosts, when they are alike)."""
-    return _rt().cross_size
+    return running_runtime().cross_size
 
 
 def cross_rank() -> int:
     """This rank's index among the ranks with the same local_rank."""
-    return _rt().cross_rank
+    return running_runtime().cross_rank
 
 
 def config() -> Config:
     """The live :class:`Config` (change its fields to tune a running runtime)."""
-    return _rt().config
+    return running_runtime().config
 
 
 def wait_policy() -> WaitPolicy:
@@ -279,7 +288,7 @@ def wait_policy() -> WaitPolicy:
     ``config().wait`` (``JUPYTER_RING_WAIT``: auto, spin, yield) chooses; ``auto`` yields the core
     between polls where this host runs more ranks than the process may use cores.
     """
-    return _rt().wait_policy()
+    return running_runtime().wait_policy()
 
 
 # ------------------------------------------------------------------ process sets
@@ -287,7 +296,7 @@ def _global_engine() -> Engine:
     """The engine of every rank (raises NotInitializedError before ``init()``)."""
     engine = _proc.engine
     if engine is None:
-        _rt()
+        running_runtime()
     return cast(Engine, engine)  # set together with _proc.rt by init()
 
 
@@ -297,7 +306,7 @@ def _engine(process_set: ProcessSet | None, where: str) -> Engine:
         return _global_engine()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{where}: process_set= takes a ProcessSet, got {type(process_set).__name__}")
-    rt = _rt()
+    rt = running_runtime()
     if process_set.process_set_id == 0:
         return cast(Engine, _proc.engine)  # set together with _proc.rt by init()
     set_id = process_set.process_set_id
@@ -318,7 +327,7 @@ def add_process_set(process_set: ProcessSet | Ranks) -> ProcessSet:
     communicators (a sub-communicator, shared-memory slots, a background thread), so collectives
     on different sets run independently; errors and stalls inside a set name global ranks.
     """
-    rt = _rt()
+    rt = running_runtime()
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.ranks is None:
         raise NotImplementedError("add_process_set: a process set made from an mpi4py communicator is not "
@@ -346,7 +355,7 @@ def add_process_set(process_set: ProcessSet | Ranks) -> ProcessSet:
         # it returns at once; the new set's own set-up is polled like init's.
         return rt.ctl.Split(0 if member else rt.MPI.UNDEFINED, rt.rank)
 
-    engine = _global_engine()  # (initialised: _rt() above)
+    engine = _global_engine()  # (initialised: running_runtime() above)
     sub = engine.run_now(Call(next(_proc.handles), "process_set", "add_process_set", split))
     if problem is not None:
         raise problem
@@ -368,7 +377,7 @@ def add_process_set(process_set: ProcessSet | Ranks) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (collective); returns whether it was registered."""
-    _rt()
+    running_runtime()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"remove_process_set takes a ProcessSet, got {type(process_set).__name__}")
     set_id = process_set.process_set_id
@@ -404,7 +413,7 @@ def set_rank(process_set: ProcessSet | None, where: str) -> int:
 
 def process_set_by_id(process_set_id: int) -> ProcessSet | None:
     """The registered :class:`ProcessSet` with this id (0: the global set), or None."""
-    _rt()
+    running_runtime()
     if process_set_id == 0:
         return global_process_set
     entry = _proc.sets.get(process_set_id)
@@ -472,7 +481,8 @@ def resolve_op(op: int | None, average: bool | None, where: str) -> int:
     return Average if op is None else op
 
 
-def _factor(value: object, label: str, where: str) -> float:
+def scale_factor(value: object, label: str, where: str) -> float:
+    """A ``prescale_factor``/``postscale_factor`` as a float (TypeError naming ``label`` otherwise)."""
     try:
         return float(cast(SupportsFloat, value))  # (anything else raises TypeError: caught)
     except (TypeError, ValueError):
@@ -483,8 +493,8 @@ def _plan(engine: Engine, dtype: np.dtype[Any], op: int | None, average: bool | 
           postscale: float, where: str) -> collectives.ReducePlan:
     """The checked ``ReducePlan`` for these arguments, cached per engine (the hot path's lookup)."""
     if type(prescale) is not float or type(postscale) is not float:
-        prescale = _factor(prescale, "prescale_factor", where)
-        postscale = _factor(postscale, "postscale_factor", where)
+        prescale = scale_factor(prescale, "prescale_factor", where)
+        postscale = scale_factor(postscale, "postscale_factor", where)
     key = (dtype, op, average, prescale, postscale)
     plans = engine.plans
     plan = plans.get(key)
@@ -1114,12 +1124,12 @@ def session() -> Runtime | None:
 def stats() -> dict[str, dict[str, float]]:
     """Per collective kind: count, bytes, time_s, algbw and busbw (bytes/s) since init/reset;
     allreduces also per algorithm that ran, as ``allreduce[rd]`` (``JUPYTER_RING_ALLREDUCE``)."""
-    return _rt().trace.stats(algorithms=True)
+    return running_runtime().trace.stats(algorithms=True)
 
 
 def reset_stats() -> None:
     """Clear the trace and the running totals."""
-    _rt().trace.reset()
+    running_runtime().trace.reset()
 
 
 def timeline(path: _Path) -> _Path:
@@ -1127,7 +1137,7 @@ def timeline(path: _Path) -> _Path:
 
     Collective: every rank calls it; rank 0 writes ``path``, one track per rank. Returns the path.
     """
-    rt = _rt()
+    rt = running_runtime()
     events: list[list[ChromeEvent]] = allgather_object(rt.trace.chrome_events(), name="jupyter_ring.timeline")
     if rt.rank == 0:
         merged = [e for rank_events in events for e in rank_events]

@@ -14,9 +14,10 @@ from ._engine import progress
 from ._observe import debugger, report, where
 from ._observe.debugger import MARK, hold, read_held
 from ._observe.report import Reporter, reporter
+from ._observe.trace import RecentRecord
 from ._observe.where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path, doing_path,
                              parse_stacks, read_doing, stack_path)
 
 __all__ = ["api", "process_groups", "torch_comm", "progress", "debugger", "report", "where", "MARK", "hold",
-           "read_held", "Reporter", "reporter", "WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "cell_source_name",
+           "read_held", "Reporter", "reporter", "RecentRecord", "WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "cell_source_name",
            "cells_path", "doing_path", "parse_stacks", "read_doing", "stack_path"]

@@ -8,7 +8,7 @@ engine-side half of the dashboard's transport is :mod:`jupyter_ring.engines._pub
 __all__ = ["Dashboard", "DashboardState"]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     # Lazy: the magics import the rank tabs and .live when the extension loads, and ipywidgets
     # (~0.5 s) is imported only when a widget is shown (or in a thread during %ring start).
     if name == "Dashboard":

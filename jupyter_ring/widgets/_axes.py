@@ -1,7 +1,10 @@
 """The chart's axes and colours, shared by the dashboard's chart (``_render``) and the chart of a
 large world (``_summary``): round ticks, the step axis, a colour per rank."""
 
+from __future__ import annotations
+
 import math
+from collections.abc import Callable
 
 __all__ = ["COLORS", "color", "linear_ticks", "log_ticks", "tick_label", "log_label", "x_axis", "legend_entry", "CHAR_PX"]
 
@@ -13,12 +16,12 @@ COLORS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b0
 CHAR_PX = 6.2
 
 
-def color(rank):
+def color(rank: int) -> str:
     """The chart and legend colour of ``rank``."""
     return COLORS[rank % len(COLORS)]
 
 
-def linear_ticks(lo, hi, count=5):
+def linear_ticks(lo: float, hi: float, count: int = 5) -> tuple[list[float], float]:
     """Round ticks (1, 2 or 5 x 10^k apart) covering [lo, hi]: (ticks, step); the first and last
     tick are the axis' ends."""
     if not hi > lo:
@@ -30,7 +33,7 @@ def linear_ticks(lo, hi, count=5):
     return [round(i * step, 12) for i in range(first, last + 1)], step
 
 
-def log_ticks(lo, hi):
+def log_ticks(lo: float, hi: float) -> tuple[list[tuple[float, bool]], int, int]:
     """Ticks for a log axis over [lo, hi] (both > 0): ([(value, labelled)], low decade, high
     decade). Decades always; 2 and 5 too over at most two decades; past six decades only every
     other decade is labelled."""
@@ -45,7 +48,7 @@ def log_ticks(lo, hi):
     return sorted(ticks), a, b
 
 
-def tick_label(value, step):
+def tick_label(value: float, step: float) -> str:
     """A tick value with the decimals its spacing needs: 0.002, 0.75, 1500, 1.2e-05."""
     if value == 0:
         return "0"
@@ -56,23 +59,23 @@ def tick_label(value, step):
     return _short_exponent(f"{value:.{digits - 1}e}")
 
 
-def log_label(value):
+def log_label(value: float) -> str:
     return _short_exponent(f"{value:g}")
 
 
-def _short_exponent(text):
+def _short_exponent(text: str) -> str:
     mantissa, _, exponent = text.partition("e")
     return f"{mantissa}e{int(exponent)}" if exponent else text
 
 
-def x_axis(x0, x1, sx, left, pw, base):
+def x_axis(x0: float, x1: float, sx: Callable[[float], float], left: float, pw: float, base: float) -> list[str]:
     """Tick marks and labels of the step axis: both ends labelled with their step, round steps
     between them where their label does not run into an end's."""
     integral = float(x0).is_integer() and float(x1).is_integer()
     ticks, step = linear_ticks(x0, x1, count=6)
     if integral:
         step = max(step, 1)
-    label = (lambda v: f"{v:.0f}") if integral else (lambda v: tick_label(v, step))
+    label: Callable[[float], str] = (lambda v: f"{v:.0f}") if integral else (lambda v: tick_label(v, step))
     ends = [(x0, label(x0), "start"), (x1, label(x1), "end")] if x1 > x0 else [(x0, label(x0), "start")]
     out = []
     for value, text, anchor in ends:

@@ -4,6 +4,8 @@ The same functions draw the live widget's chart and tables and the static fallba
 notebook, so a notebook reopened without a kernel shows what the widget last showed.
 """
 
+from __future__ import annotations
+
 import html
 import math
 import uuid
@@ -11,7 +13,7 @@ from typing import NamedTuple
 
 from ._axes import CHAR_PX, COLORS, color, legend_entry, linear_ticks, log_label, log_ticks, tick_label, x_axis
 from ._summary import notable_ranks, percentiles, render_summary, render_summary_chart, summarised
-from ._state import (ENDINGS, DashboardState, choose_scale, format_bytes, format_rate, format_seconds,
+from ._state import (DashboardState, Point, choose_scale, format_bytes, format_rate, format_seconds,
                      format_value)
 
 __all__ = ["render_html", "render_chart", "render_charts", "chart_series", "log_possible", "ChartData",
@@ -54,7 +56,7 @@ STYLE = """<style>
 COMM_CAPTION = ("time in collectives: the share of wall-clock time each rank spent inside "
                 "collectives (allreduce, broadcast, ...; waiting for the other ranks included)")
 
-def _e(text):
+def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
@@ -72,7 +74,7 @@ def rank_cells(state: DashboardState, rank: int) -> dict[str, str]:
     step = f"{s.step:g}" if isinstance(s.step, (int, float)) else str(s.step)
     pct = f"{100 * s.fraction:.0f} %" if s.fraction is not None else ""
     if s.stopped:
-        eta = ENDINGS[s.ended]
+        eta = s.stopped_as
     elif s.done:
         eta = "done" if s.fraction in (None, 1.0) else "ended"
     else:
@@ -86,7 +88,7 @@ def rank_cells(state: DashboardState, rank: int) -> dict[str, str]:
             "metrics": metrics, "comm": comm}
 
 
-def render_banner(state):
+def render_banner(state: DashboardState) -> str:
     """The stall banner (a red box naming who waits on what and who is missing), or ''."""
     text = state.banner()
     if not text:
@@ -100,7 +102,7 @@ class ChartData(NamedTuple):
     """What one redraw of the chart needs, computed once for both scales."""
 
     metric: str
-    series: dict   # rank -> [(step, value)]: numeric steps, in order, at most max_points each
+    series: dict[int, list[Point]]  # rank -> [(step, value)]: numeric steps, in order, at most max_points each
     scale: str     # 'linear' or 'log': the state's choice (the user's pick, else the data's)
     x0: float      # first and last step
     x1: float
@@ -108,9 +110,11 @@ class ChartData(NamedTuple):
     y1: float
 
 
-def chart_series(state, max_points=500):
+def chart_series(state: DashboardState, max_points: int = 500) -> ChartData | None:
     """The chart's :class:`ChartData`, or None when there is nothing to draw."""
     metric = state.chart_metric()
+    if metric is None:  # (no metric logged: no series either)
+        return None
     series = {}
     for rank, pts in state.series(metric, max_points=max_points).items():
         pts = [(x, y) for x, y in pts if isinstance(x, (int, float))]
@@ -125,12 +129,13 @@ def chart_series(state, max_points=500):
     return ChartData(metric, series, choose_scale(state.y_scale, y0, y1), x0, x1, y0, y1)
 
 
-def log_possible(data):
+def log_possible(data: ChartData | None) -> bool:
     """Whether a log axis can show every value of ``data`` (a ChartData): all are positive."""
     return data is not None and data.y0 > 0
 
 
-def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale=None):
+def render_chart(state: DashboardState, width: int = 640, height: int = 220, max_points: int = 500,
+                 drawn: ChartData | None = None, scale: str | None = None) -> str:
     """An SVG line chart of the chart metric, one polyline per rank, overlaid; '' if no data.
 
     The x-axis runs from the first charted step to the last (both labelled); the y-axis is
@@ -146,15 +151,10 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
     metric, series, x0, x1 = data.metric, data.series, data.x0, data.x1
     wanted = scale or state.y_scale or data.scale
     scale = wanted if wanted == "linear" or log_possible(data) else "linear"
+    ylabels, v0, v1 = _y_axis(data, scale)
     if scale == "log":
-        yticks, v0, v1 = log_ticks(data.y0, data.y1)
-        ylabels = [(math.log10(v), log_label(v) if labelled else "") for v, labelled in yticks]
         log10 = math.log10
         series = {rank: [(x, log10(y)) for x, y in pts] for rank, pts in series.items()}
-    else:
-        ticks, ystep = linear_ticks(data.y0, data.y1)
-        ylabels = [(v, tick_label(v, ystep)) for v in ticks]
-        v0, v1 = ticks[0], ticks[-1]
     # room for the longest y label on the left, the legend on the right
     left = 10 + math.ceil(CHAR_PX * max(len(label) for _, label in ylabels))
     right, top, bottom = 80, 20, 32
@@ -196,14 +196,24 @@ def render_chart(state, width=640, height=220, max_points=500, drawn=None, scale
     return "".join(parts)
 
 
-def render_charts(state, max_points=500, drawn=None):
+def _y_axis(data: ChartData, scale: str) -> tuple[list[tuple[float, str]], float, float]:
+    """The y-axis' ticks as (position, label: '' for an unlabelled one) and its ends, on the
+    ``scale`` ('log': positions are log10 of the values)."""
+    if scale == "log":
+        yticks, low, high = log_ticks(data.y0, data.y1)
+        return [(math.log10(v), log_label(v) if labelled else "") for v, labelled in yticks], low, high
+    ticks, ystep = linear_ticks(data.y0, data.y1)
+    return [(v, tick_label(v, ystep)) for v in ticks], ticks[0], ticks[-1]
+
+
+def render_charts(state: DashboardState, max_points: int = 500, drawn: ChartData | None = None) -> str:
     """The static chart: at both scales, with a linear | log switch made of two radio buttons and
     CSS alone (no JavaScript, no kernel), set to ``state.chart_scale``; the linear chart alone
     where a log axis cannot show the values. The switch looks like the live dashboard's y-axis
     buttons (same size, colours and place), so the output does not change when the cell ends.
     Without the CSS (a sanitized view) both charts show."""
     drawn = drawn or chart_series(state, max_points)
-    if not log_possible(drawn):
+    if drawn is None or not log_possible(drawn):
         return render_chart(state, drawn=drawn, scale="linear")
     scale = drawn.scale
     group = f"jr-scale-{uuid.uuid4().hex[:12]}"  # one switch per output, however many on a page
@@ -278,14 +288,14 @@ def render_comm_totals(state: DashboardState) -> str:
             + _e("; ".join(parts)) + "</div>")
 
 
-def _share_period(state):
+def _share_period(state: DashboardState) -> str:
     if state.frozen:
         return "over the whole cell (from each rank's first report to its last)"
     return (f"over the last {state.window:g} s (shown once {state.min_span:g} s have been "
             "measured)")
 
 
-def render_title(title):
+def render_title(title: str) -> str:
     """The dashboard's heading line."""
     return f'<div class="jr-title"><b>{_e(title)}</b></div>'
 
@@ -304,7 +314,7 @@ def row_class(state: DashboardState, rank: int, straggler: bool) -> str:
     return cls
 
 
-def render_rows(state):
+def render_rows(state: DashboardState) -> str:
     """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics. The
     live dashboard shows this same table, so a row looks the same before and after the cell
     ends. A large world (``_summary.summarised``): the percentiles over the ranks first, then a
@@ -326,7 +336,7 @@ def render_rows(state):
     return (render_summary(state) if why else "") + '<table class="jr-ranks">' + "".join(rows) + "</table>"
 
 
-def render_html(state, title="jupyter_ring training"):
+def render_html(state: DashboardState, title: str = "jupyter_ring training") -> str:
     """The whole dashboard as one self-contained HTML fragment (the static fallback): the live
     dashboard's parts in the same order and look."""
     return (f'{STYLE}<div class="jr-dash jr-static">{render_title(title)}'

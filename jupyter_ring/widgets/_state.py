@@ -12,18 +12,27 @@ window of the snapshots' (time, step, comm time) on each rank's clock, never a s
 None of them is shown until the window spans ``min_span`` seconds.
 """
 
+from __future__ import annotations
+
 import bisect
 import collections
 import math
 import statistics
 import time
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 __all__ = ["DashboardState", "RankState", "downsample", "ENDINGS", "reports_work"]
 
 # How a cell ended on a rank (``DashboardState.freeze(outcomes=...)``), as its row says it.
 ENDINGS = {"done": "done", "interrupted": "interrupted", "stalled": "stalled", "failed": "failed",
            "died": "died", "no reply": "no reply"}
+
+# A rank's snapshot (``Reporter.snapshot()``, through the front end's transport): JSON values of
+# every kind, hence Any.
+Snapshot: TypeAlias = "Mapping[str, Any]"
+# A chart point: (step, value)
+Point: TypeAlias = "tuple[float, float]"
 
 # Points kept per rank and metric before the oldest half is thinned to every other point.
 _MAX_POINTS = 20000
@@ -51,45 +60,45 @@ class _Sample(NamedTuple):
 class RankState:
     """What the dashboard knows about one rank."""
 
-    def __init__(self, rank):
+    def __init__(self, rank: int) -> None:
         self.rank = rank
         self.seen = False          # any snapshot ingested
-        self.seq = None            # highest snapshot sequence number ingested (None: unknown)
-        self.seqs = set()          # every sequence number ingested
+        self.seq: int | None = None  # highest snapshot sequence number ingested (None: unknown)
+        self.seqs: set[int] = set()  # every sequence number ingested
         self.snap_time = -math.inf  # the newest snapshot's rank-side wall time
-        self.step = 0
-        self.total = None
-        self.desc = None
-        self.rate = None           # steps/s over the window (None: not measured yet)
-        self.metrics = {}
-        self.comm = {}             # the cell's collectives, by kind
-        self.comm_total = {}       # since ring.init() or ring.reset_stats(), by kind
-        self.ended = None          # once frozen: how the cell ended on this rank (ENDINGS)
-        self.comm_share = None     # share of wall time in collectives over the window (None: idem)
-        self.slow_since = None     # local time since which the rate stayed below the stragglers' bar
-        self.samples = collections.deque()  # _Sample of the snapshots in the window (+1 before it)
-        self.first_sample = None   # the first _Sample showing work: the cell's figures start there
-        self._previous = None      # the newest _Sample (in the window or not)
-        self._idle = None          # the last _Sample before any work was seen
-        self._last = None          # (step, comm seconds) of the newest snapshot, as reported
-        self.stall = None
+        self.step: Any = 0         # as the rank reported it (a number; anything a user passed)
+        self.total: Any = None
+        self.desc: Any = None
+        self.rate: float | None = None  # steps/s over the window (None: not measured yet)
+        self.metrics: dict[str, Any] = {}
+        self.comm: dict[str, Any] = {}        # the cell's collectives, by kind
+        self.comm_total: dict[str, Any] = {}  # since ring.init() or ring.reset_stats(), by kind
+        self.ended: str | None = None  # once frozen: how the cell ended on this rank (ENDINGS)
+        self.comm_share: float | None = None  # share of wall time in collectives over the window (None: idem)
+        self.slow_since: float | None = None  # local time since which the rate stayed below the stragglers' bar
+        self.samples: collections.deque[_Sample] = collections.deque()  # the window's snapshots (+1 before it)
+        self.first_sample: _Sample | None = None  # the first showing work: the cell's figures start there
+        self._previous: _Sample | None = None  # the newest _Sample (in the window or not)
+        self._idle: _Sample | None = None      # the last _Sample before any work was seen
+        self._last: tuple[float, float] = (0.0, 0.0)  # (step, comm seconds) of the newest snapshot, as reported
+        self.stall: Any = None
         self.elapsed = 0.0
         self.final = False
-        self.received = None       # local wall time of the last ingest
+        self.received: float | None = None  # local wall time of the last ingest
         # metric -> sorted list of (wall time, step, value); _keys mirrors it for de-duplication
-        self.history = {}
-        self._keys = {}
-        self._charts = {}          # metric -> _ChartBuffer (None: rebuild from history)
+        self.history: dict[str, list[tuple[float, float, float]]] = {}
+        self._keys: dict[str, set[tuple[float, float, float]]] = {}
+        self._charts: dict[str, _ChartBuffer | None] = {}  # metric -> its buffer (None: rebuild from history)
 
     @property
-    def fraction(self):
+    def fraction(self) -> float | None:
         """Progress in [0, 1], or None without a total."""
         if not self.total:
             return None
-        return max(0.0, min(1.0, self.step / self.total))
+        return float(max(0.0, min(1.0, self.step / self.total)))
 
     @property
-    def eta(self):
+    def eta(self) -> float | None:
         """Seconds left at the current rate (0 when done, None when unknown)."""
         if self.total is None:
             return None
@@ -98,7 +107,7 @@ class RankState:
             return 0.0
         if not self.rate or self.rate <= 0:
             return None
-        return left / self.rate
+        return float(left / self.rate)
 
     @property
     def done(self) -> bool:
@@ -121,6 +130,11 @@ class RankState:
         return self.ended is not None and self.ended != "done"
 
     @property
+    def stopped_as(self) -> str:
+        """What a stopped rank's row says of its end (``ENDINGS``); only for a stopped rank."""
+        return ENDINGS[self.ended or ""]
+
+    @property
     def bar_fraction(self) -> float:
         """How full the progress bar is: the step's share of the total; without a total, full
         when done and empty otherwise (a stopped rank never shows a full bar it did not earn)."""
@@ -135,7 +149,7 @@ class RankState:
         return bool(self.history) or reports_work({"step": self.step, "metrics": self.metrics,
                                                    "stall": self.stall})
 
-    def add_sample(self, snapshot, window, min_span):
+    def add_sample(self, snapshot: Snapshot, window: float, min_span: float) -> None:
         """Take the newest snapshot's time, step and comm time into the window; re-measure.
 
         Steps and comm seconds are accumulated as deltas, so a count that restarts (a new
@@ -179,7 +193,7 @@ class RankState:
             samples.popleft()
         self.rate, self.comm_share = _measure(samples[0], sample, min_span)
 
-    def measure_whole(self, min_span):
+    def measure_whole(self, min_span: float) -> None:
         """Rate and comm share from the rank's first work seen to its last snapshot (the cell's
         figures); a cell whose work fits in less than ``min_span`` between two snapshots is
         measured from the snapshot before its work.
@@ -192,6 +206,7 @@ class RankState:
             return
         last = self.samples[-1]
         first = self.first_sample
+        assert first is not None  # (a sample in the window: work was seen)
         if last.time - first.time < min_span and self._idle is not None:
             first = self._idle
         self.rate, self.comm_share = _measure(first, last, 0.0)
@@ -199,7 +214,7 @@ class RankState:
         if logged is not None:
             self.rate = logged
 
-    def _logged_rate(self, min_span):
+    def _logged_rate(self, min_span: float) -> float | None:
         """Steps/s between the first and last logged point of the metric logged most, when its
         steps only went up and they span at least ``min_span`` seconds; else None."""
         series = max(self.history.values(), key=len, default=())
@@ -210,7 +225,7 @@ class RankState:
             return None  # too short, or a count that restarted (ring.track per epoch)
         return (s1 - s0) / (w1 - w0)
 
-    def add_point(self, metric, wall, step, value, check=True):
+    def add_point(self, metric: str, wall: float, step: float, value: object, check: bool = True) -> bool:
         """Insert one history point in time order; False when it was already there.
 
         ``check=False``: the caller knows the point is new (its snapshot's number is new).
@@ -243,7 +258,7 @@ class RankState:
                 keys.discard((w, s, v))
         return True
 
-    def chart_points(self, metric):
+    def chart_points(self, metric: str) -> list[Point]:
         """The metric's (step, value) points decimated for drawing (at most ~1000, in order)."""
         chart = self._charts.get(metric)
         if chart is None:
@@ -253,7 +268,7 @@ class RankState:
         return chart.points()
 
 
-def _measure(first, last, min_span):
+def _measure(first: _Sample, last: _Sample, min_span: float) -> tuple[float | None, float | None]:
     """(steps/s, share of time in collectives) between two samples; (None, None) over too short
     a span (a figure from a fraction of a second is noise)."""
     span = last.time - first.time
@@ -273,15 +288,18 @@ class _ChartBuffer:
     The first and the latest point are always kept: the chart's x-axis runs from one to the other.
     """
 
-    def __init__(self, limit=250):
+    def __init__(self, limit: int = 250) -> None:
         self.limit = limit
         self.width = 1
-        self.buckets = []          # closed buckets: lists of <= 2 points
+        self.buckets: list[list[Point]] = []  # closed buckets: lists of <= 2 points
         self.count = 0             # points in the open bucket
-        self.lo = self.hi = None   # its lowest and highest point: (index, x, y)
-        self.first = self.last = None
+        # its lowest and highest point: (index, x, y) (set with its first point)
+        self.lo: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.hi: tuple[int, float, float] = (0, 0.0, 0.0)
+        self.first: Point | None = None
+        self.last: Point | None = None
 
-    def add(self, x, y):
+    def add(self, x: float, y: float) -> None:
         if self.first is None:
             self.first = (x, y)
         self.last = (x, y)
@@ -302,7 +320,7 @@ class _ChartBuffer:
                                 for i in range(0, len(pairs), 2)]
                 self.width *= 2
 
-    def _open(self):
+    def _open(self) -> list[Point]:
         if self.count == 0:
             return []
         lo, hi = self.lo, self.hi
@@ -311,16 +329,17 @@ class _ChartBuffer:
         first, second = (lo, hi) if lo[0] < hi[0] else (hi, lo)
         return [(first[1], first[2]), (second[1], second[2])]
 
-    def points(self):
+    def points(self) -> list[Point]:
         out = [p for bucket in self.buckets for p in bucket] + self._open()
-        if out and out[0] != self.first:
-            out.insert(0, self.first)
-        if out and out[-1] != self.last:
-            out.append(self.last)
+        first, last = self.first, self.last  # (set with the first point: out is empty before)
+        if out and first is not None and out[0] != first:
+            out.insert(0, first)
+        if out and last is not None and out[-1] != last:
+            out.append(last)
         return out
 
 
-def _minmax(points):
+def _minmax(points: Sequence[Point]) -> list[Point]:
     """The points with the lowest and highest y, in their original order (all if <= 2)."""
     if len(points) <= 2:
         return list(points)
@@ -339,10 +358,11 @@ class DashboardState:
     running ranks for ``window`` seconds (one low reading is no evidence).
     """
 
-    def __init__(self, ranks=(), straggler_ratio=0.7, metric=None, window=5.0, min_span=1.0):
+    def __init__(self, ranks: int | Iterable[int] = (), straggler_ratio: float = 0.7, metric: str | None = None,
+                 window: float = 5.0, min_span: float = 1.0) -> None:
         if isinstance(ranks, int):
             ranks = range(ranks)
-        self.ranks = {}
+        self.ranks: dict[int, RankState] = {}
         for rank in ranks:
             self.rank(rank)
         if not 0 < straggler_ratio < 1:
@@ -354,13 +374,13 @@ class DashboardState:
         self.window = float(window)
         self.min_span = float(min_span)
         self.metric = metric       # the charted metric; None: 'loss' if logged, else the first
-        self.y_scale = None        # the chart's y-axis: 'linear', 'log' or None (chosen from the data)
+        self.y_scale: str | None = None  # the chart's y-axis: 'linear', 'log' or None (chosen from the data)
         self.frozen = False
         self.version = 0           # bumped on every change, for renderers to skip repaints
         self.started = time.time()
-        self.now = None            # local time of the latest ingest: the straggler clock
+        self.now: float | None = None  # local time of the latest ingest: the straggler clock
 
-    def rank(self, rank):
+    def rank(self, rank: int) -> RankState:
         """The RankState of ``rank`` (created if new)."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"a rank is an int >= 0, got {rank!r}")
@@ -371,7 +391,7 @@ class DashboardState:
         return state
 
     # ------------------------------------------------------------------------------ ingest
-    def ingest(self, rank, snapshot, seq=None, received=None):
+    def ingest(self, rank: int | None, snapshot: Snapshot, seq: int | None = None, received: float | None = None) -> int:
         """Merge one snapshot of ``rank``; returns the number of new history points.
 
         ``seq`` (the transport's sequence number, if it has one) orders snapshots and recognises
@@ -381,14 +401,13 @@ class DashboardState:
         """
         if self.frozen:
             return 0
-        if rank is None:
-            rank = snapshot.get("rank")
-        state = self.rank(int(rank))
+        who: Any = rank if rank is not None else snapshot.get("rank")  # (a snapshot's JSON value)
+        state = self.rank(int(who))
         added = 0
         # numbered snapshots are recognised by their number; others point by point
         fresh = seq is not None and seq not in state.seqs
         if seq is None or fresh:
-            if fresh:
+            if seq is not None and fresh:
                 state.seqs.add(seq)
             for step, wall, values in snapshot.get("history") or ():
                 for metric, value in (values or {}).items():
@@ -441,14 +460,14 @@ class DashboardState:
         self.frozen = True
         self.version += 1
 
-    def _judge_stragglers(self):
+    def _judge_stragglers(self) -> None:
         """Start or end each running rank's slow spell against the median of the running ranks."""
-        running = {r for r, s in self.ranks.items() if s.seen and not s.done and s.rate is not None}
-        median = (statistics.median(self.ranks[r].rate for r in running) if len(running) >= 2
+        running = {r: s.rate for r, s in self.ranks.items() if s.seen and not s.done and s.rate is not None}
+        median = (statistics.median(running.values()) if len(running) >= 2
                   else None)
         for rank, state in self.ranks.items():
             slow = (median is not None and median > 0 and rank in running
-                    and state.rate < self.straggler_ratio * median)
+                    and running[rank] < self.straggler_ratio * median)
             if not slow:
                 state.slow_since = None
             elif state.slow_since is None:
@@ -460,7 +479,7 @@ class DashboardState:
         a dashboard at all."""
         return any(state.seen and state.reported_work for state in self.ranks.values())
 
-    def chart_metric(self):
+    def chart_metric(self) -> str | None:
         """The metric the chart shows: the chosen one, else 'loss', else the first logged."""
         if self.metric:
             return self.metric
@@ -469,22 +488,23 @@ class DashboardState:
             return "loss"
         return names[0] if names else None
 
-    def median_rate(self):
+    def median_rate(self) -> float | None:
         """Median rate (steps/s) of the ranks still running with a measured rate, or None."""
         rates = [s.rate for s in self.ranks.values() if s.seen and not s.done and s.rate is not None]
         if len(rates) < 2 or max(rates) <= 0:
             return None
         return statistics.median(rates)
 
-    def stragglers(self):
+    def stragglers(self) -> list[int]:
         """Ranks still running whose rate has stayed clearly below the median of the running
         ranks for the last ``window`` seconds."""
         if self.frozen:
             return []
         return [r for r, s in self.ranks.items()
-                if s.slow_since is not None and not s.done and self.now - s.slow_since >= self.window]
+                if s.slow_since is not None and not s.done and self.now is not None
+                and self.now - s.slow_since >= self.window]
 
-    def set_y_scale(self, scale):
+    def set_y_scale(self, scale: str | None) -> None:
         """Fix the chart's y-axis to 'linear' or 'log' (None: chosen from the data again)."""
         if scale not in (None, "linear", "log"):
             raise ValueError(f"the chart's y-axis scale is 'linear', 'log' or None (automatic), "
@@ -492,14 +512,14 @@ class DashboardState:
         self.y_scale = scale
         self.version += 1
 
-    def chart_scale(self, series=None):
+    def chart_scale(self, series: dict[int, list[Point]] | None = None) -> str:
         """The chart's y-axis, 'linear' or 'log': the chosen one where the values allow it, else
         log when every value is positive and they span more than a decade and a half."""
         series = self.series() if series is None else series
         ys = [y for pts in series.values() for _, y in pts]
         return choose_scale(self.y_scale, min(ys), max(ys)) if ys else "linear"
 
-    def stalls(self):
+    def stalls(self) -> list[dict[str, Any]]:
         """The stall of every waiting rank: [{rank, what, missing, waited, held}], by rank."""
         out = []
         for rank, state in self.ranks.items():
@@ -511,7 +531,7 @@ class DashboardState:
                             "held": list(stall.get("held") or [])})
         return out
 
-    def banner(self):
+    def banner(self) -> str:
         """One line per waiting rank naming the collective and the missing ranks, or ''."""
         lines = []
         for stall in self.stalls():
@@ -525,10 +545,10 @@ class DashboardState:
             lines.append(line)
         return "\n".join(lines)
 
-    def series(self, metric=None, max_points=500):
+    def series(self, metric: str | None = None, max_points: int = 500) -> dict[int, list[Point]]:
         """{rank: [(step, value), ...]} for the chart, in time order, at most ``max_points`` each."""
         metric = metric or self.chart_metric()
-        out = {}
+        out: dict[int, list[Point]] = {}
         if metric is None:
             return out
         for rank, state in self.ranks.items():
@@ -562,7 +582,7 @@ class DashboardState:
             pct = f" ({100 * s.fraction:.0f}%)" if s.fraction is not None else ""
             parts = [f"rank {rank}: step {_num(s.step)}{total}{pct}"]
             if s.stopped:
-                parts.append(ENDINGS[s.ended])
+                parts.append(s.stopped_as)
             if s.rate is not None:
                 parts.append(f"{format_rate(s.rate)} it/s")
             if s.eta is not None and not s.done and s.ended is None:
@@ -589,7 +609,7 @@ class DashboardState:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def downsample(points, max_points=500):
+def downsample(points: Sequence[Point], max_points: int = 500) -> list[Point]:
     """At most ``max_points`` of ``points`` [(x, y)], keeping order, the ends and each bucket's
     minimum and maximum y (spikes survive, unlike plain striding)."""
     n = len(points)
@@ -613,18 +633,18 @@ def downsample(points, max_points=500):
     return out
 
 
-def _num(x):
+def _num(x: object) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
-def format_value(value):
+def format_value(value: object) -> str:
     """A metric value, short: 4 significant digits."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{value:.4g}"
     return str(value)
 
 
-def choose_scale(chosen, lo, hi):
+def choose_scale(chosen: str | None, lo: float, hi: float) -> str:
     """The y-axis for values in [lo, hi]: ``chosen`` ('linear', 'log' or None) where the values
     allow it; by default log when all are positive and span more than a decade and a half."""
     positive = lo > 0
@@ -633,14 +653,14 @@ def choose_scale(chosen, lo, hi):
     return "log" if positive and hi > _LOG_RATIO * lo else "linear"
 
 
-def format_rate(rate):
+def format_rate(rate: float) -> str:
     """Steps per second, 3 significant digits (0.04, 2.57, 31.4, 1234)."""
     if rate >= 100:
         return f"{rate:.0f}"
     return f"{rate:.3g}"
 
 
-def format_bytes(n):
+def format_bytes(n: float) -> str:
     """Bytes with a binary unit: 1.5 MiB."""
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -650,7 +670,7 @@ def format_bytes(n):
     return f"{n:.1f} TiB"
 
 
-def format_seconds(s):
+def format_seconds(s: float) -> str:
     """Seconds as 42 s, 3:05 or 1:02:03."""
     s = max(0, int(round(s)))
     if s < 60:

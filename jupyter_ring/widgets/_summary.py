@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from ._axes import CHAR_PX, color, legend_entry, linear_ticks, log_label, log_ticks, x_axis
-from ._state import ENDINGS, DashboardState, choose_scale, format_rate, format_seconds, format_value
+from ._state import DashboardState, choose_scale, format_rate, format_seconds, format_value
 
 __all__ = ["SUMMARY_FROM", "NOTABLE", "summarised", "percentiles", "notable_ranks",
            "render_summary", "render_summary_chart", "summary_series"]
@@ -70,7 +70,7 @@ def notable_ranks(state: DashboardState, limit: int = NOTABLE) -> list[tuple[int
     out: list[tuple[int, str]] = []
     for rank, s in state.ranks.items():
         if s.stopped:
-            out.append((rank, ENDINGS[s.ended]))
+            out.append((rank, s.stopped_as))
         elif rank in stragglers:
             out.append((rank, "straggler"))
     chosen = {rank for rank, _ in out}

@@ -24,19 +24,19 @@ both forms, so nothing is shown twice. Nothing at all is displayed for a cell th
 nothing and succeeds, so a trivial cell creates no widget.
 """
 
-import html
-import re
+from __future__ import annotations
+
 import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias, cast
 
 from ..cluster import rank_ranges
+from ._tabs_html import _ALL, _BOTH, _ONE, Bundle, Item, LogEntry, _join, _tag, page, strip_ansi
 
 __all__ = ["TextSink", "RankTabs", "strip_ansi"]
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 # The live widget shows at most this many characters per tab (the tail); the final static view
 # and the text/plain keep everything up to FINAL_MAX characters per tab.
@@ -52,10 +52,9 @@ LIVE_PERIOD = 0.1
 FOLD_FROM = 5
 FOLD_HOLD = 0.5
 
-
-def strip_ansi(text):
-    """``text`` without terminal colour codes."""
-    return _ANSI.sub("", text)
+# One live display of the tabs: (ipywidgets Tab, its Output per tab, the display id); ipywidgets
+# ships no annotations, hence Any.
+_View: TypeAlias = "tuple[Any, list[Any], str]"
 
 
 class _Group:
@@ -63,7 +62,7 @@ class _Group:
 
     __slots__ = ("name", "line", "ranks", "since")
 
-    def __init__(self, name, line, rank, since):
+    def __init__(self, name: str, line: str, rank: int, since: float) -> None:
         self.name, self.line, self.ranks, self.since = name, line, {rank}, since
 
 
@@ -76,13 +75,13 @@ class LineFold:
     line came (a line no other rank prints waits that long); ``take(None)`` empties it.
     """
 
-    def __init__(self, ranks, hold=FOLD_HOLD):
+    def __init__(self, ranks: Iterable[int], hold: float = FOLD_HOLD) -> None:
         self.size = len(set(ranks))
         self.hold = hold
-        self.groups = deque()  # held groups, oldest first
-        self.open = {}         # (stream, line) -> its held groups, oldest first
+        self.groups: deque[_Group] = deque()  # held groups, oldest first
+        self.open: dict[tuple[str, str], list[_Group]] = {}  # (stream, line) -> its held groups, oldest first
 
-    def add(self, rank, name, lines, now):
+    def add(self, rank: int, name: str, lines: Iterable[str], now: float) -> None:
         for line in lines:
             key = (name, line)
             for group in self.open.get(key, ()):
@@ -94,7 +93,7 @@ class LineFold:
                 self.groups.append(group)
                 self.open.setdefault(key, []).append(group)
 
-    def take(self, now):
+    def take(self, now: float | None) -> list[tuple[str, tuple[int, ...], str]]:
         """The groups that may leave at ``now`` (all of them when ``now`` is None), oldest first,
         as ``(stream, sorted ranks, line)``; a held group keeps every later one back."""
         out = []
@@ -111,13 +110,8 @@ class LineFold:
             out.append((group.name, tuple(sorted(group.ranks)), group.line))
         return out
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.groups)
-
-
-def _tag(ranks):
-    """``[rank 3] `` or ``[ranks 0-2, 5] ``."""
-    return f"[rank {ranks[0]}] " if len(ranks) == 1 else f"[ranks {rank_ranges(ranks)}] "
 
 
 class TextSink:
@@ -129,7 +123,7 @@ class TextSink:
         self.tag = tag
         self.fold = LineFold(ranks) if tag and len(ranks) >= FOLD_FROM else None
 
-    def text(self, rank, name, lines):
+    def text(self, rank: int, name: str, lines: Sequence[str]) -> None:
         if self.fold is not None:
             self.fold.add(rank, name, lines, time.monotonic())
             self._release(time.monotonic())
@@ -138,7 +132,7 @@ class TextSink:
         stream.write(_tagged(rank, lines) if self.tag else "\n".join(lines) + "\n")
         stream.flush()
 
-    def _release(self, now):
+    def _release(self, now: float | None) -> None:
         """Print the folded lines that may leave (all of them when ``now`` is None)."""
         if not self.fold:
             return
@@ -147,14 +141,14 @@ class TextSink:
             stream.write(f"{_tag(ranks)}{line}\n")
             stream.flush()
 
-    def display(self, rank, data, metadata):
+    def display(self, rank: int, data: Bundle, metadata: dict[str, Any]) -> None:
         from IPython.display import display
 
         self._release(None)
         print(f"[rank {rank}]")
         display(data, raw=True, metadata=metadata)
 
-    def result(self, rank, data, metadata):
+    def result(self, rank: int, data: Bundle, metadata: dict[str, Any]) -> None:
         from IPython.display import display
 
         self._release(None)
@@ -164,22 +158,22 @@ class TextSink:
             print(f"[rank {rank}] Out:")
             display(data, raw=True, metadata=metadata)
 
-    def error(self, rank, error, label="", lines=None):
+    def error(self, rank: int, error: object, label: str = "", lines: Iterable[str] | None = None) -> None:
         pass  # the DistributedError below the output names every failed rank
 
-    def fail(self, rank, label="✗"):
+    def fail(self, rank: int, label: str = "✗") -> None:
         pass
 
-    def select(self, rank):
+    def select(self, rank: int) -> None:
         pass
 
-    def attach(self):
+    def attach(self) -> None:
         pass  # the text goes out as it comes: a reopened page shows it from now on
 
-    def flush(self, force=False):
+    def flush(self, force: bool = False) -> None:
         self._release(None if force else time.monotonic())
 
-    def finish(self):
+    def finish(self) -> None:
         self._release(None)
 
 
@@ -190,12 +184,12 @@ class _Panel:
     to one growing string would copy it on every batch (quadratic in the cell's output).
     """
 
-    def __init__(self, title):
+    def __init__(self, title: str) -> None:
         self.title = title
-        self.items = []
+        self.items: list[Item] = []
         self.chars = 0
 
-    def add_stream(self, name, text):
+    def add_stream(self, name: str, text: str) -> None:
         self.chars += len(text)
         last = self.items[-1] if self.items else None
         if last is not None and last["output_type"] == "stream" and last["name"] == name:
@@ -205,10 +199,10 @@ class _Panel:
             self.items.append({"output_type": "stream", "name": name, "parts": [text],
                                "chars": len(text)})
 
-    def add(self, item):
+    def add(self, item: Item) -> None:
         self.items.append(item)
 
-    def tail(self, limit):
+    def tail(self, limit: int) -> list[Item]:
         """The items, with stream text cut to the last ``limit`` characters in all."""
         out, budget = [], limit
         for item in reversed(self.items):
@@ -239,25 +233,25 @@ class _Panel:
 class RankTabs:
     """A tab per rank plus "all ranks": live ipywidgets while the cell runs, static at the end."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks: Iterable[int]) -> None:
         self.ranks = list(ranks)
         self.all = _Panel("all ranks")
         self.panels = {r: _Panel(f"rank {r}") for r in self.ranks}
-        self.plain = []          # the rank-tagged lines, as the text form prints them
-        self.log = []            # (rank, where, item) in arrival order, for the static view
-        self.failed = {}         # rank -> title mark, in order of failure
-        self.selected = None     # rank whose tab is selected (None: "all ranks")
-        self.display_id = None
-        self.tab = None
-        self.outputs = None
-        self._more = []          # (tab, outputs, display_id) shown again for a reopened page
+        self.plain: list[str] = []       # the rank-tagged lines, as the text form prints them
+        self.log: list[LogEntry] = []    # (rank, where, item) in arrival order, for the static view
+        self.failed: dict[int, str] = {}  # rank -> title mark, in order of failure
+        self.selected: int | None = None  # rank whose tab is selected (None: "all ranks")
+        self.display_id: str | None = None
+        self.tab: Any = None             # the live ipywidgets Tab (untyped package)
+        self.outputs: list[Any] | None = None
+        self._more: list[_View] = []     # (tab, outputs, display_id) shown again for a reopened page
         self._dirty = False
         self._last_push = time.monotonic()  # the cell's start: the first push waits a period
         self._finished = False
         self.fold = LineFold(self.ranks) if len(self.ranks) >= FOLD_FROM else None
 
     # ------------------------------------------------------------------------------ content
-    def text(self, rank, name, lines):
+    def text(self, rank: int, name: str, lines: Sequence[str]) -> None:
         text = "\n".join(lines) + "\n"
         self.panels[rank].add_stream(name, text)
         if self.fold is not None:  # "all ranks" gets them folded, as they leave the fold
@@ -271,7 +265,7 @@ class RankTabs:
         self._log(rank, _BOTH, {"output_type": "stream", "name": name, "text": text})
         self._changed()
 
-    def _release(self, now):
+    def _release(self, now: float | None) -> None:
         """Folded lines that may leave (all when ``now`` is None) into "all ranks" and the text."""
         if not self.fold:
             return
@@ -282,7 +276,7 @@ class RankTabs:
             self._log(ranks, _ALL, {"output_type": "stream", "name": name, "text": line + "\n"})
             self._changed()
 
-    def display(self, rank, data, metadata):
+    def display(self, rank: int, data: Bundle, metadata: dict[str, Any]) -> None:
         self._release(None)  # what came before it leaves first
         self.panels[rank].add({"output_type": "display_data", "data": data,
                                "metadata": metadata})
@@ -293,7 +287,7 @@ class RankTabs:
         self._log(rank, _ALL, {"output_type": "stream", "name": "stdout", "text": f"{label}\n"})
         self._changed()
 
-    def result(self, rank, data, metadata):
+    def result(self, rank: int, data: Bundle, metadata: dict[str, Any]) -> None:
         self._release(None)
         text = data.get("text/plain", "")
         if set(data) <= {"text/plain"}:
@@ -315,7 +309,7 @@ class RankTabs:
                                    "text": f"Out: {_short_repr(data)}\n"})
         self._changed()
 
-    def error(self, rank, error, label="", lines=None):
+    def error(self, rank: int, error: object, label: str = "", lines: Iterable[str] | None = None) -> None:
         """Put a rank's remote error (ipyparallel RemoteError or any exception) in its tab;
         ``lines``: what to show instead of its whole traceback."""
         self._release(None)
@@ -336,7 +330,7 @@ class RankTabs:
         self._log(rank, _ALL, {"output_type": "stream", "name": "stderr", "text": summary})
         self._changed()
 
-    def _log(self, rank, where, item):
+    def _log(self, rank: int | tuple[int, ...], where: str, item: Item) -> None:
         """Note an item for the static view; a stream continuing the last one is merged."""
         if item["output_type"] == "stream":
             if self.log:
@@ -348,7 +342,7 @@ class RankTabs:
             item = {"output_type": "stream", "name": item["name"], "parts": [item["text"]]}
         self.log.append((rank, where, item))
 
-    def fail(self, rank, label="✗"):
+    def fail(self, rank: int, label: str = "✗") -> None:
         """Mark a rank's tab (title ``rank r ✗``); the first marked rank's tab is selected. A
         rank marked plainly (its engine's error came first) takes a later, more telling label
         (``✗ dead`` once its death is diagnosed)."""
@@ -359,28 +353,28 @@ class RankTabs:
             self.selected = rank
         self._changed(force=True)
 
-    def select(self, rank):
+    def select(self, rank: int) -> None:
         """Select this rank's tab (the headline failure) instead of the first marked one."""
         if rank in self.panels:
             self.selected = rank
             self._changed(force=True)
 
     # --------------------------------------------------------------------------- live view
-    def _changed(self, force=False):
+    def _changed(self, force: bool = False) -> None:
         self._dirty = True
         if force:
             self._last_push = 0.0
 
-    def _titles(self):
+    def _titles(self) -> list[str]:
         titles = ["all ranks"]
         for r in self.ranks:
             titles.append(f"rank {r} {self.failed[r]}" if r in self.failed else f"rank {r}")
         return titles
 
-    def _index(self):
+    def _index(self) -> int:
         return 0 if self.selected is None else 1 + self.ranks.index(self.selected)
 
-    def flush(self, force=False):
+    def flush(self, force: bool = False) -> None:
         """Push new output to the live widget (at most every LIVE_PERIOD seconds; ``force``: now,
         with every folded line held, as before a debugger's prompt, while which nothing else is
         pushed)."""
@@ -404,7 +398,7 @@ class RankTabs:
                 tab.titles = tuple(self._titles())
                 tab.selected_index = self._index()
 
-    def attach(self):
+    def attach(self) -> None:
         """Show the live tabs again, as new widgets with the same content (a notebook reopened
         while the cell runs asked for its live view: see ``jupyter_ring._live``); nothing before
         the tabs are first shown, which then reach the page as they come."""
@@ -414,11 +408,12 @@ class RankTabs:
         self._changed(force=True)
         self.flush()
 
-    def _views(self):
+    def _views(self) -> list[_View]:
         """Each live display of the tabs: (tab, outputs, display_id)."""
-        return [(self.tab, self.outputs, self.display_id)] + self._more if self.tab else []
+        first = cast("_View", (self.tab, self.outputs, self.display_id))  # (set together by _create)
+        return [first] + self._more if self.tab else []
 
-    def _create(self):
+    def _create(self) -> _View:
         from IPython.display import display
         from ipywidgets import Layout, Output, Tab
 
@@ -435,7 +430,7 @@ class RankTabs:
         return tab, outputs, display_id
 
     # ------------------------------------------------------------------------------- finish
-    def finish(self):
+    def finish(self) -> None:
         """Replace the live widget with the static HTML + plain-text bundle; close the widgets."""
         if self._finished:
             return
@@ -463,11 +458,16 @@ class RankTabs:
             except Exception:  # a closed comm must not turn a finished cell into an error
                 pass
 
-    def _has_content(self):
+    def html(self) -> str:
+        """The static tabs, in HTML and CSS (radio buttons), no JavaScript: ``_tabs_html.page``."""
+        return page(self.ranks, self.failed, self._titles(), self._index(), self.log, self.fold is not None,
+                    FINAL_MAX)
+
+    def _has_content(self) -> bool:
         return bool(self.plain or self.failed
                     or any(p.items for p in self.panels.values()))
 
-    def plain_text(self):
+    def plain_text(self) -> str:
         """The rank-tagged lines (what TextSink would have printed), for text/plain."""
         text = "".join(self.plain)
         if len(text) > FINAL_MAX:
@@ -475,147 +475,13 @@ class RankTabs:
                     + text[-FINAL_MAX:])
         return strip_ansi(text).rstrip("\n") or f"(no output from ranks {rank_ranges(self.ranks)})"
 
-    def html(self):
-        """Tabs in HTML and CSS (radio buttons), no JavaScript.
-
-        Every output is in the page once, in arrival order, classed by its rank: the "all ranks"
-        tab shows the stream lines with their ``[rank r]`` tags (and a one-line label for each
-        rich output or error), a rank's tab shows that rank's items untagged (rich outputs and
-        tracebacks in full). Without CSS the page reads as the tagged lines with the rich
-        outputs in place.
-        """
-        uid = "jr" + uuid.uuid4().hex[:12]
-        titles = self._titles()
-        selected = self._index()
-        css = (f"#{uid}>input{{display:none}}"
-               f"#{uid}>label{{display:inline-block;padding:2px 12px;margin-right:2px;"
-               "cursor:pointer;border:1px solid var(--jp-border-color1,#ccc);border-bottom:none;"
-               "border-radius:3px 3px 0 0;background:var(--jp-layout-color2,#eee);"
-               "font-family:var(--jp-ui-font-family,sans-serif);font-size:12px}"
-               f"#{uid}>input:checked+label{{background:var(--jp-layout-color0,#fff);"
-               "font-weight:600}"
-               f"#{uid}>label.jr-failed{{color:#c62828;border-color:#c62828}}"
-               f"#{uid}>.jr-panel{{border:1px solid var(--jp-border-color1,#ccc);"
-               "padding:4px 6px;max-height:32em;overflow:auto}"
-               f"#{uid}>.jr-panel>*{{display:none}}"
-               f"#{uid} pre{{margin:0;white-space:pre-wrap}}"
-               f"#{uid} i{{font-style:normal}}"
-               f"#{uid} .jr-stderr{{background:var(--jp-rendermime-error-background,#fdd)}}"
-               f"#{uid} .jr-error{{color:#c62828}}"
-               f"#{uid}>input:nth-of-type(1):checked~.jr-panel>:not(.{_ONE}){{display:block}}")
-        for i, rank in enumerate(self.ranks):
-            on = f"#{uid}>input:nth-of-type({i + 2}):checked~.jr-panel"
-            css += f"{on}>.jr-r{rank}:not(.{_ALL}){{display:block}}{on} i{{display:none}}"
-        parts = [f'<div class="jr-rank-tabs" id="{uid}"><style>{css}</style>']
-        for i, title in enumerate(titles):
-            checked = " checked" if i == selected else ""
-            failed = ' class="jr-failed"' if i and self.ranks[i - 1] in self.failed else ""
-            parts.append(f'<input type="radio" name="{uid}" id="{uid}-{i}"{checked}>'
-                         f'<label for="{uid}-{i}"{failed}>{html.escape(title)}</label>')
-        parts.append('<div class="jr-panel">')
-        parts.extend(self._body_html())
-        parts.append("</div></div>")
-        return "".join(parts)
-
-    def _body_html(self):
-        """The logged items as HTML, each rank's stream text (and the folded lines of "all
-        ranks", together) cut to its last FINAL_MAX characters."""
-        budget = dict.fromkeys([*self.ranks, _FOLDED], FINAL_MAX)
-        cut = dict.fromkeys([*self.ranks, _FOLDED], 0)
-        out = []
-        for rank, where, item in reversed(self.log):
-            folded = type(rank) is tuple  # a folded line: its ranks
-            cls = f"jr-fold {where}" if folded else f"jr-r{rank} {where}"
-            if item["output_type"] != "stream":
-                out.append(_item_html(item, cls))
-                continue
-            text = "".join(item["parts"])
-            tag = _tag(rank) if folded else f"[rank {rank}] "
-            if where == _ALL and not folded:  # a one-line label in the "all ranks" tab: not counted
-                out.append(_stream_html(item["name"], text, cls, tag))
-                continue
-            key = _FOLDED if folded else rank
-            if budget[key] <= 0:
-                cut[key] += len(text)
-                continue
-            if len(text) > budget[key]:
-                keep = text[len(text) - budget[key]:]
-                keep = keep[keep.find("\n") + 1:] if "\n" in keep[:-1] else keep
-                cut[key] += len(text) - len(keep)
-                text = keep
-            budget[key] -= len(text)
-            out.append(_stream_html(item["name"], text, cls, tag))
-        shown = {rank for rank, where, _ in self.log if where != _ALL}
-        for rank in self.ranks:
-            if cut[rank]:
-                note = (f"… earlier output of rank {rank} not shown here ({cut[rank]:,} "
-                        "characters; the text/plain form of this output keeps more)\n")
-                where = _ONE if self.fold is not None else _BOTH
-                out.append(_stream_html("stdout", note, f"jr-r{rank} {where}", f"[rank {rank}] "))
-            elif rank not in shown:
-                out.append(f'<pre class="jr-r{rank} {_ONE}">(no output)</pre>')
-        if cut[_FOLDED]:
-            note = (f"… earlier output not shown here ({cut[_FOLDED]:,} characters; the text/plain "
-                    "form of this output keeps more)\n")
-            out.append(_stream_html("stdout", note, f"jr-fold {_ALL}", ""))
-        if not self.log:
-            out.append(f'<pre class="{_ALL}">(no output)</pre>')
-        return out[::-1]
-
-
-_FOLDED = "folded"  # the budget key of the folded lines of "all ranks" in _body_html
-
-
-# Where a logged item shows: both in "all ranks" and in its rank's tab, only in its rank's tab
-# (rich output, tracebacks), only in "all ranks" (their one-line labels).
-_BOTH, _ONE, _ALL = "jr-b", "jr-o", "jr-a"
-
-
-def _tagged(rank, lines):
+def _tagged(rank: int, lines: Sequence[str]) -> str:
     """``lines`` (without their newlines) as text, each line led by ``[rank r] ``."""
     tag = f"[rank {rank}] "
     return tag + f"\n{tag}".join(lines) + "\n"
 
 
-def _stream_html(name, text, cls, tag):
-    """Stream text as one <pre>, each line led by ``tag`` (``[rank r] ``; shown in "all ranks")."""
-    if name == "stderr":
-        cls += " jr-stderr"
-    body = html.escape(strip_ansi(text))
-    tag = f"<i>{html.escape(tag)}</i>" if tag else ""
-    trail = body.endswith("\n")
-    if trail:
-        body = body[:-1]
-    body = tag + body.replace("\n", "\n" + tag) + ("\n" if trail else "")
-    return f'<pre class="{cls}">{body}</pre>'
-
-
-def _item_html(item, cls):
-    if item["output_type"] == "error":
-        tb = strip_ansi("\n".join(item["traceback"]))
-        return f'<pre class="{cls} jr-error">{html.escape(tb)}</pre>'
-    return f'<div class="{cls}">{_data_html(item.get("data") or {})}</div>'
-
-
-def _data_html(data):
-    """One display bundle as HTML: the richest format a static page can show."""
-    if "text/html" in data:
-        return f"<div>{_join(data['text/html'])}</div>"
-    if "image/svg+xml" in data:
-        return f"<div>{_join(data['image/svg+xml'])}</div>"
-    for mime in ("image/png", "image/jpeg", "image/gif"):
-        if mime in data:
-            return f'<img src="data:{mime};base64,{_join(data[mime]).strip()}">'
-    if "text/markdown" in data:
-        return f"<pre>{html.escape(_join(data['text/markdown']))}</pre>"
-    return f"<pre>{html.escape(strip_ansi(_join(data.get('text/plain', ''))))}</pre>"
-
-
-def _join(value):
-    return "".join(value) if isinstance(value, list) else str(value)
-
-
-def _short_repr(data):
+def _short_repr(data: Bundle) -> str:
     """``<image/png>``-style label of a rich output for the "all ranks" tab."""
     text = _first_line(_join(data.get("text/plain", "")))
     rich = [m for m in data if m != "text/plain"]
@@ -624,6 +490,6 @@ def _short_repr(data):
     return text
 
 
-def _first_line(text):
+def _first_line(text: object) -> str:
     text = str(text).strip()
     return text.splitlines()[0] if text else ""

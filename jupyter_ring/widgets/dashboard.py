@@ -18,6 +18,11 @@ The widget's mime bundle also carries ``text/html`` and ``text/plain`` rendering
 without a kernel still shows the dashboard.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
 import ipywidgets as widgets
 
 from ._render import (STYLE, chart_series, log_possible, render_banner, render_chart, render_comm,
@@ -27,14 +32,16 @@ from ._state import DashboardState
 __all__ = ["Dashboard", "DashboardState"]
 
 
-class Dashboard(widgets.VBox):
+# ipywidgets ships no annotations: its widgets are Any here, so is what they hold or return
+class Dashboard(widgets.VBox):  # type: ignore[misc]  # (subclassing an unannotated class)
     """Live per-rank progress, metrics, a loss chart and comm timing, drawn from a DashboardState.
 
     ``ranks`` (a count or a list) sizes a new state; pass ``state`` to draw an existing one.
     Call :meth:`refresh` after ingesting snapshots and :meth:`freeze` when the run is over.
     """
 
-    def __init__(self, ranks=(), state=None, title="jupyter_ring training", **kwargs):
+    def __init__(self, ranks: int | Iterable[int] = (), state: DashboardState | None = None,
+                 title: str = "jupyter_ring training", **kwargs: Any) -> None:
         self.state = state if state is not None else DashboardState(ranks)
         self.title = title
         self._header = widgets.HTML(STYLE + render_title(title))
@@ -54,20 +61,20 @@ class Dashboard(widgets.VBox):
             layout=widgets.Layout(display="none", margin="4px 0 0 0"))
         self._scale.add_class("jr-scale")
         self._link = widgets.jslink((self._scale, "index"), (self._chart, "selected_index"))
-        self._scale_shown = None   # the scale last set from here (the data's, or a known pick)
+        self._scale_shown: str | None = None  # the scale last set from here (the data's, or a known pick)
         self._scale_syncing = False
         self._scale.observe(self._scale_picked, names="value")
         self._comm = widgets.HTML("")
-        self._drawn = None
-        self._chart_drawn = None
-        self._handle = None
+        self._drawn: int | None = None
+        self._chart_drawn: int | None = None
+        self._handle: Any = None  # IPython's DisplayHandle
         super().__init__([self._header, self._banner, self._rows, self._scale, self._chart,
                           self._comm], **kwargs)
         self.add_class("jr-dash")
         self.add_class("jr-dashboard")
         self.refresh()
 
-    def refresh(self, chart=True):
+    def refresh(self, chart: bool = True) -> None:
         """Redraw from the state (nothing when it has not changed); ``chart=False`` keeps the
         chart as drawn (it is the costly part: the live dashboard redraws it less often)."""
         state = self.state
@@ -82,10 +89,10 @@ class Dashboard(widgets.VBox):
             self._chart_linear.value = render_chart(state, drawn=drawn, scale="linear")
             log = log_possible(drawn)
             self._chart_log.value = render_chart(state, drawn=drawn, scale="log") if log else ""
-            self._sync_scale(drawn.scale if log else None)
+            self._sync_scale(drawn.scale if drawn is not None and log else None)
         self._comm.value = render_comm(state)
 
-    def _sync_scale(self, scale):
+    def _sync_scale(self, scale: str | None) -> None:
         """Show the buttons while both scales can be drawn; set them only when the scale the data
         asks for changes (a loss that comes to span decades), not over a pick the kernel has
         not heard of yet."""
@@ -100,7 +107,7 @@ class Dashboard(widgets.VBox):
             finally:
                 self._scale_syncing = False
 
-    def _scale_picked(self, change):
+    def _scale_picked(self, change: dict[str, Any]) -> None:
         """A pick heard by the kernel (after the cell, or between its polls): it holds from now on."""
         if self._scale_syncing or self.state.frozen:
             return
@@ -108,11 +115,11 @@ class Dashboard(widgets.VBox):
         self._scale_shown = change["new"]
         self._chart.selected_index = self._scale.index
 
-    def to_html(self):
+    def to_html(self) -> str:
         """The dashboard as static HTML (what a notebook reopened without a kernel shows)."""
         return render_html(self.state, self.title)
 
-    def display(self):
+    def display(self) -> Any:
         """Show the dashboard in the notebook; ``freeze()`` later replaces it by static HTML."""
         from IPython.display import display
 
@@ -132,17 +139,17 @@ class Dashboard(widgets.VBox):
             _close_tree(self)  # the widget models are no longer shown anywhere
             self._link.close()
 
-    def _static_bundle(self):
+    def _static_bundle(self) -> dict[str, str]:
         return {"text/html": self.to_html(), "text/plain": self.state.summary()}
 
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = super()._repr_mimebundle_(**kwargs) or {}
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle: dict[str, Any] = super()._repr_mimebundle_(**kwargs) or {}
         # Frontends without the widget model (saved notebook, nbconvert) fall back to these.
         bundle.update(self._static_bundle())
         return bundle
 
 
-def _close_tree(widget):
+def _close_tree(widget: Any) -> None:
     for child in getattr(widget, "children", ()):
         _close_tree(child)
     widget.close()

@@ -19,7 +19,11 @@ cell that only sets a total, runs collectives or prints shows none. ``ar`` may c
 of the ranks: snapshots name their rank.
 """
 
+from __future__ import annotations
+
 import time
+from collections.abc import Iterable
+from typing import Any
 
 from ..engines._publish import KEY_PREFIX
 from ._state import DashboardState, reports_work
@@ -36,13 +40,13 @@ del _jr_publish
 """Run once on every engine after ``ring.init()``: installs the datapub publisher of snapshots."""
 
 
-def take_snapshots(data):
+def take_snapshots(data: dict[Any, Any]) -> list[tuple[int, dict[str, Any]]]:
     """Pop every snapshot from one engine's datapub dict; return ``[(seq, snapshot)]`` in order.
 
     ipyparallel's IO thread may add keys meanwhile: ``list(data)`` copies the keys in one step
     (under the GIL), and a key added after the copy stays for the next call.
     """
-    out = []
+    out: list[tuple[int, dict[str, Any]]] = []
     for key in list(data):
         if isinstance(key, str) and key.startswith(KEY_PREFIX):
             snapshot = data.pop(key, None)
@@ -69,13 +73,13 @@ def has_snapshots(ar: object, work: bool = False) -> bool:
     return False
 
 
-def discard_snapshots(ar):
+def discard_snapshots(ar: object) -> int:
     """Drop the snapshots in ``ar`` (a ``--no-dashboard`` cell: they would pile up in the
     client's metadata for the rest of the session). Returns how many."""
     return sum(len(take_snapshots(data)) for data in _data_dicts(ar))
 
 
-def _data_dicts(ar):
+def _data_dicts(ar: Any) -> list[dict[Any, Any]]:
     """Each engine's live datapub dict of an ipyparallel AsyncResult (its public ``data``: the
     dicts themselves, not copies), or of a dict or list of dicts."""
     if isinstance(ar, dict):
@@ -106,8 +110,8 @@ class LiveDashboard:
     CHART_CPU_SHARE = 0.01
     CHART_MAX_INTERVAL = 1.0
 
-    def __init__(self, ranks, display=True, min_interval=0.2, chart_interval=None,
-                 title="jupyter_ring training"):
+    def __init__(self, ranks: int | Iterable[int], display: bool = True, min_interval: float = 0.2,
+                 chart_interval: float | None = None, title: str = "jupyter_ring training") -> None:
         self.dashboard = Dashboard(ranks=ranks, title=title)
         self.state = self.dashboard.state
         self.display = display
@@ -119,9 +123,9 @@ class LiveDashboard:
         self.received = 0          # snapshots ingested
         self._last_draw = -float("inf")
         self._stale = False        # ingested since the last redraw
-        self.views = [self.dashboard]  # and more, shown again for a reopened page (attach)
+        self.views: list[Dashboard] = [self.dashboard]  # and more, shown again for a reopened page (attach)
 
-    def poll(self, ar, force=False):
+    def poll(self, ar: object, force: bool = False) -> int:
         """Ingest new snapshots from ``ar``; redraw if due. Returns how many were ingested."""
         n = 0
         for data in _data_dicts(ar):
@@ -164,7 +168,7 @@ class LiveDashboard:
         self.views.append(view)
         view.display()
 
-    def current_chart_interval(self):
+    def current_chart_interval(self) -> float:
         """Least seconds between two redraws of the chart now: ``chart_interval`` if set, else
         what keeps the chart's redraws within ``CHART_CPU_SHARE`` of a core (never below the
         rows' ``min_interval``, never above ``CHART_MAX_INTERVAL``)."""
@@ -173,7 +177,7 @@ class LiveDashboard:
         return min(self.CHART_MAX_INTERVAL,
                    max(self.min_interval, self._chart_cost / self.CHART_CPU_SHARE))
 
-    def finish(self, ar: object = None, outcomes: dict[int, str] | None = None) -> "DashboardState":
+    def finish(self, ar: object = None, outcomes: dict[int, str] | None = None) -> DashboardState:
         """Read the last snapshots, then freeze: the output becomes the final static HTML.
 
         ``outcomes`` {rank: "interrupted" | "stalled" | "failed" | "died" | "no reply"}: ranks
@@ -191,12 +195,12 @@ class LiveDashboard:
             view.freeze(outcomes)
         return self.state
 
-    def to_html(self):
+    def to_html(self) -> str:
         """The dashboard's current static HTML."""
         return self.dashboard.to_html()
 
 
-def set_publishing(view, enabled):
+def set_publishing(view: Any, enabled: bool) -> Any:
     """Pause or resume the ranks' snapshots (``--no-dashboard``): a quick apply on ``view``."""
     from ..engines._publish import enable
 

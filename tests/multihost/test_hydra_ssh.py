@@ -168,7 +168,7 @@ def test_hostfile_cluster_across_two_hosts(hosts, kernel):
 RING_HOPS = """\
 import numpy as np
 from jupyter_ring.runtime import _api
-_rt = _api._rt()
+_rt = _api.running_runtime()
 _n = ring.size()
 # big enough for the pipelined ring (past the eager path), odd rows for reducescatter
 def _ints(q, shape):  # random integers as float64: sums are exact in any order

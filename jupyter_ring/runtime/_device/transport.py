@@ -42,18 +42,15 @@ Tensors are torch tensors on one device type; ``supports(dtype, op)`` says which
 
 import logging
 import os
-import socket
 import time
-import zlib
-from typing import NamedTuple
-
-import numpy as np
+from typing import Any
 
 from ... import runtime as _ring
-from . import process_groups
 from .._engine import waits as _waits
-from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, describe_mismatch
-from .._engine.errors import CollectiveMismatchError, PeerError, RingError, StallError
+from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum
+from .._engine.errors import CollectiveMismatchError, RingError, StallError
+from .agreement import agree
+from .groups import DeviceGroups
 from .._engine.pool import Lender
 from .._observe.report import reporter
 
@@ -64,8 +61,6 @@ log = logging.getLogger(__name__)
 
 TRANSPORT_ENV = "JUPYTER_RING_DEVICE_TRANSPORT"
 _MODES = ("auto", "gloo", "off")
-# status of a rank in the agreement message
-_OK, _BAD_ARGS = 0, 1
 # free fusion buffers kept per (device, dtype) for later grouped collectives
 _FUSION_KEPT = 4
 
@@ -121,11 +116,6 @@ def copies(dtype):
     return dtype in _dtypes() or dtype in (torch.bool, torch.complex64, torch.complex128)
 
 
-def _fingerprint(desc):
-    text = repr(desc).encode()
-    return ((zlib.crc32(text) << 31) ^ zlib.adler32(text)) & ((1 << 62) - 1)
-
-
 def _check(tensors, where):
     import torch
 
@@ -143,13 +133,6 @@ def _check(tensors, where):
     return next(iter(devices))
 
 
-class Agreement(NamedTuple):
-    """What every rank agreed to before a device collective."""
-
-    rows: object    # every rank's aux (allgather's first dimensions), an int64 array, or None
-    joined: bool    # some rank has called join(): its zeros go through the ring, not the group
-
-
 class DeviceWork:
     """A device collective agreed and launched: ``poll()`` tells whether it is done, ``wait()``
     finishes it (copies results out, scales) and returns its result."""
@@ -165,11 +148,11 @@ class DeviceWork:
         self._result = None
         self._done = False
 
-    def poll(self):
+    def poll(self) -> bool:
         """True when the transfer has completed (never blocks)."""
         return self._done or self._work is None or self._work.is_completed()
 
-    def wait(self):
+    def wait(self) -> Any:  # (what the collective returns: a tensor, a list of them)
         """Wait for the transfer (interruptible, bounded by the stall timeout); the result."""
         if self._done:
             return self._result
@@ -189,10 +172,8 @@ class DeviceTransport:
     """Device collectives of this process over one managed process group per device type."""
 
     def __init__(self):
-        self._private = {}   # device type -> our own ManagedGroup (when the user has none)
+        self._groups = DeviceGroups()
         self._fusion = Lender(_FUSION_KEPT)  # flat fusion buffers by (device, dtype), each lent to one collective
-        self._store = None   # the rendezvous store of our own groups
-        self._listener = None
         self._unnamed = {}   # kind -> counter for names of unnamed collectives (same on every rank)
         # tests: called with (kind, name) after the agreement, before the transfer is launched
         self.before_launch = None
@@ -205,149 +186,14 @@ class DeviceTransport:
         self._unnamed[kind] = count + 1
         return f"{kind}.device.{count}"
 
-    # ------------------------------------------------------------------ groups
+    # ------------------------------------------------------------------ groups and agreement
     def group(self, device_type):
-        """The managed group for ``device_type``: the user's default group when it has a backend
-        for it (never a second NCCL communicator), else one of our own, made on first use
-        (collective: every rank calls this at the same point, which the agreement guarantees)."""
-        group = self._lookup(device_type)
-        if group is None:
-            group = self._private[device_type] = self._new_private(device_type)
-        return group
+        """The managed group for ``device_type`` (``DeviceGroups.group``; collective on first use)."""
+        return self._groups.group(device_type)
 
-    def _lookup(self, device_type):
-        """The group for ``device_type`` if there is one already (never collective)."""
-        shared = self._shared(device_type)
-        return shared if shared is not None else self._private.get(device_type)
-
-    def _shared(self, device_type):
-        import torch
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        pg = dist.group.WORLD
-        if pg.size() != _ring.size() or pg.rank() != _ring.rank():
-            return None  # a torch world that is not the ring's world: keep ours apart
-        managed = process_groups.registry.find(pg)
-        if managed is not None:
-            return managed if device_type in managed.backends else None
-        try:
-            backend = pg._get_backend(torch.device(device_type))
-        except RuntimeError:
-            return None
-        if process_groups._kind(backend) != "nccl":
-            # a gloo group made outside jupyter_ring's guard: its sockets are unknown, so it
-            # could not be aborted; use a group of our own
-            return None
-        return process_groups.registry.record(process_groups.ManagedGroup.adopt(pg, dist.distributed_c10d._get_default_store(), set()))
-
-    def _new_private(self, device_type):
-        import datetime
-
-        import torch.distributed as dist
-
-        kind = "nccl" if device_type == "cuda" else "gloo"
-        store = self._rendezvous_store()
-        timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
-        prefix = dist.PrefixStore(f"jupyter_ring/device/{kind}/", store)
-        backend, sockets = process_groups.new_backend(kind, prefix, _ring.rank(), _ring.size(), timeout)
-        return process_groups.ManagedGroup(f"jupyter_ring's {kind} device group", f"jupyter_ring.device.{kind}", None,
-                               {device_type: backend},
-                               {device_type: kind}, prefix, _ring.rank(), _ring.size(), timeout,
-                               sockets, {kind.upper()})
-
-    def _rendezvous_store(self):
-        """A TCPStore on rank 0, listening on loopback when every rank is on its host."""
-        import datetime
-
-        import torch.distributed as dist
-
-        if self._store is not None:
-            return self._store
-        hosts = _ring.allgather_object(socket.gethostname(), name="jupyter_ring.device.hosts")
-        address = port = None
-        if _ring.rank() == 0:
-            address = process_groups.rendezvous_address(hosts, 0)
-            self._listener = socket.create_server((address, 0), backlog=1024)
-            port = self._listener.getsockname()[1]
-        address, port = _ring.broadcast_object((address, port), 0, name="jupyter_ring.device.store")
-        timeout = datetime.timedelta(seconds=_ring.config().stall_timeout + 30)
-        if _ring.rank() == 0:
-            self._store = dist.TCPStore(address, port, None, True, timeout=timeout, wait_for_workers=False,
-                                        master_listen_fd=self._listener.fileno())
-        else:
-            self._store = dist.TCPStore(address, port, None, False, timeout=timeout)
-        return self._store
-
-    # ------------------------------------------------------------------ agreement
     def _agree(self, kind, name, device_type, desc, aux=None, error=None):
-        """Agree with every rank on ``desc`` (raises on every rank if anyone differs or failed);
-        re-create the group where a rank abandoned a collective. Returns an ``Agreement``: every
-        rank's ``aux`` (an int; allgather's first dimensions; None without ``aux``), and whether
-        some rank has called ``join()`` (then only an allreduce may run, through the ring).
-
-        Without ``aux`` the vote is one element-wise Max over seven int64s, which takes the ring's
-        prepared lane after the first call (~4x cheaper than an allgather): the fingerprint and
-        the generation go in as ``x`` and ``-x``, so ``max(x) != -max(-x)`` exactly when two
-        ranks differ. Every rank sees the same reduced vote, so all take the same branch. A rank
-        that called ``join()`` contributes zeros to the ring's allreduces: every voting rank
-        puts -1 last, so a 0 there says that some rank joined (its zeros make the rest of the
-        vote meaningless, and it takes no part in the group's transfers).
-        """
-        group = self._lookup(device_type)
-        # a group aborted here (this transport gave a collective up, or the notebook's guard
-        # aborted the user's group it shares) is re-created by every rank before going on
-        generation, aborted = (group.generation, bool(group.aborted)) if group else (0, False)
-        if _ring.size() == 1:  # nobody to disagree with; the checks below stay local
-            if error is not None:
-                raise error
-            if aborted:
-                self._rebuild(device_type, [0])
-            return Agreement(None if aux is None else np.array([aux], np.int64), False)
-        fingerprint = _fingerprint(desc)
-        if aux is None:
-            vote = np.array([fingerprint, -fingerprint, generation, -generation, aborted,
-                             _BAD_ARGS if error else _OK, -1], np.int64)
-            _ring.allreduce_(vote, op=Max, name="jupyter_ring.device.vote")
-            if vote[6] == 0:
-                if error is not None:
-                    raise error
-                if vote[5] == _BAD_ARGS:  # (no object exchange while a rank is joined)
-                    raise PeerError(f"{kind} '{name}': another rank could not join this collective and raised "
-                                    "its own error there; fix the call on that rank. Every rank raises here so "
-                                    "that none is left waiting.", None, None)
-                return Agreement(None, True)
-            bad, differ = vote[5] == _BAD_ARGS, vote[0] != -vote[1]
-            rebuild, rows, abandoned = bool(vote[4]) or vote[2] != -vote[3], None, None
-        else:
-            mine = np.array([[fingerprint, generation, aborted, _BAD_ARGS if error else _OK, aux]], np.int64)
-            every = _ring.allgather(mine, name="jupyter_ring.device")
-            bad, differ = (every[:, 3] == _BAD_ARGS).any(), (every[:, 0] != every[0, 0]).any()
-            rebuild, rows = every[:, 2].any() or (every[:, 1] != every[0, 1]).any(), every[:, 4]
-            abandoned = [r for r in range(len(every)) if every[r, 2]]
-        if bad:
-            reasons = _ring.allgather_object(None if error is None else f"{type(error).__name__}: {error}",
-                                             name="jupyter_ring.device.error")
-            if error is not None:
-                raise error
-            bad = next(r for r, reason in enumerate(reasons) if reason)
-            raise PeerError(f"{kind} '{name}': rank {bad} could not join this collective and raised "
-                            f"{reasons[bad]}. Fix the call on rank {bad}; every rank raises here so that "
-                            "none is left waiting.", bad, reasons[bad])
-        if differ:
-            labelled = dict(desc)
-            mine_desc = {"kind": kind, "name": name, "op": OP_NAMES.get(labelled.get("op"), labelled.get("op")),
-                         "root": labelled.get("root"), "dtype": labelled.get("dtype"),
-                         "desc": tuple(item for item in desc if item[0] not in ("op", "root", "dtype"))}
-            descs = _ring.allgather_object(mine_desc, name="jupyter_ring.device.describe")
-            raise CollectiveMismatchError(describe_mismatch(dict(enumerate(descs))))
-        if rebuild:
-            if abandoned is None:  # which ranks, for the log: every rank takes this branch
-                flags = _ring.allgather_object(aborted, name="jupyter_ring.device.aborted")
-                abandoned = [r for r, flag in enumerate(flags) if flag]
-            self._rebuild(device_type, abandoned)
-        return Agreement(rows, False)
+        """Agree with every rank on ``desc`` before a collective (``agreement.agree``)."""
+        return agree(self._groups, self._rebuild, kind, name, device_type, desc, aux, error)
 
     def _rebuild(self, device_type, abandoned_on):
         group = self.group(device_type)
@@ -446,6 +292,13 @@ class DeviceTransport:
         joined = self._agree("allreduce", name, device_type, desc, error=error).joined
         if joined:
             return self._allreduce_with_joined(tensors, op, name, prescale_factor, postscale_factor, start)
+        return self._launch_allreduce(tensors, op, name, prescale_factor, postscale_factor, device, device_type, start)
+
+    def _launch_allreduce(self, tensors, op, name, prescale_factor, postscale_factor, device, device_type, start):
+        """The agreed allreduce of ``tensors``: fused into one flat buffer (unless one contiguous
+        tensor), scaled, launched on the group; its DeviceWork copies the results back."""
+        import torch
+
         group = self.group(device_type)
         size = _ring.size()
         total = sum(t.numel() for t in tensors)

@@ -1,23 +1,31 @@
 """How a collective runs from TensorFlow: eagerly, as a graph op (one ``tf.py_function``) inside
 ``tf.function`` and TF1 sessions with their waits, and its errors as TensorFlow's."""
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import os
 import threading
 import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from .. import _api
 from .._engine.core import Abandoned
 from .._engine.errors import CollectiveMismatchError, PeerError, RingError, StallError
 from .._engine.progress import feeding as _feeding
-from .._horovod.runtime_names import global_process_set
+from .._horovod.runtime_names import ProcessSet, global_process_set
+
+# TensorFlow ships no annotations: its tensors, dtypes, shapes, graphs and ops are Any here.
+_T = TypeVar("_T")
 
 
-def _dense(tensor, where):
+def _dense(tensor: Any, where: str) -> Any:
     if isinstance(tensor, tf.IndexedSlices):
         return tf.convert_to_tensor(tensor)
     if isinstance(tensor, tf.SparseTensor):
@@ -25,7 +33,7 @@ def _dense(tensor, where):
     return tf.convert_to_tensor(tensor)
 
 
-def _host(t):
+def _host(t: Any) -> npt.NDArray[Any]:
     """A numpy array of a tf tensor's values (bfloat16 as float32)."""
     arr = t.numpy() if hasattr(t, "numpy") else np.asarray(t)
     if arr.dtype.name == "bfloat16":
@@ -34,16 +42,16 @@ def _host(t):
     return arr if arr.flags.c_contiguous else arr.copy(order="C")
 
 
-class _GraphDisagreementError(tf.errors.FailedPreconditionError, ValueError):
+class _GraphDisagreementError(tf.errors.FailedPreconditionError, ValueError):  # type: ignore[misc]  # (TF's base)
     """Ranks disagree, inside a graph op: returned by the op's py_function, not raised (see
     _GraphErrors); a ValueError too, so that it arrives as InvalidArgumentError if it escapes."""
 
-class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+class _GraphInvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):  # type: ignore[misc]  # (TF's base)
     """Bad arguments found inside a graph op: a ValueError too, so that py_function reports
     InvalidArgumentError (see _GraphDisagreementError)."""
 
 
-def _tf_error(exc, in_graph=False, key=None):
+def _tf_error(exc: Exception, in_graph: bool = False, key: str | None = None) -> Any:  # (a tf.errors.OpError)
     """The TensorFlow exception Horovod raises for a runtime error (the message kept).
 
     A disagreement is FailedPreconditionError as in Horovod, eagerly and inside a graph op (a
@@ -74,7 +82,8 @@ def _tf_error(exc, in_graph=False, key=None):
     return tf.errors.UnknownError(None, None, message)
 
 
-def _run(fn, arrays, process_set, where, in_graph=False, key=None):
+def _run(fn: Callable[[list[npt.NDArray[Any]]], _T], arrays: list[npt.NDArray[Any]], process_set: ProcessSet | None,
+         where: str, in_graph: bool = False, key: str | None = None) -> _T:
     """``fn(arrays)`` on ``process_set``'s runtime, errors as TF's.
 
     Eagerly and in a tf.function one op at a time (``_lock``); an op of a TF1 session (``key``)
@@ -109,11 +118,11 @@ class _SessionOps:
     tf.function needs none of this: it runs py_functions in program order.
     """
 
-    def __init__(self):
-        self.built = weakref.WeakKeyDictionary()  # graph -> collective ops built in it
+    def __init__(self) -> None:
+        self.built: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # graph -> collective ops built in it
         self.scope = threading.local()            # the key (and a counter) of the op this thread runs
 
-    def key(self, where):
+    def key(self, where: str) -> str | None:
         """The op's key, or None when it does not run in a TF1 session."""
         if tf.executing_eagerly() or tf.compat.v1.executing_eagerly_outside_functions():
             return None
@@ -123,7 +132,7 @@ class _SessionOps:
         return f"graph op {count}"
 
     @contextlib.contextmanager
-    def naming(self, key):
+    def naming(self, key: str) -> Iterator[None]:
         """Collectives called in this thread meanwhile are named by ``key`` (see ``name``)."""
         scope = self.scope
         scope.key, scope.count = key, 0
@@ -132,7 +141,7 @@ class _SessionOps:
         finally:
             scope.key = None
 
-    def name(self, name):
+    def name(self, name: str | None) -> str | None:
         """``name`` as queued: unchanged outside a session op; inside one, unique to the op and
         the same on every rank (the op's key, and the call's place within the op)."""
         scope = self.scope
@@ -165,10 +174,10 @@ class _GraphErrors:
 
     CONTAINER = "jupyter_ring"
 
-    def __init__(self):
-        self._ok = None  # the handle returned on success (never read)
+    def __init__(self) -> None:
+        self._ok: Any = None  # the handle returned on success (never read)
 
-    def handle(self, message=None):
+    def handle(self, message: str | None = None) -> Any:
         """An eager resource handle: named by ``message``, or the one unread handle for success."""
         if message is None:
             if self._ok is None:
@@ -176,14 +185,14 @@ class _GraphErrors:
             return self._ok
         return self._named(f"\n{message}\n")
 
-    def _named(self, name):
+    def _named(self, name: str) -> Any:
         return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=name, container=self.CONTAINER)
 
-    def py(self, body, out_dtypes, out_shapes):
+    def py(self, body: Callable[..., Iterable[Any]], out_dtypes: Sequence[Any], out_shapes: Sequence[Any]) -> Callable[..., list[Any]]:
         """``body(*tensors) -> outputs`` as a py_function's function, whose outputs are followed by
         the flag and the handle: a _GraphDisagreementError it raises is returned there."""
 
-        def py(*ts):
+        def py(*ts: Any) -> list[Any]:
             try:
                 outs = list(body(*ts))
             except _GraphDisagreementError as exc:
@@ -197,11 +206,12 @@ class _GraphErrors:
         return py
 
     @staticmethod
-    def tout(out_dtypes):
+    def tout(out_dtypes: Sequence[Any]) -> list[Any]:
         """The py_function's output dtypes: ``out_dtypes``, the flag and the handle."""
         return list(out_dtypes) + [tf.bool, tf.resource]
 
-    def op(self, body, tensors, out_dtypes, out_shapes):
+    def op(self, body: Callable[..., Iterable[Any]], tensors: Iterable[Any], out_dtypes: Sequence[Any],
+           out_shapes: Sequence[Any]) -> list[Any]:
         """``body(*tensors) -> outputs`` as one tf.py_function; a _GraphDisagreementError it raises
         fails the graph with FailedPreconditionError, and no output is used before that check."""
         *outs, failed, handle = tf.py_function(self.py(body, out_dtypes, out_shapes), list(tensors),
@@ -210,7 +220,7 @@ class _GraphErrors:
                         lambda: tf.constant(0, tf.int32))
         return self._after(check, outs, out_shapes)
 
-    def checked(self, outs, failed, handle, out_shapes):
+    def checked(self, outs: list[Any], failed: Any, handle: Any, out_shapes: Sequence[Any]) -> list[Any]:
         """``outs`` once the check of ``failed`` and ``handle`` passed, in v1 control flow (Switch and
         Merge: no function added to the graph's library, unlike tf.cond's two); for a TF1 graph,
         not a function's."""
@@ -221,7 +231,7 @@ class _GraphErrors:
         return self._after(check, outs, out_shapes)
 
     @staticmethod
-    def _after(check, outs, out_shapes):
+    def _after(check: Any, outs: list[Any], out_shapes: Sequence[Any]) -> list[Any]:
         with tf.control_dependencies([check]):
             outs = [tf.identity(o) for o in outs]
         for o, shape in zip(outs, out_shapes):
@@ -233,7 +243,9 @@ class _GraphErrors:
 _graph_errors = _GraphErrors()
 
 
-def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, where="collective"):
+def _call(fn: Callable[[list[npt.NDArray[Any]]], Sequence[Any]], tensors: Iterable[Any], out_dtypes: Sequence[Any],
+          out_shapes: Sequence[Any], process_set: ProcessSet | None = global_process_set,
+          where: str = "collective") -> list[Any]:
     """Run ``fn(list of numpy arrays) -> list of numpy arrays`` eagerly or as one tf.py_function.
 
     In a graph the op runs when the session (or function) runs it; ``tf.function`` orders
@@ -249,19 +261,20 @@ def _call(fn, tensors, out_dtypes, out_shapes, process_set=global_process_set, w
     key = _session_ops.key(where)
     shapes = [tf.TensorShape(s) if s is not None else None for s in out_shapes]
 
-    def py(*ts):
+    def py(*ts: Any) -> list[Any]:
         outs = _run(fn, [_host(t) for t in ts], process_set, where, in_graph=True, key=key)
         return [tf.cast(tf.convert_to_tensor(o), d) for o, d in zip(outs, out_dtypes)]
 
     return _graph_op(py, tensors, out_dtypes, shapes, key)
 
 
-def _graph_op(py, tensors, out_dtypes, out_shapes, key):
+def _graph_op(py: Callable[..., list[Any]], tensors: list[Any], out_dtypes: Sequence[Any], out_shapes: Sequence[Any],
+              key: str | None) -> list[Any]:
     """``py(*eager tensors) -> outputs`` as a graph op: one py_function (which holds the thread that
     runs it: a tf.function runs them in program order), or in a TF1 session (``key``), unless
     ``JUPYTER_RING_TF_SESSION_WAIT=inline``, one that waits on a thread of its own (_SessionWaits)."""
 
-    def guarded(*ts):
+    def guarded(*ts: Any) -> list[Any]:
         try:
             return py(*ts)
         except Abandoned as exc:  # the wait given up from another thread (engines._torch); a
@@ -279,7 +292,7 @@ def _graph_op(py, tensors, out_dtypes, out_shapes, key):
 _SESSION_WAITS = ("inline", "thread")
 
 
-def _session_wait():
+def _session_wait() -> str:
     """How a TF1 session op waits: ``thread`` (default: on a thread of its own, _SessionWaits) or
     ``inline`` (its py_function holds an inter-op thread), from ``JUPYTER_RING_TF_SESSION_WAIT``
     when the op is built. The thread wait cannot starve a session of any size; it costs ~0.2-0.5
@@ -296,20 +309,22 @@ def _session_wait():
 class _GraphWaits:
     """The session ops of one graph that wait on their own threads (_SessionWaits)."""
 
-    bodies: list = dataclasses.field(default_factory=list)     # op number -> its py (eager tensors -> outputs)
-    functions: dict = dataclasses.field(default_factory=dict)  # (input dtypes, output dtypes) -> shared function
+    # op number -> its py (eager tensors -> outputs)
+    bodies: list[Callable[..., list[Any]]] = dataclasses.field(default_factory=list)
+    # (input dtypes, output dtypes) -> the shared (concrete) function
+    functions: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Any] = dataclasses.field(default_factory=dict)
 
-    def function(self, in_dtypes, out_dtypes):
+    def function(self, in_dtypes: Sequence[Any], out_dtypes: Sequence[Any]) -> Any:
         """The one function every op of this signature maps its (number, *inputs) element with."""
         signature = (tuple(in_dtypes), tuple(out_dtypes))
         function = self.functions.get(signature)
         if function is None:
             bodies = self.bodies
 
-            def dispatch(number, *ts):
+            def dispatch(number: Any, *ts: Any) -> list[Any]:
                 return bodies[int(number)](*ts)
 
-            def wait(number, *ts):
+            def wait(number: Any, *ts: Any) -> Any:
                 # the check comes after the dataset: the single-threaded executor that runs this
                 # function runs no control flow (tf.cond's Switch)
                 py = _graph_errors.py(dispatch, out_dtypes, [None] * len(out_dtypes))
@@ -344,10 +359,11 @@ class _SessionWaits:
     the dataset and hands over to a thread (~1.2-1.5x per op, +0.2-0.5 ms; docs/benchmarks.md).
     """
 
-    def __init__(self):
-        self.graphs = weakref.WeakKeyDictionary()  # graph -> _GraphWaits
+    def __init__(self) -> None:
+        self.graphs: weakref.WeakKeyDictionary[Any, _GraphWaits] = weakref.WeakKeyDictionary()  # graph -> _GraphWaits
 
-    def op(self, py, tensors, out_dtypes, out_shapes):
+    def op(self, py: Callable[..., list[Any]], tensors: Iterable[Any], out_dtypes: Sequence[Any],
+           out_shapes: Sequence[Any]) -> list[Any]:
         """``py(*eager tensors) -> outputs`` as this op, built in the default graph."""
         graph = tf.compat.v1.get_default_graph()
         waits = self.graphs.get(graph)
@@ -374,18 +390,18 @@ class _SessionWaits:
 _session_waits = _SessionWaits()
 
 
-def _ref(variable):
+def _ref(variable: Any) -> Hashable:
     """A hashable handle of a variable: TF's ``ref()``, or the object's id (Keras 3 variables)."""
     return variable.ref() if hasattr(variable, "ref") else id(variable)
 
 
-def _set_size(process_set):
+def _set_size(process_set: ProcessSet | None) -> int:
     return _api.set_size(process_set, "process_set")
 
 
-def _set_rank(process_set):
+def _set_rank(process_set: ProcessSet | None) -> int:
     return _api.set_rank(process_set, "process_set")
 
 
-def _suffix(name, suffix):
+def _suffix(name: str | None, suffix: str) -> str | None:
     return None if name is None else f"{name}.{suffix}"

@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from ... import runtime as _ring
 from .. import _api
-from .._horovod.basics import adasum_combine, reduce_plan
+from .._horovod.basics import adasum_combine, horovod_scaling
 from .._horovod.basics import init as _init
 from .._horovod.runtime_names import Adasum, Average, Sum, global_process_set
 from .compression import Compression
@@ -52,7 +52,7 @@ def _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set):
         return [adasum_combine(_ring.allgather(a.reshape(1, -1), name=_n(nm), process_set=process_set))
                 .astype(a.dtype).reshape(a.shape)
                 for a, nm in zip(arrays, names)]
-    plans = [reduce_plan(a, op, prescale, postscale, n) for a in arrays]
+    plans = [horovod_scaling(a, op, prescale, postscale, n) for a in arrays]
     handles = [_ring.allreduce_async(p.staged, op=p.op, name=_n(nm), prescale_factor=p.pre, postscale_factor=p.post,
                                      process_set=process_set)
                for p, nm in zip(plans, names)]
@@ -315,7 +315,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     def fn(arrays):
         out = []
         for a, nm in zip(arrays, names):
-            plan = reduce_plan(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
+            plan = horovod_scaling(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
             out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=_n(nm), process_set=process_set)))
         return out
 

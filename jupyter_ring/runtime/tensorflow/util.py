@@ -1,14 +1,19 @@
 """Which Keras ``tf.keras`` is, and small facts about TensorFlow every module of the adapter asks."""
 
+from __future__ import annotations
+
 import os
+from typing import Any
 
 import keras
 import tensorflow as tf
 
+# TensorFlow and Keras ship no annotations: their modules, layers, optimizers and variables are Any.
+
 __all__ = ["LEGACY_KERAS", "keras_api", "optimizer_variables", "local_weights"]
 
 
-def _which_keras():
+def _which_keras() -> tuple[Any, bool]:
     """(``tf.keras``'s module, whether it is Keras 2): Keras 2 is the ``tf_keras`` package, which
     TensorFlow >= 2.16 gives as ``tf.keras`` when TF_USE_LEGACY_KERAS=1 was set before its import."""
     try:
@@ -21,7 +26,7 @@ def _which_keras():
     return (module if legacy else keras), legacy
 
 
-def optimizer_variables(optimizer):
+def optimizer_variables(optimizer: Any) -> list[Any]:
     """A Keras optimizer's variables: a property in Keras 3 and Keras 2, a method of Keras 2's
     legacy optimizers (``tf.keras.optimizers.legacy``)."""
     found = optimizer.variables
@@ -32,12 +37,12 @@ def optimizer_variables(optimizer):
 keras_api, LEGACY_KERAS = _which_keras()
 
 
-def _executing_eagerly():
+def _executing_eagerly() -> bool:
     """Whether TensorFlow runs eagerly here (False inside tf.function and TF1 graphs)."""
-    return tf.executing_eagerly()
+    return bool(tf.executing_eagerly())
 
 
-def local_weights(local_layers):
+def local_weights(local_layers: Any) -> list[Any]:
     """The trainable weights of ``local_layers`` (a Keras layer, a list of them, or None)."""
     if local_layers is None:
         return []

@@ -21,7 +21,8 @@ dtype/op pairs NCCL lacks are staged. ``JUPYTER_RING_DEVICE_TRANSPORT=gloo`` sen
 through the same transport over gloo (how it is tested without a GPU); ``off`` stages CUDA tensors.
 
 The package is split as Horovod's ``horovod/torch/``: ``compression``, ``mpi_ops`` (the
-collectives, handles, ``poll``/``synchronize``), ``optimizer`` (``DistributedOptimizer``),
+collectives, handles, ``poll``/``synchronize``), ``_buckets`` (the optimizer's gradient buckets:
+layout, launch, results), ``optimizer`` (``DistributedOptimizer``),
 ``functions`` (state made equal on every rank), ``sync_batch_norm``, ``elastic``. Each module
 imports only modules before it in that list and the runtime's ``_horovod``, ``_device``,
 ``_engine``, ``_observe`` and ``_api`` below them; never this ``__init__``, which only gathers

@@ -1,31 +1,42 @@
 """Model and optimizer state made equal on every rank: ``broadcast_parameters``,
 ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object``."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeAlias, TypeVar, cast
+
 import torch
 
 from ... import runtime as _ring
-from .._horovod.runtime_names import global_process_set
+from .._horovod.runtime_names import ProcessSet, global_process_set
 from .mpi_ops import _check_tensor, broadcast_async_, synchronize
 from .optimizer import DistributedOptimizer
 
 __all__ = ["broadcast_object", "allgather_object", "broadcast_parameters",
     "broadcast_optimizer_state"]
 
+_T = TypeVar("_T")
+# a state_dict, named_parameters() or a list of tensors (None entries are skipped)
+_NamedTensors: TypeAlias = ("Mapping[object, torch.Tensor | None] | Iterable[tuple[object, torch.Tensor | None]] | "
+                           "Iterable[torch.Tensor | None]")
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+
+def broadcast_object(obj: _T, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet | None = global_process_set) -> _T:
     """Root's picklable object, returned on every rank of ``process_set``."""
     return _ring.broadcast_object(obj, root_rank, name, process_set)
 
 
-def allgather_object(obj, name=None, process_set=global_process_set):
+def allgather_object(obj: _T, name: str | None = None, process_set: ProcessSet | None = global_process_set) -> list[_T]:
     """Every rank's picklable object, as a list in rank order."""
     return _ring.allgather_object(obj, name, process_set)
 
 
 # ------------------------------------------------------------------ model and optimizer state
-def _named_tensors(params, where):
+def _named_tensors(params: _NamedTensors, where: str) -> list[tuple[object, torch.Tensor | None]]:
     if isinstance(params, dict):
-        return sorted(params.items(), key=lambda kv: str(kv[0]))
+        return sorted(cast("dict[object, torch.Tensor | None]", params).items(), key=lambda kv: str(kv[0]))
     try:
         items = list(params)
     except TypeError:
@@ -34,7 +45,7 @@ def _named_tensors(params, where):
     return [p if isinstance(p, tuple) else (f"{i}", p) for i, p in enumerate(items)]
 
 
-def broadcast_parameters(params, root_rank=0):
+def broadcast_parameters(params: _NamedTensors, root_rank: int = 0) -> None:
     """Overwrite every rank's tensors with root's: ``model.state_dict()`` or ``named_parameters()``."""
     handles = []
     for name, p in _named_tensors(params, "broadcast_parameters"):
@@ -52,11 +63,11 @@ class _TensorSlot:
 
     __slots__ = ("index", "shape", "dtype")
 
-    def __init__(self, index, shape, dtype):
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.index, self.shape, self.dtype = index, shape, dtype
 
 
-def _split_tensors(obj, tensors):
+def _split_tensors(obj: object, tensors: list[torch.Tensor]) -> object:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
@@ -67,7 +78,7 @@ def _split_tensors(obj, tensors):
     return obj
 
 
-def _fill_tensors(obj, tensors):
+def _fill_tensors(obj: object, tensors: list[torch.Tensor]) -> object:
     if isinstance(obj, _TensorSlot):
         return tensors[obj.index]
     if isinstance(obj, dict):
@@ -77,12 +88,12 @@ def _fill_tensors(obj, tensors):
     return obj
 
 
-def _zero_missing_grads(optimizer, model):
+def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
     """Horovod's visible side effect on an optimizer without state: zero gradients (sparse for
     SparseAdam and for ``model``'s sparse embeddings) where there are none. Horovod then steps
     once on them to create the state, which advances Adam's step count; we do not step, so n
     ranks stay equal to one process (the state comes from root, if root has any)."""
-    sparse = set()
+    sparse: set[int] = set()
     if model is not None:
         for m in model.modules():
             if isinstance(m, torch.nn.Embedding) and m.sparse:
@@ -95,7 +106,8 @@ def _zero_missing_grads(optimizer, model):
                     p.grad = p.grad.to_sparse()
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: torch.nn.Module | None = None) -> None:
     """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
 
     Root's ``state_dict()`` structure travels as one small object; its tensors travel as
@@ -115,22 +127,22 @@ def broadcast_optimizer_state(optimizer, root_rank=0, model=None):
     if not inner.state_dict()["state"]:
         _zero_missing_grads(inner, model)
     me = _ring.rank()
-    tensors = []
+    tensors: list[torch.Tensor] = []
     skeleton = _split_tensors(optimizer.state_dict(), tensors) if me == root_rank else None
     skeleton = _ring.broadcast_object(skeleton, root_rank, name="broadcast_optimizer_state.structure")
     if me != root_rank:
-        tensors = []
-        _collect_slots(skeleton, tensors)
-        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(tensors, key=lambda s: s.index)]
+        slots: list[_TensorSlot] = []
+        _collect_slots(skeleton, slots)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
     handles = [broadcast_async_(t.detach(), root_rank, name=f"broadcast_optimizer_state.{i}")
                for i, t in enumerate(tensors)]
     for h in handles:
         synchronize(h)
     if me != root_rank:
-        optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
+        optimizer.load_state_dict(cast("dict[str, Any]", _fill_tensors(skeleton, tensors)))
 
 
-def _collect_slots(obj, out):
+def _collect_slots(obj: object, out: list[_TensorSlot]) -> None:
     if isinstance(obj, _TensorSlot):
         out.append(obj)
     elif isinstance(obj, dict):

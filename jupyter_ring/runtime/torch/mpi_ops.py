@@ -1,7 +1,13 @@
 """Horovod's torch collectives: tensors to the ring runtime (numpy views) or to the device
 transport (CUDA tensors), handles, ``poll`` and ``synchronize``."""
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, NoReturn, TypeVar, cast
+
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ... import runtime as _ring
@@ -9,23 +15,26 @@ from .. import _api
 from .._device import transport as _device
 from .._engine.pool import Lender
 from .._horovod.basics import adasum_combine
-from .._horovod.runtime_names import Adasum, Average, Sum, global_process_set
-from .compression import Compression
+from .._horovod.runtime_names import Adasum, Average, ProcessSet, Sum, global_process_set
+from .compression import Compression, Compressor
+
+_R = TypeVar("_R")  # what a Handle's synchronize() returns
+_R_co = TypeVar("_R_co", covariant=True)
 
 __all__ = ["nccl_built", "cuda_built", "Handle", "poll", "synchronize", "allreduce", "allreduce_",
-    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "SparseReduction",
     "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async", "allgather",
     "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "barrier"]
 
 
-def nccl_built():
+def nccl_built() -> bool:
     """True when CUDA tensors go through NCCL (torch.distributed has it, the transport is on)."""
-    return _device.mode() != "off" and _device._nccl_available()
+    return _device.mode() != "off" and bool(_device._nccl_available())
 
 
-def cuda_built():
+def cuda_built() -> bool:
     """True when this torch has CUDA and CUDA tensors go to the device transport, unstaged."""
     return torch.version.cuda is not None and nccl_built()
 
@@ -37,20 +46,20 @@ _NUMPY_DTYPES = {
 }
 
 
-def _check_tensor(tensor, where):
+def _check_tensor(tensor: object, where: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
         raise TypeError(f"{where}: sparse tensors are not supported; pass tensor.to_dense()")
 
 
-def _shares_numpy(tensor):
+def _shares_numpy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor.numpy()`` is a C-contiguous view the runtime can write into directly."""
     return (tensor.device.type == "cpu" and tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous()
             and not tensor.is_conj() and not tensor.is_neg())
 
 
-def _to_numpy(tensor):
+def _to_numpy(tensor: torch.Tensor) -> npt.NDArray[Any]:
     """A numpy array with ``tensor``'s values: a view where possible, else a host copy."""
     t = tensor.detach()
     if _shares_numpy(t):
@@ -63,7 +72,7 @@ def _to_numpy(tensor):
     return t.resolve_conj().resolve_neg().cpu().contiguous().numpy()
 
 
-def _from_numpy(arr, like):
+def _from_numpy(arr: npt.ArrayLike, like: torch.Tensor) -> torch.Tensor:
     """A torch tensor of ``like``'s dtype and device holding ``arr``."""
     out = torch.from_numpy(np.ascontiguousarray(arr))
     if out.dtype != like.dtype or out.device != like.device:
@@ -71,8 +80,14 @@ def _from_numpy(arr, like):
     return out
 
 
+def _apply(function: type[torch.autograd.Function], *args: object) -> Any:
+    """``function.apply(*args)``, whose result is what ``function.forward`` returns."""
+    return function.apply(*args)  # type: ignore[no-untyped-call]  # (torch leaves apply unannotated)
+
+
 # ------------------------------------------------------------------ tensor -> device transport
-def _reduces_on_device(tensors, op, pre, post, process_set, where):
+def _reduces_on_device(tensors: Sequence[torch.Tensor], op: int, pre: object, post: object, process_set: ProcessSet,
+                       where: str) -> bool:
     """Whether an allreduce of ``tensors`` goes to the device transport (all of them or none)."""
     if not tensors or not _api.is_global(process_set) or op == Adasum:
         return False
@@ -84,11 +99,11 @@ def _reduces_on_device(tensors, op, pre, post, process_set, where):
                    and (t.dtype in _INTEGER_DTYPES or t.device.type == "cpu") for t in tensors)
 
 
-def _copies_on_device(tensor, process_set):
+def _copies_on_device(tensor: torch.Tensor, process_set: ProcessSet) -> bool:
     return _api.is_global(process_set) and _device.routes(tensor) and _device.copies(tensor.dtype)
 
 
-def _device_launch(launch, result):
+def _device_launch(launch: Callable[[], _device.DeviceWork], result: Callable[[Any], _R]) -> "Handle[_R]":
     """A Handle for a device collective launched now (agreed, transfer started); its finish
     waits for it. As for queued ring collectives, a failure of the collective itself (mismatch,
     a peer's error, a stall in the agreement) is raised by synchronize(); this rank's own bad
@@ -100,13 +115,14 @@ def _device_launch(launch, result):
     except Exception as exc:  # noqa: BLE001 - raised by synchronize()
         error = exc
 
-        def fail(_res):
+        def fail(_res: list[Any]) -> NoReturn:
             raise error
         return Handle([], fail)
     return Handle([], lambda res: result(work.wait()))
 
 
-def _device_allreduce(tensors, in_place, op, name, prescale_factor, postscale_factor, one=False):
+def _device_allreduce(tensors: Sequence[torch.Tensor], in_place: bool, op: int, name: str | None,
+                      prescale_factor: float, postscale_factor: float, one: bool = False) -> "Handle[Any]":
     """An allreduce of ``tensors`` on the device transport (list in, list out; ``one``: the
     single tensor out)."""
     transport = _device.transport()
@@ -117,43 +133,43 @@ def _device_allreduce(tensors, in_place, op, name, prescale_factor, postscale_fa
         lambda _out: (tensors if in_place else targets)[0] if one else list(tensors) if in_place else targets)
 
 
-def _device_broadcast(target, root_rank, name):
+def _device_broadcast(target: torch.Tensor, root_rank: int, name: str | None) -> "Handle[torch.Tensor]":
     transport = _device.transport()
     return _device_launch(lambda: transport.broadcast_async_(target, root_rank,
                                                              transport.auto_name("broadcast", name)),
                           lambda out: out)
 
 
-class Handle:
+class Handle(Generic[_R_co]):
     """An async collective in flight: pass it to :func:`synchronize` or :func:`poll`."""
 
     __slots__ = ("_handles", "_finish", "_done", "_result")
 
-    def __init__(self, handles, finish):
+    def __init__(self, handles: list[int], finish: Callable[[list[Any]], _R_co]) -> None:
         self._handles = handles      # runtime handles, synchronized in order
         self._finish = finish        # results of the runtime handles -> the torch result
         self._done = False
-        self._result = None
+        self._result: _R_co | None = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<jupyter_ring.torch.Handle {'done' if self._done else 'pending'}>"
 
 
-def _check_handle(handle):
+def _check_handle(handle: object) -> None:
     if not isinstance(handle, Handle):
         raise TypeError(f"expected a handle returned by an *_async call, got {type(handle).__name__}")
     if handle._done:
         raise ValueError("this handle was already synchronized; each handle is synchronized once")
 
 
-def poll(handle):
+def poll(handle: Handle[Any]) -> bool:
     """True when ``handle``'s collective has finished; runs nothing (the engine works in the
     background), so a caller may compute while it is False."""
     _check_handle(handle)
     return all(_ring.poll(h) for h in handle._handles)
 
 
-def synchronize(handle):
+def synchronize(handle: Handle[_R]) -> _R:
     """Wait for an async collective and return its result (raises the collective's error)."""
     _check_handle(handle)
     handle._done = True
@@ -170,27 +186,27 @@ def synchronize(handle):
 
 
 # ------------------------------------------------------------------ process sets, handles made here
-def _completed(results, error, finish):
-    def done(_nothing):
+def _completed(results: list[Any], error: BaseException | None, finish: Callable[[list[Any]], _R]) -> Handle[_R]:
+    def done(_nothing: list[Any]) -> _R:
         if error is not None:
             raise error
         return finish(results)
     return Handle([], done)
 
 
-def _set_size(process_set, where="process_set"):
+def _set_size(process_set: ProcessSet, where: str = "process_set") -> int:
     return _api.set_size(process_set, where)
 
 
-def _set_rank(process_set):
+def _set_rank(process_set: ProcessSet) -> int:
     return _api.set_rank(process_set, "process_set")
 
 
-def _grad_name(name, suffix="grad"):
+def _grad_name(name: str | None, suffix: str = "grad") -> str | None:
     return None if name is None else f"{name}.{suffix}"
 
 
-def _staging_buffer(tensor):
+def _staging_buffer(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, host view holding ``tensor``'s values, flat): a page-locked buffer of the next
     power-of-two capacity, lent by ``_staging`` for one collective.
 
@@ -203,8 +219,8 @@ def _staging_buffer(tensor):
     """
     numel = tensor.numel()
     capacity = 1 << max(numel - 1, 0).bit_length()
-    buf = _staging.lend((tensor.dtype, capacity), capacity,
-                        lambda: torch.empty(capacity, dtype=tensor.dtype, pin_memory=True))
+    buf = cast(torch.Tensor, _staging.lend((tensor.dtype, capacity), capacity,
+                                           lambda: torch.empty(capacity, dtype=tensor.dtype, pin_memory=True)))
     host = buf[:numel]
     host.copy_(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
     return buf, host
@@ -213,13 +229,14 @@ def _staging_buffer(tensor):
 _staging = Lender(keep=2)  # pinned host buffers by (dtype, capacity)
 
 
-def _staged_allreduce(tensor, plan, name, process_set, in_place):
+def _staged_allreduce(tensor: torch.Tensor, plan: "_Reduce", name: str | None, process_set: ProcessSet,
+                      in_place: bool) -> Handle[torch.Tensor]:
     """Allreduce of a CUDA ``tensor`` through a pinned host buffer (see _staging_buffer)."""
     buf, host = _staging_buffer(tensor)
     pre, post = plan.runtime_scales(tensor)
     handle = _ring.allreduce_async_(host.numpy(), None, name, plan.op, pre, post, process_set)
 
-    def finish(_res):
+    def finish(_res: list[Any]) -> torch.Tensor:
         out = tensor.detach() if in_place else torch.empty_like(tensor, memory_format=torch.contiguous_format)
         with torch.no_grad():
             out.copy_(host.view(tensor.shape))  # synchronous: the buffer is free after it
@@ -228,7 +245,7 @@ def _staged_allreduce(tensor, plan, name, process_set, in_place):
     return Handle([handle], finish)
 
 
-def _stages_pinned(tensor, plan):
+def _stages_pinned(tensor: torch.Tensor, plan: "_Reduce") -> bool:
     """Whether a CUDA allreduce goes through a pinned buffer: numpy has the dtype, and the
     runtime applies the op and factors (not Horovod's widened integer/float16 scaling)."""
     return tensor.is_cuda and tensor.dtype in _NUMPY_DTYPES and not plan.integer
@@ -248,9 +265,10 @@ class _Reduce:
 
     __slots__ = ("op", "pre", "post", "after", "wide")
 
-    def __init__(self, tensor, op, pre, post, process_set, where):
-        pre = _api._factor(pre, "prescale_factor", where)
-        post = _api._factor(post, "postscale_factor", where)
+    def __init__(self, tensor: torch.Tensor, op: int, pre: object, post: object, process_set: ProcessSet,
+                 where: str) -> None:
+        pre = _api.scale_factor(pre, "prescale_factor", where)
+        post = _api.scale_factor(post, "postscale_factor", where)
         wide = (torch.float64 if tensor.dtype in _INTEGER_DTYPES else
                 torch.float32 if tensor.dtype == torch.float16 else None)
         self.wide = wide if wide is not None and (pre != 1.0 or post != 1.0 or op == Average) else None
@@ -261,28 +279,29 @@ class _Reduce:
             self.op, self.pre, self.post, self.after = op, pre, post, 1.0
 
     @property
-    def integer(self):
+    def integer(self) -> bool:
         """Whether the adapter scales (the runtime only sums)."""
         return self.wide is not None
 
-    def stage(self, tensor):
+    def stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor whose numpy form the runtime reduces (prescaled here when the adapter scales)."""
         if self.wide is not None and self.pre != 1.0:
             return (tensor.detach().to(self.wide) * self.pre).to(tensor.dtype)
         return tensor
 
-    def runtime_scales(self, tensor):
+    def runtime_scales(self, tensor: torch.Tensor) -> tuple[float, float]:
         """(prescale, postscale) for the runtime: none when the adapter applies them."""
         return (1.0, 1.0) if self.wide is not None else (self.pre, self.post)
 
-    def finish(self, out):
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and self.after != 1.0:
             return (out.to(self.wide) * self.after).to(out.dtype)
         return out
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle[torch.Tensor]:
     """Queue an allreduce of ``tensor``; ``synchronize(handle)`` returns a new tensor."""
     where = f"allreduce '{name}'"
     _check_tensor(tensor, where)
@@ -300,8 +319,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                   lambda res: plan.finish(_from_numpy(res[0], tensor)))
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle[torch.Tensor]:
     """Queue an in-place allreduce; ``synchronize(handle)`` returns ``tensor`` holding the result."""
     where = f"allreduce_ '{name}'"
     _check_tensor(tensor, where)
@@ -310,17 +330,17 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         return _device_allreduce([tensor], True, op, name, prescale_factor, postscale_factor, one=True)
     t = tensor.detach()
     plan = _Reduce(tensor, op, prescale_factor, postscale_factor, process_set, where) if op != Adasum else None
-    if op != Adasum and not plan.integer and _shares_numpy(t):
+    if plan is not None and not plan.integer and _shares_numpy(t):
         # zero-copy: the runtime reduces straight into the tensor's memory
         arr = t.numpy()
         return Handle([_ring.allreduce_async_(arr, None, name, op, prescale_factor, postscale_factor, process_set)],
                       lambda res: tensor)
-    if op != Adasum and _stages_pinned(t, plan):
+    if plan is not None and _stages_pinned(t, plan):
         return _staged_allreduce(tensor, plan, name, process_set, in_place=True)
     handle = allreduce_async(t, None, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
-    def finish(res):
+    def finish(res: list[Any]) -> torch.Tensor:
         out = inner(res)
         with torch.no_grad():
             t.copy_(out)
@@ -333,46 +353,51 @@ class _Allreduce(torch.autograd.Function):
     """allreduce as a differentiable op: the gradient is allreduced with the same op and scales."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, average: bool | None, name: str | None, op: int | None,
+                prescale_factor: float, postscale_factor: float, process_set: ProcessSet) -> torch.Tensor:
         ctx.args = (average, _grad_name(name), op, prescale_factor, postscale_factor, process_set)
         return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
                                            process_set))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad = synchronize(allreduce_async(grad_output.contiguous(), *ctx.args))
         return grad, None, None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Compressor = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (default: Average) into a new tensor; differentiable."""
     _check_tensor(tensor, f"allreduce '{name}'")
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
-        out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+        out = cast(torch.Tensor, _apply(_Allreduce, compressed, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
     else:
         out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
                                           process_set))
     return compression.decompress(out, ctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce: ``tensor`` receives the result and is returned."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
                                         process_set))
 
 
-def _group_check(tensors, where):
+def _group_check(tensors: object, where: str) -> None:
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{where}: expected a list of tensors, got {type(tensors).__name__}")
     for i, t in enumerate(tensors):
         _check_tensor(t, f"{where} tensor {i}")
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle[list[torch.Tensor]]:
     """Queue an allreduce of a list of tensors (one fused pass); synchronize returns a list."""
     where = f"grouped_allreduce '{name}'"
     _group_check(tensors, where)
@@ -394,8 +419,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                   lambda res: [_from_numpy(a, t) for a, t in zip(res[0], tensors)])
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle[list[torch.Tensor]]:
     """Queue an in-place grouped allreduce; synchronize returns the list of input tensors."""
     where = f"grouped_allreduce_ '{name}'"
     _group_check(tensors, where)
@@ -405,7 +431,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     handle = grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor, process_set)
     inner = handle._finish
 
-    def finish(res):
+    def finish(res: list[Any]) -> list[torch.Tensor]:
         with torch.no_grad():
             for t, out in zip(tensors, inner(res)):
                 t.copy_(out)
@@ -418,43 +444,49 @@ class _GroupedAllreduce(torch.autograd.Function):
     """grouped_allreduce as a differentiable op: the gradients are grouped-allreduced alike."""
 
     @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+    def forward(ctx: Any, average: bool | None, name: str | None, op: int | None, prescale_factor: float,
+                postscale_factor: float, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (average, _grad_name(name), op, prescale_factor, postscale_factor, process_set)
         return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
                                                          postscale_factor, process_set)))
 
     @staticmethod
-    def backward(ctx, *grad_output):
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_output], *ctx.args))
         return (None, None, None, None, None, None, *grads)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Compressor = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together; returns a list of new tensors; differentiable."""
     _group_check(tensors, f"grouped_allreduce '{name}'")
     pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
+    outs: Sequence[torch.Tensor]
     if torch.is_grad_enabled() and any(c.requires_grad for c in compressed):
-        outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                       *compressed)
+        outs = cast(tuple[torch.Tensor, ...], _apply(_GroupedAllreduce, average, name, op, prescale_factor,
+                                                     postscale_factor, process_set, *compressed))
     else:
         outs = synchronize(grouped_allreduce_async(compressed, average, name, op, prescale_factor,
                                                    postscale_factor, process_set))
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place grouped allreduce; returns the list of input tensors."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int,
+                           process_set: ProcessSet = global_process_set) -> "SparseReduction":
     """Reduce a sparse COO tensor by allgathering its indices and values (Horovod's way).
 
-    Returns a function; calling it waits and returns the reduced sparse tensor (duplicate
+    Returns a SparseReduction; calling it waits and returns the reduced sparse tensor (duplicate
     indices stay uncoalesced, as in Horovod). ``op``: Average or Sum.
     """
     where = f"sparse_allreduce '{name}'"
@@ -468,19 +500,29 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     values = t._values().contiguous()
     h_values = allgather_async(values, name=_grad_name(name, "values"), process_set=process_set)
     h_indices = allgather_async(indices, name=_grad_name(name, "indices"), process_set=process_set)
+    return SparseReduction(h_values, h_indices, op == Average, process_set, t.size())
 
-    def handle():
+
+class SparseReduction:
+    """``sparse_allreduce_async``'s result: calling it waits and returns the reduced sparse tensor;
+    ``handles`` are its two allgathers (for a DistributedOptimizer that drops a stale step)."""
+
+    def __init__(self, values: Handle[torch.Tensor], indices: Handle[torch.Tensor], average: bool,
+                 process_set: ProcessSet, size: torch.Size) -> None:
+        self.handles = (values, indices)
+        self._average, self._process_set, self._size = average, process_set, size
+
+    def __call__(self) -> torch.Tensor:
+        h_values, h_indices = self.handles
         vals = synchronize(h_values)
         idx = synchronize(h_indices)
-        if op == Average:
-            vals = vals / _set_size(process_set)
-        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, t.size())
-    handle.handles = (h_values, h_indices)   # for a DistributedOptimizer that drops a stale step
-    return handle
+        if self._average:
+            vals = vals / _set_size(self._process_set)
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, self._size)
 
 
 # ------------------------------------------------------------------ Adasum
-def _adasum_async(tensor, name, process_set, where):
+def _adasum_async(tensor: torch.Tensor, name: str | None, process_set: ProcessSet, where: str) -> Handle[torch.Tensor]:
     n = _set_size(process_set)
     if n & (n - 1):
         raise NotImplementedError(f"{where}: Running Adasum with non-power of 2 ranks is not supported yet "
@@ -490,7 +532,7 @@ def _adasum_async(tensor, name, process_set, where):
     flat = tensor.detach().reshape(1, -1)
     gathered = allgather_async(flat, name=name, process_set=process_set)
 
-    def finish(_res):
+    def finish(_res: list[Any]) -> torch.Tensor:
         rows = synchronize(gathered).to(torch.float64).numpy()
         out = torch.from_numpy(adasum_combine(rows))
         return out.to(tensor.dtype).reshape(tensor.shape)
@@ -498,7 +540,8 @@ def _adasum_async(tensor, name, process_set, where):
 
 
 # ------------------------------------------------------------------ allgather
-def allgather_async(tensor, name=None, process_set=global_process_set):
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle[torch.Tensor]:
     """Queue an allgather (concatenation along dim 0, which may differ between ranks)."""
     where = f"allgather '{name}'"
     _check_tensor(tensor, where)
@@ -513,7 +556,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     return Handle([_ring.allgather_async(arr, name, process_set)], lambda res: _from_numpy(res[0], tensor))
 
 
-def _row_offset(rows, process_set, name):
+def _row_offset(rows: int, process_set: ProcessSet, name: str | None) -> int:
     """This rank's first row in a concatenation of every member's ``rows`` rows."""
     counts = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64), name=name,
                                          process_set=process_set))
@@ -524,27 +567,28 @@ class _Allgather(torch.autograd.Function):
     """allgather as a differentiable op: each rank's gradient is its rows of the averaged gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
         ctx.rows, ctx.name, ctx.process_set = tensor.shape[0], name, process_set
         return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, name=_grad_name(ctx.name),
                                            process_set=ctx.process_set))
         offset = _row_offset(ctx.rows, ctx.process_set, _grad_name(ctx.name, "grad.rows"))
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
-def allgather(tensor, name=None, process_set=global_process_set):
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0 (dim 0 may differ); differentiable."""
     _check_tensor(tensor, f"allgather '{name}'")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _Allgather.apply(tensor, name, process_set)
+        return cast(torch.Tensor, _apply(_Allgather, tensor, name, process_set))
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle[list[torch.Tensor]]:
     """Queue an allgather of each tensor of a list; synchronize returns the list of results."""
     where = f"grouped_allgather '{name}'"
     _group_check(tensors, where)
@@ -556,12 +600,12 @@ class _GroupedAllgather(torch.autograd.Function):
     """grouped_allgather as a differentiable op (each tensor as allgather's gradient)."""
 
     @staticmethod
-    def forward(ctx, name, process_set, *tensors):
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.rows, ctx.name, ctx.process_set = [t.shape[0] for t in tensors], name, process_set
         return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
-    def backward(ctx, *grad_output):
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = synchronize(grouped_allreduce_async([g.contiguous() for g in grad_output], op=Average,
                                                     name=_grad_name(ctx.name), process_set=ctx.process_set))
         out = []
@@ -571,16 +615,18 @@ class _GroupedAllgather(torch.autograd.Function):
         return (None, None, *out)
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """allgather of each tensor of a list; returns a list; differentiable."""
     _group_check(tensors, f"grouped_allgather '{name}'")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+        return list(cast(tuple[torch.Tensor, ...], _apply(_GroupedAllgather, name, process_set, *tensors)))
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 # ------------------------------------------------------------------ broadcast
-def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_set):
+def broadcast_async(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle[torch.Tensor]:
     """Queue a broadcast of root's tensor (root_rank: a global rank); synchronize returns a new tensor."""
     where = f"broadcast '{name}'"
     _check_tensor(tensor, where)
@@ -592,18 +638,24 @@ def broadcast_async(tensor, root_rank=0, name=None, process_set=global_process_s
                   lambda res: _from_numpy(res[0], tensor).reshape(tensor.shape))
 
 
-def broadcast_async_(tensor, root_rank=0, name=None, process_set=global_process_set):
+def broadcast_async_(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle[torch.Tensor]:
     """Queue an in-place broadcast into ``tensor``; synchronize returns ``tensor``."""
     where = f"broadcast_ '{name}'"
     _check_tensor(tensor, where)
     if _copies_on_device(tensor, process_set):
         handle = _device_broadcast(tensor.detach(), root_rank, name)  # global set: its rank
-        handle._finish = lambda res, inner=handle._finish: (inner(res), tensor)[1]
+        inner_device = handle._finish
+
+        def finish_device(res: list[Any]) -> torch.Tensor:
+            inner_device(res)
+            return tensor
+        handle._finish = finish_device
         return handle
     handle = broadcast_async(tensor, root_rank, name, process_set)
     inner = handle._finish
 
-    def finish(res):
+    def finish(res: list[Any]) -> torch.Tensor:
         with torch.no_grad():
             tensor.copy_(inner(res))
         return tensor
@@ -615,12 +667,12 @@ class _Broadcast(torch.autograd.Function):
     """broadcast as a differentiable op: root gets the averaged gradient, the others zero."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> torch.Tensor:
         ctx.root_rank, ctx.name, ctx.process_set = root_rank, name, process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad = synchronize(allreduce_async(grad_output.contiguous(), op=Average, name=_grad_name(ctx.name),
                                            process_set=ctx.process_set))
         if _ring.rank() != ctx.root_rank:
@@ -628,21 +680,24 @@ class _Broadcast(torch.autograd.Function):
         return grad, None, None, None
 
 
-def broadcast(tensor, root_rank=0, name=None, process_set=global_process_set):
+def broadcast(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's tensor, returned as a new tensor on every rank; differentiable."""
     _check_tensor(tensor, f"broadcast '{name}'")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _Broadcast.apply(tensor, root_rank, name, process_set)
+        return cast(torch.Tensor, _apply(_Broadcast, tensor, root_rank, name, process_set))
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor, root_rank=0, name=None, process_set=global_process_set):
+def broadcast_(tensor: torch.Tensor, root_rank: int = 0, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` receives root's values and is returned."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ------------------------------------------------------------------ alltoall
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+def alltoall_async(tensor: torch.Tensor, splits: torch.Tensor | npt.ArrayLike | None = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
     """Queue an alltoall; synchronize returns (output, received_splits)."""
     where = f"alltoall '{name}'"
     _check_tensor(tensor, where)
@@ -662,20 +717,22 @@ class _Alltoall(torch.autograd.Function):
     """alltoall as a differentiable op: the gradient goes back with the received splits."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, splits: torch.Tensor | npt.ArrayLike | None, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.name, ctx.process_set = received, name, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
-    def backward(ctx, grad_output, *_dead):
+    def backward(ctx: Any, grad_output: torch.Tensor, *_dead: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         grad, _ = synchronize(alltoall_async(grad_output.contiguous(), ctx.received, _grad_name(ctx.name),
                                              ctx.process_set))
         return grad, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+def alltoall(tensor: torch.Tensor, splits: torch.Tensor | npt.ArrayLike | None = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[q]`` rows to rank q, receive theirs: returns (output, received_splits).
 
     Without ``splits`` dim 0 must be divisible by the number of ranks and only the output is
@@ -683,15 +740,17 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """
     _check_tensor(tensor, f"alltoall '{name}'")
     if tensor.requires_grad and torch.is_grad_enabled():
-        output, received = _Alltoall.apply(tensor, splits, name, process_set)
+        output, received = cast(tuple[torch.Tensor, torch.Tensor],
+                                _apply(_Alltoall, tensor, splits, name, process_set))
     else:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return output if splits is None else (output, received)
 
 
 # ------------------------------------------------------------------ reducescatter
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle[torch.Tensor]:
     """Queue a reducescatter; synchronize returns this rank's block of dim 0."""
     where = f"reducescatter '{name}'"
     _check_tensor(tensor, where)
@@ -709,7 +768,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     arr = _to_numpy(staged)
     post = 1.0 if plan.integer else plan.post
 
-    def finish(res):
+    def finish(res: list[Any]) -> torch.Tensor:
         out = _from_numpy(res[0], tensor)
         if post != 1.0:
             out = out * post
@@ -721,32 +780,36 @@ class _Reducescatter(torch.autograd.Function):
     """reducescatter as a differentiable op: the gradient is allgathered (times size for Sum)."""
 
     @staticmethod
-    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet, prescale_factor: float,
+                postscale_factor: float) -> torch.Tensor:
         ctx.args = (name, op, process_set, prescale_factor * postscale_factor)
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         name, op, process_set, factor = ctx.args
         grad = grad_output * (factor * (_set_size(process_set) if op == Sum else 1))
         return allgather(grad.contiguous(), _grad_name(name), process_set), None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
+                  op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks and return this rank's block of dim 0 (the first ranks get the extra rows)."""
     _check_tensor(tensor, f"reducescatter '{name}'")
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
-        out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+        out = cast(torch.Tensor, _apply(_Reducescatter, compressed, name, op, process_set, prescale_factor,
+                                        postscale_factor))
     else:
         out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor,
                                               postscale_factor))
     return compression.decompress(out, ctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: int = Average,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle[list[torch.Tensor]]:
     """Queue a reducescatter of each tensor of a list; synchronize returns the list of blocks."""
     where = f"grouped_reducescatter '{name}'"
     _group_check(tensors, where)
@@ -759,27 +822,32 @@ class _GroupedReducescatter(torch.autograd.Function):
     """grouped_reducescatter as a differentiable op (each tensor as reducescatter's gradient)."""
 
     @staticmethod
-    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+    def forward(ctx: Any, name: str | None, op: int, process_set: ProcessSet, prescale_factor: float,
+                postscale_factor: float, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (name, op, process_set, prescale_factor * postscale_factor)
         return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
                                                              prescale_factor, postscale_factor)))
 
     @staticmethod
-    def backward(ctx, *grad_output):
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         name, op, process_set, factor = ctx.args
         scale = factor * (_set_size(process_set) if op == Sum else 1)
         grads = grouped_allgather([(g * scale).contiguous() for g in grad_output], _grad_name(name), process_set)
         return (None, None, None, None, None, *grads)
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Compressor = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """reducescatter of each tensor of a list; returns a list; differentiable."""
     _group_check(tensors, f"grouped_reducescatter '{name}'")
     pairs = [compression.compress(t) for t in tensors]
     compressed = [c for c, _ in pairs]
+    outs: Sequence[torch.Tensor]
     if torch.is_grad_enabled() and any(c.requires_grad for c in compressed):
-        outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *compressed)
+        outs = cast(tuple[torch.Tensor, ...], _apply(_GroupedReducescatter, name, op, process_set, prescale_factor,
+                                                     postscale_factor, *compressed))
     else:
         outs = synchronize(grouped_reducescatter_async(compressed, name, op, process_set, prescale_factor,
                                                        postscale_factor))
@@ -787,6 +855,6 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # ------------------------------------------------------------------ barrier, objects
-def barrier(process_set=global_process_set):
+def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
     _ring.barrier(process_set)

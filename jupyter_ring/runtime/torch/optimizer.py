@@ -1,91 +1,28 @@
 """Horovod's ``DistributedOptimizer`` for torch: gradients allreduced in buckets while backward runs."""
 
+from __future__ import annotations
+
 import contextlib
-import math
 import warnings
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, DefaultDict, NoReturn, overload
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ... import runtime as _ring
 from .. import _api
-from .._device import transport as _device
 from .._engine.errors import CollectiveMismatchError, RingError
-from .._horovod.runtime_names import Adasum, Average, ProcessSet, Sum, global_process_set
+from .._horovod.runtime_names import Adasum, Average, ProcessSet, global_process_set
 from .._observe import report as _report
-from .compression import Compression, NoneCompressor
-from .mpi_ops import _NUMPY_DTYPES, sparse_allreduce_async
+from . import _buckets
+from ._buckets import BUCKET_BYTES, Bucket, Reduction
+from .compression import Compression, Compressor
 
 __all__ = ["DistributedOptimizer"]
-
-
-# ------------------------------------------------------------------ DistributedOptimizer
-# Gradient buckets of about this many bytes. Measured on 2 CPU ranks (docs/benchmarks.md): small
-# enough that the first buckets of a 10M-parameter MLP are reduced while backward still computes
-# the early layers, large enough that each bucket's fixed cost (one engine round, three
-# shared-memory syncs) stays small against its copies.
-_BUCKET_BYTES = 8 << 20
-
-
-class _Bucket:
-    """Consecutive gradients (in backward order) reduced by one in-place allreduce of ``flat``.
-
-    Zero copy (``views`` is True): ``flat`` lives in the transport's memory (``bucket_buffer``)
-    and each parameter's ``.grad`` is a view of it, so backward accumulates into the bucket and
-    the optimizer reads the result where the allreduce wrote it. Otherwise (compression, dtypes
-    numpy lacks, a process set with CUDA tensors) gradients are copied in and the results copied
-    back.
-
-    A device bucket (``device`` is the parameters' torch device: CUDA tensors with NCCL, or CPU
-    tensors with ``JUPYTER_RING_DEVICE_TRANSPORT=gloo``) lives on that device and goes to the
-    device transport: ``.grad`` views of it as well, never staged through the host; ``handle``
-    is then a ``DeviceWork`` (or a ``_LaunchFailed`` holding the launch's error).
-
-    A sparse gradient (``nn.Embedding(sparse=True)``) keeps its slot in ``flat``: with
-    ``sparse_as_dense`` its dense form travels there; otherwise the slot carries zeros and the
-    gradient goes by Horovod's two allgathers (``sparse``: parameter index -> that wait, or None).
-    """
-
-    __slots__ = ("index", "params", "offsets", "flat", "slots", "array", "views", "device", "ready", "handle",
-                 "name", "contexts", "sparse")
-
-    def __init__(self, index, params, offsets, flat, array, views, device, shapes):
-        self.index = index
-        self.params = params       # parameter indices
-        self.offsets = offsets     # element offset of each parameter in flat
-        self.flat = flat           # 1-D torch tensor (the wire dtype)
-        # each parameter's slot of flat in its shape, made once (a step reuses them)
-        self.slots = [flat[o:o + math.prod(shape)].view(shape) for o, shape in zip(offsets, shapes)]
-        self.array = array         # the same memory as a numpy array, for the runtime (None on a device)
-        self.views = views
-        self.device = device       # torch device of a device-transport bucket, else None
-        self.ready = 0
-        self.handle = None
-        self.name = f"DistributedOptimizer.bucket{index}"
-        self.contexts = {}         # parameter index -> the compressor's context (copied buckets)
-        self.sparse = {}           # parameter index -> sparse_allreduce_async's wait, or None (as dense)
-
-
-class _LaunchFailed:
-    """A device bucket whose launch raised (a mismatch, a peer's bad arguments): ``wait()``
-    raises it at ``synchronize()``, where a ring bucket's error surfaces too."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error):
-        self.error = error
-
-    def wait(self):
-        raise self.error
-
-
-def _finish_bucket(handle):
-    """Wait for a bucket's allreduce, ring or device."""
-    if isinstance(handle, (_device.DeviceWork, _LaunchFailed)):
-        handle.wait()
-    else:
-        _ring.synchronize(handle)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -115,118 +52,100 @@ class DistributedOptimizer(torch.optim.Optimizer):
     wrapped optimizer's ``param_groups``, ``state`` and ``defaults`` are shared, not copied.
     """
 
-    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                 groups=None, sparse_as_dense=False, process_set=global_process_set, bucket_bytes=None):
+    _ring_reported_step: float | bool  # the dashboard's step this optimizer set last (_report_step)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: Compressor = Compression.none, backward_passes_per_step: int = 1, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: object = None,
+                 sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set,
+                 bucket_bytes: int | None = None) -> None:
         # Optimizer.__init__ is not called: it would build new param_groups; we share the wrapped
         # optimizer's. These are the attributes the base class methods (hooks) rely on.
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
-        if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch "
-                            "optimizer once (re-running a cell? wrap the original optimizer again)")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
-        if op == Adasum:
-            raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
-                             "into a division before and after the sum)")
-        if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
-            raise TypeError("compression must be Compression.none, Compression.fp16 or an object with "
-                            "compress(tensor) and decompress(tensor, ctx)")
-        if not _api.is_global(process_set) and not isinstance(process_set, ProcessSet):
-            raise TypeError(f"process_set= takes a ProcessSet, got {type(process_set).__name__}")
-        if bucket_bytes is None:
-            bucket_bytes = _BUCKET_BYTES
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive int (bytes per gradient bucket), got {bucket_bytes!r}")
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        bucket_bytes = _check_options(optimizer, backward_passes_per_step, op, gradient_predivide_factor, compression,
+                                      process_set, bucket_bytes)
         self._opt = optimizer
-        self._sparse_as_dense = bool(sparse_as_dense)
+        self._reduction = Reduction(compression, op, 1.0 / gradient_predivide_factor, gradient_predivide_factor,
+                                    process_set, bool(sparse_as_dense))
         self._process_set = process_set
         # a rank outside the optimizer's process set trains locally (Horovod): no hooks, no reduction
         self._local_only = not _api.is_global(process_set) and not process_set.included()
         # num_groups/groups split Horovod's fusion into fixed groups; here buckets of bucket_bytes
         # do that work, so they are accepted and change nothing
         self._groups = groups if groups is not None else num_groups
-        self._compression = compression
         self._bpps = backward_passes_per_step
-        self._op = op
-        self._prescale = 1.0 / gradient_predivide_factor
-        self._postscale = gradient_predivide_factor
         self._bucket_bytes = bucket_bytes
         self._should_synchronize = True
         self._synchronized = False
-        self._params = []          # parameters that need a gradient, in param_groups order
-        self._names = []
-        self._index = {}           # id(param) -> position in self._params
-        self._hooks = []
-        self._given_names = self._check_names(named_parameters)
+        self._params: list[torch.Tensor] = []  # parameters that need a gradient, in param_groups order
+        self._names: list[str] = []
+        self._index: dict[int, int] = {}      # id(param) -> position in self._params
+        self._hooks: list[RemovableHandle] = []
+        self._given_names = _check_names(named_parameters, optimizer)
         for group in optimizer.param_groups:
             self._register(group["params"])
         self._order = list(range(len(self._params)))[::-1]  # backward runs roughly last-to-first
         self._order_learned = False
-        self._buckets = []
-        self._bucket_of = []
+        self._buckets: list[Bucket] = []
+        self._bucket_of: list[int] = []       # parameter index -> its bucket's index
         self._make_buckets()
         self._reset_step()
 
     # -- the wrapped optimizer's state, shared
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self._opt.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._opt.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> DefaultDict[torch.Tensor, Any]:
         return self._opt.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: DefaultDict[torch.Tensor, Any]) -> None:
         self._opt.state = value
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:
         return self._opt.defaults
 
     @defaults.setter
-    def defaults(self, value):
+    def defaults(self, value: dict[str, Any]) -> None:
         self._opt.defaults = value
 
     @property
-    def _parameter_names(self):
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
         """Horovod's {parameter: name} of every parameter that gets an allreduced gradient."""
         return {p: name for p, name in zip(self._params, self._names)}
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer."""
         return self._opt
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"DistributedOptimizer({self._opt!r})"
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise TypeError("a DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state_dict (identical on every rank after step())."""
         return self._opt.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer."""
         return self._opt.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer; its parameters get gradient hooks too."""
         self._drop_stale_step()
         if any(self._counts):
@@ -240,151 +159,49 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_step()
 
     # -- set-up
-    def _check_names(self, named_parameters):
-        if named_parameters is None:
-            return None
-        pairs = list(named_parameters)
-        if any(not (isinstance(p, tuple) and len(p) == 2) for p in pairs):
-            raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
-        counts = {}
-        for name, _p in pairs:
-            counts[name] = counts.get(name, 0) + 1
-        dups = sorted(n for n, c in counts.items() if c > 1)
-        if dups:
-            raise ValueError(f"named_parameters has duplicate names: {', '.join(repr(d) for d in dups)}; "
-                             "each parameter needs a unique name. With several models, prefix each "
-                             "model's names: [(f'enc.{n}', p) for n, p in enc.named_parameters()]")
-        given = {id(p): name for name, p in pairs}
-        missing = [tuple(p.shape) for group in self._opt.param_groups for p in group["params"]
-                   if id(p) not in given]
-        if missing:
-            raise ValueError(f"named_parameters was given, but {len(missing)} of the optimizer's parameters "
-                             f"are not in it (shapes {missing[:5]}{' ...' if len(missing) > 5 else ''}); pass "
-                             "the named_parameters() of the model whose parameters the optimizer holds")
-        return given
-
-    def _register(self, params):
+    def _register(self, params: Iterable[torch.Tensor]) -> None:
         if self._local_only:
             return
         for p in params:
             if not p.requires_grad or id(p) in self._index:
                 continue
-            old = _hook_of(p)
-            if old is not None:
-                # a previous DistributedOptimizer over this parameter (a re-run notebook cell):
-                # its hook would queue allreduces nobody synchronizes
-                old.remove()
             i = len(self._params)
             self._index[id(p)] = i
             self._params.append(p)
-            if self._given_names is not None:
-                self._names.append(self._given_names[id(p)])
-            else:
-                self._names.append(f"param.{i}")
-            handle = p.register_post_accumulate_grad_hook(_GradHook(self, i))
-            _HOOKS[id(p)] = (weakref.ref(p), handle)
-            self._hooks.append(handle)
+            self._names.append(self._given_names[id(p)] if self._given_names is not None else f"param.{i}")
+            self._hooks.append(_hook(p, _GradHook(self, i)))
 
-    def _wire_dtype(self, p):
-        """The dtype a parameter's gradient travels in (compression decides; bfloat16 as float32
-        through the ring, which reduces numpy arrays)."""
-        probe = torch.empty(0, dtype=p.dtype, device="cpu")
-        dtype = self._compression.compress(probe)[0].dtype
-        if self._on_device(p, dtype):
-            return dtype
-        return torch.float32 if dtype == torch.bfloat16 else dtype
-
-    def _on_device(self, p, dtype):
-        """Whether ``p``'s gradient goes to the device transport (NCCL for CUDA), in a bucket on
-        its device: the same rule as ``allreduce`` of a tensor (global set, a floating dtype the
-        transport reduces with this op)."""
-        return (_api.is_global(self._process_set) and dtype.is_floating_point and _device.routes(p)
-                and _device.supports(dtype, self._op))
-
-    def _zero_copy(self, p, dtype):
-        return (self._compression is NoneCompressor and p.device.type == "cpu" and dtype == p.dtype
-                and dtype in _NUMPY_DTYPES)
-
-    def _make_buckets(self):
+    def _make_buckets(self) -> None:
         """Cut ``self._order`` into buckets of about ``bucket_bytes`` of one wire dtype each."""
-        groups, current, current_bytes, current_key = [], [], 0, None
-        for i in self._order:
-            p = self._params[i]
-            dtype = self._wire_dtype(p)
-            device = p.device if self._on_device(p, dtype) else None
-            views = (self._compression is NoneCompressor and dtype == p.dtype) if device else self._zero_copy(p, dtype)
-            key = (dtype, views, device)
-            nbytes = p.numel() * torch.empty(0, dtype=dtype).element_size()
-            if current and key != current_key:
-                groups.append((current, current_key))
-                current, current_bytes = [], 0
-            current.append(i)
-            current_bytes += nbytes
-            current_key = key
-            # a bucket closes once it holds bucket_bytes (DDP's rule), never before a gradient
-            # that would overflow it: a bias then rides with its layer's weight instead of
-            # making a round of its own between two weights larger than a bucket
-            if current_bytes >= self._bucket_bytes:
-                groups.append((current, current_key))
-                current, current_bytes = [], 0
-        if current:
-            groups.append((current, current_key))
+        groups = _buckets.bucket_groups(self._params, self._order, self._reduction, self._bucket_bytes)
         self._buckets = []
         self._bucket_of = [0] * len(self._params)
-        for index, (members, (dtype, views, device)) in enumerate(groups):
-            offsets, total = [], 0
-            for i in members:
-                offsets.append(total)
-                total += self._params[i].numel()
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if device is not None:
-                flat, array = torch.zeros(total, dtype=dtype, device=device), None
-            else:
-                if not total:  # only empty parameters
-                    flat = torch.empty(0, dtype=dtype)
-                else:
-                    raw = (_api.bucket_buffer(total * itemsize, self._process_set) if views
-                           else np.zeros(total * itemsize, np.uint8))
-                    flat = torch.from_numpy(raw).view(dtype)
-                array = flat.numpy()
-            self._buckets.append(_Bucket(index, members, offsets, flat, array, views, device,
-                                         [self._params[i].shape for i in members]))
+        for index, (members, key) in enumerate(groups):
+            self._buckets.append(_buckets.new_bucket(index, members, key, self._params, self._process_set))
             for i in members:
                 self._bucket_of[i] = index
 
-    def _reset_step(self):
+    def _reset_step(self) -> None:
         self._epoch = _api.epoch()
         self._counts = [0] * len(self._params)
         self._next = 0             # index of the next bucket to launch
-        self._fired = []           # hook order of this step (rank 0's becomes the canonical order)
+        self._fired: list[int] = []  # hook order of this step (rank 0's becomes the canonical order)
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.handle = None
             bucket.sparse = {}
 
-    def _drop_stale_step(self):
+    def _drop_stale_step(self) -> None:
         # A notebook cell failed or was interrupted on this rank after backward() and before
         # step(): its queued allreduces were abandoned (every rank drops its own), so the half
         # step is dropped too and the next cell starts a clean one.
         if self._epoch != _api.epoch():
             for bucket in self._buckets:
-                if isinstance(bucket.handle, _device.DeviceWork):
-                    # agreed and launched on every rank, so it ends; its buffer is this bucket
-                    try:
-                        bucket.handle.wait()
-                    except Exception:  # noqa: BLE001 - the half step is dropped either way
-                        pass
-                elif bucket.handle is not None and not isinstance(bucket.handle, _LaunchFailed):
-                    _api.discard(bucket.handle)
-                for gathered in bucket.sparse.values():
-                    for handle in getattr(gathered, "handles", ()):
-                        handle._done = True
-                        for h in handle._handles:
-                            _api.discard(h)
+                _buckets.abandon(bucket)
             self._reset_step()
 
     # -- hooks
-    def _on_grad(self, i):
+    def _on_grad(self, i: int) -> None:
         self._drop_stale_step()
         self._synchronized = False
         self._counts[i] += 1
@@ -407,64 +224,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(buckets[self._next])
                 self._next += 1
 
-    def _launch(self, bucket):
-        """Put the bucket's gradients in place and start its allreduce in the background.
-
-        Zero copy: a gradient autograd made afresh is moved into its slot by the engine's executor
-        during the reduction (``sources``), not here: backward goes on at once. On one host only
-        the blocks the peers read are copied; this rank's own block is reduced from it in place.
-        """
-        flat = bucket.flat
-        moves = []  # (element offset, fresh gradient as a flat numpy array)
-        with torch.no_grad():
-            for i, offset, view in zip(bucket.params, bucket.offsets, bucket.slots):
-                p = self._params[i]
-                grad = p.grad
-                if grad is not None and grad.is_sparse:
-                    if not self._sparse_as_dense:
-                        bucket.sparse[i] = self._sparse_allreduce(p, i)
-                        view.zero_()   # the slot carries nothing; the allgathers carry the gradient
-                        continue
-                    bucket.sparse[i] = None
-                    grad = grad.to_dense()
-                if grad is None:
-                    # no gradient on this rank (unused branch): contribute zeros, as Horovod does
-                    view.zero_()
-                    p.grad = view if bucket.views else torch.zeros_like(p)
-                elif bucket.views:
-                    if grad.data_ptr() != view.data_ptr():  # autograd made it afresh: move it in
-                        if bucket.device is not None:
-                            view.copy_(grad)  # on the device, ordered on the current stream
-                        else:
-                            moves.append((offset, grad.detach().reshape(-1).numpy()))
-                        if i not in bucket.sparse:
-                            p.grad = view
-                else:
-                    compressed, bucket.contexts[i] = self._compression.compress(grad)
-                    view.copy_(compressed)
-        if bucket.device is not None:
-            transport = _device.transport()
-            try:
-                # agreed over the ring now, launched on the transport's stream; waited in synchronize()
-                bucket.handle = transport.allreduce_async_([flat], self._op, bucket.name, self._prescale,
-                                                           self._postscale)
-            except Exception as exc:  # noqa: BLE001 - raised by synchronize(), as a ring bucket's
-                bucket.handle = _LaunchFailed(exc)
-            return
-        bucket.handle = _api.bucket_allreduce_async_(bucket.array, bucket.name, op=self._op,
-                                                     prescale_factor=self._prescale, postscale_factor=self._postscale,
-                                                     process_set=self._process_set, sources=moves or None)
-        _api.flush(self._process_set)
-
-    def _sparse_allreduce(self, p, i):
-        """A sparse gradient without sparse_as_dense: Horovod's two allgathers (Average or Sum)."""
-        if self._op not in (Average, Sum):
-            raise ValueError(f"parameter '{self._names[i]}' has a sparse gradient, which op={self._op} cannot "
-                             "reduce; use op=Average/Sum or sparse_as_dense=True")
-        return sparse_allreduce_async(p.grad, name=self._names[i], op=self._op, process_set=self._process_set)
+    def _launch(self, bucket: Bucket) -> None:
+        _buckets.launch(bucket, self._params, self._names, self._reduction)
 
     # -- public
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Finish the allreduce of every gradient (parameters without one get averaged zeros)."""
         if self._local_only:
             self._synchronized = True
@@ -477,15 +241,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             error = None
             for bucket in buckets:
                 try:
-                    _finish_bucket(bucket.handle)
+                    _buckets.finish_bucket(bucket.handle)
                 except CollectiveMismatchError as exc:
-                    error = error or self._explain(bucket, exc)
+                    error = error or _buckets.explain(bucket, exc, self._params, self._names, self._process_set)
                     continue
                 except BaseException as exc:  # noqa: BLE001 - first error re-raised below
                     error = error or exc
                     continue
                 try:
-                    self._unpack(bucket)
+                    _buckets.unpack(bucket, self._params, self._reduction.compression)
                 except BaseException as exc:  # noqa: BLE001 - first error re-raised below
                     error = error or exc
             if error is not None:
@@ -496,59 +260,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_step()
         self._synchronized = True
 
-    def _unpack(self, bucket):
-        """Results into ``.grad`` where they are not there already (copied buckets, sparse gradients)."""
-        with torch.no_grad():
-            for i, out in zip(bucket.params, bucket.slots):
-                p = self._params[i]
-                if i in bucket.sparse:
-                    continue
-                if not bucket.views:
-                    p.grad.copy_(self._compression.decompress(out, bucket.contexts.pop(i, None)))
-            for i, gathered in bucket.sparse.items():
-                p = self._params[i]
-                if gathered is not None:
-                    p.grad = gathered()
-                    continue
-                # sparse_as_dense: the reduced dense form goes back to the sparse .grad the
-                # optimizer (SparseAdam) expects, as Horovod does
-                out = bucket.slots[bucket.params.index(i)]
-                if not bucket.views:
-                    out = self._compression.decompress(out, bucket.contexts.pop(i, None))
-                p.grad = out.to(p.dtype).to_sparse()
-
-    def _explain(self, bucket, exc):
-        """A bucket's mismatch names the parameter whose shape or dtype differs between ranks."""
-        mine = [(self._names[i], tuple(self._params[i].shape), str(self._params[i].dtype)) for i in bucket.params]
-        try:
-            everyone = _ring.allgather_object(mine, name=f"{bucket.name}.explain", process_set=self._process_set)
-        except RingError:
-            return exc
-        ranks = list(range(len(everyone))) if _api.is_global(self._process_set) else self._process_set.ranks
-        for pos in range(max(len(e) for e in everyone)):
-            values = {ranks[q]: e[pos] if pos < len(e) else None for q, e in enumerate(everyone)}
-            if len(set(values.values())) > 1:
-                parts = "; ".join(f"rank {q}: {v[0]} {v[1]} {v[2]}" if v else f"rank {q}: (none)"
-                                  for q, v in values.items())
-                return CollectiveMismatchError(
-                    f"DistributedOptimizer: the ranks' parameters differ ({parts}); every rank must "
-                    "wrap the same model (same parameter names, shapes and dtypes)")
-        return exc
-
-    def _learn_order(self):
+    def _learn_order(self) -> None:
         # Rank 0's hook order of its first step becomes everyone's bucket order, so that later
         # steps launch each bucket as soon as it is ready (overlap with the rest of backward).
         # An allreduce, not a broadcast: a rank that called join() before this step answers it
         # with zeros, as Horovod's join does for every allreduce. Rank 0's order + 1 in a Sum
         # with everyone else's zeros; all zeros (rank 0 itself joined) keeps the present order.
-        root = 0 if _api.is_global(self._process_set) else self._process_set.ranks[0]
-        code = np.zeros(len(self._params), np.int64)
-        if _ring.rank() == root:
-            code[:len(self._fired)] = np.asarray(self._fired, np.int64) + 1
-        _ring.allreduce_(code, op=_ring.Sum, name="DistributedOptimizer.order", process_set=self._process_set)
-        fired = [int(i) - 1 for i in code if i > 0]
-        seen = set(fired)
-        order = fired + [i for i in self._order if i not in seen]
+        order = _root_order(self._fired, self._order, len(self._params), self._process_set)
         self._order_learned = True
         if order != self._order:
             # grads of the old buckets stay valid views until their next launch moves them in
@@ -556,7 +274,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._make_buckets()
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """Inside, ``step()`` does not synchronize (after an explicit ``synchronize()``)."""
         self._should_synchronize = False
         try:
@@ -564,7 +282,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Synchronize the gradients (unless already done) and step the wrapped optimizer."""
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
@@ -578,7 +302,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _report_step(self)
         return result
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; an error between backward() and step(), where it would lose them."""
         self._drop_stale_step()
         waiting = sum(1 for c in self._counts if c)
@@ -589,7 +313,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "or after step(); to drop this step's gradients call optimizer.synchronize() first")
         return self._opt.zero_grad(set_to_none=set_to_none)
 
-    def remove_hooks(self):
+    def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapper stops allreducing); for re-wrapping in a notebook."""
         for h in self._hooks:
             h.remove()
@@ -599,13 +323,91 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 del _HOOKS[id(p)]
 
 
+def _check_names(named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+                 optimizer: torch.optim.Optimizer) -> dict[int, str] | None:
+    """``named_parameters`` checked against the optimizer's parameters: {id(parameter): name}."""
+    if named_parameters is None:
+        return None
+    pairs = list(named_parameters)
+    if any(not (isinstance(p, tuple) and len(p) == 2) for p in pairs):
+        raise TypeError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+    counts: dict[str, int] = {}
+    for name, _p in pairs:
+        counts[name] = counts.get(name, 0) + 1
+    dups = sorted(n for n, c in counts.items() if c > 1)
+    if dups:
+        raise ValueError(f"named_parameters has duplicate names: {', '.join(repr(d) for d in dups)}; "
+                         "each parameter needs a unique name. With several models, prefix each "
+                         "model's names: [(f'enc.{n}', p) for n, p in enc.named_parameters()]")
+    given = {id(p): name for name, p in pairs}
+    missing = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"]
+               if id(p) not in given]
+    if missing:
+        raise ValueError(f"named_parameters was given, but {len(missing)} of the optimizer's parameters "
+                         f"are not in it (shapes {missing[:5]}{' ...' if len(missing) > 5 else ''}); pass "
+                         "the named_parameters() of the model whose parameters the optimizer holds")
+    return given
+
+
+def _check_options(optimizer: object, backward_passes_per_step: object, op: int, gradient_predivide_factor: float,
+                   compression: object, process_set: ProcessSet | None, bucket_bytes: object) -> int:
+    """DistributedOptimizer's arguments checked; the bucket size (the default for None)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain torch "
+                        "optimizer once (re-running a cell? wrap the original optimizer again)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported by jupyter_ring; use op=Average or op=Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=Average (it splits the averaging "
+                         "into a division before and after the sum)")
+    if not hasattr(compression, "compress") or not hasattr(compression, "decompress"):
+        raise TypeError("compression must be Compression.none, Compression.fp16 or an object with "
+                        "compress(tensor) and decompress(tensor, ctx)")
+    if not _api.is_global(process_set) and not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set= takes a ProcessSet, got {type(process_set).__name__}")
+    if bucket_bytes is None:
+        bucket_bytes = BUCKET_BYTES
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int (bytes per gradient bucket), got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def _root_order(fired: list[int], order: list[int], count: int, process_set: ProcessSet) -> list[int]:
+    """The first rank's hook order ``fired`` (then the rest of ``order``), on every rank of the set."""
+    root = 0 if _api.is_global(process_set) else _buckets.set_ranks(process_set)[0]
+    code = np.zeros(count, np.int64)
+    if _ring.rank() == root:
+        code[:len(fired)] = np.asarray(fired, np.int64) + 1
+    _ring.allreduce_(code, op=_ring.Sum, name="DistributedOptimizer.order", process_set=process_set)
+    first = [int(i) - 1 for i in code if i > 0]
+    seen = set(first)
+    return first + [i for i in order if i not in seen]
+
+
 # Each parameter's current gradient hook, so that re-wrapping (a re-run cell) replaces it. Kept
 # here, not on the parameter, so that pickling a model (%ring pull model) stays possible.
 # Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves.
-_HOOKS: dict[int, object] = {}
+_HOOKS: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
 
 
-def _hook_of(param):
+def _hook(param: torch.Tensor, hook: _GradHook) -> RemovableHandle:
+    """``hook`` on ``param``'s accumulated gradient, in place of an earlier optimizer's."""
+    old = _hook_of(param)
+    if old is not None:
+        # a previous DistributedOptimizer over this parameter (a re-run notebook cell):
+        # its hook would queue allreduces nobody synchronizes
+        old.remove()
+    # (torch leaves register_post_accumulate_grad_hook unannotated)
+    handle: RemovableHandle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+    _HOOKS[id(param)] = (weakref.ref(param), handle)
+    return handle
+
+
+def _hook_of(param: torch.Tensor) -> RemovableHandle | None:
     entry = _HOOKS.get(id(param))
     if entry is None or entry[0]() is not param:  # gone, or an id reused by another tensor
         _HOOKS.pop(id(param), None)
@@ -618,27 +420,27 @@ class _GradHook:
 
     __slots__ = ("optimizer", "index")
 
-    def __init__(self, optimizer, index):
+    def __init__(self, optimizer: DistributedOptimizer, index: int) -> None:
         self.optimizer = optimizer
         self.index = index
 
-    def __call__(self, _param):
+    def __call__(self, _param: torch.Tensor) -> None:
         self.optimizer._on_grad(self.index)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[], Callable[[torch.Tensor], None]], tuple[()]]:
         return (_detached_hook, ())
 
 
-def _no_allreduce(_param):
+def _no_allreduce(_param: torch.Tensor) -> None:
     """The hook of a model unpickled away from its DistributedOptimizer: nothing to do."""
 
 
-def _detached_hook():
+def _detached_hook() -> Callable[[torch.Tensor], None]:
     return _no_allreduce
 
 
 # ------------------------------------------------------------------ dashboard (owner: widgets)
-def _report_step(optimizer):
+def _report_step(optimizer: DistributedOptimizer) -> None:
     """Count optimizer steps for the notebook's dashboard, unless the user reports progress.
 
     The optimizer advances ``ring.progress`` by one per ``step()`` as long as the reporter's step

@@ -7,24 +7,30 @@ stay local, as Horovod's (DistributedOptimizer averages them). Works on CPU tens
 needs a GPU in training mode); CUDA tensors are staged through host memory by the adapter.
 """
 
+from __future__ import annotations
+
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ... import runtime as _ring
 from .._horovod.runtime_names import Sum
-from .mpi_ops import allreduce
+from .mpi_ops import _apply, allreduce
 
 __all__ = ["SyncBatchNorm"]
 
 
-def _ring_sum(tensor, name):
+def _ring_sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return allreduce(tensor, op=Sum, name=name)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, name):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float, momentum: float,
+                name: str) -> torch.Tensor:
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         xd = x.detach().to(torch.float64)
@@ -37,7 +43,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                              f"training, got input size {tuple(x.shape)} ({int(count)} values per channel)")
         mean = total[:channels] / count
         var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)
-        if running_mean is not None:
+        if running_mean is not None and running_var is not None:  # (both or neither)
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
                 unbiased = var * count / (count - 1)
@@ -46,14 +52,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         invstd = (var + eps).rsqrt()
         xhat = ((xd - mean.view(shape)) * invstd.view(shape)).to(x.dtype)
         out = xhat
-        if weight is not None:
+        if weight is not None and bias is not None:  # (affine: both or neither)
             out = out * weight.view(shape) + bias.view(shape)
         ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
         ctx.count, ctx.name, ctx.dims = count, name, dims
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         xhat, weight, invstd = ctx.saved_tensors
         dims, channels = ctx.dims, xhat.shape[1]
         shape = [1, channels] + [1] * (xhat.dim() - 2)
@@ -79,17 +85,18 @@ class SyncBatchNorm(_BatchNorm):
 
     _instances = 0
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         # collectives are named per layer, in construction order, identically on every rank
         self._ring_name = f"SyncBatchNorm.{SyncBatchNorm._instances}"
         SyncBatchNorm._instances += 1
 
-    def _check_input_dim(self, input):
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm: expected at least 2D input (N, C, ...), got {input.dim()}D input")
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalise ``input`` with statistics over every rank's batch (training) or the running ones."""
         self._check_input_dim(input)
         if not (self.training or not self.track_running_stats) or _ring.size() == 1:
@@ -98,11 +105,12 @@ class SyncBatchNorm(_BatchNorm):
                                 0.0 if self.momentum is None else self.momentum, self.eps)
         momentum = self.momentum
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            tracked = cast(torch.Tensor, self.num_batches_tracked)  # (a tensor with track_running_stats)
+            tracked.add_(1)
             if momentum is None:  # cumulative moving average
-                momentum = 1.0 / float(self.num_batches_tracked)
+                momentum = 1.0 / float(tracked)
         running = self.training and self.track_running_stats
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias,
-                                            self.running_mean if running else None,
-                                            self.running_var if running else None,
-                                            self.eps, momentum or 0.0, self._ring_name)
+        return cast(torch.Tensor, _apply(_SyncBatchNormFunction, input, self.weight, self.bias,
+                                         self.running_mean if running else None,
+                                         self.running_var if running else None,
+                                         self.eps, momentum or 0.0, self._ring_name))
