@@ -287,11 +287,14 @@ class Runtime:
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
         self.ctl = self._poll_dup(comm, "init")
-        self._notice_buf = np.zeros(1, np.int64)
-        self._status = MPI.Status()
+        # One notice receive per peer, never one from MPI.ANY_SOURCE: across hosts MPICH's
+        # ANY_SOURCE receive (ch4, shared memory beside UCX) was seen to stop matching after a few
+        # resyncs that followed interrupts, with notices waiting that MPI_Iprobe found: no rank
+        # then heard a notice, and every resync stalled (tests/multihost/test_resync_hosts.py).
+        self._notice_bufs = np.zeros(len(self.peers), np.int64)
         self._highest_notice = 0
         self._checked = 0.0       # when resync_due last ran (perf_counter)
-        self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
+        self._notice_reqs = [self._notice_recv(i) for i in range(len(self.peers))]
         self.comm = self._poll_dup(self.ctl, "init")
         self.hosts = self._exchange_hostnames()
         self._set_topology()
@@ -430,7 +433,7 @@ class Runtime:
     def close(self) -> None:
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
         MPI = self.MPI
-        for req in [self._notice_req, *self._notice_sends, *self._inflight, *self._drains]:
+        for req in [*self._notice_reqs, *self._notice_sends, *self._inflight, *self._drains]:
             self._discard(req)
         for reqs, _ in self._abandoned:
             for req in reqs:
@@ -565,21 +568,27 @@ class Runtime:
     def _missing(reqs: Sequence[MPI.Request], peers_of: Sequence[int]) -> list[int]:
         return sorted({peers_of[i] for i, req in enumerate(reqs) if not req.Test()})
 
+    def _notice_recv(self, index: int) -> MPI.Request:
+        """Post the receive of the next RESYNC notice from ``self.peers[index]``."""
+        MPI = self.MPI
+        return self.ctl.Irecv([self._notice_bufs[index:index + 1], MPI.INT64_T], self.peers[index], TAG_RESYNC)
+
     def _poll_notices(self, tests: int = 1) -> int:
-        """Collect RESYNC notices (testing the request up to ``tests`` times while it is not
+        """Collect RESYNC notices (testing the requests up to ``tests`` times while none is
         complete); return the highest generation any peer asked for."""
-        status = self._status
+        reqs = self._notice_reqs
+        Testany = self.MPI.Request.Testany
+        undefined = self.MPI.UNDEFINED
         for _ in range(tests):
-            if self._notice_req.Test(status):
+            index, done = Testany(reqs)
+            if done:
                 break
         else:  # the common case, once per collective
             return self._highest_notice
-        MPI = self.MPI
-        while True:
-            self._notices.setdefault(int(self._notice_buf[0]), set()).add(status.Get_source())
-            self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
-            if not self._notice_req.Test(status):
-                break
+        while done and index != undefined:  # (undefined: no peers, nothing to receive)
+            self._notices.setdefault(int(self._notice_bufs[index]), set()).add(self.peers[index])
+            reqs[index] = self._notice_recv(index)
+            index, done = Testany(reqs)
         self._highest_notice = max(self._notices, default=0)
         return self._highest_notice
 
