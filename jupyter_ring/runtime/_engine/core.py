@@ -287,11 +287,15 @@ class Runtime:
         # The control communicator carries only RESYNC notices and Idup, so its collective order
         # can never be disturbed by an abandoned data collective.
         self.ctl = self._poll_dup(comm, "init")
+        # Notices are taken by a matched probe (MPI_Improbe, then MPI_Mrecv), never by a posted
+        # MPI.ANY_SOURCE receive: across hosts MPICH's posted wildcard receive (ch4: a shared-memory
+        # request with a UCX partner) was seen to stop matching after a few resyncs that followed
+        # interrupts, with notices waiting that MPI_Iprobe found: no rank then heard a notice, and
+        # every resync stalled (tests/multihost/test_resync_hosts.py). A probe posts nothing.
         self._notice_buf = np.zeros(1, np.int64)
         self._status = MPI.Status()
         self._highest_notice = 0
         self._checked = 0.0       # when resync_due last ran (perf_counter)
-        self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
         self.comm = self._poll_dup(self.ctl, "init")
         self.hosts = self._exchange_hostnames()
         self._set_topology()
@@ -430,7 +434,7 @@ class Runtime:
     def close(self) -> None:
         """Release the communicators (local in MPICH and Open MPI: it does not wait for peers)."""
         MPI = self.MPI
-        for req in [self._notice_req, *self._notice_sends, *self._inflight, *self._drains]:
+        for req in [*self._notice_sends, *self._inflight, *self._drains]:
             self._discard(req)
         for reqs, _ in self._abandoned:
             for req in reqs:
@@ -566,20 +570,22 @@ class Runtime:
         return sorted({peers_of[i] for i, req in enumerate(reqs) if not req.Test()})
 
     def _poll_notices(self, tests: int = 1) -> int:
-        """Collect RESYNC notices (testing the request up to ``tests`` times while it is not
-        complete); return the highest generation any peer asked for."""
+        """Collect RESYNC notices (probing up to ``tests`` times while none is waiting); return
+        the highest generation any peer asked for."""
+        MPI = self.MPI
         status = self._status
+        improbe = self.ctl.Improbe
         for _ in range(tests):
-            if self._notice_req.Test(status):
+            message = improbe(MPI.ANY_SOURCE, TAG_RESYNC, status)
+            if message is not None:
                 break
         else:  # the common case, once per collective
             return self._highest_notice
-        MPI = self.MPI
-        while True:
-            self._notices.setdefault(int(self._notice_buf[0]), set()).add(status.Get_source())
-            self._notice_req = self.ctl.Irecv([self._notice_buf, MPI.INT64_T], MPI.ANY_SOURCE, TAG_RESYNC)
-            if not self._notice_req.Test(status):
-                break
+        buf = self._notice_buf
+        while message is not None:
+            message.Recv([buf, MPI.INT64_T])  # matched: it is this rank's, already arrived
+            self._notices.setdefault(int(buf[0]), set()).add(status.Get_source())
+            message = improbe(MPI.ANY_SOURCE, TAG_RESYNC, status)
         self._highest_notice = max(self._notices, default=0)
         return self._highest_notice
 
@@ -660,7 +666,7 @@ class Runtime:
 
     def resync_due(self) -> bool:
         """Whether this rank must resync before its next collective: it gave one up, or a peer
-        did and announced it (the notice request is tested: one ``MPI_Test``).
+        did and announced it (notices are probed: one ``MPI_Improbe``).
 
         Tested before every collective, prepared lanes' too: a header that a peer sent before it
         gave its collective up still waits on the old communicator, and it may equal the header
@@ -668,10 +674,10 @@ class Runtime:
         it and then calls it again): a small collective would complete with it, silently wrong.
         Only the notice, which that peer sends before anything else, tells this rank not to take
         it; once this rank has sent nothing, a resync first is safe for every rank. After an idle
-        gap (this rank computed: whatever peers sent meanwhile waits unprocessed) one ``MPI_Test``
-        is not enough: MPICH moves one message of the backlog a test, so the request is tested
-        up to ``4 + 4·peers`` times then (a few µs, once per gap). In a loop of collectives the
-        backlog is processed as it comes: one test.
+        gap (this rank computed: whatever peers sent meanwhile waits unprocessed) one probe is
+        not enough: MPICH moves one message of the backlog a call, so it probes up to
+        ``4 + 4·peers`` times then (a few µs, once per gap). In a loop of collectives the backlog
+        is processed as it comes: one probe.
         """
         if self.dirty:
             return True
