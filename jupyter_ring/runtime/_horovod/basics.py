@@ -15,17 +15,13 @@ import numpy as np
 from ... import runtime as _ring
 from .. import _api
 from .._engine.core import Average, Sum
-from .._engine.errors import RingError
+from .._engine.errors import HorovodInternalError
 
 __all__ = [
     "init", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported", "is_homogeneous",
     "start_timeline", "stop_timeline", "join", "HorovodInternalError",
 ]
-
-
-class HorovodInternalError(RingError):
-    """Horovod's name for a collective that failed inside the runtime (a ``RingError`` here)."""
 
 
 def init(comm=None, process_sets=None, **config):
