@@ -65,8 +65,7 @@ _armed = _Armed()
 def arm(directory: str, rank: int, gen: int = 0) -> None:
     """The rank set-up: read the kernel's notices in ``directory`` from now on (``gen``: the
     replacement this rank was made in, 0 for a rank of the first start)."""
-    from ..runtime.internal import elastic_world, lost_ranks
-    from ..runtime.internal import debugger
+    from ..runtime.internal import debugger, elastic_world, lost_ranks
 
     _armed.directory, _armed.rank = directory, rank
     _armed.gen = max(gen, _armed.gen, _respawn.joined_gen())
