@@ -23,7 +23,7 @@ from . import _live
 from ._debug import Debuggers
 from ._ipp import REPLY_GRACE, CellExecution
 from .runtime.internal import MARK
-from .errors import (CellInterrupted, DeadRankError, DistributedError, _ename, _first_line,
+from .errors import (CellInterrupted, ClusterError, DeadRankError, DistributedError, _ename, _first_line,
                      trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
@@ -181,9 +181,10 @@ class CellRun:
                     return  # run() ends the output, says so and waits for the end
                 self._deliver()
                 now = time.monotonic()
-                if now >= next_health_check:
+                if now >= next_health_check or self._engine_failed():
                     next_health_check = now + magics.health_interval
-                    self._check_dead()
+                    if self._check_dead():  # replaced under elastic.run: the cell goes on
+                        first_failure = None
                 for rank in self.ranks:
                     if execution.error(rank) is not None:
                         if first_failure is None:
@@ -252,14 +253,48 @@ class CellRun:
                       "the cell finished; what they printed last may be missing)", file=sys.stderr)
                 return
 
-    def _check_dead(self):
-        """A rank that died mid-cell never replies: report it now instead of waiting forever."""
+    def _engine_failed(self) -> bool:
+        """Whether the controller failed a rank's request because its engine went away: the
+        death is checked at once, before the peers are interrupted for that failure."""
+        errors = (self.execution.error(r) for r in self.ranks)
+        return any(e is not None and _ename(e) == "EngineError" for e in errors)
+
+    def _check_dead(self) -> bool:
+        """A rank that died mid-cell never replies: report it now instead of waiting forever.
+        True when it was replaced and the cell goes on (``elastic.run``, :meth:`_go_on_elastic`)."""
         dead = self.cluster.dead_ranks()
         if not dead:
-            return
+            return False
+        if self._go_on_elastic(dead):
+            return True
         self.execution.ar.wait(0.2)  # let ipyparallel deliver what it has
         self._deliver(final=True)
         self._raise_dead(dead)
+        return False  # (not reached: _raise_dead raises)
+
+    def _go_on_elastic(self, dead: list[int]) -> bool:
+        """A rank died while every other rank runs ``elastic.run`` in this cell: replace it in
+        place and let the cell go on (issue 34, item 2). The survivors give their step up, go
+        back to their last commit and re-form the world from inside ``run``; the new rank runs
+        this cell from its start, and its ``run`` takes the state from them. False where it
+        does not apply (the cell fails with DeadRankError, as without elastic code)."""
+        cluster, magics = self.cluster, self.magics
+        if (sorted(self.ranks) != list(range(cluster.size)) or not cluster.can_respawn(dead)
+                or not cluster.elastic_survivors(dead)):
+            return False
+        from .cluster import elastic_note
+
+        head = cluster.describe_death(dead, fix="").rstrip()
+        try:
+            done = cluster.respawn(dead, elastic=True)
+        except ClusterError as exc:
+            raise DeadRankError(f"{head} Replacing it in place failed: {exc}", dead) from None
+        magics._new_rank_dashboard(cluster, done.ranks)
+        for rank in done.ranks:
+            self.execution.resubmit(rank, cluster.engine_ids[rank])
+            self.interrupted.pop(rank, None)
+        print(f"{head} {elastic_note(done, cluster.restarts, cluster.max_restarts)}", file=sys.stderr)
+        return True
 
     def _raise_dead(self, dead):
         """Mark the dead ranks' tabs, then raise the DeadRankError that names them."""

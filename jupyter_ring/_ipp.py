@@ -63,23 +63,55 @@ class CellExecution:
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
         self._idle_at: dict[int, float] = {}   # rank -> when its engine went idle (IO thread)
-        view = client[list(engine_ids)]
-        idents, targets = client._build_targets(list(engine_ids))
+        self._client, self._code = client, code
+        self._dropped: set[int] = set()  # ids of requests resubmit() replaced
+        self._kept: list[Any] = []
+        self._engine_ids = list(engine_ids)
+        self._metadata = dict(metadata or {})
         self._futures = []
-        for rank, ident in zip(self.ranks, idents):
-            self._futures.append(client.send_execute_request(
-                view._socket, code, silent=False, ident=ident,
-                metadata={"label": None, **(metadata or {})},
-                message_future_hook=functools.partial(self._hook, rank)))
-        self.ar = AsyncResult(client, self._futures, fname="execute", targets=targets, owner=True)
+        for rank, engine_id in zip(self.ranks, self._engine_ids):
+            self._futures.append(self._send(rank, engine_id))
+        # copies: ipyparallel's multi_future reads the list it was given when its last child is
+        # done, and resubmit() replaces an item of ours (read then, the new request's future
+        # blocked the client's IO thread for good)
+        self.ar = AsyncResult(client, list(self._futures), fname="execute", targets=list(self._engine_ids),
+                              owner=True)
+
+    def _send(self, rank: int, engine_id: int) -> Any:
+        client = self._client
+        view = client[[engine_id]]
+        idents, _ = client._build_targets([engine_id])
+        return client.send_execute_request(
+            view._socket, self._code, silent=False, ident=idents[0], metadata={"label": None, **self._metadata},
+            message_future_hook=functools.partial(self._hook, rank))
+
+    def resubmit(self, rank: int, engine_id: int) -> None:
+        """Send the cell again, to ``engine_id``, as ``rank``'s request: a rank replaced while the
+        cell runs under ``elastic.run`` runs it from its start (its old request, to the dead
+        engine, is forgotten: nothing it still brings counts)."""
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        index = self._index[rank]
+        self._idle_at.pop(rank, None)
+        self._engine_ids[index] = engine_id
+        old = self._futures[index]
+        self._dropped.add(id(old))
+        self._kept.append(old)  # alive, so that its id is never another future's
+        self._futures[index] = self._send(rank, engine_id)
+        self.ar.owner = False  # the survivors' requests are the new result's now
+        self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
+                              targets=list(self._engine_ids), owner=True)
+        self._wake.set()
 
     def _hook(self, rank: int, future: Any) -> None:
         # before the request is handed to the IO thread: nothing of it can have arrived yet
-        future.iopub_callbacks.append(functools.partial(self._on_iopub, rank))
+        future.iopub_callbacks.append(functools.partial(self._on_iopub, rank, future))
         future.add_done_callback(self._on_done)
-        future.output.add_done_callback(functools.partial(self._on_idle, rank))
+        future.output.add_done_callback(functools.partial(self._on_idle, rank, future))
 
-    def _on_iopub(self, rank: int, msg: dict[str, Any]) -> None:
+    def _on_iopub(self, rank: int, request: Any, msg: dict[str, Any]) -> None:
+        if id(request) in self._dropped:
+            return  # the replaced request of a dead engine
         kind = msg["header"]["msg_type"]
         if kind in DELIVERED:
             self._arrivals.append(Arrival(rank, kind, msg["content"]))
@@ -89,7 +121,9 @@ class CellExecution:
     def _on_done(self, _future: Any) -> None:
         self._wake.set()
 
-    def _on_idle(self, rank: int, _future: Any) -> None:
+    def _on_idle(self, rank: int, request: Any, _future: Any) -> None:
+        if id(request) in self._dropped:
+            return  # the replaced request of a dead engine
         self._idle_at[rank] = time.monotonic()
         self._wake.set()
 

@@ -696,15 +696,20 @@ class RingMagics(Magics):
             done = cluster.respawn(dead)
         except ClusterError as exc:
             return f"{head} Replacing it in place failed: {exc}"
-        if self._dashboard_ready:
-            from .widgets.live import ENGINE_SETUP
-
-            try:
-                new = cluster.client[[cluster.engine_ids[r] for r in done.ranks]]
-                new.execute(ENGINE_SETUP, block=False).get(timeout=cluster.setup_timeout)
-            except Exception as exc:  # the ranks work; only the new ranks' dashboard rows are missing
-                print(f"(no dashboard on the new rank(s): {exc})", file=sys.stderr)
+        self._new_rank_dashboard(cluster, done.ranks)
         return f"{head} {replaced_note(done, cluster.size, cluster.restarts, cluster.max_restarts)}"
+
+    def _new_rank_dashboard(self, cluster, ranks):
+        """The dashboard's publisher on ranks that replaced dead ones (when the dashboard is on)."""
+        if not self._dashboard_ready:
+            return
+        from .widgets.live import ENGINE_SETUP
+
+        try:
+            new = cluster.client[[cluster.engine_ids[r] for r in ranks]]
+            new.execute(ENGINE_SETUP, block=False).get(timeout=cluster.setup_timeout)
+        except Exception as exc:  # the ranks work; only the new ranks' dashboard rows are missing
+            print(f"(no dashboard on the new rank(s): {exc})", file=sys.stderr)
 
     def _atexit(self):
         cluster, self.cluster = self.cluster, None

@@ -67,3 +67,12 @@ def test_a_listener_hears_updates_from_another_thread():
     _elastic_world.notify_hosts_updated(_elastic_world.HostUpdateResult.added, 4.0)
     assert heard == [(3.0, _elastic_world.HostUpdateResult.removed)]
     assert manager.listeners() == 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_wait_on_a_rank_said_dead_raises_rank_lost_error(mpirun, n):
+    """``lost_ranks`` names the last rank dead: the others' collective raises RankLostError (a
+    HorovodInternalError) at once, ``elastic.run`` restores its commit and resets; afterwards
+    the world's collectives are exact."""
+    result = mpirun("lost_ranks.py", n, timeout=120)
+    assert sorted(int(line.split()[1]) for line in result.lines("LOST_OK")) == list(range(n)), result.stdout

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # the lazy exports below, as a type checker (and a reader) sh
                           parse_ranks as parse_ranks, share_note as share_note,
                           threads_per_rank as threads_per_rank, visible_gpus as visible_gpus)
     from ._launchers import atomic_cluster_class as atomic_cluster_class, ipp_log as ipp_log
-    from ._respawn import replaced_note as replaced_note
+    from ._respawn import elastic_note as elastic_note, replaced_note as replaced_note
     from ._procs import (cluster_file_patterns as cluster_file_patterns, kill_processes as kill_processes,
                          live_process as live_process, process_trees as process_trees,
                          remove_files as remove_files, wait_exit as wait_exit)
@@ -75,7 +75,7 @@ _EXPORTS = {
     "process_trees": "_procs", "remove_files": "_procs", "wait_exit": "_procs",
     "mark_stopped": "_sidecar", "read_sidecar": "_sidecar", "remove_sidecar": "_sidecar",
     "atomic_cluster_class": "_launchers", "ipp_log": "_launchers",
-    "replaced_note": "_respawn",
+    "replaced_note": "_respawn", "elastic_note": "_respawn",
 }
 
 __all__ = ["ClusterError", "DeadRankError", *_EXPORTS]

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ._ring import RingCluster
 
-__all__ = ["Replacement", "replace_ranks", "replaced_note", "newcomer_gpus"]
+__all__ = ["Replacement", "replace_ranks", "elastic_survivors", "replaced_note", "elastic_note", "newcomer_gpus"]
 
 
 class Replacement(NamedTuple):
@@ -52,9 +52,13 @@ def newcomer_gpus(row: RankRow, planned: Sequence[str] | None) -> list[str] | No
     return None if planned is None else list(planned)
 
 
-def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) -> Replacement:
+def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, gen: int,
+                  elastic: bool = False) -> Replacement:
     """Replace the ``dead`` ranks of ``cluster`` in place (see the module); ``setup_code``: the
-    rank set-up every engine ran at start (``ring.init()`` there finds the runtime started)."""
+    rank set-up every engine ran at start (``ring.init()`` there finds the runtime started);
+    ``gen``: the cluster's count of replacements, this one included. ``elastic``: the survivors
+    run ``elastic.run`` in the cell, which goes on: they are told by a notice, not interrupted,
+    and re-form the world from inside ``run`` (``engines._elastic``)."""
     from ..engines import _respawn, _torch
     from ._plan import torchrun_environment
 
@@ -65,19 +69,16 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) ->
     if not survivors:
         raise ClusterError("every rank died: there is no survivor to keep; run %ring restart")
     known = set(client.ids)
+    if elastic:  # first: the survivors give their collectives up while the newcomers start
+        _tell_survivors(cluster.where_dir, gen, dead, survivors[0])
     # the newcomers' process start is the longest step: it runs while the survivors leave
     ipc.start_engines_sync(len(dead))
     cluster._watch()
     survivor_ids = [cluster.engine_ids[r] for r in survivors]
-    # the running cell ends there too; only busy ranks are signalled, and leaving waits until
-    # their cell has ended: a SIGINT that reached an idle rank late would interrupt the leaving
-    busy = [r for r, eid in zip(survivors, survivor_ids) if _busy(client, eid)]
-    if busy:
-        cluster.signal_ranks(signal.SIGINT, busy)
-        _wait_idle(client, [cluster.engine_ids[r] for r in busy], busy, cluster.setup_timeout)
-    ports = _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.leave, dead),
-                        cluster.setup_timeout, "leaving the old world")
-    port = next(p for p in ports if p)
+    if elastic:
+        port = _port_of(cluster.where_dir, gen, cluster.setup_timeout)
+    else:
+        port = _leave_between_cells(cluster, dead, survivors, survivor_ids)
     deadline = time.monotonic() + cluster.engine_timeout
     while len(set(client.ids) - known) < len(dead):
         if time.monotonic() > deadline:
@@ -85,11 +86,14 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) ->
                                f"{cluster.engine_timeout:g} s; run %ring restart")
         time.sleep(0.02)
     new_ids = sorted(set(client.ids) - known)
-    joins = {eid: client[eid].apply_async(_respawn.join, port, dead) for eid in new_ids}
-    _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.accept, port),
-                cluster.setup_timeout, "taking the newcomers in")
+    joins = {eid: client[eid].apply_async(_respawn.join, port, dead, gen, survivors[0]) for eid in new_ids}
+    if not elastic:  # (elastic: the survivors accept inside their running cell)
+        _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.accept, port),
+                    cluster.setup_timeout, "taking the newcomers in")
     ranks_of = {eid: int(_result(ar, cluster.setup_timeout, "joining the world"))  # type: ignore[call-overload]
                 for eid, ar in joins.items()}
+    if elastic:  # every survivor has taken it in (the merge is collective): no one needs it now
+        _forget_notice(cluster.where_dir, gen)
     plan = cluster.plan_used
     rows = cluster.ranks
     for eid in new_ids:
@@ -113,6 +117,71 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str) ->
     cluster.view = client[cluster.engine_ids]
     cluster.view.block = False
     return Replacement(dead, [rows[r] for r in dead], time.monotonic() - t0)
+
+
+def _leave_between_cells(cluster: RingCluster, dead: list[int], survivors: list[int],
+                         survivor_ids: list[int]) -> str:
+    """Without elastic code: end the running cell on the survivors and have them leave the old
+    world through requests of the kernel; the port the newcomers connect to."""
+    from ..engines import _respawn
+
+    client = cluster._running_client
+    # the running cell ends there too; only busy ranks are signalled, and leaving waits until
+    # their cell has ended: a SIGINT that reached an idle rank late would interrupt the leaving
+    busy = [r for r, eid in zip(survivors, survivor_ids) if _busy(client, eid)]
+    if busy:
+        cluster.signal_ranks(signal.SIGINT, busy)
+        _wait_idle(client, [cluster.engine_ids[r] for r in busy], busy, cluster.setup_timeout)
+    ports = _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.leave, dead),
+                        cluster.setup_timeout, "leaving the old world")
+    return str(next(p for p in ports if p))
+
+
+def elastic_survivors(cluster: RingCluster, dead: Sequence[int]) -> bool:
+    """Whether every rank but the ``dead`` is inside ``elastic.run`` now (each says so with a
+    file, ``engines._elastic``): a replacement then lets the cell go on."""
+    from ..engines import _elastic
+
+    survivors = [r for r in range(cluster.size) if r not in dead]
+    return bool(survivors) and _elastic.running_ranks(cluster.where_dir, survivors) == survivors
+
+
+def _tell_survivors(directory: str, gen: int, dead: list[int], root: int) -> None:
+    """The notice every survivor's runtime reads (``engines._elastic``): ranks ``dead`` died."""
+    from ..engines import _elastic
+    from ..runtime.internal import debugger
+
+    for rank in dead:  # a dead rank was inside elastic.run: the newcomer is not, yet
+        debugger.remove(_elastic.running_path(directory, rank))
+    debugger.write_record(_elastic.notice_path(directory), {"gen": gen, "dead": dead, "root": root})
+
+
+def _port_of(directory: str, gen: int, timeout: float) -> str:
+    """The port the first survivor opened inside its reset (``engines._elastic.reform``)."""
+    from ..engines import _elastic
+    from ..runtime.internal import debugger
+
+    path = _elastic.port_path(directory, gen)
+    deadline = time.monotonic() + timeout
+    while True:
+        record = debugger.read_record(path)
+        if record is not None:
+            debugger.remove(path)
+            return str(record["port"])
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the survivors did not re-form their world inside elastic.run within "
+                               f"{timeout:g} s (no port from the first survivor); run %ring restart")
+        time.sleep(0.02)
+
+
+def _forget_notice(directory: str, gen: int) -> None:
+    from ..engines import _elastic
+    from ..runtime.internal import debugger
+
+    path = _elastic.notice_path(directory)
+    record = debugger.read_record(path)
+    if record is not None and record.get("gen") == gen:
+        debugger.remove(path)
 
 
 def _busy(client: ipp.Client, engine_id: int) -> bool:
@@ -185,3 +254,11 @@ def replaced_note(done: Replacement, size: int, restarts: int, max_restarts: int
             f"--max-restarts {max_restarts}): the new rank(s) have a fresh namespace (only `ring`); "
             f"rank(s) {_names(kept)} kept their variables. Copy variables to the new rank(s) with "
             f"%ring sync NAME [NAME ...] --from {kept[0]}; the cell that was running must be run again.")
+
+
+def elastic_note(done: Replacement, restarts: int, max_restarts: int) -> str:
+    """What the notebook says when a rank was replaced while ``elastic.run`` ran: the cell goes on."""
+    ranks = _names(done.ranks)
+    return (f"Rank(s) {ranks} replaced in place in {done.seconds:.1f} s (restart {restarts} of "
+            f"--max-restarts {max_restarts}); elastic.run goes on from its last commit: the new rank(s) "
+            f"run this cell from its start and take the state from the survivors.")

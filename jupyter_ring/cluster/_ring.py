@@ -28,7 +28,7 @@ from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
                      process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
-from ._respawn import Replacement, replace_ranks
+from ._respawn import Replacement, elastic_survivors, replace_ranks
 from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
                        write_sidecar)
 from ._signals import interrupt_cells, signal_engines
@@ -63,6 +63,7 @@ _jr_engine.ascii_logs()
 _jr_info = _jr_engine.describe(ring, _jr_device)
 _jr_engine.arm_where(_jr_where, ring.rank())
 _jr_engine.arm_debugger(_jr_where, ring.rank())
+_jr_engine.arm_elastic(_jr_where, ring.rank())
 import jupyter_ring.engines._torch as _jr_torch
 _jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr
@@ -291,10 +292,12 @@ class RingCluster(LoggingConfigurable):
                 and not self.replace_failed
                 and self.restarts + len(dead) <= self.max_restarts and len(dead) < self.size)
 
-    def respawn(self, dead: Iterable[int]) -> Replacement:
+    def respawn(self, dead: Iterable[int], elastic: bool = False) -> Replacement:
         """Replace the ``dead`` ranks in place: new engines with their rank numbers join the
         survivors, which keep their namespaces (``_respawn.replace_ranks``). ClusterError if it
-        cannot be done (see :meth:`can_respawn`) or a step fails: ``%ring restart`` then."""
+        cannot be done (see :meth:`can_respawn`) or a step fails: ``%ring restart`` then.
+        ``elastic``: the survivors are inside ``elastic.run`` (:meth:`elastic_survivors`) and
+        re-form the world from there; their cell goes on."""
         dead = sorted(set(dead))
         if not self.can_respawn(dead):
             raise ClusterError(f"rank(s) {', '.join(map(str, dead))} cannot be replaced in place "
@@ -302,7 +305,7 @@ class RingCluster(LoggingConfigurable):
                                "not a one-host cluster); run %ring restart")
         self.restarts += len(dead)
         try:
-            done = replace_ranks(self, dead, _SETUP_CODE)
+            done = replace_ranks(self, dead, _SETUP_CODE, self.restarts, elastic)
         except BaseException:
             # the survivors may have left the old world, a late newcomer may still register:
             # no second try on this cluster, %ring restart starts every rank afresh
@@ -319,6 +322,10 @@ class RingCluster(LoggingConfigurable):
         self._watch()
         self._write_sidecar()
         return done
+
+    def elastic_survivors(self, dead: Iterable[int]) -> bool:
+        """Whether every rank but the ``dead`` is inside ``elastic.run`` now."""
+        return elastic_survivors(self, list(dead))
 
     @property
     def where_dir(self) -> str:

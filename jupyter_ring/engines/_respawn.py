@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["world", "leave", "accept", "join", "missing"]
+__all__ = ["world", "leave", "accept", "join", "joined_gen", "missing"]
 
 
 class _World:
@@ -36,6 +36,7 @@ class _World:
         self.survivors: "MPI.Intracomm | None" = None
         self.port: str | None = None
         self.config: dict[str, object] = {}
+        self.gen = 0  # the replacement this rank joined in (0: a rank of the first start)
 
 
 _state = _World()
@@ -90,15 +91,26 @@ def accept(port: str) -> int:
     return _adopt(new)
 
 
-def join(port: str, ranks: Sequence[int]) -> int:
+def join(port: str, ranks: Sequence[int], gen: int = 0, root: int = 0) -> int:
     """Every newcomer (its own ``mpiexec -n k`` world): connect to the survivors on ``port``,
     take rank number ``ranks[i]`` (i: its rank in its launch world), start the runtime; returns
-    the rank number."""
+    the rank number. ``gen``: the cluster's count of replacements, this one included (a notice of
+    it is not news to the newcomer, ``engines._elastic``); ``root``: the survivor whose state
+    ``elastic.run``'s next sync takes."""
     from mpi4py import MPI
 
+    from ..runtime.internal import elastic_world
+
+    _state.gen = gen
+    elastic_world.set_sync_root(root)
     inter = MPI.COMM_WORLD.Connect(port, MPI.INFO_NULL, 0)
     new = _merge(inter, high=True, key=ranks[MPI.COMM_WORLD.Get_rank()])
     return _adopt(new)
+
+
+def joined_gen() -> int:
+    """The replacement this rank joined in (``join``'s ``gen``), 0 for a rank of the first start."""
+    return _state.gen
 
 
 def _merge(inter: "MPI.Intercomm", high: bool, key: int) -> "MPI.Intracomm":

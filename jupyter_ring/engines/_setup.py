@@ -15,7 +15,8 @@ from types import FrameType, TracebackType
 from typing import Any, TypedDict
 
 __all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
-           "keep_own_errors", "address_interrupts", "reply_always", "arm_where", "arm_debugger", "ascii_logs", "CELL_NUMBER"]
+           "keep_own_errors", "address_interrupts", "reply_always", "arm_where", "arm_debugger", "arm_elastic", "ascii_logs",
+           "CELL_NUMBER"]
 
 
 class RankRow(TypedDict):
@@ -353,3 +354,12 @@ def arm_debugger(directory: str, rank: int) -> None:
     except OSError:
         pass
     _postmortem.keep_failures()  # %ring debug: the last failed cell's traceback, kept
+
+
+def arm_elastic(directory: str, rank: int) -> None:
+    """Let ``elastic.run`` on this rank go on through a peer's death (``engines/_elastic.py``):
+    the runtime's waits read the kernel's notice that a rank died, ``run``'s reset re-forms the
+    world, and the rank says when it is inside ``elastic.run``."""
+    from . import _elastic
+
+    _elastic.arm(directory, rank)

@@ -11,6 +11,8 @@ package.
 from . import _api as api
 from ._device import process_groups, torch_comm
 from ._engine import progress
+from ._engine.lost import lost_ranks
+from ._horovod import elastic_world
 from ._observe import debugger, report, where
 from ._observe.debugger import MARK, hold, read_held
 from ._observe.report import Reporter, reporter
@@ -18,6 +20,7 @@ from ._observe.trace import RecentRecord
 from ._observe.where import (WHERE_SIGNAL, Doing, Frame, ThreadStack, cell_source_name, cells_path, doing_path,
                              parse_stacks, read_doing, stack_path)
 
-__all__ = ["api", "process_groups", "torch_comm", "progress", "debugger", "report", "where", "MARK", "hold",
-           "read_held", "Reporter", "reporter", "RecentRecord", "WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "cell_source_name",
+__all__ = ["api", "process_groups", "torch_comm", "progress", "lost_ranks", "elastic_world", "debugger", "report",
+           "where", "MARK", "hold", "read_held", "Reporter", "reporter", "RecentRecord", "WHERE_SIGNAL", "Doing", "Frame",
+           "ThreadStack", "cell_source_name",
            "cells_path", "doing_path", "parse_stacks", "read_doing", "stack_path"]

@@ -47,7 +47,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import shm as _shm, waits as _waits
-from .errors import CollectiveMismatchError, PeerError, RingError, StallError
+from .errors import CollectiveMismatchError, PeerError, RankLostError, RingError, StallError
+from .lost import lost_ranks
 from .pool import ResultPool
 from .._observe.report import reporter
 from .._observe.trace import Trace
@@ -521,6 +522,15 @@ class Runtime:
             waited = time.perf_counter() - start
             if waited - named >= 0.25:
                 named = waited
+                gone = lost_ranks.among(r for r in self.world if r != self.world[self.rank])
+                if gone:  # a dead peer never arrives: give the collective up now (issue 34)
+                    if warned or held_told:
+                        reporter.stalled(None, (), 0.0)
+                    activity.waiting(())
+                    raise RankLostError(
+                        f"{what}: rank(s) {gone} died, and rank {self.world[self.rank]} gave the collective "
+                        "up. Under elastic.run the state goes back to its last commit and training goes on "
+                        "once the rank is replaced; elsewhere the cell fails.", gone)
                 absent_ranks = missing()
                 activity.waiting(absent_ranks)
                 if waited >= 0.25:

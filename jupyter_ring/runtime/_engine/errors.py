@@ -2,7 +2,8 @@
 
 from collections.abc import Iterable
 
-__all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError"]
+__all__ = ["RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
+           "HorovodInternalError", "RankLostError"]
 
 
 class RingError(RuntimeError):
@@ -42,3 +43,17 @@ class PeerError(RingError):
         super().__init__(message)
         self.rank = rank
         self.reason = reason
+
+
+class HorovodInternalError(RingError):
+    """Horovod's name for a collective that failed inside the runtime (a ``RingError`` here):
+    ``elastic.run`` restores the last commit and tries again after it."""
+
+
+class RankLostError(HorovodInternalError):
+    """A rank this collective waited for died (``lost`` names it): the collective is given up at
+    once instead of waiting for the stall timeout (see ``lost.lost_ranks``)."""
+
+    def __init__(self, message: str, lost: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.lost = tuple(lost)

@@ -20,7 +20,7 @@ from ... import runtime as _ring
 from .. import _api
 from .._api import ProcessSet, Ranks
 from .._engine.core import Average, Sum
-from .._engine.errors import RingError
+from .._engine.errors import HorovodInternalError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -30,10 +30,6 @@ __all__ = [
     "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported", "is_homogeneous",
     "start_timeline", "stop_timeline", "join", "HorovodInternalError",
 ]
-
-
-class HorovodInternalError(RingError):
-    """Horovod's name for a collective that failed inside the runtime (a ``RingError`` here)."""
 
 
 def init(comm: MPI.Comm | None = None, process_sets: Iterable[ProcessSet | Ranks] | None = None,

@@ -26,7 +26,8 @@ RESET_LIMIT = 3  # failed attempts in a row (no commit between them) after which
 
 class State:
     """A training state every rank keeps alike: ``commit`` saves it (and checks for host updates),
-    ``restore`` goes back to the last commit, ``sync`` gives every rank rank 0's values.
+    ``restore`` goes back to the last commit, ``sync`` gives every rank rank 0's values
+    (``elastic_world.sync_root()``'s after a rank was replaced in place).
 
     ``bcast_object(obj)`` broadcasts from rank 0, ``get_rank()`` says this rank (Horovod's arguments).
     """
@@ -116,7 +117,7 @@ class State:
 
 class ObjectState(State):
     """Picklable values kept as attributes (``state.epoch``, ``state.batch``): saved by reference
-    at ``commit``, broadcast from rank 0 by ``sync`` (Horovod's ObjectState)."""
+    at ``commit``, broadcast from rank 0 (``elastic_world.sync_root()``) by ``sync`` (Horovod's ObjectState)."""
 
     def __init__(self, bcast_object, get_rank, **kwargs):
         self._bcast_object = bcast_object
@@ -133,9 +134,13 @@ class ObjectState(State):
         self._set_attrs()
 
     def sync(self):
-        """Every rank takes rank 0's saved values (one broadcast_object)."""
+        """Every rank takes the sync root's saved values (one broadcast_object; see State)."""
         if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
+            root = elastic_world.sync_root()
+            # Horovod's bcast_object takes one argument (rank 0); ours and hvd.broadcast_object
+            # take the root next, which a replacement of rank 0 needs
+            self._saved_state = (self._bcast_object(self._saved_state) if root == 0
+                                 else self._bcast_object(self._saved_state, root))
             self._set_attrs()
 
     def _set_attrs(self):
@@ -180,6 +185,7 @@ def run_fn(func, reset, reset_limit=None):
                 try:
                     if not skip_sync:
                         state.sync()
+                        elastic_world.set_sync_root(0)  # every rank holds the same state again
                     return func(state, *args, **kwargs)
                 except HorovodInternalError as exc:
                     failures = failures + 1 if state._commits == commits_at_failure else 1

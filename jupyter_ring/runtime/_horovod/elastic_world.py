@@ -49,7 +49,7 @@ from typing import Protocol
 
 __all__ = ["HostUpdateResult", "HostsUpdatedInterrupt", "HostsListener", "NotificationManager",
            "notification_manager", "notify_hosts_updated", "on_world_reset", "remove_world_reset",
-           "world_reset_hooks"]
+           "world_reset_hooks", "sync_root", "set_sync_root"]
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -86,17 +86,42 @@ class NotificationManager:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._listeners: list[HostsListener] = []
+        self._watchers: list[Callable[[bool], None]] = []
 
     def register_listener(self, listener: HostsListener) -> None:
         """Tell ``listener`` of host updates from now on (``run`` does, for its state)."""
         with self._lock:
             if not any(known is listener for known in self._listeners):
                 self._listeners.append(listener)
+            count = len(self._listeners)
+        if count == 1:
+            self._tell_watchers(True)
 
     def remove_listener(self, listener: HostsListener) -> None:
         """Stop telling ``listener`` (``run`` does when its function returns or raises)."""
         with self._lock:
+            before = len(self._listeners)
             self._listeners = [known for known in self._listeners if known is not listener]
+            emptied = before > 0 and not self._listeners
+        if emptied:
+            self._tell_watchers(False)
+
+    def watch_running(self, watcher: Callable[[bool], None]) -> None:
+        """Call ``watcher(True)`` when an ``elastic.run`` starts on this rank (none ran) and
+        ``watcher(False)`` when the last one ends: the notebook's respawn tells the kernel so
+        (a rank that died while the others run elastic code is replaced without ending the cell)."""
+        if not callable(watcher):
+            raise TypeError(f"watch_running: expected a function of one bool, got {watcher!r}")
+        with self._lock:
+            if watcher not in self._watchers:
+                self._watchers.append(watcher)
+
+    def _tell_watchers(self, running: bool) -> None:
+        for watcher in list(self._watchers):
+            try:
+                watcher(running)
+            except Exception:  # noqa: BLE001 - a watcher never fails the training
+                pass
 
     def handle_hosts_updated(self, timestamp: float, update_res: HostUpdateResult) -> None:
         """Queue the update on every listener (thread-safe; they act on it at their next commit)."""
@@ -157,3 +182,21 @@ def remove_world_reset(hook: Callable[[], None]) -> None:
 def world_reset_hooks() -> list[Callable[[], None]]:
     """The hooks a reset runs, in the order registered."""
     return list(_world_reset_hooks)
+
+
+_sync_root = 0
+
+
+def sync_root() -> int:
+    """The rank whose state the next ``state.sync()`` gives every rank: 0 (Horovod's), except
+    after a rank was replaced in place, where it is the first survivor (rank 0 itself may be the
+    newcomer, whose state is fresh) until that sync is done (``run`` sets it back to 0)."""
+    return _sync_root
+
+
+def set_sync_root(rank: int) -> None:
+    """Sync the next state from ``rank`` (the respawn calls it on every rank of the new world)."""
+    global _sync_root
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"set_sync_root: rank must be an int >= 0, got {rank!r}")
+    _sync_root = rank

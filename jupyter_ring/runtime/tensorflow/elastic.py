@@ -6,7 +6,7 @@ import tensorflow as tf
 from .._horovod import elastic as _elastic
 from .._horovod.basics import HorovodInternalError
 from .._horovod.elastic import ObjectState, State
-from .._horovod.elastic_world import HostsUpdatedInterrupt
+from .._horovod.elastic_world import HostsUpdatedInterrupt, sync_root
 from .._horovod.runtime_names import rank
 from .functions import broadcast_object, broadcast_variables
 from .util import optimizer_variables
@@ -24,7 +24,7 @@ class _VariablesState(ObjectState):
     def __init__(self, session=None, **kwargs):
         self._session = session
         self._saved_values = []
-        super().__init__(bcast_object=lambda obj: broadcast_object(obj, 0, name="elastic.state"),
+        super().__init__(bcast_object=lambda obj, root=0: broadcast_object(obj, root, name="elastic.state"),
                          get_rank=rank, **kwargs)
         self._saved_values = self._read()
 
@@ -62,9 +62,9 @@ class _VariablesState(ObjectState):
         variables = self._vars()
         if variables:
             if tf.executing_eagerly():
-                broadcast_variables(variables, root_rank=0)
+                broadcast_variables(variables, root_rank=sync_root())
             else:
-                self._run(broadcast_variables(variables, root_rank=0))
+                self._run(broadcast_variables(variables, root_rank=sync_root()))
         self._saved_values = self._read()  # restore() before any commit comes back here (as Horovod)
         super().sync()
 

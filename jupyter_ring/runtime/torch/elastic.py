@@ -6,7 +6,7 @@ import torch
 
 from .._horovod import elastic as _elastic
 from .._horovod.elastic import ObjectState, State
-from .._horovod.elastic_world import HostsUpdatedInterrupt
+from .._horovod.elastic_world import HostsUpdatedInterrupt, sync_root
 from .._horovod.runtime_names import rank
 from .elastic_sampler import ElasticSampler, SamplerStateHandler
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -29,7 +29,7 @@ class _ModelHandler:
         self.value.load_state_dict(self.saved)
 
     def sync(self):
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
+        broadcast_parameters(self.value.state_dict(), root_rank=sync_root())
         self.save()  # restore() before any commit comes back to the synced values
 
     def set_value(self, value):
@@ -41,7 +41,11 @@ class _OptimizerHandler(_ModelHandler):
     """A torch optimizer's state_dict, broadcast with broadcast_optimizer_state."""
 
     def sync(self):
-        broadcast_optimizer_state(self.value, root_rank=0)
+        broadcast_optimizer_state(self.value, root_rank=sync_root())
+        if getattr(self.value, "_order_learned", None) is not None:
+            # every rank learns DistributedOptimizer's bucket order again at its next step (an
+            # allreduce): a newcomer has not learnt it, and all must call the same collectives
+            self.value._order_learned = False
         self.save()
 
 
@@ -55,7 +59,7 @@ class TorchState(ObjectState):
     kept alike on every rank (Horovod's TorchState): any keyword whose value is a module, an
     optimizer or a sampler is handled as one (``TorchState(model, opt, sampler=s, critic=m2)``);
     ``commit`` copies their state_dicts, ``restore`` loads them back, ``sync`` broadcasts rank 0's
-    and re-partitions the samplers over the world of now."""
+    (``sync_root()``'s after a replacement) and re-partitions the samplers over the world of now."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)  # last, as Horovod's: the same order on every rank
@@ -69,7 +73,7 @@ class TorchState(ObjectState):
         self._handlers = handlers
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
-        super().__init__(bcast_object=lambda obj: broadcast_object(obj, 0, name="elastic.TorchState"),
+        super().__init__(bcast_object=lambda obj, root=0: broadcast_object(obj, root, name="elastic.TorchState"),
                          get_rank=rank, **plain)
 
     def save(self):

@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 import torch.utils.data
 
 from .. import _api
+from .._horovod.elastic_world import sync_root
 
 __all__ = ["ElasticSampler", "SamplerStateHandler", "SamplerState"]
 
@@ -146,7 +147,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
 
 class SamplerStateHandler:
     """``TorchState``'s handler of an ``ElasticSampler``: its ``state_dict`` saved at commit,
-    loaded at restore, and at sync rank 0's epoch and count with every rank's recorded indices."""
+    loaded at restore, and at sync rank 0's (the sync root's) epoch and count with every rank's
+    recorded indices."""
 
     def __init__(self, sampler: ElasticSampler) -> None:
         self.value = sampler
@@ -160,7 +162,8 @@ class SamplerStateHandler:
 
     def sync(self) -> None:
         states: list[Any] = _api.allgather_object(self.value.state_dict(), name="elastic.ElasticSampler")
-        state: SamplerState = {"epoch": states[0]["epoch"], "processed_num": states[0]["processed_num"]}
+        root = states[sync_root()]  # rank 0's, or the first survivor's after a replacement
+        state: SamplerState = {"epoch": root["epoch"], "processed_num": root["processed_num"]}
         recorded = set().union(*(s.get("processed_indices", ()) for s in states))
         if recorded:
             state["processed_indices"] = recorded
