@@ -696,6 +696,17 @@ class RingMagics(Magics):
             done = cluster.respawn(dead)
         except ClusterError as exc:
             return f"{head} Replacing it in place failed: {exc}"
+        except Exception as exc:  # ipyparallel's own (a survivor's engine gone meanwhile: no engines)
+            lost = sorted(set(dead) | set(cluster.dead_ranks()))
+            if lost != sorted(dead):  # a survivor died too: say how, as for the first (its
+                # keeper's line with the signal may come a moment after its nanny's)
+                deadline = time.monotonic() + 1.0
+                head = cluster.describe_death(lost, fix="").rstrip()
+                while "(engine process exited)" in head and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    head = cluster.describe_death(lost, fix="").rstrip()
+            return (f"{head} Replacing it in place failed ({type(exc).__name__}: {exc}); %ring "
+                    "restart starts every rank afresh.")
         self._new_rank_dashboard(cluster, done.ranks)
         return f"{head} {replaced_note(done, cluster.size, cluster.restarts, cluster.max_restarts)}"
 
