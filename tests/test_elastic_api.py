@@ -76,3 +76,12 @@ def test_a_wait_on_a_rank_said_dead_raises_rank_lost_error(mpirun, n):
     the world's collectives are exact."""
     result = mpirun("lost_ranks.py", n, timeout=120)
     assert sorted(int(line.split()[1]) for line in result.lines("LOST_OK")) == list(range(n)), result.stdout
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ring_elastic_runs_numpy_training_through_a_failed_step(mpirun, n):
+    """``ring.elastic`` (numpy, no framework): run syncs rank 0's start to every rank, a step that
+    fails on every rank rolls back to the last commit (arrays changed in place too: commit keeps a
+    copy), the reset callback runs once, and the weights equal a run without the failure."""
+    result = mpirun("ring_elastic.py", n, timeout=120)
+    assert sorted(int(line.split()[1]) for line in result.lines("RING_ELASTIC_OK")) == list(range(n)), result.stdout

@@ -61,6 +61,7 @@ from ._engine.core import Adasum, Average, Max, Min, Product, Sum
 from ._observe.report import log, progress, track
 from ._observe.where import Doing, doing
 from ._engine.errors import CollectiveMismatchError, NotInitializedError, PeerError, RingError, StallError
+from . import elastic  # Horovod's elastic loop for numpy code (ring.elastic.run, ObjectState)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -73,5 +74,5 @@ __all__ = [
     "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
-    "progress", "log", "track", "doing", "Doing",
+    "progress", "log", "track", "doing", "Doing", "elastic",
 ]
