@@ -20,7 +20,7 @@ PUBLIC = {
     "barrier", "broadcast_object", "allgather_object", "poll", "synchronize", "stats", "reset_stats", "timeline",
     "join", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "RingError", "NotInitializedError", "CollectiveMismatchError", "StallError", "PeerError",
-    "progress", "log", "track", "doing", "Doing",
+    "progress", "log", "track", "doing", "Doing", "elastic",
 }
 
 
