@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+from jupyter_ring.cluster._procs import sweep_mpich_segments
 from jupyter_ring.launch import find_mpiexec, mpi_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,6 +61,8 @@ def run_mpi(script, n, *args, env=None, timeout=120, check=True):
     full_env.pop("PYTHONUNBUFFERED", None)
     full_env.update(env or {})
     cmd = [find_mpiexec(), "-n", str(n), sys.executable, path, *map(str, args)]
+    # the segments of jobs whose ranks tests killed: one named as this job's fails its MPI_Init
+    sweep_mpich_segments()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     except subprocess.TimeoutExpired as exc:

@@ -1,5 +1,6 @@
 """RingCluster: sizing, device selection, rank parsing, and a real MPI cluster's lifecycle."""
 
+import contextlib
 import json
 import os
 import signal
@@ -101,11 +102,127 @@ def test_ranks_that_do_not_register_in_time_say_how_many_and_show_the_engines_ou
     """A start that gives up names how many ranks came and ends with the engines' own output
     (where a rank that never registered says why), as a ClusterError; nothing is left running."""
     cluster = ring_cluster(n=2, gpus="none", engine_timeout=0.01)  # no engine registers that fast
-    with pytest.raises(ClusterError, match=r"of 2 ranks did not register with the controller within "
-                                           r"0.01 s \(\d did\)\. The end of the engines' output:") as info:
+    with pytest.raises(ClusterError, match=r"of 2 ranks did not start: they did not register with "
+                                           r"the controller within 0.01 s \(\d registered\)\. "
+                                           r"The end of the engines' output:") as info:
         cluster.start()
     assert "Run %ring start again" in str(info.value)
     assert not cluster.running
+
+
+@pytest.mark.timeout(90)
+def test_engines_whose_job_ends_while_starting_say_so_with_their_output(ring_cluster):
+    """The engines' job (mpiexec) ending before every rank registered is a ClusterError naming
+    the job's exit and showing its output, not ipyparallel's bare EngineError; nothing is left."""
+    # every rank's python fails at once: no such standard library
+    cluster = ring_cluster(n=2, gpus="none", engine_env=["PYTHONHOME=/nonexistent-jupyter-ring"])
+    with pytest.raises(ClusterError, match=r"of 2 ranks did not start: the engines' job "
+                                           r"(ended while they started \(Engine set stopped: .*"
+                                           r"'exit_code': [1-9]|\(pid \d+\) ended while they "
+                                           r"started, exit code [1-9])"
+                                           ) as info:
+        cluster.start()
+    # the ranks' own words: python could not find its standard library
+    assert "PYTHONHOME" in str(info.value) or "encodings" in str(info.value), info.value
+    assert "Run %ring start again" in str(info.value)
+    assert not cluster.running
+
+
+_CRASH_AT_START = """
+import os, signal
+with open("/proc/self/cmdline", "rb") as f:  # the engine, not its keeper
+    cmdline = f.read()
+engine = b"ipyparallel.engine" in cmdline and b"_keeper" not in cmdline
+if engine and os.environ.get("PMI_RANK") == "1":
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_crashes_while_starting_under_its_keeper_fails_the_start_at_once(
+        ring_cluster, tmp_path):
+    """Under keepers (dead ranks replaced in place) the job outlives an engine that crashes as it
+    starts, and its peer waits for it inside MPI's start-up: the start fails when the keeper
+    says so, naming the rank and the signal, not after the whole engine timeout."""
+    (tmp_path / "sitecustomize.py").write_text(_CRASH_AT_START)
+    cluster = ring_cluster(n=2, gpus="none", engine_timeout=120,
+                           engine_env=[f"PYTHONPATH={tmp_path}"])
+    assert cluster.plan().keeper  # the default: --max-restarts 3
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"of 2 ranks did not start: rank 1's engine died "
+                                           r"while the ranks started \(Segmentation fault\)") as info:
+        cluster.start()
+    assert time.monotonic() - t0 < 60, "the start waited out the engine timeout"
+    assert "keeper: rank 1 engine" in str(info.value)  # the engines' own output follows
+    # with the Python stack where it crashed (PYTHONFAULTHANDLER, the plan's _crash_layer)
+    assert "Fatal Python error: Segmentation fault" in str(info.value), info.value
+    assert "sitecustomize.py" in str(info.value), info.value
+    assert not cluster.running
+
+
+def _fnv1a(text: str) -> int:
+    """MPICH's world id of a job: the 32-bit FNV-1a hash of its PMI kvsname."""
+    h = 2166136261
+    for byte in text.encode():
+        h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+@pytest.mark.timeout(150)
+def test_a_stale_mpich_segment_named_as_the_new_jobs_does_not_break_the_start(ring_cluster):
+    """A killed job's MPICH segment stays in /dev/shm under a name made from its mpiexec's pid
+    (gforker's kvsname "kvs_<pid>_0"); once pids wrap, a new job whose mpiexec has that pid opened
+    it as its own and MPI_Init failed (CI: "Out of memory", exit code 15) or a rank crashed.
+    Planted here for every pid the next mpiexec may get: the start sweeps them and succeeds."""
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        last = int(f.read())
+    planted = [f"/dev/shm/mpich_shm_{_fnv1a(f'kvs_{pid}_0'):x}_0"
+               for pid in range(last + 1, last + 4000)]
+    old = time.time() - 60
+    try:
+        for path in planted:
+            with open(path, "wb"):
+                pass
+            os.utime(path, (old, old))
+        cluster = ring_cluster(n=2, gpus="none", engine_timeout=60)
+        rows = cluster.start()
+        assert [row["rank"] for row in rows] == [0, 1]
+        # swept; a name still there is the new job's own segment, which its ranks map
+        left = {p for p in planted if os.path.exists(p)}
+        assert len(left) <= 1 and left <= shm_files([row["pid"] for row in rows]), left
+    finally:
+        for path in planted:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_the_sweep_takes_only_stale_unmapped_mpich_segments():
+    import mmap
+
+    from jupyter_ring.cluster._procs import sweep_mpich_segments
+
+    tag = f"{os.getpid():x}{int(time.time()) & 0xFFFF:x}"
+    stale, mapped, young = (f"/dev/shm/mpich_shm_{tag}{i}_0" for i in "abc")
+    other = f"/dev/shm/notmpich_shm_{tag}_0"
+    old = time.time() - 60
+    held = None
+    try:
+        for path in (stale, mapped, young, other):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+            if path != young:
+                os.utime(path, (old, old))
+        with open(mapped, "r+b") as f:
+            held = mmap.mmap(f.fileno(), 4096)  # a live job's segment: mapped by a process
+        removed = sweep_mpich_segments()
+        assert stale in removed and not os.path.exists(stale)
+        assert all(os.path.exists(p) for p in (mapped, young, other))
+    finally:
+        if held is not None:
+            held.close()
+        for path in (stale, mapped, young, other):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @pytest.mark.timeout(90)

@@ -79,7 +79,10 @@ def test_kernel_settings_win_and_engine_env_wins_over_all():
 def test_environment_layers_are_the_one_place():
     # what a layer adds reaches the plan; the order says who wins
     names = [layer.__name__ for layer in ENVIRONMENT_LAYERS]
-    assert names == ["_mpi_layer", "_thread_layer", "_respawn_layer", "_user_layer"]
+    assert names == ["_mpi_layer", "_thread_layer", "_respawn_layer", "_crash_layer", "_user_layer"]
+    # a rank crashing in native code writes its Python stacks to the engines' output
+    assert plan(Given(), n=2).environment["PYTHONFAULTHANDLER"] == "1"
+    assert "PYTHONFAULTHANDLER" not in plan(Given(environ={"PYTHONFAULTHANDLER": ""}), n=2).environment
 
 
 def test_ranks_run_under_their_keepers_where_a_dead_rank_can_be_replaced():

@@ -273,6 +273,14 @@ def _respawn_layer(env: MutableMapping[str, str], options: LaunchOptions, machin
         env["MPIR_CVAR_NO_COLLECTIVE_FINALIZE"] = "1"
 
 
+def _crash_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
+                 shape: Shape) -> None:
+    """A rank that crashes in native code (a segfault in an extension, an abort inside MPI)
+    writes every thread's Python stack to the engines' output, which the start's and the death
+    report's messages end with (kernel wins)."""
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+
+
 def _user_layer(env: MutableMapping[str, str], options: LaunchOptions, machine: Machine,
                 shape: Shape) -> None:
     """``RingCluster.engine_env``: the user's NAME=VALUE entries, over everything else."""
@@ -289,7 +297,7 @@ EnvironmentLayer = Callable[[MutableMapping[str, str], LaunchOptions, Machine, S
 # Applied in order over a copy of the kernel's environment; each layer says whether the kernel's
 # own value wins (setdefault) or its value does. Signature: layer(env, options, machine, shape).
 ENVIRONMENT_LAYERS: tuple[EnvironmentLayer, ...] = (_mpi_layer, _thread_layer, _respawn_layer,
-                                                     _user_layer)
+                                                     _crash_layer, _user_layer)
 
 
 def engine_environment(options: LaunchOptions, machine: Machine, shape: Shape) -> dict[str, str]:

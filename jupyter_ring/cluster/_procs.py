@@ -12,17 +12,19 @@ has recycled for an unrelated process is never signalled. MPICH's shared-memory 
 import glob
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from typing import TypedDict
 
 import psutil
 
 __all__ = ["SHM_DIR", "live_process", "process_trees", "kill_processes", "wait_exit",
-           "shm_files", "remove_shm_files", "cluster_file_patterns", "remove_files", "Watchdog", "PidFile"]
+           "shm_files", "remove_shm_files", "sweep_mpich_segments", "cluster_file_patterns", "remove_files", "Watchdog", "PidFile"]
 
 SHM_DIR = "/dev/shm"
 
@@ -95,6 +97,8 @@ def shm_files(pids: Iterable[int]) -> set[str]:
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
+                    if SHM_DIR not in line:  # most lines: skip the split
+                        continue
                     parts = line.split(None, 5)
                     if len(parts) < 6:
                         continue
@@ -126,6 +130,43 @@ def remove_shm_files(paths: Iterable[str]) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+# MPICH's segments of a job: "mpich_shm_<FNV hash of the job's PMI kvsname, hex>_<node id>" and
+# the per-VCI "mpich_vci_..." of the same job
+_MPICH_SEGMENT = re.compile(r"mpich_(shm|vci)_[0-9a-f]+_\d+")
+
+
+def sweep_mpich_segments(min_age: float = 5.0) -> list[str]:
+    """Unlink this user's MPICH segments in /dev/shm that no process has mapped; their paths.
+
+    MPICH names a job's segment after its PMI kvsname, which gforker and Hydra make from
+    mpiexec's pid, and only ``MPI_Finalize`` unlinks it: the ranks of a job that was killed
+    (a test's SIGKILL, an OOM kill, a killed kernel's engines whose cluster no kernel cleaned up)
+    leave theirs. Pids wrap (at 32,768 by default), and a later job whose mpiexec gets that pid
+    opens the stale segment as its own: ``MPI_Init`` fails ("Out of memory" in
+    ``MPIDI_POSIX_comm_bootstrap``, exit code 15) or a rank crashes as it starts. Called before
+    a job is launched. A segment written in the last ``min_age`` seconds is left alone: a job
+    starting now creates its own (which sets its mtime), then maps it, in between.
+    """
+    uid, now = os.getuid(), time.time()
+    stale = set()
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if _MPICH_SEGMENT.fullmatch(n)]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if info.st_uid == uid and stat.S_ISREG(info.st_mode) and now - info.st_mtime >= min_age:
+            stale.add(path)
+    if not stale:
+        return []
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return remove_shm_files(stale - shm_files(pids))
 
 
 def cluster_file_patterns(profile_dir: str, cluster_id: str, sidecar: bool = True) -> list[str]:

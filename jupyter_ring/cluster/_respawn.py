@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError
+from ._procs import sweep_mpich_segments
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
@@ -72,6 +73,7 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
     if elastic:  # first: the survivors give their collectives up while the newcomers start
         _tell_survivors(cluster.where_dir, gen, dead, survivors[0])
     # the newcomers' process start is the longest step: it runs while the survivors leave
+    sweep_mpich_segments()  # a stale segment named as the new job's fails its MPI_Init
     ipc.start_engines_sync(len(dead))
     cluster._watch()
     survivor_ids = [cluster.engine_ids[r] for r in survivors]

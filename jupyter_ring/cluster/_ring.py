@@ -10,12 +10,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import socket
 import time
 import uuid
 from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 from traitlets.config import LoggingConfigurable
 
@@ -27,7 +29,8 @@ from ._launchers import curve_client, ipp_cluster
 from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
 from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_process,
-                     process_trees, remove_files, remove_shm_files, shm_files, wait_exit)
+                     process_trees, remove_files, remove_shm_files, shm_files,
+                     sweep_mpich_segments, wait_exit)
 from ._respawn import Replacement, elastic_survivors, replace_ranks
 from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
                        write_sidecar)
@@ -36,9 +39,8 @@ from ._where import RankWhere, collect_where, where_dir
 
 if TYPE_CHECKING:
     # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its classes as
-    # Any, and the names say which object is meant (psutil's come from types-psutil)
+    # Any, and the names say which object is meant
     import ipyparallel as ipp
-    import psutil
 
 __all__ = ["RingCluster", "format_table"]
 
@@ -230,15 +232,12 @@ class RingCluster(LoggingConfigurable):
                     self._watchdog.start()
                 cluster.start_controller_sync()
                 self._watch()
+                sweep_mpich_segments()  # a stale segment named as the job's fails its MPI_Init
                 cluster.start_engines_sync(plan.n)
                 self._watch()
                 with curve_client():
                     self.client = cluster.connect_client_sync()
-                try:
-                    self.client.wait_for_engines(plan.n, timeout=self.engine_timeout, block=True,
-                                                interactive=False)
-                except TimeoutError as exc:
-                    raise ClusterError(self._not_ready(plan.n)) from exc
+                self._wait_for_engines(plan.n)
                 self._setup_ranks(plan)
             except BaseException:
                 self.stop()
@@ -246,6 +245,33 @@ class RingCluster(LoggingConfigurable):
         finally:
             os.umask(self._user_umask)
         return self.ranks
+
+    def _wait_for_engines(self, n: int) -> None:
+        """Wait until ``n`` engines registered; ClusterError (:meth:`_not_ready`) when
+        ``engine_timeout`` passes or the engines' job ends first. The job is looked at here every
+        half second: ipyparallel hears of its end only while its event loop runs, which outside
+        a running loop (a script, a test) it does not, and a job that failed at once cost the
+        whole timeout."""
+        client = self._running_client
+        deadline = time.monotonic() + self.engine_timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                client.wait_for_engines(n, timeout=max(min(left, 0.5), 0.01), block=True,
+                                        interactive=False)
+                return
+            except TimeoutError:
+                pass
+            except Exception as exc:  # ipyparallel's EngineError: the engines' job ended
+                if type(exc).__name__ != "EngineError":
+                    raise
+                why = f"the engines' job ended while they started ({exc})"
+                raise ClusterError(self._not_ready(n, why)) from exc
+            ended = _jobs_ended(self._running_cluster) or _died_starting(self._engines_output())
+            if ended:
+                raise ClusterError(self._not_ready(n, ended))
+            if left <= 0.5:
+                raise ClusterError(self._not_ready(n))
 
     def _setup_ranks(self, plan: LaunchPlan) -> None:
         client = self._running_client
@@ -545,30 +571,35 @@ class RingCluster(LoggingConfigurable):
         if dead:
             raise DeadRankError(self.describe_death(dead), dead)
 
-    def _not_ready(self, n: int) -> str:
+    def _not_ready(self, n: int, why: str = "") -> str:
         """Why ``start`` gave up: how many ranks registered, and the end of the engines' output
-        (mpiexec's and the engines' own lines: where a rank that never came says why)."""
+        (mpiexec's and the engines' own lines: where a rank that never came says why).
+        ``why``: what ended the wait before the engine timeout (the job ended, a rank died)."""
         ready = len(self._running_client.ids) if self.client is not None else 0
-        output = ""
-        try:
-            for engine_set in self._running_cluster.engines.values():
-                output += _read(getattr(engine_set, "output_file", ""))
-        except Exception:  # noqa: BLE001 - the message is the point; its detail is a bonus
-            output = ""
-        tail = "\n".join(output.strip().splitlines()[-20:]) or "(the engines wrote nothing)"
-        return (f"{n - ready} of {n} ranks did not register with the controller within "
-                f"{self.engine_timeout:g} s ({ready} did). The end of the engines' output:\n{tail}\n"
+        lines = self._engines_output().strip().splitlines()
+        # a rank that crashed wrote its Python stacks (PYTHONFAULTHANDLER): they begin the excerpt
+        crashed = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+        tail = "\n".join(lines[crashed[-1]:crashed[-1] + 40] if crashed else lines[-20:])
+        tail = tail or "(the engines wrote nothing)"
+        why = why or f"they did not register with the controller within {self.engine_timeout:g} s"
+        return (f"{n - ready} of {n} ranks did not start: {why} ({ready} registered). "
+                f"The end of the engines' output:\n{tail}\n"
                 "Run %ring start again; if it happens again, the lines above say why.")
 
     def describe_death(self, dead: Iterable[int], fix: str = RESTART_FIX) -> str:
         """A message for dead ranks: which died first and how (nanny log, mpiexec report), ``fix``."""
+        return describe_death(dead, self.ranks, self.engine_ids, self._engines_output(), fix)
+
+    def _engines_output(self) -> str:
+        """What the engine sets wrote (mpiexec's report, the nannies' and keepers' lines); ""
+        where it cannot be read: a message built from it is the point, its detail a bonus."""
         output = ""
         try:
             for engine_set in self._running_cluster.engines.values():
                 output += _read(getattr(engine_set, "output_file", ""))
-        except Exception:
-            output = ""
-        return describe_death(dead, self.ranks, self.engine_ids, output, fix)
+        except Exception:  # noqa: BLE001
+            return ""
+        return output
 
     # ----------------------------------------------------------------------------- signals
     def signal_ranks(self, sig: int, ranks: Iterable[int] | None = None) -> None:
@@ -625,6 +656,31 @@ def _root_pids(cluster: ipp.Cluster | None) -> list[int]:
         if pid and pid > 0:
             pids.append(pid)
     return pids
+
+
+def _jobs_ended(cluster: ipp.Cluster) -> str:
+    """How the engine sets' local jobs (mpiexec) that have ended did ("" while all run). A
+    batch job's launcher (sbatch) has no process of its own here: it is not looked at."""
+    ended = []
+    for launcher in cluster.engines.values():
+        proc = getattr(launcher, "process", None)
+        if isinstance(proc, psutil.Process) and live_process(proc.pid) is None:
+            try:
+                code: object = proc.wait(0)
+            except psutil.Error:
+                code = None  # reaped by ipyparallel's own wait meanwhile
+            ended.append(f"the engines' job (pid {proc.pid}) ended while they started"
+                         + ("" if code is None else f", exit code {code}"))
+    return "; ".join(ended)
+
+
+def _died_starting(output: str) -> str:
+    """A keeper's line in the engines' ``output``: a rank's engine killed by a signal while
+    the ranks start (under keepers the job goes on without it, and its peers wait for it in
+    MPI's start-up: only this line tells); "" when there is none."""
+    found = re.search(r"jupyter_ring keeper: rank (\S+) engine \d+ signaled with (.+)", output)
+    return (f"rank {found[1]}'s engine died while the ranks started ({found[2].strip()})"
+            if found else "")
 
 
 def cluster_files(cluster: ipp.Cluster | None) -> list[str]:
