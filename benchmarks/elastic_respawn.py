@@ -67,7 +67,7 @@ def one_kill(kernel, n: int, pace: float) -> tuple[float, int]:
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    out, error = kernel.execute(TRAIN.format(kill_at=-1, pace=pace, logs=logs), timeout=300)
+    out, error = kernel.execute(TRAIN.format(kill_at=-1, victim=-1, pace=pace, logs=logs), timeout=300)
     thread.join(1)
     if error is not None or not killed:
         raise SystemExit(f"{n} ranks: the cell failed or ended before the kill: {error and error['evalue']}\n{out}")

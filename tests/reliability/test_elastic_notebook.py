@@ -1,13 +1,15 @@
 """Elastic training goes on by itself through a rank's death (issue 34, item 2): a real kernel, a
-real 2-rank cluster, a real SIGKILL of rank 1 in the middle of an epoch of ``hvd.elastic.run``
-(``TorchState`` with a model, a ``DistributedOptimizer`` with momentum, an ``ElasticSampler`` and
-attributes). The cell succeeds: the survivor gives the failed step up, goes back to its last
-commit, runs its reset callback, takes the replacement in and syncs the state to it; the new rank
-runs the same cell from its start. Every rank then checks that its final weights equal, bit for
-bit, those of the same cell run without the kill, that the steps run twice are at most those
-since the last commit, and that every sample of each epoch was trained on exactly once (the
-sampler's padding apart). Without ``elastic.run`` the cell fails with DeadRankError:
-tests/reliability/test_respawn_notebook.py."""
+real cluster of 2 and of 4 ranks (4 outnumber the 2 cores), a real SIGKILL of one rank in the
+middle of an epoch of ``hvd.elastic.run`` (``TorchState`` with a model, a ``DistributedOptimizer``
+with momentum, an ``ElasticSampler`` and attributes): the last rank, or rank 0, whose state the
+sync usually broadcasts (the survivors then take the first of them as the source). The cell
+succeeds: the survivors give the failed step up, go back to their last commit, run their reset
+callback, take the replacement in and sync the state to it; the new rank runs the same cell from
+its start. Every rank then checks that its final weights equal, bit for bit, those of the same
+cell run without the kill, that the steps run twice are at most those since the last commit, and
+that every sample of each epoch was trained on exactly once (the sampler's padding apart).
+One kernel and cluster per world size serve its tests (the clean run is made once). Without
+``elastic.run`` the cell fails with DeadRankError: tests/reliability/test_respawn_notebook.py."""
 
 import json
 import re
@@ -15,23 +17,24 @@ import re
 import pytest
 
 from real_kernel import alive, cluster_pids, ring_kernel
+from reliability.test_respawn_notebook import xfail_on_survivor_abort
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
 pytestmark = pytest.mark.timeout(300)
 
-# 106 samples over 2 ranks: 53 each (a prime; no padding, which an ElasticSampler takes from the
-# samples left after a reset, as Horovod's: a run with a reset would then differ from one
-# without in its last batch), batches of 4 (13, then 1);
-# a commit every 3 steps; rank 1 kills itself (SIGKILL) in its 9th step (state.step 8), between
-# backward() and step() (its gradients' allreduce launched, the survivor waiting in it), 2 steps
-# after the last commit.
+# 53 samples a rank (a prime; no padding, which an ElasticSampler takes from the samples left
+# after a reset, as Horovod's: a run with a reset would then differ from one without in its last
+# batch), batches of 4 (13, then 1); a commit every 3 steps; rank VICTIM kills itself (SIGKILL) in
+# its 9th step (state.step 8), between backward() and step() (its gradients' allreduce launched,
+# the survivors waiting in it), 2 steps after the last commit. VICTIM 0 is the rank whose state
+# the sync broadcasts: the survivors take the first of them as the source instead.
 TRAIN = """\
 %%distributed
 import json, os, signal, time
 import torch
 import jupyter_ring.runtime.torch as hvd
 
-N, BATCH, EPOCHS, COMMIT, KILL_AT, PACE = 106, 4, 2, 3, {kill_at}, {pace}
+N, BATCH, EPOCHS, COMMIT, KILL_AT, VICTIM, PACE = 53 * hvd.size(), 4, 2, 3, {kill_at}, {victim}, {pace}
 data = torch.Generator().manual_seed(1)
 X = torch.randn(N, 7, dtype=torch.float64, generator=data)
 Y = X @ torch.linspace(-1, 1, 7, dtype=torch.float64).unsqueeze(1) + 0.1 * torch.randn(N, 1, dtype=torch.float64, generator=data)
@@ -55,7 +58,7 @@ def train(state):
             at = state.sampler.processed_num
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(X[batch]), Y[batch]).backward()
-            if state.step == KILL_AT and hvd.rank() == 1 and "original" in globals():
+            if state.step == KILL_AT and hvd.rank() == VICTIM and "original" in globals():
                 os.kill(os.getpid(), signal.SIGKILL)
             opt.step()
             time.sleep(PACE)  # (benchmarks/elastic_respawn.py: a step that takes time, for an outside kill)
@@ -110,35 +113,75 @@ def weights_of(out, n):
     return {r: v[0].split(" ", 3) for r, v in found.items()}
 
 
-def test_elastic_run_goes_on_through_a_sigkilled_rank_and_ends_as_without_the_kill(tmp_path):
-    killed_logs, clean_logs = tmp_path / "killed", tmp_path / "clean"
-    killed_logs.mkdir()
-    clean_logs.mkdir()
-    with ring_kernel(2) as kernel:
-        kernel.ok("%%distributed\noriginal = True")
-        old = cluster_pids(kernel)
-        out = kernel.ok(TRAIN.format(kill_at=8, pace=0, logs=str(killed_logs)), timeout=200)
-        # the kernel said what happened, and the cell went on to its end on both ranks
-        assert re.search(r"rank 1 @ \S+ died \(signal: Killed\)\. Rank\(s\) 1 replaced in place in [0-9.]+ s "
-                         r"\(restart 1 of --max-restarts 3\); elastic\.run goes on from its last commit", out), out
-        killed = weights_of(out, 2)
-        check = kernel.ok(CHECK.format(logs=str(killed_logs)))
-        clean = weights_of(kernel.ok(TRAIN.format(kill_at=-1, pace=0, logs=str(clean_logs)), timeout=200), 2)
-        clean_check = kernel.ok(CHECK.format(logs=str(clean_logs)))
-        new = cluster_pids(kernel)
+class World:
+    """A kernel with an n-rank cluster (``--max-restarts 6``), shared by a module's tests of that
+    size; ``clean(cell)``: the weights and check of ``cell`` run without a kill, run once."""
+
+    def __init__(self, kernel, n, logs):
+        self.kernel, self.n, self.logs = kernel, n, logs
+        self.pids = set(cluster_pids(kernel))
+        self._clean = {}
+
+    def clean(self, train, check):
+        if train not in self._clean:
+            logs = self.folder("clean")
+            out = self.kernel.ok(train.format(kill_at=-1, victim=-1, pace=0, logs=logs), timeout=200)
+            self._clean[train] = (weights_of(out, self.n), self.kernel.ok(check.format(logs=logs)))
+        return self._clean[train]
+
+    def folder(self, name):
+        path = self.logs / f"{name}-{len(list(self.logs.iterdir()))}"
+        path.mkdir()
+        return str(path)
+
+
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    n = request.param
+    with ring_kernel(start=f"%ring start -n {n} --max-restarts 6") as kernel:
+        world = World(kernel, n, tmp_path_factory.mktemp(f"elastic{n}"))
+        yield world
+        world.pids |= set(cluster_pids(kernel))
         kernel.ok("%ring stop", timeout=60)
-    for rank in range(2):
+    left = alive(world.pids)
+    assert left == [], [p.cmdline() for p in left]
+
+
+def assert_as_without_the_kill(world, out, check, clean, victim):
+    """Every rank ended with the clean run's weights (bit for bit), the survivors reset once back
+    to their commit at step 6, the newcomer never; each sample of an epoch trained on once; the
+    steps run twice are the 2 completed since that commit (logged 6 and 7), at most the 3
+    between two commits; the step the victim died in (8) never completed anywhere."""
+    killed = weights_of(out, world.n)
+    clean_weights, clean_check = clean
+    for rank in range(world.n):
         hexed, steps, size, resets = killed[rank]
-        # the same weights, bit for bit, on every rank and as without the kill (CPU, float64)
-        assert (hexed, steps, size) == (clean[rank][0], clean[rank][1], "2"), (killed, clean)
-        # the survivor reset once, back to its commit at step 6; the newcomer never reset
-        assert json.loads(resets) == ([6] if rank == 0 else []), (rank, resets)
-        assert json.loads(clean[rank][3]) == []
+        assert (hexed, steps, size) == (clean_weights[rank][0], clean_weights[rank][1], str(world.n)), \
+            (killed, clean_weights)
+        assert json.loads(resets) == ([] if rank == victim else [6]), (rank, resets)
+        assert json.loads(clean_weights[rank][3]) == []
         ok, twice = rank_lines(check, rank, "CHECK")[0].split(" ", 1)
-        # every sample once; run twice: the 2 steps completed since the last commit (after 6
-        # steps: those logged 6 and 7), at most the 3 between two commits; the step rank 1 died
-        # in (8) never completed anywhere
         assert ok == "True" and json.loads(twice) == [6, 7], check
         assert rank_lines(clean_check, rank, "CHECK") == ["True []"], clean_check
-    left = alive(set(old) | set(new))
-    assert left == [], [p.cmdline() for p in left]
+    assert len({w[0] for w in killed.values()}) == 1, killed
+
+
+# the last rank, and rank 0 (the sync's usual source), of 2 and of 4 ranks (4 outnumber the cores)
+@pytest.mark.parametrize("world", [2, 4], indirect=True, ids=lambda n: f"{n}ranks")
+@pytest.mark.parametrize("victim", ["last", 0], ids=lambda v: f"kill-{v}")
+def test_elastic_run_goes_on_through_a_sigkilled_rank_and_ends_as_without_the_kill(world, victim):
+    victim = world.n - 1 if victim == "last" else victim
+    kernel = world.kernel
+    clean = world.clean(TRAIN, CHECK)
+    logs = world.folder(f"killed{victim}")
+    kernel.ok("%%distributed\noriginal = True")
+    world.pids |= set(cluster_pids(kernel))
+    out, error = kernel.execute(TRAIN.format(kill_at=8, victim=victim, pace=0, logs=logs), timeout=200)
+    xfail_on_survivor_abort(error, kernel)
+    assert error is None, (out, error)
+    # the kernel said what happened, and the cell went on to its end on every rank
+    assert re.search(rf"rank {victim} @ \S+ died \(.+\)\. Rank\(s\) {victim} replaced in place in "
+                     r"[0-9.]+ s \(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit",
+                     out), out
+    check = kernel.ok(CHECK.format(logs=logs))
+    assert_as_without_the_kill(world, out, check, clean, victim)
