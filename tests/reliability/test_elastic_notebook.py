@@ -8,11 +8,17 @@ callback, take the replacement in and sync the state to it; the new rank runs th
 its start. Every rank then checks that its final weights equal, bit for bit, those of the same
 cell run without the kill, that the steps run twice are at most those since the last commit, and
 that every sample of each epoch was trained on exactly once (the sampler's padding apart).
+The same for Keras (``TensorFlowKerasState``, a custom loop with ``DistributedGradientTape``, as
+Horovod's elastic TensorFlow 2 example), with the rank SIGKILLed by the test itself.
 One kernel and cluster per world size serve its tests (the clean run is made once). Without
 ``elastic.run`` the cell fails with DeadRankError: tests/reliability/test_respawn_notebook.py."""
 
 import json
+import os
 import re
+import signal
+import threading
+import time
 
 import pytest
 
@@ -21,6 +27,19 @@ from reliability.test_respawn_notebook import xfail_on_survivor_abort
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
 pytestmark = pytest.mark.timeout(300)
+
+# both training cells: a reset callback that notes the step it went back to, a log of the steps
+# each rank completed, and the elastic loop over the epochs
+RESETS_AND_LOG = """\
+resets = []
+state.register_reset_callbacks([lambda: resets.append(state.step)])
+log = open(os.path.join({logs!r}, f"rank{{hvd.rank()}}.jsonl"), "a")
+log.write(json.dumps({{"start": time.time()}}) + "\\n")
+
+@hvd.elastic.run
+def train(state):
+    while state.epoch < EPOCHS:
+"""
 
 # 53 samples a rank (a prime; no padding, which an ElasticSampler takes from the samples left
 # after a reset, as Horovod's: a run with a reset would then differ from one without in its last
@@ -44,14 +63,7 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, mome
                                named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(range(N), shuffle=True, seed=3)
 state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, step=0)
-resets = []
-state.register_reset_callbacks([lambda: resets.append(state.step)])
-log = open(os.path.join({logs!r}, f"rank{{hvd.rank()}}.jsonl"), "a")
-log.write(json.dumps({{"start": time.time()}}) + "\\n")
-
-@hvd.elastic.run
-def train(state):
-    while state.epoch < EPOCHS:
+""" + RESETS_AND_LOG + """\
         mine = list(state.sampler)
         for b in range(0, len(mine), BATCH):
             batch = mine[b:b + BATCH]
@@ -183,5 +195,99 @@ def test_elastic_run_goes_on_through_a_sigkilled_rank_and_ends_as_without_the_ki
     assert re.search(rf"rank {victim} @ \S+ died \(.+\)\. Rank\(s\) {victim} replaced in place in "
                      r"[0-9.]+ s \(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit",
                      out), out
+    check = kernel.ok(CHECK.format(logs=logs))
+    assert_as_without_the_kill(world, out, check, clean, victim)
+
+
+# Keras under Horovod's elastic custom loop (horovod's examples/elastic/tensorflow2: a
+# TensorFlowKerasState of the model and its optimizer, GradientTape + DistributedGradientTape,
+# a commit every few steps). 53 samples a rank in a per-epoch permutation dealt out by rank,
+# batches of 4, a commit every 3 steps, float64. The optimizer is not built before the state is
+# made: its momentum slots come at its first step on the survivors, never on the newcomer before
+# the sync. At state.step KILL_AT, rank VICTIM says so in a file and waits there, outside the
+# gradients' allreduce the survivors wait in, until the test SIGKILLs it.
+KERAS_TRAIN = """\
+%%distributed
+import json, os, time
+import numpy as np
+import keras
+import tensorflow as tf
+import jupyter_ring.runtime.tensorflow as hvd
+
+N, BATCH, EPOCHS, COMMIT, KILL_AT, VICTIM, PACE = 53 * hvd.size(), 4, 2, 3, {kill_at}, {victim}, {pace}
+data = np.random.default_rng(1)
+X = data.standard_normal((N, 7))
+Y = X @ np.linspace(-1, 1, 7)[:, None] + 0.1 * data.standard_normal((N, 1))
+keras.utils.set_random_seed(100 + hvd.rank())  # each rank its own start: the sync gives every rank the source's
+model = keras.Sequential([keras.Input((7,), dtype="float64"), keras.layers.Dense(1, dtype="float64")])
+opt = keras.optimizers.SGD(0.05, momentum=0.9)
+state = hvd.elastic.TensorFlowKerasState(model, opt, epoch=0, batch=0, step=0)
+""" + RESETS_AND_LOG + """\
+        mine = np.random.default_rng(1000 + state.epoch).permutation(N)[hvd.rank()::hvd.size()]
+        while state.batch * BATCH < len(mine):
+            at = state.batch * BATCH
+            batch = mine[at:at + BATCH].tolist()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(X[batch]) - Y[batch]) ** 2)
+            if state.step == KILL_AT and hvd.rank() == VICTIM and "original" in globals():
+                open(os.path.join({logs!r}, "victim"), "w").write(str(os.getpid()))
+                while True:  # until the test's SIGKILL
+                    time.sleep(0.01)
+            grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            time.sleep(PACE)  # (benchmarks/elastic_respawn.py: a step that takes time, for an outside kill)
+            log.write(json.dumps({{"epoch": state.epoch, "at": at, "step": state.step, "batch": batch,
+                                  "t": time.time()}}) + "\\n")
+            log.flush()
+            state.batch += 1
+            state.step += 1
+            if state.step % COMMIT == 0:
+                state.commit()
+        state.epoch += 1
+        state.batch = 0
+        state.commit()
+
+train(state)
+weights = np.concatenate([w.ravel() for w in model.get_weights()])
+print("WEIGHTS", weights.tobytes().hex(), state.step, hvd.size(), json.dumps(resets))
+"""
+
+
+def kill_when_waiting(logs, timeout):
+    """A thread that SIGKILLs the process whose pid appears in ``logs``/victim; the kill times."""
+    killed = []
+
+    def killer():
+        path, deadline = os.path.join(logs, "victim"), time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pid = int(open(path).read())
+            except (OSError, ValueError):  # not there yet, or half written
+                time.sleep(0.01)
+                continue
+            killed.append(time.time())
+            os.kill(pid, signal.SIGKILL)
+            return
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    return thread, killed
+
+
+@pytest.mark.parametrize("world", [2], indirect=True, ids=lambda n: f"{n}ranks")
+def test_keras_elastic_run_goes_on_through_a_rank_sigkilled_by_the_test(world):
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    kernel, victim = world.kernel, 1
+    clean = world.clean(KERAS_TRAIN, CHECK)
+    logs = world.folder("keras-killed")
+    kernel.ok("%%distributed\noriginal = True")
+    world.pids |= set(cluster_pids(kernel))
+    thread, killed = kill_when_waiting(logs, timeout=200)
+    out, error = kernel.execute(KERAS_TRAIN.format(kill_at=8, victim=victim, pace=0, logs=logs), timeout=200)
+    thread.join(1)
+    xfail_on_survivor_abort(error, kernel)
+    assert error is None and killed, (out, error)
+    assert re.search(rf"rank {victim} @ \S+ died \(.+\)\. Rank\(s\) {victim} replaced in place in [0-9.]+ s "
+                     r"\(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit", out), out
     check = kernel.ok(CHECK.format(logs=logs))
     assert_as_without_the_kill(world, out, check, clean, victim)
