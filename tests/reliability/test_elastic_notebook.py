@@ -291,3 +291,78 @@ def test_keras_elastic_run_goes_on_through_a_rank_sigkilled_by_the_test(world):
                      r"\(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit", out), out
     check = kernel.ok(CHECK.format(logs=logs))
     assert_as_without_the_kill(world, out, check, clean, victim)
+
+
+# Keras' model.fit with Horovod's elastic callbacks (horovod's examples/elastic
+# tensorflow2_keras_mnist_elastic.py: KerasState, UpdateEpochStateCallback,
+# UpdateBatchStateCallback, CommitStateCallback; a DistributedOptimizer compiled in). fit starts an
+# epoch from its first batch, so the state commits at each epoch's end only: a reset goes back to
+# the start of the epoch it gave up, and the run ends as one without the kill. 53 samples a rank,
+# batches of 4 (14 a epoch), 3 epochs; rank VICTIM waits to be SIGKILLed at the start of its
+# KILL_AT-th batch (epoch 1, batch 5).
+FIT = """\
+%%distributed
+import json, os, time
+import numpy as np
+import keras
+import jupyter_ring.runtime.keras as hvd
+
+N, BATCH, EPOCHS, KILL_AT, VICTIM = 53 * hvd.size(), 4, 3, {kill_at}, {victim}
+data = np.random.default_rng(1)
+X = data.standard_normal((N, 7))
+Y = X @ np.linspace(-1, 1, 7)[:, None] + 0.1 * data.standard_normal((N, 1))
+mine = np.arange(N)[hvd.rank()::hvd.size()]
+keras.utils.set_random_seed(100 + hvd.rank())
+model = keras.Sequential([keras.Input((7,), dtype="float64"), keras.layers.Dense(1, dtype="float64")])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+state = hvd.elastic.KerasState(model, epoch=0, batch=0)
+resets, begun = [], []
+state.register_reset_callbacks([lambda: resets.append(state.epoch)])
+
+class Gate(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        begun.append(state.epoch)
+        if len(begun) == KILL_AT and hvd.rank() == VICTIM and "original" in globals():
+            open(os.path.join({logs!r}, "victim"), "w").write(str(os.getpid()))
+            while True:  # until the test's SIGKILL
+                time.sleep(0.01)
+
+callbacks = [Gate(), hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+             hvd.elastic.CommitStateCallback(state, batches_per_commit=10**6)]
+
+@hvd.elastic.run
+def train(state):
+    model.fit(X[mine], Y[mine], batch_size=BATCH, shuffle=False, epochs=EPOCHS - state.epoch,
+              callbacks=callbacks, verbose=0)
+
+train(state)
+weights = np.concatenate([w.ravel() for w in model.get_weights()])
+print("WEIGHTS", weights.tobytes().hex(), state.epoch, hvd.size(), json.dumps([resets, len(begun)]))
+"""
+
+
+@pytest.mark.parametrize("world", [2], indirect=True, ids=lambda n: f"{n}ranks")
+def test_keras_fit_with_horovods_elastic_callbacks_goes_on_through_a_sigkilled_rank(world):
+    pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
+    kernel, victim = world.kernel, 1
+    logs = world.folder("fit-clean")
+    clean = weights_of(kernel.ok(FIT.format(kill_at=-1, victim=-1, logs=logs), timeout=200), 2)
+    logs = world.folder("fit-killed")
+    kernel.ok("%%distributed\noriginal = True")
+    world.pids |= set(cluster_pids(kernel))
+    thread, killed = kill_when_waiting(logs, timeout=200)
+    out, error = kernel.execute(FIT.format(kill_at=20, victim=victim, logs=logs), timeout=200)
+    thread.join(1)
+    xfail_on_survivor_abort(error, kernel)
+    assert error is None and killed, (out, error)
+    assert re.search(rf"Rank\(s\) {victim} replaced in place .*; elastic\.run goes on from its last commit", out), out
+    got = weights_of(out, 2)
+    for rank in range(2):
+        hexed, epochs, size, counts = got[rank]
+        # bit for bit as without the kill; 3 epochs of 14 batches each on every rank
+        assert (hexed, epochs, size) == (clean[rank][0], "3", "2"), (got, clean)
+        assert json.loads(clean[rank][3]) == [[], 42]
+        # the survivor went back once to its commit at the end of epoch 0 and ran epoch 1 again
+        # (the 5 batches it completed in it and the one given up: those since the commit);
+        # the newcomer ran epochs 1 and 2 only, never reset
+        assert json.loads(counts) == ([[1], 42 + 6] if rank == 0 else [[], 28]), (rank, counts)
