@@ -159,6 +159,14 @@ def world(request, tmp_path_factory):
     assert left == [], [p.cmdline() for p in left]
 
 
+def said_replaced(out, victim):
+    """The kernel said which rank died and was replaced, and that elastic.run goes on. How it died
+    is not asserted: the note is written as the replacement starts, and the keeper's line with the
+    signal may come after it ("died (signal: Killed)", "died (engine process exited)", "died")."""
+    assert re.search(rf"rank {victim} @ \S+ died( \(.+\))?\. Rank\(s\) {victim} replaced in place in [0-9.]+ s "
+                     r"\(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit", out), out
+
+
 def assert_as_without_the_kill(world, out, check, clean, victim):
     """Every rank ended with the clean run's weights (bit for bit), the survivors reset once back
     to their commit at step 6, the newcomer never; each sample of an epoch trained on once; the
@@ -191,10 +199,7 @@ def test_elastic_run_goes_on_through_a_sigkilled_rank_and_ends_as_without_the_ki
     out, error = kernel.execute(TRAIN.format(kill_at=8, victim=victim, pace=0, logs=logs), timeout=200)
     xfail_on_survivor_abort(error, kernel)
     assert error is None, (out, error)
-    # the kernel said what happened, and the cell went on to its end on every rank
-    assert re.search(rf"rank {victim} @ \S+ died \(.+\)\. Rank\(s\) {victim} replaced in place in "
-                     r"[0-9.]+ s \(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit",
-                     out), out
+    said_replaced(out, victim)  # and the cell went on to its end on every rank
     check = kernel.ok(CHECK.format(logs=logs))
     assert_as_without_the_kill(world, out, check, clean, victim)
 
@@ -287,8 +292,7 @@ def test_keras_elastic_run_goes_on_through_a_rank_sigkilled_by_the_test(world):
     thread.join(1)
     xfail_on_survivor_abort(error, kernel)
     assert error is None and killed, (out, error)
-    assert re.search(rf"rank {victim} @ \S+ died \(.+\)\. Rank\(s\) {victim} replaced in place in [0-9.]+ s "
-                     r"\(restart \d of --max-restarts 6\); elastic\.run goes on from its last commit", out), out
+    said_replaced(out, victim)
     check = kernel.ok(CHECK.format(logs=logs))
     assert_as_without_the_kill(world, out, check, clean, victim)
 
@@ -355,7 +359,7 @@ def test_keras_fit_with_horovods_elastic_callbacks_goes_on_through_a_sigkilled_r
     thread.join(1)
     xfail_on_survivor_abort(error, kernel)
     assert error is None and killed, (out, error)
-    assert re.search(rf"Rank\(s\) {victim} replaced in place .*; elastic\.run goes on from its last commit", out), out
+    said_replaced(out, victim)
     got = weights_of(out, 2)
     for rank in range(2):
         hexed, epochs, size, counts = got[rank]
