@@ -1,12 +1,14 @@
 """A rank SIGKILLed under ``hvd.elastic.run``: time from the kill to the next step completed on
-every rank, and the steps run twice (issue 34, item 2).
+every rank, and the steps run twice (issue 34, item 2), torch and Keras side by side.
 
-    .venv/bin/python benchmarks/elastic_respawn.py [--ranks 2,3] [--repeats 3] [--pace 0.05]
+    .venv/bin/python benchmarks/elastic_respawn.py [--ranks 2,3] [--frameworks torch,keras] [--repeats 3] [--pace 0.05]
 
-Through a real notebook kernel (tests/real_kernel.py) with a cluster of N ranks: the training cell
-of tests/reliability/test_elastic_notebook.py (a ``TorchState`` with a model, a
-``DistributedOptimizer`` and an ``ElasticSampler``, a commit every 3 steps), each step made to
-take ``--pace`` seconds so that the kill lands mid-epoch; rank N-1's engine is SIGKILLed from
+Through a real notebook kernel (tests/real_kernel.py) with a cluster of N ranks: the training cells
+of tests/reliability/test_elastic_notebook.py (torch: a ``TorchState`` with a model, a
+``DistributedOptimizer`` and an ``ElasticSampler``; Keras: a ``TensorFlowKerasState`` trained by
+``GradientTape`` + ``DistributedGradientTape``; a commit every 3 steps), run in turn in one kernel
+(torch, Keras, torch, ...), each step made to take ``--pace`` seconds so that the kill lands
+mid-epoch; rank N-1's engine is SIGKILLed from
 outside once rank 0 has logged step 9 (the first time; later repeats kill the replacement).
 Each rank logs each completed step with its time; the figure is, from the kill, the time until
 every rank of the new world has completed a step (the replacement's first one included). The
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "reliability"))
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="2,3", help="world sizes, comma-separated (default 2,3)")
+    p.add_argument("--frameworks", default="torch,keras", help="training cells, comma-separated (default torch,keras)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--pace", type=float, default=0.05, help="seconds each step sleeps (default 0.05)")
     return p.parse_args()
@@ -44,12 +47,13 @@ def records(logs: str, rank: int) -> list[dict]:
         return []
 
 
-def one_kill(kernel, n: int, pace: float) -> tuple[float, int]:
+def one_kill(kernel, n: int, pace: float, framework: str) -> tuple[float, int]:
     """(seconds from the kill to a completed step on every rank, steps run twice on rank 0)."""
     import threading
 
-    from test_elastic_notebook import TRAIN, weights_of
+    from test_elastic_notebook import KERAS_TRAIN, TRAIN, weights_of
 
+    train = {"torch": TRAIN, "keras": KERAS_TRAIN}[framework]
     rows = json.loads(kernel.ok("import json\nprint(json.dumps(get_ipython().magics_manager"
                                 ".registry['RingMagics'].cluster.ranks))").strip().splitlines()[-1])
     victim = rows[n - 1]["pid"]
@@ -67,13 +71,13 @@ def one_kill(kernel, n: int, pace: float) -> tuple[float, int]:
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    out, error = kernel.execute(TRAIN.format(kill_at=-1, pace=pace, logs=logs), timeout=300)
+    out, error = kernel.execute(train.format(kill_at=-1, victim=-1, pace=pace, logs=logs), timeout=300)
     thread.join(1)
     if error is not None or not killed:
-        raise SystemExit(f"{n} ranks: the cell failed or ended before the kill: {error and error['evalue']}\n{out}")
+        raise SystemExit(f"{framework}, {n} ranks: the cell failed or ended before the kill: {error and error['evalue']}\n{out}")
     weights = weights_of(out, n)
     if len({w[0] for w in weights.values()}) != 1:
-        raise SystemExit(f"{n} ranks: the ranks ended with different weights: {weights}")
+        raise SystemExit(f"{framework}, {n} ranks: the ranks ended with different weights: {weights}")
     firsts = []
     for rank in range(n):
         after = [r["t"] for r in records(logs, rank) if "t" in r and r["t"] > killed[0]]
@@ -89,18 +93,24 @@ def main() -> None:
 
     args = parse()
     print(f"load average before: {open('/proc/loadavg').read().split()[0]}, {os.cpu_count()} cores")
+    frameworks = args.frameworks.split(",")
     for n in (int(x) for x in args.ranks.split(",")):
-        times, twice = [], []
-        with ring_kernel(start=f"%ring start -n {n} --max-restarts {args.repeats}") as kernel:
+        times: dict[str, list[float]] = {f: [] for f in frameworks}
+        twice: dict[str, list[int]] = {f: [] for f in frameworks}
+        restarts = args.repeats * len(frameworks)
+        with ring_kernel(start=f"%ring start -n {n} --max-restarts {restarts}") as kernel:
             for _ in range(args.repeats):
-                took, again = one_kill(kernel, n, args.pace)
-                times.append(took)
-                twice.append(again)
-                print(f"  {n} ranks: kill -> a step completed on every rank {took:.2f} s, "
-                      f"steps run twice {again}", flush=True)
-        print(f"{n} ranks: kill -> next step on every rank: median {statistics.median(times):.2f} s, "
-              f"max {max(times):.2f} s (each: {', '.join(f'{t:.2f}' for t in times)}); steps run twice "
-              f"(at most the 2 since the last commit): {twice}")
+                for framework in frameworks:  # interleaved: the same load for each
+                    took, again = one_kill(kernel, n, args.pace, framework)
+                    times[framework].append(took)
+                    twice[framework].append(again)
+                    print(f"  {framework}, {n} ranks: kill -> a step completed on every rank {took:.2f} s, "
+                          f"steps run twice {again}", flush=True)
+        for framework in frameworks:
+            took = times[framework]
+            print(f"{framework}, {n} ranks: kill -> next step on every rank: median {statistics.median(took):.2f} s, "
+                  f"max {max(took):.2f} s (each: {', '.join(f'{t:.2f}' for t in took)}); steps run twice "
+                  f"(at most the 2 since the last commit): {twice[framework]}")
     print(f"load average after: {open('/proc/loadavg').read().split()[0]}")
 
 

@@ -8,10 +8,7 @@ from ... import runtime as _ring
 from .._horovod.runtime_names import rank, size
 from .._observe import report as _report
 from ..tensorflow.functions import broadcast_variables
-from ..tensorflow.util import LEGACY_KERAS, keras_api, optimizer_variables
-
-if LEGACY_KERAS:  # Keras 2 only: the module uses tf_keras' optimizer classes
-    from ..tensorflow._keras2 import build_optimizer
+from ..tensorflow.util import LEGACY_KERAS, build_optimizer, keras_api, optimizer_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint",
@@ -38,10 +35,8 @@ class BroadcastGlobalVariablesCallback(keras_api.callbacks.Callback):
             return
         model = self.model
         opt = model.optimizer
-        if opt is not None and LEGACY_KERAS:
+        if opt is not None:
             build_optimizer(opt, model.trainable_variables)
-        elif opt is not None and not opt.built:
-            opt.build(model.trainable_variables)
         variables = list(model.variables) + (optimizer_variables(opt) if opt is not None else [])
         broadcast_variables([v for v in variables if id(v) not in self.local_variables], root_rank=self.root_rank)
         self.broadcast_done = True

@@ -14,6 +14,7 @@ Keras 2's optimizer families are wrapped: ``tf.keras.optimizers.*`` and
 """
 
 import dataclasses
+from typing import Any
 
 import tensorflow as tf
 
@@ -227,7 +228,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     return keras.models.load_model(filepath, custom_objects=objects)
 
 
-def build_optimizer(optimizer, variables):
+def build_optimizer(optimizer: Any, variables: list[Any]) -> None:
     """Create ``optimizer``'s slots for ``variables`` now (Keras 2 makes them at the first step)."""
     if hasattr(optimizer, "_create_all_weights"):       # legacy optimizers
         optimizer._create_all_weights(variables)

@@ -9,7 +9,7 @@ from .._horovod.elastic import ObjectState, State
 from .._horovod.elastic_world import HostsUpdatedInterrupt, sync_root
 from .._horovod.runtime_names import rank
 from .functions import broadcast_object, broadcast_variables
-from .util import optimizer_variables
+from .util import build_optimizer, optimizer_variables
 
 __all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "KerasState",
            "HostsUpdatedInterrupt", "run"]
@@ -97,8 +97,12 @@ class TensorFlowKerasState(_VariablesState):
 
     def _vars(self):
         optimizer = self.optimizer
-
-        return list(self.model.variables) + (optimizer_variables(optimizer) if optimizer is not None else [])
+        if optimizer is None:
+            return list(self.model.variables)
+        # built before it is read: a rank that never stepped (a newcomer synced from the
+        # survivors) holds the same variables as one that did, in the same order
+        build_optimizer(optimizer, self.model.trainable_variables)
+        return list(self.model.variables) + optimizer_variables(optimizer)
 
 
 KerasState = TensorFlowKerasState

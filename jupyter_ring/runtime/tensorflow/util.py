@@ -10,7 +10,7 @@ import tensorflow as tf
 
 # TensorFlow and Keras ship no annotations: their modules, layers, optimizers and variables are Any.
 
-__all__ = ["LEGACY_KERAS", "keras_api", "optimizer_variables", "local_weights"]
+__all__ = ["LEGACY_KERAS", "keras_api", "optimizer_variables", "build_optimizer", "local_weights"]
 
 
 def _which_keras() -> tuple[Any, bool]:
@@ -31,6 +31,22 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     legacy optimizers (``tf.keras.optimizers.legacy``)."""
     found = optimizer.variables
     return list(found() if callable(found) and not isinstance(found, list) else found)
+
+
+def build_optimizer(optimizer: Any, variables: list[Any]) -> None:
+    """Create ``optimizer``'s slots (momentum, moments) for ``variables`` now, if it has none yet.
+
+    Keras makes them at the optimizer's first step, so a rank that has not stepped holds fewer
+    optimizer variables than one that has: a broadcast of them all (at the start of training, in
+    an elastic state's sync to a newcomer) needs every rank built first. Built is what a first
+    step would make: zero slots, nothing else changed.
+    """
+    if LEGACY_KERAS:
+        from ._keras2 import build_optimizer as build_keras2
+
+        build_keras2(optimizer, variables)
+    elif not optimizer.built:
+        optimizer.build(variables)
 
 
 # keras_api: Keras as the user's tf.keras sees it: Keras 3 (the keras package), or Keras 2 (tf_keras)
