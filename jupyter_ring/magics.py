@@ -698,13 +698,8 @@ class RingMagics(Magics):
             return f"{head} Replacing it in place failed: {exc}"
         except Exception as exc:  # ipyparallel's own (a survivor's engine gone meanwhile: no engines)
             lost = sorted(set(dead) | set(cluster.dead_ranks()))
-            if lost != sorted(dead):  # a survivor died too: say how, as for the first (its
-                # keeper's line with the signal may come a moment after its nanny's)
-                deadline = time.monotonic() + 1.0
+            if lost != sorted(dead):  # a survivor died too: say how, as for the first
                 head = cluster.describe_death(lost, fix="").rstrip()
-                while "(engine process exited)" in head and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                    head = cluster.describe_death(lost, fix="").rstrip()
             return (f"{head} Replacing it in place failed ({type(exc).__name__}: {exc}); %ring "
                     "restart starts every rank afresh.")
         self._new_rank_dashboard(cluster, done.ranks)

@@ -63,6 +63,14 @@ def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_befor
     message = describe_death([1], rows, [10, 11], output, fix="Replaced.")
     assert message == "rank 1 @ h died (signal: Segmentation fault). Replaced."
     assert "%ring restart" in describe_death([1], rows, [10, 11], output)
+    # before the keeper's line is written the message cannot say how yet: RingCluster reads the
+    # output again for a moment (describe_death's settle) while says_how is False
+    from jupyter_ring.cluster._death import says_how
+
+    early = describe_death([1], rows, [10, 11], output.rsplit("jupyter_ring keeper", 1)[0])
+    assert "died (engine process exited)" in early and not says_how(early)
+    assert not says_how(describe_death([0, 1], rows, [10, 11], ""))  # no nanny line yet
+    assert says_how(message)
 
 
 def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):

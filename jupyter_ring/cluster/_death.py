@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..engines._setup import RankRow
 
-__all__ = ["RESTART_FIX", "describe_death"]
+__all__ = ["RESTART_FIX", "describe_death", "says_how"]
 
 
 RESTART_FIX = "Their variables are lost; run %ring restart for a fresh cluster with the same arguments."
@@ -44,6 +44,13 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
         head += (" stopped answering (died, or the host is down or cut off from this one)"
                  if len(set(hosts.values())) > 1 else " died")
     return f"{head}. {fix}"
+
+
+def says_how(message: str) -> bool:
+    """Whether a :func:`describe_death` message says how the first rank died (a signal, MPI's
+    exit string, a host cut off), not only that its engine exited or that ranks are gone."""
+    return "died (" in message and "died (engine process exited)" not in message or (
+        "stopped answering" in message)
 
 
 def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, str],

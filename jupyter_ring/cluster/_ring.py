@@ -24,7 +24,7 @@ from traitlets.config import LoggingConfigurable
 from ..engines._interrupts import CellId
 from ..engines._setup import RankRow
 from ..errors import ClusterError, DeadRankError
-from ._death import RESTART_FIX, describe_death
+from ._death import RESTART_FIX, describe_death, says_how
 from ._launchers import curve_client, ipp_cluster
 from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
@@ -586,9 +586,21 @@ class RingCluster(LoggingConfigurable):
                 f"The end of the engines' output:\n{tail}\n"
                 "Run %ring start again; if it happens again, the lines above say why.")
 
-    def describe_death(self, dead: Iterable[int], fix: str = RESTART_FIX) -> str:
-        """A message for dead ranks: which died first and how (nanny log, mpiexec report), ``fix``."""
-        return describe_death(dead, self.ranks, self.engine_ids, self._engines_output(), fix)
+    def describe_death(self, dead: Iterable[int], fix: str = RESTART_FIX,
+                       settle: float = 2.0) -> str:
+        """A message for dead ranks: which died first and how (nanny log, mpiexec report, a
+        keeper's line), ``fix``. Under keepers the signal comes in the rank's keeper's line,
+        which may follow its nanny's by a moment: a message that does not say how yet is read
+        again for up to ``settle`` seconds ("died (engine process exited)" where the rank was
+        SIGKILLed, or a bare "died")."""
+        dead = list(dead)
+        deadline = time.monotonic() + settle
+        while True:
+            text = describe_death(dead, self.ranks, self.engine_ids, self._engines_output(), fix)
+            keepers = self.plan_used is not None and self.plan_used.keeper
+            if not keepers or says_how(text) or time.monotonic() >= deadline:
+                return text
+            time.sleep(0.1)
 
     def _engines_output(self) -> str:
         """What the engine sets wrote (mpiexec's report, the nannies' and keepers' lines); ""
