@@ -21,12 +21,14 @@ def torch_state_is_broadcast(model: torch.nn.Module, optimizer: torch.optim.Opti
 
 
 def ring_elastic_keeps_the_signature() -> int:
-    """ring.elastic.run returns a function of the decorated one's arguments and result."""
+    """ring.elastic.run returns a function of the decorated one's arguments and result; a state's
+    attributes are read and set as in Horovod's examples."""
     state = elastic.ObjectState(w=np.zeros(3), epoch=0)
 
     @elastic.run
     def train(state: elastic.ObjectState, steps: int) -> int:
-        state.commit()
+        for state.epoch in range(state.epoch, steps):  # (its attributes: the keywords it was made with)
+            state.commit()
         return steps
 
     return train(state, 3)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import queue
 from collections.abc import Callable, Iterable
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from .. import _api
 from . import elastic_world
@@ -140,6 +140,11 @@ class ObjectState(State):
         self._saved_state: dict[str, Any] = kwargs
         self._set_attrs()
         super().__init__(bcast_object, get_rank)
+
+    if TYPE_CHECKING:  # (for a type checker only) its attributes are the keywords it was made with
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def save(self) -> None:
         """Keep the attributes' current values."""
