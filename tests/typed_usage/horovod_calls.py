@@ -6,6 +6,8 @@ A public annotation that refuses one of these calls is a bug of the annotation (
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -44,3 +46,15 @@ def torch_elastic_keeps_the_signature(model: torch.nn.Module, optimizer: torch.o
         return lr
 
     return train(state, 0.1)
+
+
+def keras_callbacks_as_horovod_shows(model: Any) -> list[object]:
+    """hvd.callbacks and the elastic callbacks of the Keras adapter, as Horovod's examples make them."""
+    import jupyter_ring.runtime.keras as khvd
+
+    state = khvd.elastic.KerasState(model, epoch=0, batch=0)
+    return [khvd.callbacks.BroadcastGlobalVariablesCallback(0), khvd.callbacks.MetricAverageCallback(),
+            khvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=3, verbose=1),
+            khvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=lambda epoch: 0.5 ** epoch),
+            khvd.elastic.CommitStateCallback(state, batches_per_commit=10),
+            khvd.elastic.UpdateEpochStateCallback(state), khvd.elastic.UpdateBatchStateCallback(state)]
