@@ -242,8 +242,9 @@ class ManagedGroup:
     def store_ports(self) -> frozenset[int]:
         return store_ports(self.store)
 
-    def backend(self, device_type: str) -> Any:  # torch's Backend stub declares none of the collectives gloo and NCCL have
+    def backend(self, device_type: str) -> Any:
         """The backend that runs collectives on tensors of ``device_type`` ("cpu", "cuda")."""
+        # (Any: torch's Backend stub declares none of the collectives its gloo and NCCL backends have)
         return self.backends[device_type]
 
     def abort(self, reason: str) -> int:

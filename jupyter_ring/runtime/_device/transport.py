@@ -186,7 +186,8 @@ class DeviceTransport:
 
     def __init__(self) -> None:
         self._groups = DeviceGroups()
-        self._fusion: Lender[tuple[torch.device, torch.dtype], torch.Tensor] = Lender(_FUSION_KEPT)  # flat fusion buffers by (device, dtype), each lent to one collective
+        # flat fusion buffers by (device, dtype), each lent to one collective
+        self._fusion: Lender[tuple[torch.device, torch.dtype], torch.Tensor] = Lender(_FUSION_KEPT)
         self._unnamed: dict[str, int] = {}   # kind -> counter for names of unnamed collectives (same on every rank)
         # tests: called with (kind, name) after the agreement, before the transfer is launched
         self.before_launch: Callable[[str, str], object] | None = None

@@ -269,7 +269,8 @@ def _call(fn: Callable[[list[npt.NDArray[Any]]], Sequence[Any]], tensors: Iterab
     return _graph_op(py, tensors, out_dtypes, shapes, key)
 
 
-def _graph_op(py: Callable[..., list[Any]], tensors: Sequence[Any], out_dtypes: Sequence[Any], out_shapes: Sequence[Any],
+def _graph_op(py: Callable[..., list[Any]], tensors: Sequence[Any], out_dtypes: Sequence[Any],
+              out_shapes: Sequence[Any],
               key: str | None) -> list[Any]:
     """``py(*eager tensors) -> outputs`` as a graph op: one py_function (which holds the thread that
     runs it: a tf.function runs them in program order), or in a TF1 session (``key``), unless

@@ -268,7 +268,8 @@ def _overlapped_gradients(tensors: Sequence[Any], buckets: list[list[int]], op: 
         groups = _layout([tensors[i] for i in bucket])
         bucket_name = f"{name}.bucket{k}"
 
-        def submit(ts: Sequence[Any], groups: _Layout = groups, bucket_name: str = bucket_name, k: int = k) -> list[Any]:
+        def submit(ts: Sequence[Any], groups: _Layout = groups, bucket_name: str = bucket_name,
+                   k: int = k) -> list[Any]:
             (np_dtype, (entries, total)), = groups.items()
             handle, flat = _queue_bucket(ts, np_dtype, entries, total, bucket_name, op, prescale, postscale,
                                          process_set, f"bucket{k}")

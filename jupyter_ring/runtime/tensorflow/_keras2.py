@@ -186,7 +186,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
                          compression: Compressor = Compression.none, sparse_as_dense: bool = False,
                          gradient_predivide_factor: float = 1.0, op: int = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet | None = global_process_set, scale_local_gradients: bool = True) -> Any:
+                         process_set: ProcessSet | None = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
     """Wrap a Keras 2 optimizer: gradients are averaged over the ranks before it applies them.
 
     Returns a new optimizer of a subclass of ``type(optimizer)``, made from its config (Horovod's

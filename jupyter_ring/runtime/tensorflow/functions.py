@@ -21,8 +21,8 @@ _T = TypeVar("_T")
 
 
 # ------------------------------------------------------------------ variables, objects
-def broadcast_variables(variables: Iterable[Any], root_rank: int = 0, process_set: ProcessSet | None = global_process_set,
-                        inplace: bool = False) -> Any:
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: ProcessSet | None = global_process_set, inplace: bool = False) -> Any:
     """Give every rank root's values of ``variables``; in a graph, returns the op that does it."""
     variables = list(variables)
     if not variables:
