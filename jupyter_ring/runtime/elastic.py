@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from . import _api
 from ._engine.errors import HorovodInternalError, RankLostError
@@ -34,7 +34,10 @@ from ._horovod.elastic_world import HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run", "HorovodInternalError", "RankLostError", "HostsUpdatedInterrupt"]
 
-_Result = TypeVar("_Result")
+_T = TypeVar("_T")
+_S = TypeVar("_S", bound=State)   # the state the training function takes
+_P = ParamSpec("_P")              # its other arguments
+_R = TypeVar("_R")                # what it returns
 
 
 class ObjectState(_elastic.ObjectState):
@@ -45,7 +48,7 @@ class ObjectState(_elastic.ObjectState):
     """
 
     def __init__(self, **values: Any) -> None:
-        super().__init__(bcast_object=_broadcast, get_rank=_api.rank, **values)  # type: ignore[no-untyped-call]  # (Horovod's layer, untyped)
+        super().__init__(bcast_object=_broadcast, get_rank=_api.rank, **values)
         self.save()
 
     def save(self) -> None:
@@ -58,15 +61,15 @@ class ObjectState(_elastic.ObjectState):
             setattr(self, attr, copy.deepcopy(value))
 
 
-def _broadcast(obj: object, root: int = 0) -> object:
+def _broadcast(obj: _T, root: int = 0) -> _T:
     return _api.broadcast_object(obj, root, name="elastic.ObjectState")
 
 
-def run(func: Callable[..., _Result], reset_limit: int | None = None) -> Callable[..., _Result]:
+def run(func: Callable[Concatenate[_S, _P], _R], reset_limit: int | None = None) -> Callable[Concatenate[_S, _P], _R]:
     """Decorate ``train(state, ...)``: sync the state, run, and after ``HorovodInternalError``
     restore the last commit and retry (after ``HostsUpdatedInterrupt``: reset and go on).
     More than ``reset_limit`` failures in a row with no commit between them raise the last."""
-    return cast("Callable[..., _Result]", _elastic.run_fn(func, _reset, reset_limit))
+    return _elastic.run_fn(func, _reset, reset_limit)
 
 
 def _reset() -> None:

@@ -26,6 +26,8 @@ group it shares, and by the notebook engines' guard (``jupyter_ring.engines._tor
 group user code creates.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import datetime
 import functools
@@ -34,6 +36,15 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:  # torch is imported where it is used: the runtime runs without it
+    from torch._C._distributed_c10d import Backend  # (torch.distributed.Backend is the backend-name class)
+    from torch.distributed import ProcessGroup, Store
+    from torch.distributed.distributed_c10d import GroupName
+
+_R = TypeVar("_R")  # what capture_sockets' build returns
 
 __all__ = ["ManagedGroup", "Registry", "registry", "socket_inodes", "capture_sockets",
            "shutdown_sockets", "store_ports", "new_backend", "rendezvous_address", "install_recording",
@@ -47,9 +58,9 @@ _SPARE_TYPES = ("CUSTOM", "UCC", "MPI", "XCCL", "UNDEFINED")
 
 
 # ------------------------------------------------------------------ sockets
-def socket_inodes():
+def socket_inodes() -> dict[int, int]:
     """``{inode: fd}`` of this process's open sockets (Linux: /proc/self/fd)."""
-    out = {}
+    out: dict[int, int] = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:  # pragma: no cover - not Linux
@@ -64,14 +75,14 @@ def socket_inodes():
     return out
 
 
-def capture_sockets(build, *args, **kwargs):
+def capture_sockets(build: Callable[..., _R], *args: Any, **kwargs: Any) -> tuple[_R, set[int]]:
     """``(build(*args, **kwargs), inodes of the sockets that appeared meanwhile)``."""
     before = set(socket_inodes())
     result = build(*args, **kwargs)
     return result, set(socket_inodes()) - before
 
 
-def _ports(sock):
+def _ports(sock: socket.socket) -> tuple[int | None, int | None]:
     """(local port, peer port) of a socket, peer None when it has none (a listener)."""
     local = sock.getsockname()
     try:
@@ -81,7 +92,7 @@ def _ports(sock):
     return (local[1] if isinstance(local, tuple) else None), (peer[1] if isinstance(peer, tuple) else None)
 
 
-def shutdown_sockets(inodes, exclude_ports=()):
+def shutdown_sockets(inodes: Collection[int], exclude_ports: Collection[int] = ()) -> int:
     """Shut down (both ways) the connected sockets among ``inodes``; returns how many.
 
     The store's connections (``exclude_ports``) and listeners are left alone. Shutting down a dup
@@ -113,9 +124,9 @@ def shutdown_sockets(inodes, exclude_ports=()):
     return done
 
 
-def store_ports(store):
+def store_ports(store: Store | None) -> frozenset[int]:
     """Ports of the TCPStore(s) under ``store`` (PrefixStores unwrapped): never shut down."""
-    ports = set()
+    ports: set[int] = set()
     seen = 0
     while store is not None and seen < 16:
         port = getattr(store, "port", None)
@@ -126,7 +137,7 @@ def store_ports(store):
     return frozenset(ports)
 
 
-def rendezvous_address(hosts, rank=0):
+def rendezvous_address(hosts: Sequence[str], rank: int = 0) -> str:
     """The address rank ``rank`` (on ``hosts[rank]``) offers the other ranks for a rendezvous.
 
     127.0.0.1 when every rank is on that host (nothing listens beyond loopback); else the
@@ -141,7 +152,7 @@ def rendezvous_address(hosts, rank=0):
             remote = socket.gethostbyname(host)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 probe.connect((remote, 9))
-                local = probe.getsockname()[0]
+                local = str(probe.getsockname()[0])
         except OSError:
             continue
         if not local.startswith("127."):
@@ -150,7 +161,8 @@ def rendezvous_address(hosts, rank=0):
 
 
 # ------------------------------------------------------------------ backends
-def new_backend(kind, store, rank, size, timeout):
+def new_backend(kind: str, store: Store, rank: int, size: int,
+                timeout: datetime.timedelta) -> tuple[Backend, set[int]]:
     """A new ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` on ``store``, and its socket inodes."""
     import torch.distributed as dist
 
@@ -170,7 +182,7 @@ def new_backend(kind, store, rank, size, timeout):
                      f" (torch.distributed {dist.__name__})")
 
 
-def _kind(backend):
+def _kind(backend: object) -> str | None:
     name = type(backend).__name__
     if name == "ProcessGroupGloo":
         return "gloo"
@@ -190,25 +202,27 @@ class ManagedGroup:
 
     label: str
     key: str                     # the same on every rank: torch's group name, or ours
-    pg: object
-    backends: dict
-    kinds: dict
-    store: object
+    pg: ProcessGroup | None
+    backends: dict[str, Backend]
+    kinds: dict[str, str]        # device type -> "gloo" or "nccl"
+    store: Store
     rank: int
     size: int
     timeout: datetime.timedelta
-    sockets: set = dataclasses.field(default_factory=set)
-    used_types: set = dataclasses.field(default_factory=set)
+    sockets: set[int] = dataclasses.field(default_factory=set)
+    used_types: set[str] = dataclasses.field(default_factory=set)
     generation: int = 0
     aborted: str = ""            # why it was aborted; "" while its connections are intact
     desc: str = ""               # torch's group description, given to re-created backends
 
     @classmethod
-    def adopt(cls, pg, store, sockets):
+    def adopt(cls, pg: ProcessGroup, store: Store, sockets: Iterable[int]) -> ManagedGroup:
         """Manage ``pg`` (made by torch.distributed) whose backends opened ``sockets``."""
         import torch
 
-        backends, kinds, used = {}, {}, set()
+        backends: dict[str, Backend] = {}
+        kinds: dict[str, str] = {}
+        used: set[str] = set()
         for device in pg._device_types:
             backend = pg._get_backend(torch.device(device.type))
             kind = _kind(backend)
@@ -225,14 +239,15 @@ class ManagedGroup:
                    desc=str(getattr(pg, "group_desc", "")))
 
     @property
-    def store_ports(self):
+    def store_ports(self) -> frozenset[int]:
         return store_ports(self.store)
 
-    def backend(self, device_type):
+    def backend(self, device_type: str) -> Any:
         """The backend that runs collectives on tensors of ``device_type`` ("cpu", "cuda")."""
+        # (Any: torch's Backend stub declares none of the collectives its gloo and NCCL backends have)
         return self.backends[device_type]
 
-    def abort(self, reason):
+    def abort(self, reason: str) -> int:
         """Make every collective in flight on this group fail now, here and on the peers."""
         if not self.aborted:
             self.aborted = reason
@@ -246,7 +261,7 @@ class ManagedGroup:
         log.info("jupyter_ring: aborted %s (%s): %d connections closed", self.label, reason, shut)
         return shut
 
-    def rebuild(self):
+    def rebuild(self) -> None:
         """New backends on a fresh store prefix; collective: every rank of the group calls it."""
         import torch
         import torch.distributed as dist
@@ -255,8 +270,9 @@ class ManagedGroup:
         # so that nothing of the old backends can pair with the new ones
         shutdown_sockets(self.sockets, self.store_ports)
         self.generation += 1
-        backends, sockets = {}, set()
-        built = {}
+        backends: dict[str, Backend] = {}
+        sockets: set[int] = set()
+        built: dict[str, tuple[Backend, set[int]]] = {}
         for device, kind in self.kinds.items():
             if kind not in built:  # one gloo backend serves cpu and cuda alike
                 prefix = dist.PrefixStore(f"jupyter_ring/rebuild{self.generation}/{kind}/", self.store)
@@ -278,16 +294,16 @@ class ManagedGroup:
                 self._name(self.pg)
                 _reset_ddp_modules(self.pg, self.pg)
             else:
-                self._new_object(backends)
+                self._new_object(self.pg, backends)
         self.backends, self.sockets, self.aborted = backends, sockets, ""
 
-    def _name(self, pg):
+    def _name(self, pg: ProcessGroup) -> None:
         """The group's name and description (ProcessGroup reads them from its backends: new
         backends have none, and device meshes and functional collectives look groups up by name)."""
-        pg._set_group_name(self.key)
+        pg._set_group_name(cast("GroupName", self.key))
         pg._set_group_desc(self.desc)
 
-    def _new_object(self, backends):
+    def _new_object(self, old: ProcessGroup, backends: dict[str, Backend]) -> None:
         """No backend type left to re-create in place: a new ProcessGroup object takes the old one's
         place in torch.distributed's tables (default group, name, tag) and DDP modules move to
         it; device meshes resolve the group by name, so they follow. Only code holding the old
@@ -297,17 +313,17 @@ class ManagedGroup:
         from torch._C import _distributed_c10d as C
         from torch.distributed import distributed_c10d as c10d
 
-        old = self.pg
         new = dist.ProcessGroup(self.store, self.rank, self.size)
         for device, backend in backends.items():
             new._register_backend(torch.device(device), getattr(dist.ProcessGroup.BackendType,
                                                                 self.kinds[device].upper()), backend)
         new._set_default_backend(getattr(dist.ProcessGroup.BackendType, next(iter(self.kinds.values())).upper()))
-        name = self.key
+        name = cast("GroupName", self.key)
         self._name(new)
         world = c10d._world
-        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
-                      world.pg_to_tag):
+        tables: list[dict[ProcessGroup, Any]] = [world.pg_map, world.pg_names, world.pg_group_ranks,
+                                                 world.pg_backend_config, world.pg_to_tag]
+        for table in tables:
             if old in table:
                 table[new] = table.pop(old)
         for members in world.tags_to_pg.values():
@@ -324,7 +340,7 @@ class ManagedGroup:
                     self.label, self.generation - 1)
 
     @property
-    def alive(self):
+    def alive(self) -> bool:
         """False once torch.distributed destroyed the user's group (or it was collected)."""
         if self.pg is None:
             return True
@@ -333,7 +349,7 @@ class ManagedGroup:
         return self.pg in dist.distributed_c10d._world.pg_map
 
 
-def _reset_ddp_modules(pg, new):
+def _reset_ddp_modules(pg: ProcessGroup, new: ProcessGroup) -> None:
     """DDP modules over ``pg``: reset the reducer (a backward cut short leaves it mid-step) and
     point it to ``new`` (``pg`` itself when it was re-created in place).
 
@@ -352,21 +368,21 @@ def _reset_ddp_modules(pg, new):
 class Registry:
     """The managed groups of this process, in creation order (the same order on every rank)."""
 
-    def __init__(self):
-        self._groups = []
+    def __init__(self) -> None:
+        self._groups: list[ManagedGroup] = []
         self._lock = threading.Lock()
 
-    def record(self, group):
+    def record(self, group: ManagedGroup) -> ManagedGroup:
         with self._lock:
             self._groups.append(group)
         return group
 
-    def find(self, pg):
+    def find(self, pg: object) -> ManagedGroup | None:
         """The managed group of ``pg``, or None."""
         with self._lock:
             return next((g for g in self._groups if g.pg is pg), None)
 
-    def groups(self):
+    def groups(self) -> list[ManagedGroup]:
         """Live managed groups: those torch.distributed has not destroyed.
 
         Filtered, never dropped: the engine's monitor thread asks while a re-creation on the main
@@ -380,7 +396,7 @@ registry = Registry()
 
 
 # ------------------------------------------------------------------ groups made by user code
-def install_recording():
+def install_recording() -> None:
     """Record every process group torch.distributed makes from now on (``init_process_group``,
     ``new_group``, a DeviceMesh's groups) with the sockets its backends opened, so that it can be
     aborted and re-created. Idempotent; needs torch.distributed imported."""
@@ -392,24 +408,25 @@ def install_recording():
     distributed_c10d._new_process_group_helper = _recording(helper)
 
 
-def _recording(helper):
+def _recording(helper: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
     @functools.wraps(helper)
-    def new_process_group(*args, **kwargs):
+    def new_process_group(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         (pg, prefix_store), sockets = capture_sockets(helper, *args, **kwargs)
         from torch.distributed import GroupMember, ProcessGroup
 
-        if isinstance(pg, ProcessGroup) and pg is not GroupMember.NON_GROUP_MEMBER:
+        non_member: object = GroupMember.NON_GROUP_MEMBER  # (-100 in torch 2.x; an object() in older ones)
+        if isinstance(pg, ProcessGroup) and pg is not non_member:
             registry.record(ManagedGroup.adopt(pg, prefix_store, sockets))
         return pg, prefix_store
 
-    new_process_group._jupyter_ring_records = True
+    setattr(new_process_group, "_jupyter_ring_records", True)  # (the mark install_recording reads)
     return new_process_group
 
 
-def abort_all(reason):
+def abort_all(reason: str) -> list[str]:
     """Abort every managed group of the user's (connections shut down, NCCL aborted); returns
     the labels of those aborted."""
-    aborted = []
+    aborted: list[str] = []
     for group in registry.groups():
         if group.pg is not None:
             group.abort(reason)
@@ -417,7 +434,7 @@ def abort_all(reason):
     return aborted
 
 
-def rebuild_all():
+def rebuild_all() -> list[tuple[str, list[int]]]:
     """Re-create (in place) every managed user group that any rank aborted; collective over the
     ring: every rank calls it, also one without torch or groups. Returns ``[(label, ranks that
     had aborted it), ...]`` for the groups this rank re-created.
@@ -430,7 +447,7 @@ def rebuild_all():
     groups = [g for g in registry.groups() if g.pg is not None]
     states = ring.allgather_object({g.key: bool(g.aborted) for g in groups},
                                    name="jupyter_ring.process_groups.state")
-    rebuilt = []
+    rebuilt: list[tuple[str, list[int]]] = []
     for group in groups:
         on = [rank for rank, state in enumerate(states) if state.get(group.key)]
         if on:

@@ -40,19 +40,27 @@ Tensors are torch tensors on one device type; ``supports(dtype, op)`` says which
 (the adapters stage the others through the ring).
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 from ... import runtime as _ring
 from .._engine import waits as _waits
-from .._engine.core import OP_NAMES, Adasum, Average, Max, Min, Product, Sum
+from .._engine.core import OP_NAMES, Adasum, Desc, Average, Max, Min, Product, Sum
 from .._engine.errors import CollectiveMismatchError, RingError, StallError
-from .agreement import agree
+from .agreement import Agreement, agree
 from .groups import DeviceGroups
 from .._engine.pool import Lender
 from .._observe.report import reporter
+from .process_groups import ManagedGroup
+
+if TYPE_CHECKING:  # torch is imported where it is used: the runtime runs without it
+    import torch
+    from torch.distributed import AllreduceOptions, Work
 
 __all__ = ["DeviceTransport", "DeviceWork", "transport", "mode", "routes", "supports", "copies",
            "TRANSPORT_ENV"]
@@ -64,8 +72,10 @@ _MODES = ("auto", "gloo", "off")
 # free fusion buffers kept per (device, dtype) for later grouped collectives
 _FUSION_KEPT = 4
 
+_R = TypeVar("_R")  # what a DeviceWork's wait() returns: a tensor, or the list allreduced
 
-def mode():
+
+def mode() -> str:
     """``auto`` (CUDA tensors over NCCL), ``gloo`` (also CPU torch tensors, over gloo: the CI
     switch that exercises this transport without a GPU) or ``off`` (stage everything)."""
     value = os.environ.get(TRANSPORT_ENV, "auto").strip().lower() or "auto"
@@ -74,7 +84,7 @@ def mode():
     return value
 
 
-def routes(tensor):
+def routes(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` (a torch tensor) goes through the device transport."""
     kind = tensor.device.type
     current = mode()
@@ -83,20 +93,20 @@ def routes(tensor):
     return kind == "cpu" and current == "gloo"
 
 
-def _nccl_available():
+def _nccl_available() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_nccl_available()
 
 
-def _dtypes():
+def _dtypes() -> set[torch.dtype]:
     import torch
 
     return {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
             torch.int32, torch.int64}
 
 
-def supports(dtype, op):
+def supports(dtype: torch.dtype, op: int) -> bool:
     """Whether an allreduce of ``dtype`` with ``op`` runs on the device transport (else: staged)."""
     import torch
 
@@ -109,14 +119,14 @@ def supports(dtype, op):
     return False
 
 
-def copies(dtype):
+def copies(dtype: torch.dtype) -> bool:
     """Whether a broadcast or allgather of ``dtype`` runs on the device transport."""
     import torch
 
     return dtype in _dtypes() or dtype in (torch.bool, torch.complex64, torch.complex128)
 
 
-def _check(tensors, where):
+def _check(tensors: Sequence[object], where: str) -> torch.device | None:
     import torch
 
     if not isinstance(tensors, (list, tuple)):
@@ -126,38 +136,41 @@ def _check(tensors, where):
         raise TypeError(f"{where}: expected torch tensors, got {', '.join(bad)}")
     if not tensors:
         return None
-    devices = {t.device for t in tensors}
+    devices: set[torch.device] = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"{where}: tensors on several devices ({sorted(map(str, devices))}); "
                          "move them to one device")
     return next(iter(devices))
 
 
-class DeviceWork:
+class DeviceWork(Generic[_R]):
     """A device collective agreed and launched: ``poll()`` tells whether it is done, ``wait()``
     finishes it (copies results out, scales) and returns its result."""
 
     __slots__ = ("_transport", "_group", "_work", "_what", "_finish", "_buffers", "_start",
                  "_agreed", "_nbytes", "_kind", "_name", "_result", "_done")
 
-    def __init__(self, transport, group, work, what, finish, buffers, times, nbytes, kind, name):
+    def __init__(self, transport: DeviceTransport, group: ManagedGroup | None, work: Work | None, what: str,
+                 finish: Callable[[], _R], buffers: list[torch.Tensor], times: tuple[float, float], nbytes: int,
+                 kind: str, name: str) -> None:
         self._transport, self._group, self._work, self._what = transport, group, work, what
         self._finish, self._buffers = finish, buffers
         self._start, self._agreed = times
         self._nbytes, self._kind, self._name = nbytes, kind, name
-        self._result = None
+        self._result: _R | None = None
         self._done = False
 
     def poll(self) -> bool:
         """True when the transfer has completed (never blocks)."""
         return self._done or self._work is None or self._work.is_completed()
 
-    def wait(self) -> Any:  # (what the collective returns: a tensor, a list of them)
+    def wait(self) -> _R:
         """Wait for the transfer (interruptible, bounded by the stall timeout); the result."""
         if self._done:
-            return self._result
+            return cast(_R, self._result)  # (still None after a finish() that raised, as before typing)
         self._done = True
         if self._work is not None:
+            assert self._group is not None  # (a launched transfer always has its group)
             self._transport._wait(self._work, self._what, self._group, self._buffers)
         self._result = self._finish()
         trace = reporter.trace
@@ -171,14 +184,15 @@ class DeviceWork:
 class DeviceTransport:
     """Device collectives of this process over one managed process group per device type."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._groups = DeviceGroups()
-        self._fusion = Lender(_FUSION_KEPT)  # flat fusion buffers by (device, dtype), each lent to one collective
-        self._unnamed = {}   # kind -> counter for names of unnamed collectives (same on every rank)
+        # flat fusion buffers by (device, dtype), each lent to one collective
+        self._fusion: Lender[tuple[torch.device, torch.dtype], torch.Tensor] = Lender(_FUSION_KEPT)
+        self._unnamed: dict[str, int] = {}   # kind -> counter for names of unnamed collectives (same on every rank)
         # tests: called with (kind, name) after the agreement, before the transfer is launched
-        self.before_launch = None
+        self.before_launch: Callable[[str, str], object] | None = None
 
-    def auto_name(self, kind, name):
+    def auto_name(self, kind: str, name: str | None) -> str:
         """``name``, or ``<kind>.device.<n>`` for the n-th unnamed ``kind`` of this process."""
         if name is not None:
             return name
@@ -187,15 +201,16 @@ class DeviceTransport:
         return f"{kind}.device.{count}"
 
     # ------------------------------------------------------------------ groups and agreement
-    def group(self, device_type):
+    def group(self, device_type: str) -> ManagedGroup:
         """The managed group for ``device_type`` (``DeviceGroups.group``; collective on first use)."""
         return self._groups.group(device_type)
 
-    def _agree(self, kind, name, device_type, desc, aux=None, error=None):
+    def _agree(self, kind: str, name: str, device_type: str, desc: Desc, aux: int | None = None,
+               error: Exception | None = None) -> Agreement:
         """Agree with every rank on ``desc`` before a collective (``agreement.agree``)."""
         return agree(self._groups, self._rebuild, kind, name, device_type, desc, aux, error)
 
-    def _rebuild(self, device_type, abandoned_on):
+    def _rebuild(self, device_type: str, abandoned_on: list[int]) -> None:
         group = self.group(device_type)
         group.rebuild()
         # a fresh group, fresh buffers (those of abandoned transfers were never given back)
@@ -204,7 +219,7 @@ class DeviceTransport:
                     "on rank(s) %s", group.label, abandoned_on)
 
     # ------------------------------------------------------------------ waiting
-    def _wait(self, work, what, group, buffers):
+    def _wait(self, work: Work, what: str, group: ManagedGroup, buffers: list[torch.Tensor]) -> None:
         """Poll ``work`` until it completes: interruptible, bounded by the stall timeout."""
         config = _ring.config()
         start = time.perf_counter()
@@ -239,18 +254,18 @@ class DeviceTransport:
             self._abandon(group, what, buffers, type(exc).__name__)
             raise
 
-    def _abandon(self, group, what, buffers, why):
+    def _abandon(self, group: ManagedGroup, what: str, buffers: list[torch.Tensor], why: str) -> None:
         device_type = next(iter(group.backends))
         group.abort(f"{what} abandoned on rank {_ring.rank()} ({why})")
         # ``buffers`` are never given back: the abandoned transfer may still write into them
         log.info("jupyter_ring: %s abandoned (%s) on %s", what, why, device_type)
 
     # ------------------------------------------------------------------ collectives
-    def _launching(self, kind, name):
+    def _launching(self, kind: str, name: str) -> None:
         if self.before_launch is not None:
             self.before_launch(kind, name)
 
-    def _fusion_buffer(self, device, dtype, numel):
+    def _fusion_buffer(self, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements, lent to one collective until its finish
         gives it back: two collectives in flight never share one."""
         import torch
@@ -258,7 +273,9 @@ class DeviceTransport:
         return self._fusion.lend((device, dtype), numel,
                                  lambda: torch.empty(max(numel, 1), dtype=dtype, device=device))
 
-    def allreduce_async_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
+    def allreduce_async_(self, tensors: Sequence[torch.Tensor], op: int = Average, name: str = "allreduce",
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0
+                         ) -> DeviceWork[Sequence[torch.Tensor]]:
         """Agree, fuse and launch an in-place allreduce of ``tensors``; returns a DeviceWork."""
         import torch
 
@@ -282,6 +299,7 @@ class DeviceTransport:
         except (TypeError, ValueError) as exc:
             error = exc
         device_type = device.type if device is not None else _default_device_type()
+        desc: Desc
         if error is None:
             desc = (("device", device_type), ("name", name), ("op", op), ("dtype", str(dtype)),
                     ("tensors (shape)", tuple(tuple(t.shape) for t in tensors)),
@@ -292,9 +310,11 @@ class DeviceTransport:
         joined = self._agree("allreduce", name, device_type, desc, error=error).joined
         if joined:
             return self._allreduce_with_joined(tensors, op, name, prescale_factor, postscale_factor, start)
-        return self._launch_allreduce(tensors, op, name, prescale_factor, postscale_factor, device, device_type, start)
+        return self._launch_allreduce(tensors, op, name, prescale_factor, postscale_factor, device_type, start)
 
-    def _launch_allreduce(self, tensors, op, name, prescale_factor, postscale_factor, device, device_type, start):
+    def _launch_allreduce(self, tensors: Sequence[torch.Tensor], op: int, name: str, prescale_factor: float,
+                          postscale_factor: float, device_type: str, start: float
+                          ) -> DeviceWork[Sequence[torch.Tensor]]:
         """The agreed allreduce of ``tensors``: fused into one flat buffer (unless one contiguous
         tensor), scaled, launched on the group; its DeviceWork copies the results back."""
         import torch
@@ -306,11 +326,13 @@ class DeviceTransport:
         if total == 0:
             return DeviceWork(self, group, None, what, lambda: tensors, [], (start, time.perf_counter()), 0,
                               "allreduce", name)
-        dtype = tensors[0].dtype
-        single = len(tensors) == 1 and tensors[0].is_contiguous()
-        fused = None if single else self._fusion_buffer(device, dtype, total)
-        flat = tensors[0].view(-1) if single else fused[:total]
-        if not single:
+        dtype, device = tensors[0].dtype, tensors[0].device  # (the one device _check found)
+        fused = None
+        if len(tensors) == 1 and tensors[0].is_contiguous():
+            flat = tensors[0].view(-1)
+        else:
+            fused = self._fusion_buffer(device, dtype, total)
+            flat = fused[:total]
             torch.cat([t.reshape(-1) for t in tensors], out=flat)
         wire = flat
         if dtype == torch.bool:
@@ -327,12 +349,12 @@ class DeviceTransport:
             work = group.backend(device_type).allreduce([wire], _allreduce_options(op))
         agreed = time.perf_counter()
 
-        def finish():
+        def finish() -> Sequence[torch.Tensor]:
             if scale != 1.0:
                 wire.mul_(scale)
             if divisor != 1:
                 wire.floor_divide_(divisor)
-            if not single:
+            if fused is not None:
                 offset = 0
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -343,7 +365,8 @@ class DeviceTransport:
         return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),
                           total * dtype.itemsize, "allreduce", name)
 
-    def _allreduce_with_joined(self, tensors, op, name, prescale_factor, postscale_factor, start):
+    def _allreduce_with_joined(self, tensors: Sequence[torch.Tensor], op: int, name: str, prescale_factor: float,
+                               postscale_factor: float, start: float) -> DeviceWork[Sequence[torch.Tensor]]:
         """Some rank has called ``join()``: it takes part in the ring's allreduces with zeros (as
         in Horovod), never in the group's transfers, so the tensors go through the ring, staged
         through host memory, on every rank that voted (all of them saw the join in the vote)."""
@@ -359,11 +382,13 @@ class DeviceTransport:
         return DeviceWork(self, None, None, f"allreduce '{name}' (a rank joined: through the ring)",
                           lambda: tensors, [], (start, time.perf_counter()), nbytes, "allreduce", name)
 
-    def allreduce_(self, tensors, op=Average, name="allreduce", prescale_factor=1.0, postscale_factor=1.0):
+    def allreduce_(self, tensors: Sequence[torch.Tensor], op: int = Average, name: str = "allreduce",
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Sequence[torch.Tensor]:
         """In-place allreduce of a list of tensors (one fused transfer); blocking."""
         return self.allreduce_async_(tensors, op, name, prescale_factor, postscale_factor).wait()
 
-    def broadcast_async_(self, tensor, root=0, name="broadcast"):
+    def broadcast_async_(self, tensor: torch.Tensor, root: int = 0, name: str = "broadcast"
+                         ) -> DeviceWork[torch.Tensor]:
         """Agree and launch an in-place broadcast of root's ``tensor``; returns a DeviceWork."""
         import torch
 
@@ -399,7 +424,7 @@ class DeviceTransport:
             work = group.backend(device_type).broadcast([wire], opts)
         agreed = time.perf_counter()
 
-        def finish():
+        def finish() -> torch.Tensor:
             if not contiguous:
                 tensor.copy_(flat.view_as(tensor))
             return tensor
@@ -407,11 +432,11 @@ class DeviceTransport:
         return DeviceWork(self, group, work, what, finish, [flat], (start, agreed),
                           tensor.numel() * tensor.element_size(), "broadcast", name)
 
-    def broadcast_(self, tensor, root=0, name="broadcast"):
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0, name: str = "broadcast") -> torch.Tensor:
         """In-place broadcast of root's ``tensor``; blocking; returns ``tensor``."""
         return self.broadcast_async_(tensor, root, name).wait()
 
-    def allgather_async(self, tensor, name="allgather"):
+    def allgather_async(self, tensor: torch.Tensor, name: str = "allgather") -> DeviceWork[torch.Tensor]:
         """Agree and launch an allgather along dim 0 (which may differ between ranks)."""
         import torch
 
@@ -429,6 +454,7 @@ class DeviceTransport:
                 ("trailing shape", tuple(tensor.shape[1:]) if ok else None))
         start = time.perf_counter()
         rows = self._agree("allgather", name, device_type, desc, aux=tensor.shape[0] if ok else 0, error=error).rows
+        assert rows is not None  # (an agreement with aux: every rank's first dimension)
         group = self.group(device_type)
         what = f"allgather '{name}' ({device_type}, {group.kinds[device_type]})"
         most = int(rows.max())
@@ -444,22 +470,22 @@ class DeviceTransport:
             outs[0].copy_(padded)
         agreed = time.perf_counter()
 
-        def finish():
+        def finish() -> torch.Tensor:
             return torch.cat([o[:int(r)] for o, r in zip(outs, rows)])
 
         return DeviceWork(self, group, work, what, finish, [padded, *outs], (start, agreed),
                           padded.numel() * padded.element_size() * len(rows), "allgather", name)
 
-    def allgather(self, tensor, name="allgather"):
+    def allgather(self, tensor: torch.Tensor, name: str = "allgather") -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0; blocking."""
         return self.allgather_async(tensor, name).wait()
 
 
-def _integer(dtype):
+def _integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex)
 
 
-def _wire(tensor):
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """The view a backend reduces: bool as uint8, complex as (real, imag) pairs."""
     import torch
 
@@ -470,20 +496,21 @@ def _wire(tensor):
     return tensor
 
 
-def _allreduce_options(op):
+def _allreduce_options(op: int) -> AllreduceOptions:
     import torch.distributed as dist
 
     opts = dist.AllreduceOptions()
-    opts.reduceOp = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,
+    # (torch's stub types reduceOp as ReduceOp; the binding converts the RedOpType given here)
+    opts.reduceOp = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN,  # type: ignore[assignment]
                      Max: dist.ReduceOp.MAX, Product: dist.ReduceOp.PRODUCT}[op]
     return opts
 
 
-def _default_device_type():
+def _default_device_type() -> str:
     return "cuda" if mode() != "gloo" else "cpu"
 
 
-def _first_line(exc):
+def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -491,14 +518,14 @@ def _first_line(exc):
 class _Holder:
     """This process's transport, made on first use."""
 
-    def __init__(self):
-        self.transport = None
+    def __init__(self) -> None:
+        self.transport: DeviceTransport | None = None
 
 
 _holder = _Holder()
 
 
-def transport():
+def transport() -> DeviceTransport:
     """This process's :class:`DeviceTransport` (one per process, made on first use)."""
     if _holder.transport is None:
         _holder.transport = DeviceTransport()

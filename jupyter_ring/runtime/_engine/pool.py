@@ -9,7 +9,7 @@ one), so out-of-place allreduces write into memory that is already mapped, as in
 import threading
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +23,10 @@ class Buffer(Protocol):
     """What ``Lender`` lends: anything that counts its elements (a torch tensor)."""
 
     def numel(self) -> int: ...
+
+
+_K = TypeVar("_K", bound=Hashable)   # what a Lender's buffers are kept by
+_B = TypeVar("_B", bound=Buffer)     # what a Lender lends
 
 
 class ResultPool:
@@ -66,7 +70,7 @@ class ResultPool:
             self.kept = 0
 
 
-class Lender:
+class Lender(Generic[_K, _B]):
     """Buffers lent to one collective at a time: ``lend`` hands out a free buffer of ``key`` with
     at least ``numel`` elements (or ``make()``'s), the collective's finish gives it back. One whose
     collective failed or was abandoned is never given back (a transfer may still write into it),
@@ -74,10 +78,10 @@ class Lender:
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self.free: dict[Hashable, list[Buffer]] = {}  # key -> list of buffers (torch tensors: anything with numel())
+        self.free: dict[_K, list[_B]] = {}  # key -> list of buffers (torch tensors: anything with numel())
         self.lock = threading.Lock()
 
-    def lend(self, key: Hashable, numel: int, make: Callable[[], Buffer]) -> Buffer:
+    def lend(self, key: _K, numel: int, make: Callable[[], _B]) -> _B:
         with self.lock:
             free = self.free.get(key, [])
             for index, buf in enumerate(free):
@@ -85,13 +89,13 @@ class Lender:
                     return free.pop(index)
         return make()
 
-    def give_back(self, key: Hashable, buf: Buffer) -> None:
+    def give_back(self, key: _K, buf: _B) -> None:
         with self.lock:
             free = self.free.setdefault(key, [])
             if len(free) < self.keep:
                 free.append(buf)
 
-    def drop(self, keep_key: Callable[[Hashable], object]) -> None:
+    def drop(self, keep_key: Callable[[_K], object]) -> None:
         """Forget the free buffers of every key for which ``keep_key(key)`` is false."""
         with self.lock:
             self.free = {k: v for k, v in self.free.items() if keep_key(k)}

@@ -10,8 +10,12 @@ change plugs in (the signal, the reset hooks) is described in ``_horovod.elastic
 fixed world a reset gives up the queued collectives, calls the reset callbacks and syncs.
 """
 
+from __future__ import annotations
+
 import functools
 import queue
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 from .. import _api
 from . import elastic_world
@@ -23,6 +27,17 @@ __all__ = ["State", "ObjectState", "run_fn", "reset_world", "RESET_LIMIT", "Host
 
 RESET_LIMIT = 3  # failed attempts in a row (no commit between them) after which run() gives up
 
+_T = TypeVar("_T")
+_S = TypeVar("_S", bound="State")   # the state a training function takes
+_P = ParamSpec("_P")                # the training function's other arguments
+_R = TypeVar("_R")                  # what it returns
+
+
+class BroadcastObject(Protocol):
+    """A state's ``bcast_object``: root's picklable object on every rank (root 0 unless given)."""
+
+    def __call__(self, obj: _T, root: int = 0, /) -> _T: ...
+
 
 class State:
     """A training state every rank keeps alike: ``commit`` saves it (and checks for host updates),
@@ -32,15 +47,16 @@ class State:
     ``bcast_object(obj)`` broadcasts from rank 0, ``get_rank()`` says this rank (Horovod's arguments).
     """
 
-    def __init__(self, bcast_object, get_rank):
+    def __init__(self, bcast_object: BroadcastObject, get_rank: Callable[[], int]) -> None:
         self._bcast_object = bcast_object
         self._rank = get_rank
-        self._host_messages = queue.Queue()  # (timestamp, HostUpdateResult) from notify_hosts_updated
-        self._last_updated_timestamp = 0
-        self._reset_callbacks = []
+        # (timestamp, HostUpdateResult) from notify_hosts_updated
+        self._host_messages: queue.Queue[tuple[float, HostUpdateResult]] = queue.Queue()
+        self._last_updated_timestamp: float = 0
+        self._reset_callbacks: list[Callable[[], object]] = []
         self._commits = 0  # how many commits this state made (run's reset limit counts failures between them)
 
-    def register_reset_callbacks(self, callbacks):
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], object]]) -> None:
         """Functions called (no arguments) after each reset, e.g. to rescale the learning rate by
         the new ``size()``; ``run`` calls them after the world was reset, before the sync."""
         callbacks = list(callbacks)
@@ -50,18 +66,18 @@ class State:
                                 "functions of no arguments")
         self._reset_callbacks.extend(callbacks)
 
-    def on_reset(self):
+    def on_reset(self) -> None:
         """Called by ``run`` after a reset: forget queued host updates, ``reset()``, then the callbacks."""
         self._host_messages = queue.Queue()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
 
-    def on_hosts_updated(self, timestamp, update_res):
+    def on_hosts_updated(self, timestamp: float, update_res: HostUpdateResult) -> None:
         """Queue a host update (the runtime's ``notify_hosts_updated`` calls it, from any thread)."""
         self._host_messages.put((timestamp, update_res))
 
-    def commit(self):
+    def commit(self) -> None:
         """Save the state (``restore`` comes back here), then ``check_host_updates()``.
 
         A commit copies the state (from a GPU to host memory too): commit every few batches rather
@@ -71,13 +87,13 @@ class State:
         self._commits += 1
         self.check_host_updates()
 
-    def check_host_updates(self):
+    def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank when any rank was told of a host update
         newer than the last one acted on (one allgather of a few bytes, so all ranks raise at
         the same commit; Horovod broadcasts rank 0's view, which misses an update rank 0 was not
         told of)."""
         prev = self._last_updated_timestamp
-        news = []
+        news: list[tuple[float, int]] = []
         while True:
             try:
                 timestamp, update = self._host_messages.get_nowait()
@@ -99,19 +115,19 @@ class State:
                                     f"hosts updated ({update.name}) at commit {self._commits}: elastic.run resets "
                                     "and goes on from this commit")
 
-    def save(self):
+    def save(self) -> None:
         """Keep the current values in memory."""
         raise NotImplementedError
 
-    def restore(self):
+    def restore(self) -> None:
         """Go back to the values last saved."""
         raise NotImplementedError
 
-    def sync(self):
+    def sync(self) -> None:
         """Give every rank root's values."""
         raise NotImplementedError
 
-    def reset(self):
+    def reset(self) -> None:
         """Adjust objects to a new world after a reset, before the sync (nothing by default)."""
 
 
@@ -119,21 +135,26 @@ class ObjectState(State):
     """Picklable values kept as attributes (``state.epoch``, ``state.batch``): saved by reference
     at ``commit``, broadcast from rank 0 (``elastic_world.sync_root()``) by ``sync`` (Horovod's ObjectState)."""
 
-    def __init__(self, bcast_object, get_rank, **kwargs):
+    def __init__(self, bcast_object: BroadcastObject, get_rank: Callable[[], int], **kwargs: Any) -> None:
         self._bcast_object = bcast_object
-        self._saved_state = kwargs
+        self._saved_state: dict[str, Any] = kwargs
         self._set_attrs()
         super().__init__(bcast_object, get_rank)
 
-    def save(self):
+    if TYPE_CHECKING:  # (for a type checker only) its attributes are the keywords it was made with
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
+
+    def save(self) -> None:
         """Keep the attributes' current values."""
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
 
-    def restore(self):
+    def restore(self) -> None:
         """Set the attributes back to the values last saved."""
         self._set_attrs()
 
-    def sync(self):
+    def sync(self) -> None:
         """Every rank takes the sync root's saved values (one broadcast_object; see State)."""
         if self._saved_state:
             root = elastic_world.sync_root()
@@ -143,12 +164,12 @@ class ObjectState(State):
                                  else self._bcast_object(self._saved_state, root))
             self._set_attrs()
 
-    def _set_attrs(self):
+    def _set_attrs(self) -> None:
         for attr, value in self._saved_state.items():
             setattr(self, attr, value)
 
 
-def reset_world(reason):
+def reset_world(reason: str) -> None:
     """The runtime's part of a reset in ``run``: give up every queued collective (what the failed
     step queued must not meet the next attempt's), then run the hooks of
     ``elastic_world.on_world_reset`` (the respawn's new communicators)."""
@@ -157,7 +178,8 @@ def reset_world(reason):
         hook()
 
 
-def run_fn(func, reset, reset_limit=None):
+def run_fn(func: Callable[Concatenate[_S, _P], _R], reset: Callable[[], object],
+           reset_limit: int | None = None) -> Callable[Concatenate[_S, _P], _R]:
     """``func(state, ...)`` run by Horovod's elastic loop (``horovod.common.elastic.run_fn``).
 
     Registers ``state`` for host updates, syncs it and calls ``func``. On ``HorovodInternalError``
@@ -171,8 +193,7 @@ def run_fn(func, reset, reset_limit=None):
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"elastic.run: reset_limit must be an int >= 0, got {reset_limit!r}")
 
-    @functools.wraps(func)
-    def wrapper(state, *args, **kwargs):
+    def wrapper(state: _S, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if not isinstance(state, State):
             raise TypeError(f"elastic run of {getattr(func, '__name__', func)!r}: the first argument must be an "
                             f"elastic State (ObjectState, TorchState, TensorFlowKerasState ...), got "
@@ -206,4 +227,6 @@ def run_fn(func, reset, reset_limit=None):
                 state.on_reset()
         finally:
             notification_manager.remove_listener(state)
-    return wrapper
+    functools.update_wrapper(wrapper, func)
+    # (``state`` may also come by keyword, as in Horovod: Concatenate's first argument is positional)
+    return cast("Callable[Concatenate[_S, _P], _R]", wrapper)

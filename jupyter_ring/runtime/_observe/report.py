@@ -237,12 +237,12 @@ class Reporter:
 reporter = Reporter()
 
 
-def progress(step, total=None, desc=None):
+def progress(step: int | float, total: int | float | None = None, desc: str | None = None) -> None:
     """Report this rank's current step (and total, label) to the notebook's dashboard."""
     reporter.progress(step, total, desc)
 
 
-def log(step=None, **metrics):
+def log(step: int | float | None = None, **metrics: Any) -> None:
     """Report numeric metrics (``ring.log(loss=0.3, accuracy=0.9)``) to the dashboard."""
     reporter.log(step, **metrics)
 

@@ -38,7 +38,8 @@ from .._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, 
 from .._horovod.runtime_names import __all__ as _COMMON
 from .._horovod.basics import *  # noqa: F403 - capability functions, process sets, timeline, join
 from .._horovod.basics import __all__ as _HOROVOD
-from ..tensorflow import LEGACY_KERAS, Compression, broadcast_variables, init
+from ..tensorflow import Compression, broadcast_variables, init
+from ..tensorflow.util import LEGACY_KERAS
 from . import callbacks, elastic  # Horovod's hvd.callbacks and hvd.elastic
 from .callbacks import (BestModelCheckpoint, BroadcastGlobalVariablesCallback, LearningRateScheduleCallback,
                         LearningRateWarmupCallback, MetricAverageCallback, ProgressCallback)

@@ -51,8 +51,9 @@ from ._execution import _session_wait  # tests/mpi/tf_session_ops.py reads the d
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, broadcast_, grouped_allgather,
                       grouped_allreduce, grouped_reducescatter, init, local_rank_op, local_size_op,
                       process_set_included_op, rank_op, reducescatter, size_op)
-from .functions import (BroadcastGlobalVariablesHook, allgather_object, broadcast_global_variables, broadcast_object,
-                        broadcast_object_fn, broadcast_variables)
+# (allgather_object and broadcast_object replace the star import's: TensorFlow's take a session, as Horovod's)
+from .functions import (BroadcastGlobalVariablesHook, allgather_object, broadcast_global_variables,  # type: ignore[assignment]
+                        broadcast_object, broadcast_object_fn, broadcast_variables)
 from .optimizer import DistributedGradientTape, DistributedOptimizer, PartialDistributedGradientTape
 from .sync_batch_norm import SyncBatchNormalization
 from . import elastic  # Horovod's elastic API for a fixed world

@@ -23,6 +23,7 @@ from .._horovod.runtime_names import ProcessSet, global_process_set
 
 # TensorFlow ships no annotations: its tensors, dtypes, shapes, graphs and ops are Any here.
 _T = TypeVar("_T")
+_A = TypeVar("_A")  # what _run hands its function: numpy arrays, or a graph op's eager tensors
 
 
 def _dense(tensor: Any, where: str) -> Any:
@@ -82,9 +83,9 @@ def _tf_error(exc: Exception, in_graph: bool = False, key: str | None = None) ->
     return tf.errors.UnknownError(None, None, message)
 
 
-def _run(fn: Callable[[list[npt.NDArray[Any]]], _T], arrays: list[npt.NDArray[Any]], process_set: ProcessSet | None,
+def _run(fn: Callable[[_A], _T], arrays: _A, process_set: ProcessSet | None,
          where: str, in_graph: bool = False, key: str | None = None) -> _T:
-    """``fn(arrays)`` on ``process_set``'s runtime, errors as TF's.
+    """``fn(arrays)`` (numpy arrays, or a graph op's eager tensors) on ``process_set``'s runtime, errors as TF's.
 
     Eagerly and in a tf.function one op at a time (``_lock``); an op of a TF1 session (``key``)
     runs beside the session's other ops, its collectives named by ``key`` (see _SessionOps).
@@ -268,7 +269,8 @@ def _call(fn: Callable[[list[npt.NDArray[Any]]], Sequence[Any]], tensors: Iterab
     return _graph_op(py, tensors, out_dtypes, shapes, key)
 
 
-def _graph_op(py: Callable[..., list[Any]], tensors: list[Any], out_dtypes: Sequence[Any], out_shapes: Sequence[Any],
+def _graph_op(py: Callable[..., list[Any]], tensors: Sequence[Any], out_dtypes: Sequence[Any],
+              out_shapes: Sequence[Any],
               key: str | None) -> list[Any]:
     """``py(*eager tensors) -> outputs`` as a graph op: one py_function (which holds the thread that
     runs it: a tf.function runs them in program order), or in a TF1 session (``key``), unless

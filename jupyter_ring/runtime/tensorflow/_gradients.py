@@ -1,24 +1,38 @@
 """Gradients reduced as Horovod reduces them: dense ones fused (in buckets that overlap backward),
 IndexedSlices by allgather; the core the tape, the optimizers and Keras share."""
 
+from __future__ import annotations
+
 import os
 import sys
 import zlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from ... import runtime as _ring
 from .. import _api
-from .._horovod.runtime_names import Adasum, Average, Max, global_process_set
+from .._horovod.runtime_names import Adasum, Average, Max, ProcessSet, global_process_set
 from ._execution import _call, _dense, _graph_op, _host, _lock, _n, _run, _session_ops, _set_size
+from .compression import Compressor
 from .mpi_ops import _allreduce_arrays, _allreduce_slices, _check_sparse_op
 from .._horovod.runtime_names import local_size
 
+# TensorFlow ships no annotations: tensors, variables and dtypes are Any here.
+
+# a tensor's place in a fused buffer: (index among the tensors, offset, elements)
+_Entry: TypeAlias = "tuple[int, int, int]"
+# numpy dtype -> (its tensors' entries, elements in all), as _layout makes it
+_Layout: TypeAlias = "dict[np.dtype[Any], tuple[list[_Entry], int]]"
+
 
 # ------------------------------------------------------------------ gradients
-def _reduce_gradients(grads, sources, op, prescale, postscale, compression, names, sparse_as_dense=False,
-                      process_set=global_process_set):
+def _reduce_gradients(grads: Iterable[Any], sources: Sequence[Any], op: int, prescale: float, postscale: float,
+                      compression: Compressor, names: Sequence[str | None], sparse_as_dense: bool = False,
+                      process_set: ProcessSet | None = global_process_set) -> list[Any]:
     """Reduce gradients as Horovod: dense ones in one fused allreduce, IndexedSlices by allgather
     (or densified with ``sparse_as_dense``); the shared core of the tape and the optimizers.
 
@@ -33,8 +47,9 @@ def _reduce_gradients(grads, sources, op, prescale, postscale, compression, name
     if sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
     present = [g is not None for g in grads]
-    result = [None] * len(grads)
-    dense, sparse = [], []
+    result: list[Any] = [None] * len(grads)
+    dense: list[int] = []
+    sparse: list[int] = []
     for i, (g, s) in enumerate(zip(grads, sources)):
         if isinstance(g, tf.IndexedSlices):
             sparse.append(i)
@@ -72,8 +87,10 @@ def _reduce_gradients(grads, sources, op, prescale, postscale, compression, name
     return result
 
 
-def _reduce_except_local(grads, sources, is_local, names, op, prescale, postscale, compression, sparse_as_dense,
-                         process_set, scale_local):
+def _reduce_except_local(grads: Sequence[Any], sources: Sequence[Any], is_local: Callable[[Any], bool],
+                         names: Sequence[str | None], op: int, prescale: float, postscale: float,
+                         compression: Compressor, sparse_as_dense: bool, process_set: ProcessSet | None,
+                         scale_local: bool) -> list[Any]:
     """:func:`_reduce_gradients` of the gradients whose source is not local (``is_local(source)``);
     a local one stays this rank's, divided by the set's size with ``scale_local`` (Horovod's
     ``register_local_var`` / ``register_local_source``). ``names``: one per gradient."""
@@ -108,11 +125,13 @@ class _GradientBuffers:
     gets new buffers.
     """
 
-    def __init__(self):
-        self.roots = {}
-        self.session = None
+    def __init__(self) -> None:
+        # (dtype, process set id, op key) -> the buffer
+        self.roots: dict[tuple[np.dtype[Any], int | None, str | None], npt.NDArray[np.uint8]] = {}
+        self.session: object = None   # the runtime the buffers belong to (_api.session())
 
-    def flat(self, dtype, nbytes, process_set, op_key=None):
+    def flat(self, dtype: np.dtype[Any], nbytes: int, process_set: ProcessSet | None,
+             op_key: str | None = None) -> npt.NDArray[Any]:
         """A buffer of ``nbytes``; ``op_key`` (a TF1 session op's key) gives the op its own, since
         session ops run at once on several threads."""
         session = _api.session()
@@ -131,10 +150,10 @@ class _GradientBuffers:
 _buffers = _GradientBuffers()
 
 
-def _layout(tensors):
+def _layout(tensors: Sequence[Any]) -> _Layout:
     """dtype -> [(index, offset, size)], total elements: each tensor starts 64-byte aligned, as
     TensorFlow wants its buffers (the padding is reduced too, identically everywhere)."""
-    groups = {}
+    groups: _Layout = {}
     for i, t in enumerate(tensors):
         np_dtype = np.dtype(t.dtype.as_numpy_dtype)
         entries, total = groups.get(np_dtype, ([], 0))
@@ -146,7 +165,7 @@ def _layout(tensors):
     return groups
 
 
-def _view_of(tensor):
+def _view_of(tensor: Any) -> npt.NDArray[Any]:
     """A numpy view of an eager CPU tensor's buffer (DLPack), or a host copy where that fails."""
     try:
         return np.from_dlpack(tensor)
@@ -160,7 +179,7 @@ def _view_of(tensor):
 _BUCKET_BYTES = 8 << 20
 
 
-def _overlap():
+def _overlap() -> bool:
     """Whether gradients inside a tf.function go in buckets that start during backward, read when
     the function is traced: ``JUPYTER_RING_TF_OVERLAP`` 1 or 0, else where it can pay.
 
@@ -180,7 +199,7 @@ def _overlap():
     return cores >= 2 * max(1, local_size())
 
 
-def _bucket_bytes():
+def _bucket_bytes() -> int:
     """``JUPYTER_RING_TF_BUCKET_BYTES`` (read when a tf.function is traced), else 8 MiB."""
     value = os.environ.get("JUPYTER_RING_TF_BUCKET_BYTES", "").strip()
     if not value:
@@ -191,10 +210,12 @@ def _bucket_bytes():
     return int(value)
 
 
-def _buckets(tensors, bucket_bytes):
+def _buckets(tensors: Sequence[Any], bucket_bytes: int) -> list[list[int]]:
     """Indices of ``tensors`` cut into buckets of one dtype and about ``bucket_bytes``, last tensor
     first (the order backward makes gradients in: the last layer's first)."""
-    buckets, current, size, dtype = [], [], 0, None
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, dtype = 0, None
     for i in reversed(range(len(tensors))):
         t = tensors[i]
         nbytes = t.shape.num_elements() * t.dtype.size
@@ -212,19 +233,19 @@ def _buckets(tensors, bucket_bytes):
 class _InFlight:
     """Buckets queued by their submit op and not yet waited for, by token (ints travel in graphs)."""
 
-    def __init__(self):
-        self.pending = {}
+    def __init__(self) -> None:
+        self.pending: dict[int, tuple[int, npt.NDArray[Any], list[_Entry]]] = {}  # token -> (handle, buffer, entries)
         self.tokens = iter(range(1, 1 << 62))
 
-    def add(self, entry):
+    def add(self, entry: tuple[int, npt.NDArray[Any], list[_Entry]]) -> int:
         token = next(self.tokens)
         self.pending[token] = entry
         return token
 
-    def take(self, token):
+    def take(self, token: int) -> tuple[int, npt.NDArray[Any], list[_Entry]]:
         return self.pending.pop(int(token))
 
-    def forget_all(self):
+    def forget_all(self) -> None:
         """A wait failed, so the later buckets' waits will not run: drop their handles."""
         for handle, _flat, _entries in self.pending.values():
             _api.discard(handle)
@@ -234,19 +255,21 @@ class _InFlight:
 _in_flight = _InFlight()
 
 
-def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, process_set):
+def _overlapped_gradients(tensors: Sequence[Any], buckets: list[list[int]], op: int, prescale: float, postscale: float,
+                          name: str, process_set: ProcessSet | None) -> list[Any]:
     """Inside a tf.function: per bucket a submit op, which queues the bucket's allreduce as soon as
     its gradients exist (the engine's thread reduces it while backward goes on), then, after every
     submit, a wait op per bucket. A tf.function runs its py_functions in program order (automatic
     control dependencies), so every rank submits and waits in the same order; the wait takes the
     gradients too, which keeps them alive while the engine reads them as sources."""
     shapes = [tuple(t.shape.as_list()) for t in tensors]
-    tokens = []
+    tokens: list[Any] = []
     for k, bucket in enumerate(buckets):
         groups = _layout([tensors[i] for i in bucket])
         bucket_name = f"{name}.bucket{k}"
 
-        def submit(ts, groups=groups, bucket_name=bucket_name, k=k):
+        def submit(ts: Sequence[Any], groups: _Layout = groups, bucket_name: str = bucket_name,
+                   k: int = k) -> list[Any]:
             (np_dtype, (entries, total)), = groups.items()
             handle, flat = _queue_bucket(ts, np_dtype, entries, total, bucket_name, op, prescale, postscale,
                                          process_set, f"bucket{k}")
@@ -255,10 +278,10 @@ def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, proce
         tokens.append(_graph_op(lambda *ts, submit=submit, bucket_name=bucket_name:
                                 _run(submit, ts, process_set, bucket_name, in_graph=True),
                                 [tensors[i] for i in bucket], [tf.int64], [tf.TensorShape([])], None)[0])
-    outs = [None] * len(tensors)
+    outs: list[Any] = [None] * len(tensors)
     for k, (bucket, token) in enumerate(zip(buckets, tokens)):
 
-        def wait(ts, bucket=bucket):
+        def wait(ts: Sequence[Any], bucket: list[int] = bucket) -> list[Any]:
             handle, flat, entries = _in_flight.take(ts[0].numpy())
             try:
                 _ring.synchronize(handle)
@@ -275,7 +298,9 @@ def _overlapped_gradients(tensors, buckets, op, prescale, postscale, name, proce
     return outs
 
 
-def _queue_bucket(ts, np_dtype, entries, total, name, op, prescale, postscale, process_set, buffer_key):
+def _queue_bucket(ts: Sequence[Any], np_dtype: np.dtype[Any], entries: list[_Entry], total: int, name: str, op: int,
+                  prescale: float, postscale: float, process_set: ProcessSet | None,
+                  buffer_key: str | None) -> tuple[int, npt.NDArray[Any]]:
     """Queue the in-place allreduce of gradients ``ts`` laid out by ``entries`` (``_layout``'s, one
     dtype, ``total`` elements) in a buffer of their own, whose sources they are. -> (handle, buffer)"""
     flat = _buffers.flat(np_dtype, total * np_dtype.itemsize, process_set, buffer_key)
@@ -285,13 +310,14 @@ def _queue_bucket(ts, np_dtype, entries, total, name, op, prescale, postscale, p
     return handle, flat
 
 
-def _views(flat, entries, shapes):
+def _views(flat: npt.NDArray[Any], entries: list[_Entry], shapes: Sequence[tuple[int, ...]]) -> list[Any]:
     """The reduced gradients of ``entries`` as TensorFlow tensors viewing ``flat`` (DLPack, no copy)."""
     return [tf.experimental.dlpack.from_dlpack(flat[offset:offset + size].reshape(shapes[i]).__dlpack__())
             for i, offset, size in entries]
 
 
-def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
+def _fused_gradients(tensors: Sequence[Any], op: int, prescale: float, postscale: float, name: str,
+                     process_set: ProcessSet | None) -> list[Any]:
     """Allreduce gradients in place in one aligned buffer per dtype: at most one copy in, none out.
 
     The gradients go to the reduction as sources of the buffer: on one host only the blocks the
@@ -307,8 +333,8 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     in_graph = not tf.executing_eagerly()
     key = _session_ops.key(name)
 
-    def body(ts):
-        outs = [None] * len(ts)
+    def body(ts: Sequence[Any]) -> list[Any]:
+        outs: list[Any] = [None] * len(ts)
         for np_dtype, (entries, total) in groups.items():
             handle, flat = _queue_bucket(ts, np_dtype, entries, total, f"{name}.{np_dtype}", op, prescale, postscale,
                                          process_set, key)
@@ -317,7 +343,7 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
                 outs[i] = view
         return outs
 
-    def fused(*ts):
+    def fused(*ts: Any) -> list[Any]:
         return _run(body, ts, process_set, name, in_graph, key)
 
     if tf.executing_eagerly():
@@ -325,7 +351,8 @@ def _fused_gradients(tensors, op, prescale, postscale, name, process_set):
     return _graph_op(fused, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], key)
 
 
-def _reduce_dense(tensors, op, prescale, postscale, names, process_set):
+def _reduce_dense(tensors: Sequence[Any], op: int, prescale: float, postscale: float, names: Sequence[str | None],
+                  process_set: ProcessSet | None) -> list[Any]:
     """Gradients need no gradient of their own: one fused collective op, no custom_gradient.
 
     Float gradients of known shapes take the zero-copy path (the name carries a digest of every
@@ -341,12 +368,12 @@ def _reduce_dense(tensors, op, prescale, postscale, names, process_set):
                  [t.dtype for t in tensors], [t.shape for t in tensors], process_set, "gradients")
 
 
-def _check_optimizer_args(op, gradient_predivide_factor):
+def _check_optimizer_args(op: int, gradient_predivide_factor: float) -> None:
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
 
 
-def _scales(op, gradient_predivide_factor):
+def _scales(op: int, gradient_predivide_factor: float) -> tuple[float, float]:
     if op == Average:
         return 1.0 / gradient_predivide_factor, gradient_predivide_factor
     return 1.0, 1.0

@@ -1,13 +1,20 @@
 """Horovod's Keras optimizer wrapper for Keras 3 (the ``keras`` package with TensorFlow's backend)."""
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 import keras
 
-from .._horovod.runtime_names import Adasum, Average, global_process_set
-from .compression import Compression
+from .._horovod.runtime_names import Adasum, Average, ProcessSet, global_process_set
+from .compression import Compression, Compressor
 from ._gradients import _reduce_except_local
 
+# Keras ships no annotations: optimizers, models, tensors and variables are Any here.
 
-def check_backend():
+
+def check_backend() -> None:
     """Raise ImportError unless Keras 3 runs on TensorFlow's backend (the adapter's requirement)."""
     if getattr(keras, "__sphinx_mock__", False):  # the API reference's build (docs/conf.py) mocks Keras
         return
@@ -17,17 +24,20 @@ def check_backend():
                           "(for torch, use jupyter_ring.runtime.torch)")
 
 
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(keras.optimizers.Optimizer):  # type: ignore[misc]  # (Keras' base)
     """Wraps a Keras 3 optimizer: gradients are averaged over the ranks before it applies them.
 
     A wrapper in the manner of ``keras.optimizers.LossScaleOptimizer``: the inner optimizer keeps
     its variables, learning rate and iteration count; this one only reduces the gradients.
     """
 
-    def __init__(self, optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                 average_aggregated_gradients=False, num_groups=0, groups=None, process_set=global_process_set,
-                 scale_local_gradients=True):
+    built: bool   # (Keras' own attribute, which apply() sets)
+
+    def __init__(self, optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+                 compression: Compressor = Compression.none, sparse_as_dense: bool = False,
+                 gradient_predivide_factor: float = 1.0, op: int = Average, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                 process_set: ProcessSet | None = global_process_set, scale_local_gradients: bool = True) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("this optimizer is already a DistributedOptimizer; wrap the plain Keras optimizer once")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -48,43 +58,43 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._postscale = gradient_predivide_factor
         self._process_set = process_set
         self._scale_local_gradients = scale_local_gradients
-        self._local_vars = set()
+        self._local_vars: set[int] = set()   # id() of register_local_var's variables
 
-    def register_local_var(self, var):
+    def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient local (not reduced over the ranks)."""
         self._local_vars.add(id(var))
 
-    def build(self, var_list):
+    def build(self, var_list: Sequence[Any]) -> None:
         """Build the inner optimizer's variables."""
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
     @property
-    def variables(self):
+    def variables(self) -> Any:
         """The inner optimizer's variables (this wrapper has none of its own)."""
         return self._variables + self.inner_optimizer.variables
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> Any:
         """The inner optimizer's learning rate."""
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, value):
+    def learning_rate(self, value: Any) -> None:
         self.inner_optimizer.learning_rate = value
 
     @property
-    def iterations(self):
+    def iterations(self) -> Any:
         """The inner optimizer's step counter."""
         return self.inner_optimizer.iterations
 
-    def apply_gradients(self, grads_and_vars):
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
         """Average the gradients over the ranks, then apply them with the inner optimizer."""
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables)
         return self.iterations
 
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads: Iterable[Any], trainable_variables: Iterable[Any] | None = None) -> None:
         """Average ``grads`` over the ranks, then apply them with the inner optimizer."""
         grads = list(grads)
         if not grads:
@@ -99,34 +109,35 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._postscale, self._compression, self._sparse_as_dense, self._process_set, self._scale_local_gradients)
         self.inner_optimizer.apply(out, trainable_variables)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply(self, optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
         """Not available: the ring runs on the TensorFlow backend's stateful path only."""
         raise NotImplementedError("DistributedOptimizer supports Keras' tensorflow backend (stateful apply) only")
 
-    def finalize_variable_values(self, var_list):
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """Delegate to the inner optimizer (EMA weights)."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Serialise as the inner optimizer (a reloaded model trains on one rank without wrapping)."""
         return {"name": self.name,
                 "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> DistributedOptimizer:
         """Rebuild from ``get_config`` (the config is read, never changed: it may be used again)."""
         inner = keras.saving.deserialize_keras_object(config["inner_optimizer"], custom_objects=custom_objects)
         return cls(inner, name=config.get("name"))
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
-               legacy_opts=False):
+def load_model(filepath: Any, custom_optimizers: Iterable[type] | None = None,
+               custom_objects: dict[str, Any] | None = None, compression: Compressor = Compression.none,
+               legacy_opts: bool = False) -> Any:
     """Load a saved Keras model and wrap its optimizer (with its state) in a DistributedOptimizer.
 
     Models saved with a plain optimizer or with this DistributedOptimizer both load; training
     continues from the saved optimizer state on every rank.
     """
-    objects = {"DistributedOptimizer": DistributedOptimizer}
+    objects: dict[str, Any] = {"DistributedOptimizer": DistributedOptimizer}
     for cls in custom_optimizers or ():
         objects[cls.__name__] = cls
     objects.update(custom_objects or {})

@@ -1,29 +1,40 @@
 """Horovod's TensorFlow collectives (eager, ``tf.function``, TF1 graphs), each with its gradient,
 the topology as graph ops, ``init`` and ``barrier``."""
 
+from __future__ import annotations
+
 import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import tensorflow as tf
 
 from ... import runtime as _ring
 from .. import _api
+from .._api import Ranks
 from .._horovod.basics import adasum_combine, horovod_scaling
 from .._horovod.basics import init as _init
-from .._horovod.runtime_names import Adasum, Average, Sum, global_process_set
-from .compression import Compression
+from .._horovod.runtime_names import Adasum, Average, ProcessSet, Sum, global_process_set
+from .compression import Compression, Compressor
 from ._execution import _call, _dense, _lock, _n, _set_rank, _set_size, _suffix
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: init() does that itself
+    from mpi4py import MPI
 
 __all__ = ["init", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
            "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "size_op",
            "rank_op", "local_size_op", "local_rank_op", "process_set_included_op", "barrier"]
 
 
+# TensorFlow ships no annotations: tensors, variables, dtypes and shapes are Any here.
+
 # TF1 sessions created after init() in graph code get at least this many inter-op threads (see init)
 _SESSION_THREADS = 64
 
 
-def init(comm=None, process_sets=None, **config):
+def init(comm: MPI.Comm | None = None, process_sets: Iterable[ProcessSet | Ranks] | None = None, **config: Any) -> None:
     """Start the runtime on every rank (``comm``: an mpi4py communicator) and register ``process_sets``.
 
     A TF1 session op waits for the other ranks on a thread of its own by default
@@ -43,7 +54,8 @@ def init(comm=None, process_sets=None, **config):
 
 
 # ------------------------------------------------------------------ allreduce
-def _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set):
+def _allreduce_arrays(arrays: Sequence[npt.NDArray[Any]], op: int, prescale: float, postscale: float,
+                      names: Sequence[str | None], n: int, process_set: ProcessSet | None) -> list[npt.NDArray[Any]]:
     """Allreduce numpy arrays, queued together so that the runtime fuses them (Horovod's scaling
     of integer tensors: in float64, truncated, done around the runtime's sum)."""
     if op == Adasum:
@@ -59,18 +71,19 @@ def _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set):
     return [p.finish(_ring.synchronize(h)) for p, h in zip(plans, handles)]
 
 
-def _allreduce_list(tensors, op, prescale, postscale, names, process_set=global_process_set):
+def _allreduce_list(tensors: Sequence[Any], op: int, prescale: float, postscale: float, names: Sequence[str | None],
+                    process_set: ProcessSet | None = global_process_set) -> list[Any]:
     """One fused allreduce of a list of dense tensors; differentiable (the gradient is reduced alike)."""
     n = _set_size(process_set)
     where = f"allreduce '{names[0] if names else None}'"
 
-    @tf.custom_gradient
-    def reduce(*ts):
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # (TensorFlow's, unannotated)
+    def reduce(*ts: Any) -> tuple[list[Any], Callable[..., list[Any]]]:
         outs = _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale, names, n, process_set), ts,
                      [t.dtype for t in ts], [t.shape for t in ts], process_set, where)
 
-        def grad(*dys):
-            dys = [tf.convert_to_tensor(d) for d in dys]
+        def grad(*upstream: Any) -> list[Any]:
+            dys = [tf.convert_to_tensor(d) for d in upstream]
             return _call(lambda arrays: _allreduce_arrays(arrays, op, prescale, postscale,
                                                           [_suffix(nm, "grad") for nm in names], n, process_set),
                          dys, [d.dtype for d in dys], [d.shape for d in dys], process_set, where)
@@ -80,7 +93,7 @@ def _allreduce_list(tensors, op, prescale, postscale, names, process_set=global_
     return list(reduce(*tensors))
 
 
-def _check_sparse_op(op, prescale, postscale, where):
+def _check_sparse_op(op: int, prescale: float, postscale: float, where: str) -> None:
     if op == Adasum:
         raise NotImplementedError(f"{where}: The Adasum reduction does not currently support sparse tensors. As a "
                                   "workaround please pass sparse_as_dense=True to DistributedOptimizer")
@@ -90,7 +103,9 @@ def _check_sparse_op(op, prescale, postscale, where):
         raise NotImplementedError(f"{where}: Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
-def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, postscale=1.0):
+def _allreduce_slices(slices: Sequence[Any], op: int, names: Sequence[str | None], process_set: ProcessSet | None,
+                      dense: Iterable[Any] = (), prescale: float = 1.0, postscale: float = 1.0
+                      ) -> tuple[list[Any], list[Any]]:
     """tf.IndexedSlices reduced as Horovod does: allgather the values and the indices; ``dense``
     tensors (with ``op`` and the factors) are allreduced in the same graph op, so that a TF1
     session cannot run the parts in a different order on each rank. Returns (slices, dense)."""
@@ -101,7 +116,7 @@ def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, po
     dense = list(dense)
     dense_names = [f"{base}.dense.{i}" for i in range(len(dense))]
 
-    def fn(arrays):
+    def fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         handles = [_ring.allgather_async(a, _n(nm), process_set) for a, nm in zip(arrays, part_names)]
         reduced = _allreduce_arrays(arrays[len(parts):], op, prescale, postscale, dense_names, n, process_set)
         return [_ring.synchronize(h) for h in handles] + reduced
@@ -117,9 +132,10 @@ def _allreduce_slices(slices, op, names, process_set, dense=(), prescale=1.0, po
     return result, list(reduced)
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none,
-              op=None, prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
-              ignore_name_scope=False):
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+              compression: Compressor = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet | None = global_process_set, ignore_name_scope: bool = False) -> Any:
     """Reduce ``tensor`` over all ranks (default: Average); differentiable, works in graphs.
 
     A ``tf.IndexedSlices`` is reduced by allgathering its values and indices (Sum or Average).
@@ -135,9 +151,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     return compression.decompress(out, ctx)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
-                      ignore_name_scope=False, name=None):
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Compressor = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = global_process_set, ignore_name_scope: bool = False,
+                      name: str | None = None) -> Sequence[Any]:
     """Allreduce a list of tensors in one fused pass; returns a list (IndexedSlices allgathered)."""
     if not tensors:
         return tensors
@@ -145,7 +163,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     op = _api.resolve_op(op, average, where)
     slices = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
-    out = [None] * len(tensors)
+    out: list[Any] = [None] * len(tensors)
     if slices:
         # slices and dense tensors in one op (not differentiable: sparse reductions have no gradient)
         _check_sparse_op(op, prescale_factor, postscale_factor, where)
@@ -168,7 +186,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
 
 # ------------------------------------------------------------------ allgather, broadcast, ...
-def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet | None = global_process_set) -> list[Any]:
     """Every rank's tensors concatenated along dim 0, for each tensor of a list; differentiable."""
     if not tensors:
         return []
@@ -179,23 +198,23 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
             raise ValueError(f"{where} tensor {i}: needs at least one dimension; pass tf.reshape(x, [1])")
     names = [name if len(tensors) == 1 else _suffix(name, str(i)) for i in range(len(tensors))]
 
-    def fn(arrays):
+    def fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         handles = [_ring.allgather_async(a, _n(nm), process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h) for h in handles]
 
-    @tf.custom_gradient
-    def gather(*ts):
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # (TensorFlow's, unannotated)
+    def gather(*ts: Any) -> tuple[list[Any], Callable[..., list[Any]]]:
         shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in ts]
         outs = _call(fn, ts, [t.dtype for t in ts], shapes, process_set, where)
 
-        def grad(*dys):
+        def grad(*upstream: Any) -> list[Any]:
             # one op: average the gradients, learn every rank's rows, keep this rank's
-            dys = [tf.convert_to_tensor(d) for d in dys]
+            dys = [tf.convert_to_tensor(d) for d in upstream]
             rows = tf.stack([tf.shape(t, out_type=tf.int64)[0] for t in ts])
             grad_names = [_suffix(nm, "grad") for nm in names]
             rank = _set_rank(process_set)
 
-            def grad_fn(arrays):
+            def grad_fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
                 *grads, mine = arrays
                 handles = [_ring.allreduce_async(g, name=_n(nm), process_set=process_set)
                            for g, nm in zip(grads, grad_names)]
@@ -209,23 +228,25 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
     return list(gather(*tensors))
 
 
-def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet | None = global_process_set) -> Any:
     """Every rank's tensor concatenated along dim 0 (which may differ between ranks); differentiable."""
     return grouped_allgather([tensor], name=name, process_set=process_set)[0]
 
 
-def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_set=global_process_set):
+def broadcast(tensor: Any, root_rank: int = 0, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet | None = global_process_set) -> Any:
     """Root's tensor (``root_rank``: a global rank), returned on every rank; differentiable
     (the root's gradient is the average of every rank's, the others' zero)."""
     where = f"broadcast '{name}'"
     tensor = _dense(tensor, where)
 
-    @tf.custom_gradient
-    def bcast(t):
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # (TensorFlow's, unannotated)
+    def bcast(t: Any) -> tuple[Any, Callable[[Any], Any]]:
         out = _call(lambda a: [_ring.broadcast(a[0], root_rank, _n(name), process_set).reshape(a[0].shape)], [t],
                     [t.dtype], [t.shape], process_set, where)[0]
 
-        def grad(dy):
+        def grad(dy: Any) -> Any:
             g = _allreduce_list([tf.convert_to_tensor(dy)], Average, 1.0, 1.0, [_suffix(name, "grad")],
                                 process_set)[0]
             if _ring.rank() == root_rank:
@@ -238,22 +259,23 @@ def broadcast(tensor, root_rank=0, name=None, ignore_name_scope=False, process_s
     return bcast(tensor)
 
 
-def _read(variable):
+def _read(variable: Any) -> Any:
     return variable.read_value() if hasattr(variable, "read_value") else tf.convert_to_tensor(variable)
 
 
-def _broadcast_values(values, root_rank, name, process_set):
+def _broadcast_values(values: Sequence[Any], root_rank: int, name: str, process_set: ProcessSet | None) -> list[Any]:
     """Root's values of a list of tensors, in one collective op (queued broadcasts, fused order)."""
     where = f"broadcast '{name}'"
     names = [_suffix(name, str(i)) for i in range(len(values))]
 
-    def fn(arrays):
+    def fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         handles = [_ring.broadcast_async(a, root_rank, _n(nm), process_set) for a, nm in zip(arrays, names)]
         return [_ring.synchronize(h).reshape(a.shape) for a, h in zip(arrays, handles)]
     return _call(fn, values, [v.dtype for v in values], [v.shape for v in values], process_set, where)
 
 
-def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+def broadcast_(variables: Iterable[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = global_process_set) -> list[Any]:
     """In-place broadcast: every rank's variables take root's values; returns their new values."""
     variables = list(variables)
     if not variables:
@@ -266,7 +288,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return [tf.compat.v1.assign(v, x) for v, x in zip(variables, values)]
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet | None = global_process_set) -> Any:
     """Send ``splits[q]`` rows to rank q and receive theirs; differentiable.
 
     Returns ``(output, received_splits)`` when ``splits`` is given, else ``output`` (dim 0 must
@@ -278,16 +301,16 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
     split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(splits, tf.int32)
 
-    def fn(arrays):
+    def fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         out, received = _ring.alltoall(arrays[0], None if splits is None else arrays[1], _n(name), process_set)
         return [out, np.asarray(received, np.int32)]
 
-    @tf.custom_gradient
-    def a2a(t, s):
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # (TensorFlow's, unannotated)
+    def a2a(t: Any, s: Any) -> tuple[tuple[Any, Any], Callable[[Any, Any], tuple[Any, None]]]:
         shape = tf.TensorShape([None]).concatenate(t.shape[1:])
         out, received = _call(fn, [t, s], [t.dtype, tf.int32], [shape, tf.TensorShape([None])], process_set, where)
 
-        def grad(dy, _dsplits):
+        def grad(dy: Any, _dsplits: Any) -> tuple[Any, None]:
             g, _ = alltoall(tf.convert_to_tensor(dy), splits=received, name=_suffix(name, "grad"),
                             process_set=process_set)
             return g, None
@@ -296,8 +319,10 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     return out if splits is None else (out, received)
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Compressor = Compression.none,
+                          op: int = Average, process_set: ProcessSet | None = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None) -> Sequence[Any]:
     """Reduce each tensor over ranks and return this rank's block of dim 0 of each; differentiable."""
     if not tensors:
         return tensors
@@ -312,19 +337,19 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     n = _set_size(process_set)
     names = [name if len(ts) == 1 else _suffix(name, str(i)) for i in range(len(ts))]
 
-    def fn(arrays):
+    def fn(arrays: list[npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
         out = []
         for a, nm in zip(arrays, names):
             plan = horovod_scaling(a, op, prescale_factor, postscale_factor, n, scale_in_numpy=True)
             out.append(plan.finish(_ring.reducescatter(plan.staged, op=plan.op, name=_n(nm), process_set=process_set)))
         return out
 
-    @tf.custom_gradient
-    def rs(*xs):
+    @tf.custom_gradient  # type: ignore[untyped-decorator]  # (TensorFlow's, unannotated)
+    def rs(*xs: Any) -> tuple[list[Any], Callable[..., list[Any]]]:
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
         outs = _call(fn, xs, [x.dtype for x in xs], shapes, process_set, where)
 
-        def grad(*dys):
+        def grad(*dys: Any) -> list[Any]:
             scale = prescale_factor * postscale_factor * (n if op == Sum else 1)
             return grouped_allgather([tf.convert_to_tensor(d) * tf.cast(scale, d.dtype) for d in dys],
                                      name=_suffix(name, "grad"), process_set=process_set)
@@ -333,9 +358,9 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
-                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
-                  postscale_factor=1.0):
+def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor = Compression.none, op: int = Average,
+                  name: str | None = None, process_set: ProcessSet | None = global_process_set,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Reduce over ranks and return this rank's block of dim 0 (the first ranks get the extra rows)."""
     return grouped_reducescatter([tensor], compression=compression, op=op, process_set=process_set,
                                  prescale_factor=prescale_factor, postscale_factor=postscale_factor,
@@ -343,46 +368,46 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 
 
 # ------------------------------------------------------------------ topology as graph ops
-def _scalar_op(value_fn, name):
+def _scalar_op(value_fn: Callable[[], int], name: str | None) -> Any:
     """A graph op returning ``value_fn()`` when it runs (eagerly: the value now)."""
     if tf.executing_eagerly():
         return tf.constant(value_fn(), tf.int32, name=name)
     return tf.py_function(lambda: np.int32(value_fn()), [], tf.int32, name=name)
 
 
-def size_op(process_set_id=0, name=None):
+def size_op(process_set_id: int = 0, name: str | None = None) -> Any:
     """An op returning the number of ranks (of the process set ``process_set_id``) when it runs."""
-    return _scalar_op(lambda: _process_set_of(process_set_id).size(), name)
+    return _scalar_op(lambda: cast(int, _process_set_of(process_set_id).size()), name)  # (registered: sized)
 
 
-def rank_op(name=None):
+def rank_op(name: str | None = None) -> Any:
     """An op returning this process's rank when it runs."""
     return _scalar_op(_ring.rank, name)
 
 
-def local_size_op(name=None):
+def local_size_op(name: str | None = None) -> Any:
     """An op returning the number of ranks on this host when it runs."""
     return _scalar_op(_ring.local_size, name)
 
 
-def local_rank_op(name=None):
+def local_rank_op(name: str | None = None) -> Any:
     """An op returning this rank's index on its host when it runs."""
     return _scalar_op(_ring.local_rank, name)
 
 
-def process_set_included_op(process_set_id=0, name=None):
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:
     """An op returning 1 if this rank belongs to process set ``process_set_id``, else 0."""
     return _scalar_op(lambda: int(bool(_process_set_of(process_set_id).included())), name)
 
 
-def _process_set_of(process_set_id):
+def _process_set_of(process_set_id: int) -> ProcessSet:
     found = _api.process_set_by_id(process_set_id)
     if found is None:
         raise ValueError(f"process set {process_set_id} is not registered; call hvd.add_process_set([...]) first")
     return found
 
 
-def barrier(process_set=global_process_set):
+def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """Wait until every rank of ``process_set`` arrives (interruptible, with the stall timeout)."""
     with _lock:
         _ring.barrier(process_set)

@@ -1,10 +1,15 @@
 """Horovod's ``DistributedOptimizer`` (TF1 optimizers, Keras optimizers) and ``DistributedGradientTape``."""
 
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
 import tensorflow as tf
 
-from .._horovod.runtime_names import Adasum, Average, global_process_set
+from .._horovod.runtime_names import Adasum, Average, ProcessSet, global_process_set
 from . import _keras3
-from .compression import Compression
+from .compression import Compression, Compressor
 from ._execution import _ref
 from ._gradients import _check_optimizer_args, _reduce_except_local, _reduce_gradients, _scales
 from .util import LEGACY_KERAS, local_weights
@@ -16,13 +21,16 @@ else:
 
 __all__ = ["DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape"]
 
+# TensorFlow ships no annotations: optimizers, tapes, tensors and variables are Any here.
 
-class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):  # type: ignore[misc]  # (TF's base)
     """A TF1 ``tf.compat.v1.train`` optimizer whose compute_gradients averages over the ranks."""
 
-    def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
-                 sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, backward_passes_per_step=1,
-                 process_set=global_process_set):
+    def __init__(self, optimizer: Any, name: str | None = None, use_locking: bool = False,
+                 compression: Compressor = Compression.none, sparse_as_dense: bool = False, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, backward_passes_per_step: int = 1,
+                 process_set: ProcessSet | None = global_process_set) -> None:
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step > 1 is not supported with a tf.compat.v1.train optimizer "
@@ -34,13 +42,13 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._op = op
         self._prescale, self._postscale = _scales(op, gradient_predivide_factor)
         self.process_set = process_set
-        self._local_vars = set()
+        self._local_vars: set[Hashable] = set()
 
-    def register_local_var(self, var):
+    def register_local_var(self, var: Any) -> None:
         """Keep ``var``'s gradient local (not reduced over the ranks)."""
         self._local_vars.add(_ref(var))
 
-    def compute_gradients(self, *args, **kwargs):
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
         """The wrapped optimizer's gradients, reduced over the ranks (one fused collective op)."""
         gradients = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = zip(*gradients) if gradients else ((), ())
@@ -54,27 +62,29 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
             out[i] = g
         return list(zip(out, variables))
 
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None, name: str | None = None) -> Any:
         """The wrapped optimizer's apply_gradients."""
         return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
-    def get_slot(self, *args, **kwargs):
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's slot."""
         return self._optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args, **kwargs):
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's slot names."""
         return self._optimizer.get_slot_names(*args, **kwargs)
 
-    def variables(self, *args, **kwargs):
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's variables."""
         return self._optimizer.variables(*args, **kwargs)
 
 
-def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
-                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False, device_dense: str = "",
+                         device_sparse: str = "", compression: Compressor = Compression.none,
+                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: int = Average,
+                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
+                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet | None = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
     """Wrap a ``tf.compat.v1.train`` optimizer (TF1 graphs) or a Keras optimizer: gradients are
     averaged over the ranks before they are applied (Horovod's DistributedOptimizer)."""
     _check_optimizer_args(op, gradient_predivide_factor)
@@ -100,9 +110,10 @@ class DistributedGradientTape:
     local gradient (divided by the size, with ``scale_local_gradients``).
     """
 
-    def __init__(self, gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                 sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                 process_set=global_process_set, scale_local_gradients=True):
+    def __init__(self, gradtape: Any, device_dense: str = "", device_sparse: str = "",
+                 compression: Compressor = Compression.none, sparse_as_dense: bool = False, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+                 process_set: ProcessSet | None = global_process_set, scale_local_gradients: bool = True) -> None:
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
         if op == Adasum:
@@ -115,42 +126,42 @@ class DistributedGradientTape:
         self._prescale, self._postscale = _scales(op, gradient_predivide_factor)
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self._local_sources = set()
+        self._local_sources: set[Hashable] = set()
 
     @property
-    def tape(self):
+    def tape(self) -> Any:
         """The wrapped tf.GradientTape."""
         return self._tape
 
-    def __enter__(self):
+    def __enter__(self) -> DistributedGradientTape:
         self._tape.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> Any:
         return self._tape.__exit__(*exc)
 
-    def watch(self, tensor):
+    def watch(self, tensor: Any) -> Any:
         """Watch a tensor (as tf.GradientTape.watch)."""
         return self._tape.watch(tensor)
 
-    def watched_variables(self):
+    def watched_variables(self) -> Any:
         """The wrapped tape's watched variables."""
         return self._tape.watched_variables()
 
-    def stop_recording(self):
+    def stop_recording(self) -> Any:
         """Context manager pausing the recording (as tf.GradientTape.stop_recording)."""
         return self._tape.stop_recording()
 
-    def reset(self):
+    def reset(self) -> Any:
         """Clear the recorded operations."""
         return self._tape.reset()
 
-    def register_local_source(self, source):
+    def register_local_source(self, source: Any) -> None:
         """Keep ``source``'s gradient local: not reduced over the ranks."""
         self._local_sources.add(_ref(source))
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE, use_generic_names: bool = False) -> Any:
         """The wrapped tape's gradients, averaged (or ``op``-reduced) over every rank."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
@@ -161,19 +172,24 @@ class DistributedGradientTape:
                                    self.scale_local_gradients)
         return tf.nest.pack_sequence_as(grads, out)
 
-    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
+    def get_local_and_global_gradients(self, target: Any, sources: Any, output_gradients: Any = None,
+                                       use_generic_names: bool = False
+                                       ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
         """(local [(source, grad)], global [(source, grad)]) split by register_local_source."""
         grads = self.gradient(target, sources, output_gradients=output_gradients)
-        local, shared = [], []
+        local: list[tuple[Any, Any]] = []
+        shared: list[tuple[Any, Any]] = []
         for s, g in zip(sources, grads):
             (local if _ref(s) in self._local_sources else shared).append((s, g))
         return local, shared
 
 
-def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                                   groups=None, process_set=global_process_set, local_layers=None,
-                                   scale_local_gradients=True):
+def PartialDistributedGradientTape(gradtape: Any, device_dense: str = "", device_sparse: str = "",
+                                   compression: Compressor = Compression.none, sparse_as_dense: bool = False,
+                                   op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: ProcessSet | None = global_process_set,
+                                   local_layers: Any = None, scale_local_gradients: bool = True
+                                   ) -> DistributedGradientTape:
     """A DistributedGradientTape whose ``local_layers``' gradients stay local (model parallelism)."""
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set,

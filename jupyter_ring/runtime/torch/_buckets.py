@@ -98,7 +98,7 @@ class LaunchFailed:
 
 
 # a bucket's allreduce in flight: a runtime handle (the ring), or the device transport's work
-BucketHandle: TypeAlias = "int | _device.DeviceWork | LaunchFailed"
+BucketHandle: TypeAlias = "int | _device.DeviceWork[Sequence[torch.Tensor]] | LaunchFailed"
 
 # what a bucket holds: (wire dtype, zero copy, the device of a device-transport bucket)
 BucketKey: TypeAlias = "tuple[torch.dtype, bool, torch.device | None]"

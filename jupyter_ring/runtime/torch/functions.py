@@ -17,8 +17,9 @@ __all__ = ["broadcast_object", "allgather_object", "broadcast_parameters",
     "broadcast_optimizer_state"]
 
 _T = TypeVar("_T")
-# a state_dict, named_parameters() or a list of tensors (None entries are skipped)
-_NamedTensors: TypeAlias = ("Mapping[object, torch.Tensor | None] | Iterable[tuple[object, torch.Tensor | None]] | "
+# a state_dict, named_parameters() or a list of tensors (None entries are skipped); a Mapping's
+# key type is invariant, so Any (not object) lets a dict[str, Tensor] (a state_dict) in
+_NamedTensors: TypeAlias = ("Mapping[Any, torch.Tensor | None] | Iterable[tuple[object, torch.Tensor | None]] | "
                            "Iterable[torch.Tensor | None]")
 
 

@@ -20,6 +20,7 @@ from .compression import Compression, Compressor
 
 _R = TypeVar("_R")  # what a Handle's synchronize() returns
 _R_co = TypeVar("_R_co", covariant=True)
+_W = TypeVar("_W")  # what a device collective's work returns
 
 __all__ = ["nccl_built", "cuda_built", "Handle", "poll", "synchronize", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "SparseReduction",
@@ -103,7 +104,7 @@ def _copies_on_device(tensor: torch.Tensor, process_set: ProcessSet) -> bool:
     return _api.is_global(process_set) and _device.routes(tensor) and _device.copies(tensor.dtype)
 
 
-def _device_launch(launch: Callable[[], _device.DeviceWork], result: Callable[[Any], _R]) -> "Handle[_R]":
+def _device_launch(launch: Callable[[], _device.DeviceWork[_W]], result: Callable[[_W], _R]) -> "Handle[_R]":
     """A Handle for a device collective launched now (agreed, transfer started); its finish
     waits for it. As for queued ring collectives, a failure of the collective itself (mismatch,
     a peer's error, a stall in the agreement) is raised by synchronize(); this rank's own bad
@@ -219,14 +220,14 @@ def _staging_buffer(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     numel = tensor.numel()
     capacity = 1 << max(numel - 1, 0).bit_length()
-    buf = cast(torch.Tensor, _staging.lend((tensor.dtype, capacity), capacity,
-                                           lambda: torch.empty(capacity, dtype=tensor.dtype, pin_memory=True)))
+    buf = _staging.lend((tensor.dtype, capacity), capacity,
+                        lambda: torch.empty(capacity, dtype=tensor.dtype, pin_memory=True))
     host = buf[:numel]
     host.copy_(tensor.detach().resolve_conj().resolve_neg().reshape(-1))
     return buf, host
 
 
-_staging = Lender(keep=2)  # pinned host buffers by (dtype, capacity)
+_staging: Lender[tuple[torch.dtype, int], torch.Tensor] = Lender(keep=2)  # pinned host buffers by (dtype, capacity)
 
 
 def _staged_allreduce(tensor: torch.Tensor, plan: "_Reduce", name: str | None, process_set: ProcessSet,
