@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -33,7 +34,7 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     return list(found() if callable(found) and not isinstance(found, list) else found)
 
 
-def build_optimizer(optimizer: Any, variables: list[Any]) -> None:
+def build_optimizer(optimizer: Any, variables: Sequence[Any]) -> None:
     """Create ``optimizer``'s slots (momentum, moments) for ``variables`` now, if it has none yet.
 
     Keras makes them at the optimizer's first step, so a rank that has not stepped holds fewer
