@@ -59,6 +59,8 @@ def run_mpi(script, n, *args, env=None, timeout=120, check=True):
     # mpiexec can put another rank's line between them ("RANK_OK 1SOAK {...}"); the scripts
     # print with flush=True, one write per line, so every line arrives whole and nothing is held.
     full_env.pop("PYTHONUNBUFFERED", None)
+    # a rank that crashes in native code writes its Python stacks (as a cluster's ranks do)
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")
     full_env.update(env or {})
     cmd = [find_mpiexec(), "-n", str(n), sys.executable, path, *map(str, args)]
     # the segments of jobs whose ranks tests killed: one named as this job's fails its MPI_Init

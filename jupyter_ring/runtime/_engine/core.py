@@ -76,6 +76,14 @@ POISON = 10  # KIND_CODE["error"]: "I failed before I could join; here is why"
 JOIN = 11    # KIND_CODE["join"]: "I have called join(): leave me out until every rank has"
 KIND_CODE = {kind: code for code, kind in enumerate(KINDS)}
 
+# Requests given up while still active (persistent header sends: see Runtime._discard), kept
+# with the buffers they send from until the process exits. A peer may still drain the message,
+# or MPI_Finalize flush it, and MPI then reads the buffer; mpi4py frees a request's buffer with
+# the request object, so dropping one (at close, or when the cached sends are rebuilt) let MPI
+# read freed memory: a rank that had passed every check crashed at exit (SIGSEGV, seen once in
+# CI after rt_abandon's abandoned rounds). A handful per abandoned round: never freed.
+_HELD: list[MPI.Prequest] = []
+
 DTYPES = [np.dtype(t) for t in (
     np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128)]
@@ -401,8 +409,10 @@ class Runtime:
         for sends in self._header_sends.values():
             for req in sends:
                 try:
-                    if req.Test():  # an abandoned one is cancelled with its collective (resync)
+                    if req.Test():
                         req.Free()
+                    else:  # an abandoned round's, still active: its buffer must outlive it
+                        _HELD.append(req)
                 except self.MPI.Exception:  # pragma: no cover - freed with its communicator
                     pass
         self._header_sends = {}
@@ -453,6 +463,7 @@ class Runtime:
                 except MPI.Exception:  # pragma: no cover - freeing is best effort at shutdown
                     pass
         self._retired = []
+        _HELD.extend(self._stuck)  # still active: their buffers must outlive them (see _HELD)
         self._stuck = []
 
     # ------------------------------------------------------------------ waiting
