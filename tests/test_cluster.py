@@ -256,6 +256,29 @@ def test_start_binds_ranks_and_stop_leaves_nothing(ring_cluster):
     assert _wait_gone(pids, 5) == []
 
 
+@pytest.mark.timeout(120)
+def test_stop_leaves_no_rank_that_ignores_sigterm(ring_cluster, tmp_path):
+    """A rank that does not end on SIGTERM (stuck in C code, its Python handler never runs: seen
+    in a survivor blocked inside MPI; here it ignores the signal) is not left behind by stop(),
+    nor is its keeper: mpiexec's end used to orphan both, one core busy for good."""
+    cluster = ring_cluster(n=2, gpus="none")
+    cluster.start()
+    assert cluster.plan_used.keeper  # each rank under its keeper, which passes SIGTERM on
+    procs = cluster.processes()
+    began = tmp_path / "began"
+    cluster.client[cluster.engine_ids[1]].execute(
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(began)!r}, 'w').close()\ntime.sleep(600)", block=False)
+    deadline = time.monotonic() + 30  # the cell has begun: the engine no longer answers shutdown
+    while not began.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert began.exists()
+    t0 = time.monotonic()
+    cluster.stop()
+    assert time.monotonic() - t0 < 30, "stop() waited out a stuck rank"
+    assert _wait_gone([p.pid for p in procs], 5) == []
+
+
 _STARTER = textwrap.dedent("""
     import json, sys, time
     from jupyter_ring.cluster import RingCluster

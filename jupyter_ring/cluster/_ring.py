@@ -460,6 +460,8 @@ class RingCluster(LoggingConfigurable):
         """Let go of the cluster: its processes (``stop_processes``), client, files, watchdog,
         shared memory and rank rows; ``running`` is False after it."""
         shm = self._shm | shm_files(self._local_rank_pids())
+        # what must be gone after a stop, taken now (psutil checks create times: no recycled pid)
+        procs = self.processes() if stop_processes and self.ipp_cluster is not None else []
         if stop_processes and self.ipp_cluster is not None:  # the panel shows a stop, not a fault
             mark_stopping(self.ipp_cluster.profile_dir, self.ipp_cluster.cluster_id)
         cluster, self.ipp_cluster = self.ipp_cluster, None
@@ -487,6 +489,9 @@ class RingCluster(LoggingConfigurable):
                     step()
                 except Exception:
                     log.warning("stopping the %s failed", what, exc_info=True)
+        # ipyparallel's stop ends mpiexec (SIGTERM, then SIGKILL); a rank stuck in C code runs
+        # no handler for the SIGTERM its keeper passes on and outlived it, a core busy for good
+        kill_processes(wait_exit(procs, 1.0))
         if cluster is not None:
             remove_sidecar(cluster.profile_dir, cluster.cluster_id)
             remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
