@@ -76,9 +76,20 @@ def test_student_logs_in_and_runs_the_quickstart():
                 expect(code).to_have_count(n_code, timeout=30_000)
                 last = code.nth(n_code - 1)             # %ring stop, run after the screenshot
                 expect(last).to_contain_text("%ring stop")
-                last.locator(".jp-InputArea-prompt").click()
-                page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-                page.locator(".lm-Menu-itemLabel", has_text="Run All Above Selected Cell").click()
+                # Run > Run All Above Selected Cell. Under load the menu once took the click and ran
+                # nothing (every prompt still "[ ]:" 150 s later, the kernel idle): a UI click that
+                # did not register is made again, up to 3 times in all; the cells then must run
+                first = code.first.locator(".jp-InputArea-prompt")
+                for attempt in range(3):
+                    last.locator(".jp-InputArea-prompt").click()
+                    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+                    page.locator(".lm-Menu-itemLabel", has_text="Run All Above Selected Cell").click()
+                    try:
+                        expect(first).not_to_have_text("[ ]:", timeout=20_000)
+                        break
+                    except AssertionError:
+                        page.keyboard.press("Escape")
+                expect(first).not_to_have_text("[ ]:", timeout=1_000)
 
                 pull = code.nth(n_code - 2)      # %ring pull s; s
                 expect(pull.locator(".jp-OutputArea-output")).to_contain_text("array(",
