@@ -20,9 +20,9 @@ into a cell of allreduces, again and again. After each kill:
 A survivor lost with the replacement (rank 0's engine gone too, or a replacement that failed)
 is counted and recorded with what the killed cell and the next one said, and ``%ring restart``
 starts the world afresh before the next kill. The load average is printed. ``--env`` starts the
-kernel, and so its ranks, with a variable: ``--env MPIR_CVAR_CH4_NETMOD=ucx`` runs the ranks on
-MPICH's ucx netmod instead of the ofi that ranks which may be replaced get by default
-(docs/reliability.md compares the two).
+kernel, and so its ranks, with a variable: ``--env MPIR_CVAR_CH4_NETMOD=ofi --env FI_PROVIDER=tcp
+--env FI_TCP_IFACE=lo`` runs the ranks on MPICH's ofi netmod instead of ucx (docs/reliability.md
+compares the two).
 """
 
 import argparse
