@@ -1,6 +1,6 @@
 """20 kills in a row in one kernel: does anything leak, is every run right? (issue 34, figure 4)
 
-    .venv/bin/python benchmarks/respawn_soak.py [--ranks 2] [--kills 20]
+    .venv/bin/python benchmarks/respawn_soak.py [--ranks 2] [--kills 20] [--env NAME=VALUE ...]
 
 Through a real notebook kernel (tests/real_kernel.py) with ``%ring start -n N --max-restarts K``
 (K = the kills): rank N-1's engine (the replacement, after the first kill) is SIGKILLed 1.5 s
@@ -17,8 +17,12 @@ into a cell of allreduces, again and again. After each kill:
   at once: MPICH reuses a freed communicator's slot, so a constant handle says no communicator
   is left allocated by the replacements (it grows with each one left).
 
-A survivor that dies with the replacement (rank 0's engine gone too) is counted and recorded,
-and ``%ring restart`` starts the world afresh before the next kill. The load average is printed.
+A survivor lost with the replacement (rank 0's engine gone too, or a replacement that failed)
+is counted and recorded with what the killed cell and the next one said, and ``%ring restart``
+starts the world afresh before the next kill. The load average is printed. ``--env`` starts the
+kernel, and so its ranks, with a variable: ``--env MPIR_CVAR_CH4_NETMOD=ofi --env FI_PROVIDER=tcp
+--env FI_TCP_IFACE=lo`` runs the ranks on MPICH's ofi netmod instead of ucx (docs/reliability.md
+compares the two).
 """
 
 import argparse
@@ -45,6 +49,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a variable the kernel, and so its ranks, start with (MPICH's netmod, say)")
     return p.parse_args()
 
 
@@ -71,11 +77,12 @@ def main() -> None:
 
     args = parse()
     n = args.ranks
-    print(f"load average before: {open('/proc/loadavg').read().split()[0]}, {os.cpu_count()} cores")
+    env = dict(item.partition("=")[::2] for item in args.env)
+    print(f"load average before: {open('/proc/loadavg').read().split()[0]}, {os.cpu_count()} cores, env {env}")
     seen_shm: set[str] = set()
     crashes, wrong = [], []
     print("kill | cell failed with | next cell right | kept on survivors | processes | shm | kernel fds | rank 0 fds | comm handle | s")
-    with ring_kernel(start=f"%ring start -n {n} --max-restarts {args.kills}") as kernel:
+    with ring_kernel(start=f"%ring start -n {n} --max-restarts {args.kills}", env=env) as kernel:
         kpid = int(kernel.ok("import os\nprint(os.getpid())").split()[-1])
         kernel.ok("%%distributed\nkept = ring.rank()")
         for k in range(1, args.kills + 1):
@@ -84,11 +91,13 @@ def main() -> None:
             survivor = rows[0]["pid"]
             _, error, killed = sigkill_during(kernel, rows[n - 1]["pid"], LOOP)
             ename = error["ename"] if error else "nothing"
+            said_at_kill = error["evalue"][:400] if error else ""
             out, error = kernel.execute(CHECK.format(k=k), timeout=180)
             took = time.monotonic() - killed
             if error is not None or not psutil.pid_exists(survivor):
                 # the survivor died with the replacement: recorded, then every rank afresh
-                crashes.append((k, ename, error and f"{error['ename']}: {error['evalue'][:300]}"))
+                crashes.append((k, f"{ename}: {said_at_kill}",
+                                error and f"{error['ename']}: {error['evalue'][:300]}"))
                 print(f"{k}: survivor crashed: {crashes[-1]}", flush=True)
                 kernel.ok("%ring restart", timeout=180)
                 kernel.ok("%%distributed\nkept = ring.rank()")
