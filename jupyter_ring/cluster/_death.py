@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..engines._setup import RankRow
 
-__all__ = ["RESTART_FIX", "describe_death", "says_how"]
+__all__ = ["RESTART_FIX", "describe_death", "died_starting", "says_how"]
 
 
 RESTART_FIX = "Their variables are lost; run %ring restart for a fresh cluster with the same arguments."
@@ -46,6 +46,19 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
     return f"{head}. {fix}"
 
 
+# a rank's keeper (engines._keeper.KEEPER_LINE): "jupyter_ring keeper: rank 1 engine 4242 signaled with Killed"
+_KEEPER = r"jupyter_ring keeper: rank (\S+) engine {pid} signaled with (.+)"
+
+
+def died_starting(output: str) -> str:
+    """A keeper's line in the engines' ``output``: a rank's engine killed by a signal while
+    the ranks start (under keepers the job goes on without it, and its peers wait for it in
+    MPI's start-up: only this line tells); "" when there is none."""
+    found = re.search(_KEEPER.format(pid=r"\d+"), output)
+    return (f"rank {found[1]}'s engine died while the ranks started ({found[2].strip()})"
+            if found else "")
+
+
 def says_how(message: str) -> bool:
     """Whether a :func:`describe_death` message says how the first rank died (a signal, MPI's
     exit string, a host cut off), not only that its engine exited or that ranks are gone."""
@@ -67,10 +80,9 @@ def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, s
     if eid is None:
         return None
     rank = eid_rank[eid]
-    keeper = re.search(rf"jupyter_ring keeper: rank \S+ engine {pids.get(rank, -1)} signaled with (.+)",
-                       output)
+    keeper = re.search(_KEEPER.format(pid=pids.get(rank, -1)), output)
     if keeper:
-        return rank, hosts.get(rank, "?"), f"signal: {keeper.group(1).strip()}"
+        return rank, hosts.get(rank, "?"), f"signal: {keeper.group(2).strip()}"
     exit_string = re.search(r"EXIT STRING: (.+)", output)
     # gforker -exitinfo: "[0]<rank>:Return code = 0, signaled with Killed"
     gforker = re.search(rf"\]{rank}:Return code = \d+, signaled with (\w+)", output)

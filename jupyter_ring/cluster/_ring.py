@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import socket
 import time
 import uuid
@@ -24,7 +23,7 @@ from traitlets.config import LoggingConfigurable
 from ..engines._interrupts import CellId
 from ..engines._setup import RankRow
 from ..errors import ClusterError, DeadRankError
-from ._death import RESTART_FIX, describe_death, says_how
+from ._death import RESTART_FIX, describe_death, died_starting, says_how
 from ._launchers import curve_client, ipp_cluster
 from ._machine import Machine
 from ._plan import LaunchPlan, TorchWorld, plan_launch, torchrun_environment
@@ -267,7 +266,7 @@ class RingCluster(LoggingConfigurable):
                     raise
                 why = f"the engines' job ended while they started ({exc})"
                 raise ClusterError(self._not_ready(n, why)) from exc
-            ended = _jobs_ended(self._running_cluster) or _died_starting(self._engines_output())
+            ended = _jobs_ended(self._running_cluster) or died_starting(self._engines_output())
             if ended:
                 raise ClusterError(self._not_ready(n, ended))
             if left <= 0.5:
@@ -689,15 +688,6 @@ def _jobs_ended(cluster: ipp.Cluster) -> str:
             ended.append(f"the engines' job (pid {proc.pid}) ended while they started"
                          + ("" if code is None else f", exit code {code}"))
     return "; ".join(ended)
-
-
-def _died_starting(output: str) -> str:
-    """A keeper's line in the engines' ``output``: a rank's engine killed by a signal while
-    the ranks start (under keepers the job goes on without it, and its peers wait for it in
-    MPI's start-up: only this line tells); "" when there is none."""
-    found = re.search(r"jupyter_ring keeper: rank (\S+) engine \d+ signaled with (.+)", output)
-    return (f"rank {found[1]}'s engine died while the ranks started ({found[2].strip()})"
-            if found else "")
 
 
 def cluster_files(cluster: ipp.Cluster | None) -> list[str]:
