@@ -115,3 +115,41 @@ def framework_adapters():
                           cwd=os.path.dirname(HERE))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- two workers (scripts/test.sh runs pytest -n 2 --dist loadgroup) ---------------------------
+# A test alone waits on processes (an MPI job starting, a kernel, a browser) for much of its time,
+# and one worker used one of the two cores for about two thirds of the suite; two workers fill
+# both. What must not run beside itself shares a group, which one worker runs in order:
+# - tests/multihost build network namespaces, veth pairs, sshd and Slurm daemons on fixed names;
+# - tests/hub run JupyterHub with real Unix accounts;
+# - a module whose tests share a module-scoped fixture (one kernel and cluster for the module)
+#   stays on one worker, so the fixture starts once.
+# The groups go out first, longest first, so that neither worker is left with a long tail.
+_SHARED_GROUPS = {"multihost": "hosts", "hub": "hub"}
+_GROUP_ORDER = ("hub", "hosts")
+
+
+def _xdist_group(item):
+    parts = os.path.relpath(str(item.path), HERE).split(os.sep)
+    if parts[0] in _SHARED_GROUPS:
+        return _SHARED_GROUPS[parts[0]]
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(d[-1].scope in ("module", "package") for d in defs if d):
+        return "/".join(parts)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # xdist's workers collect; a plain run keeps its order
+        return
+    rank = {name: i for i, name in enumerate(_GROUP_ORDER)}
+    grouped = []
+    for item in items:
+        group = _xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        grouped.append((rank.get(group, len(rank) if group else len(rank) + 1), item))
+    items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]
