@@ -32,10 +32,15 @@ def _isolate(tmp):
 
 
 def run_notebook(path=NOTEBOOK, timeout=120):
-    """Execute the notebook (a copy in memory); return the executed nbformat notebook."""
+    """Execute the notebook (a copy in memory); return the executed nbformat notebook.
+
+    A cell that fails, unless tagged ``raises-exception``, stops the run with nbclient's
+    ``CellExecutionError``, whose ``notebook`` attribute is the notebook as far as it ran (every
+    cell's outputs until the failing one's, included)."""
     import nbformat
     from jupyter_client.kernelspec import NATIVE_KERNEL_NAME
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
     from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
@@ -46,7 +51,11 @@ def run_notebook(path=NOTEBOOK, timeout=120):
         # the native kernel runs sys.executable: this environment, wherever the notebook came from
         client = NotebookClient(nb, timeout=timeout, kernel_name=NATIVE_KERNEL_NAME, config=config,
                                 resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
-        client.execute()
+        try:
+            client.execute()
+        except CellExecutionError as exc:
+            exc.notebook = nb
+            raise
     return nb
 
 

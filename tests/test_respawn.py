@@ -50,6 +50,37 @@ def test_the_keeper_passes_a_normal_exit_status_through():
     assert proc.returncode == 3
 
 
+def test_the_keepers_line_is_written_whole_in_one_write():
+    """The engine's nanny writes its own line to the same stderr as the engine dies: the keeper's
+    line and its newline written apart let the nanny's land between them, and the death
+    diagnosis read "died (signal: Killed2026-... [KernelNanny.0] Parent ... exited ...)". A
+    datagram socket as stderr keeps each write() apart, so the test sees how it was written."""
+    import signal
+    import socket
+
+    out, err = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    pmi, pmi_peer = socket.socketpair()  # the rank's PMI session, which the keeper finishes
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    with out, err, pmi, pmi_peer:
+        proc = subprocess.Popen([sys.executable, "-m", "jupyter_ring.engines._keeper", sys.executable, "-c", code],
+                                stderr=err.fileno(), pass_fds=(pmi.fileno(),),
+                                env=dict(os.environ, PYTHONPATH=ROOT, PMI_FD=str(pmi.fileno()), PMI_RANK="1"))
+        pmi_peer.settimeout(GONE_S)
+        assert pmi_peer.recv(256) == b"cmd=finalize\n"
+        pmi_peer.sendall(b"cmd=finalize_ack\n")
+        assert proc.wait(timeout=GONE_S) == 0
+        out.setblocking(False)
+        writes = []
+        while True:
+            try:
+                writes.append(out.recv(65536).decode())
+            except BlockingIOError:
+                break
+    pid = int(re.search(r"engine (\d+) ", "".join(writes))[1])
+    assert writes == [f"jupyter_ring keeper: rank 1 engine {pid} signaled with "
+                      f"{signal.strsignal(signal.SIGKILL)}\n"], writes
+
+
 def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_before():
     from jupyter_ring.cluster._death import describe_death
 

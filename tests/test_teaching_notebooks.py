@@ -2,7 +2,9 @@
 
 Each one is executed with nbclient on a kernel of this environment and starts its own 2-rank
 cluster (``%ring start -n 2``) and stops it at the end. Besides "no error", a few outputs that
-the text of each notebook relies on are checked.
+the text of each notebook relies on are checked. A notebook that SIGKILLs a rank on purpose
+(06) can meet the known survivor abort of tests/reliability/test_respawn_notebook.py: it is
+reported as an expected failure by its signature, never retried.
 """
 
 import glob
@@ -10,6 +12,9 @@ import os
 import re
 
 import pytest
+from nbclient.exceptions import CellExecutionError
+
+from reliability.test_respawn_notebook import SURVIVOR_ABORT
 
 from jupyter_ring import demo
 
@@ -50,7 +55,42 @@ EXPECTED = {
                                                r"\[rank 1\] DistributedOptimizer: final loss 0\.0",
                                                r"\[rank 0\] same weights: True",
                                                r"\[rank 1\] same weights: True", r"stopped 2 ranks"],
+    "06-elastic-training.ipynb": [
+        # part 1: rank 1 SIGKILLed in a plain cell, replaced; rank 0 kept its variables
+        r"DeadRankError: rank 1 @ \S+ died \(signal: Killed\)\. Rank\(s\) 1 replaced in place in "
+        r"[\d.]+ s \(restart 1 of --max-restarts 3\): the new rank\(s\) have a fresh namespace "
+        r"\(only `ring`\); rank\(s\) 0 kept their variables\. Copy variables to the new rank\(s\) "
+        r"with %ring sync NAME \[NAME \.\.\.\] --from 0",
+        r"\[rank 0\] rank 0 of 2: has weights: True, has np: True",
+        r"\[rank 1\] rank 1 of 2: has weights: False, has np: False",
+        r"\n1 +\S+ +\d+ +cpu +replaced 1\u00d7, fresh namespace\n",
+        r"restarts 1 of --max-restarts 3 used",
+        r"copied weights from rank 0 to rank\(s\) 1",
+        # rank 0's weights, default_rng(0).standard_normal(5), on both ranks after the sync
+        r"\[rank 0\] weights \[ 0\.126 -0\.132  0\.64   0\.105 -0\.536\]: rank 0's: True",
+        r"\[rank 1\] weights \[ 0\.126 -0\.132  0\.64   0\.105 -0\.536\]: rank 0's: True",
+        # part 2: rank 0 SIGKILLed in step 8 under elastic.run; the cell goes on by itself
+        r"\nrank 0 @ \S+ died \(signal: Killed\)\. Rank\(s\) 0 replaced in place in [\d.]+ s "
+        r"\(restart 2 of --max-restarts 3\); elastic\.run goes on from its last commit",
+        # the survivor went back to the commit at step 6 and ran steps 6 and 7 again (8 + 22);
+        # the newcomer took its state there and trained steps 6-27
+        r"\[rank 1\] reset: back to the commit at step 6\n",
+        r"\[rank 1\] trained to step 28; steps finished on this rank: 30, run twice: \[6, 7\]",
+        r"\[rank 0\] trained to step 28; steps finished on this rank: 22, run twice: \[\]",
+        r"\[rank 0\] each of the 106 samples trained on exactly once in each of the 2 epochs: True",
+        r"\[rank 1\] each of the 106 samples trained on exactly once in each of the 2 epochs: True",
+        r"\[rank 0\] the same weights on every rank: True",
+        r"\[rank 1\] the same weights on every rank: True",
+        r"\[rank 0\] without a death: 28 steps, the same weights bit for bit: True",
+        r"\[rank 1\] without a death: 28 steps, the same weights bit for bit: True",
+        r"stopped 2 ranks"],
 }
+
+# notebook -> patterns its transcript must not contain
+ABSENT = {"06-elastic-training.ipynb": [r"\[rank 0\] reset:"]}  # the newcomer never resets
+
+# notebooks that SIGKILL a rank on purpose, and so can meet the known survivor abort
+KILLS = {"06-elastic-training.ipynb"}
 
 
 # notebooks whose training cell reports to the dashboard (torch: ring.log + optimizer steps;
@@ -70,7 +110,14 @@ def test_every_teaching_notebook_is_listed():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_teaching_notebook_runs_top_to_bottom(path):
     name = os.path.basename(path)
-    nb = demo.run_notebook(path, timeout=180)
+    try:
+        nb = demo.run_notebook(path, timeout=180)
+    except CellExecutionError as exc:
+        if name in KILLS:
+            xfail_on_survivor_abort(exc.notebook)
+        raise
+    if name in KILLS:
+        xfail_on_survivor_abort(nb)
     text = demo.format_outputs(nb)
     # a cell tagged raises-exception shows an error on purpose (a hung cell's report): it must
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -81,6 +128,8 @@ def test_teaching_notebook_runs_top_to_bottom(path):
         assert any(o.output_type == "error" for o in cell.outputs), f"no error in:\n{cell.source}"
     for pattern in EXPECTED[name]:
         assert re.search(pattern, text), f"{pattern!r} not in the outputs:\n{text[-6000:]}"
+    for pattern in ABSENT.get(name, []):
+        assert not re.search(pattern, text), f"{pattern!r} in the outputs:\n{text[-6000:]}"
     if name in DASHBOARD:  # the training cell's dashboard, frozen into static HTML
         pages = _html_outputs(nb, "jr-static")
         assert pages, "no dashboard in the outputs"
@@ -103,6 +152,23 @@ def test_teaching_notebook_runs_top_to_bottom(path):
     if "checksum" in text:  # every rank ends with the same model
         sums = re.findall(r"\[rank \d\] (?:weights )?checksum ([+-][\d.]+)(?:;|$)", text, re.M)
         assert len(sums) >= 2 and len(set(sums)) == 1, sums
+
+
+def xfail_on_survivor_abort(nb):
+    """Report the known defect of tests/reliability/test_respawn_notebook.py (a survivor aborts in
+    MPICH as the rank beside it dies) as an expected failure, by its signature in a cell's
+    DeadRankError: a rank "died (signal: Aborted)", or more ranks named dead than the one killed.
+    Any other failure fails the test."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.output_type != "error" or out.ename != "DeadRankError":
+                continue
+            if SURVIVOR_ABORT in out.evalue:
+                pytest.xfail(f"issue 34's known defect: a survivor aborted in MPICH when a rank died "
+                             f"({out.evalue[:160]})")
+            if re.match(r"ranks \d+(, \d+)+ @", out.evalue) or "MPI then ended rank(s)" in out.evalue:
+                pytest.xfail(f"issue 34's known defect: the survivor died when the rank beside it did "
+                             f"({out.evalue[:160]})")
 
 
 def _raises(cell):

@@ -39,8 +39,13 @@ def main(argv: list[str]) -> int:
         how = signal.Signals(-status).name
     except ValueError:
         how = str(-status)
-    print(KEEPER_LINE.format(rank=os.environ.get("PMI_RANK", "?"), pid=child.pid,
-                             how=signal.strsignal(-status) or how), file=sys.stderr, flush=True)
+    line = KEEPER_LINE.format(rank=os.environ.get("PMI_RANK", "?"), pid=child.pid,
+                              how=signal.strsignal(-status) or how)
+    # one write(), newline included: print() writes the line and its end apart (stderr is
+    # write-through), and the engine's nanny, writing to the same stderr as it dies, then put
+    # its own line between them, into the signal's name that the death diagnosis reads
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="backslashreplace"))
     try:  # the rank's PMI session, finished for it: gforker then sees a normal exit
         os.write(pmi_fd, b"cmd=finalize\n")
         os.read(pmi_fd, 256)  # cmd=finalize_ack
