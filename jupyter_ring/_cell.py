@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -695,16 +695,16 @@ def _parent_request(shell: Any) -> dict[str, Any] | None:
     return parent if isinstance(parent, dict) else None
 
 
-def _stall_ranks(error):
+def _stall_ranks(error: object) -> list[int]:
     match = _STALL_RANKS.search(str(getattr(error, "evalue", "") or error))
     return [int(r) for r in match.group(1).split(",") if r.strip()] if match else []
 
 
-def _join(ranks):
+def _join(ranks: Iterable[int]) -> str:
     return ", ".join(map(str, ranks))
 
 
-def kernel_stopping(shell):
+def kernel_stopping(shell: Any) -> str | None:  # IPython's shell; ipykernel's has .kernel
     """``"restarting"`` or ``"shutting down"`` once the kernel has been asked to, else None.
 
     ipykernel sets ``shell.exit_now`` on a shutdown request (restart or not) before it
@@ -719,7 +719,7 @@ def kernel_stopping(shell):
     return "restarting" if restart else "shutting down"
 
 
-def _await_the_end(limit=30.0):
+def _await_the_end(limit: float = 30.0) -> None:
     """Hold the cell until the kernel's process ends (the server terminates it within seconds).
 
     The cell's reply cannot go out any more: ipykernel closes the shell's socket when it shuts
@@ -733,7 +733,7 @@ def _await_the_end(limit=30.0):
         time.sleep(0.1)
 
 
-def routes_to_ranks(lines):
+def routes_to_ranks(lines: Iterable[str]) -> bool:
     """Whether an auto-mode cell goes to the ranks: not blank, not opened by a cell magic or by
     one of the local line magics (``%ring``, ``%load_ext`` ...)."""
     for line in lines:
