@@ -76,7 +76,7 @@ class CellRun:
         self.only_rank = ranks[0] if args.rank0_output else None
         self.sink = sink
         # the dashboard is made only when a rank has published a snapshot: trivial cells stay light
-        self.want_dashboard = magics._dashboard_ready and not args.no_dashboard
+        self.want_dashboard = magics.held.dashboard_ready and not args.no_dashboard
         self.dashboard: "LiveDashboard | None" = None
         # the CellExecution once the cell's requests are sent (run() checks; the rest runs after)
         self.execution: CellExecution = None  # type: ignore[assignment]
@@ -114,7 +114,7 @@ class CellRun:
                 raise
         finally:
             # also on error and interrupt: the dashboard and the tabs become static
-            if self.dashboard is None and self.execution is not None and self.magics._dashboard_ready:
+            if self.dashboard is None and self.execution is not None and self.magics.held.dashboard_ready:
                 # snapshots that reported no work would pile up in the client's metadata
                 from .widgets import live
 
@@ -148,7 +148,7 @@ class CellRun:
         debuggers.listen()  # before the requests leave: a breakpoint() on a rank gets a prompt
         where = cluster.where_dir
         _live.note_running_cell(where, _parent_request(self.magics.shell),
-                                self.magics._cell_number())
+                                self.magics.cells.cell_number())
         try:
             with _DeferredInterrupt() as self.interrupts:
                 self._run_cell(cluster, debuggers)
@@ -289,7 +289,7 @@ class CellRun:
             done = cluster.respawn(dead, elastic=True)
         except ClusterError as exc:
             raise DeadRankError(f"{head} Replacing it in place failed: {exc}", dead) from None
-        magics._new_rank_dashboard(cluster, done.ranks)
+        magics.held.new_rank_dashboard(cluster, done.ranks)
         for rank in done.ranks:
             self.execution.resubmit(rank, cluster.engine_ids[rank])
             self.interrupted.pop(rank, None)
@@ -301,7 +301,7 @@ class CellRun:
         # MPI ends the job's other ranks: name every rank lost ("MPI then ended rank(s) 0")
         dead = self.cluster.dead_ranks_settled(dead)
         # replaced in place (the survivors keep their variables) unless --max-restarts says no
-        message = self.magics._replace_dead(self.cluster, dead)
+        message = self.magics.held.replace_dead(self.cluster, dead)
         for rank in dead:
             if rank in self.ranks:
                 self.sink.error(rank, DeadRankError(message, dead))
@@ -494,7 +494,7 @@ class CellRun:
     def _poll_dashboard(self):
         ar = self.execution.ar
         if self.dashboard is None:
-            if not self.magics._dashboard_ready:  # no publisher on the ranks (e.g. a terminal)
+            if not self.magics.held.dashboard_ready:  # no publisher on the ranks (e.g. a terminal)
                 return
             from .widgets import live
 

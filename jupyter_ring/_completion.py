@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._cell import routes_to_ranks
+from ._held_cluster import connected_client
 
 if TYPE_CHECKING:
     from .magics import RingMagics
@@ -87,7 +88,7 @@ class KernelShim:
         if cluster is None or not cluster.running or not cluster.engine_ids:
             return None
         try:
-            view = cluster.client[cluster.engine_ids[0]]
+            view = connected_client(cluster)[cluster.engine_ids[0]]
             func = _complete.complete if what == "complete" else _complete.inspect
             reply: Reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
                                             *args).get(timeout=self.magics.remote_timeout)
