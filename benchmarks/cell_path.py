@@ -37,7 +37,7 @@ def _run(which, code):
     args = _parse(_m.distributed, "")
     ranks = list(range(_m.cluster.size))
     run = _old._CellRun if which == "old" else _New
-    return run(_m, _m.cluster, ranks, code, args, _m._sink(ranks, args)).run()
+    return run(_m, _m.cluster, ranks, code, args, _m.cells.sink(ranks, args)).run()
 '''
 
 

@@ -5,8 +5,18 @@
 """
 
 import inspect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ._cell import routes_to_ranks
+from ._held_cluster import connected_client
+
+if TYPE_CHECKING:
+    from .magics import RingMagics
+
+# A complete_reply's or inspect_reply's content (Jupyter's messaging protocol), as the kernel
+# or rank 0 answered it: passed on, with positions shifted.
+Reply = dict[str, Any]
 
 __all__ = ["KernelShim"]
 
@@ -23,7 +33,9 @@ class KernelShim:
     within ``RingMagics.remote_timeout`` seconds: this kernel answers as usual.
     """
 
-    def __init__(self, magics, kernel):
+    # kernel: ipykernel's Kernel; its do_complete/do_inspect are replaced on the instance, which
+    # its type does not allow
+    def __init__(self, magics: "RingMagics", kernel: Any) -> None:
         self.magics = magics
         self.kernel = kernel
         self._complete = kernel.do_complete
@@ -31,23 +43,29 @@ class KernelShim:
         kernel.do_complete = self.do_complete
         kernel.do_inspect = self.do_inspect
 
-    def remove(self):
+    def remove(self) -> None:
+        """Give the kernel its own handlers back (if nobody replaced ours meanwhile)."""
         if self.kernel.do_complete == self.do_complete:
             self.kernel.do_complete = self._complete
         if self.kernel.do_inspect == self.do_inspect:
             self.kernel.do_inspect = self._inspect
 
-    async def do_complete(self, code, cursor_pos):
+    async def do_complete(self, code: str, cursor_pos: int | None) -> Reply:
+        """Rank 0's completions for a cell that runs there, else this kernel's."""
         if cursor_pos is None:
             cursor_pos = len(code)
         reply = self._remote("complete", code, cursor_pos)
         if reply is None:
-            reply = self._complete(code, cursor_pos)
-            if inspect.isawaitable(reply):
-                reply = await reply
+            local = self._complete(code, cursor_pos)
+            if inspect.isawaitable(local):
+                local = await local
+            reply = local
         return reply
 
-    async def do_inspect(self, code, cursor_pos, detail_level=0, omit_sections=()):
+    async def do_inspect(self, code: str, cursor_pos: int | None, detail_level: int = 0,
+                         omit_sections: Sequence[str] = ()) -> Reply:
+        """Rank 0's description of the object at the cursor for a cell that runs there, unless
+        it found none and this kernel does."""
         if cursor_pos is None:
             cursor_pos = len(code)
         reply = self._remote("inspect", code, cursor_pos, detail_level, list(omit_sections))
@@ -59,7 +77,7 @@ class KernelShim:
                 reply = local
         return reply
 
-    def _remote(self, what, code, cursor_pos, *args):
+    def _remote(self, what: str, code: str, cursor_pos: int, *args: object) -> Reply | None:
         """Rank 0's reply with positions shifted back into the cell, or None (answer here)."""
         from .engines import _complete
 
@@ -70,10 +88,10 @@ class KernelShim:
         if cluster is None or not cluster.running or not cluster.engine_ids:
             return None
         try:
-            view = cluster.client[cluster.engine_ids[0]]
+            view = connected_client(cluster)[cluster.engine_ids[0]]
             func = _complete.complete if what == "complete" else _complete.inspect
-            reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
-                                     *args).get(timeout=self.magics.remote_timeout)
+            reply: Reply = view.apply_async(func, code[body_start:], cursor_pos - body_start,
+                                            *args).get(timeout=self.magics.remote_timeout)
         except Exception:  # busy, dead or slow rank: this kernel's own answer is better than none
             return None
         if what == "complete":
@@ -89,7 +107,7 @@ class KernelShim:
         return reply
 
 
-def _remote_body_start(code, auto):
+def _remote_body_start(code: str, auto: bool) -> int | None:
     """Where the part of ``code`` that runs on the ranks starts, or None if it runs here."""
     stripped = code.lstrip()
     if stripped.startswith("%%distributed"):

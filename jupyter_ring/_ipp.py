@@ -21,6 +21,7 @@ import collections
 import functools
 import threading
 import time
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Arrival(NamedTuple):
 
     rank: int
     kind: str        # one of DELIVERED
-    content: dict    # the message's content (stream: name, text; display_data: data, metadata)
+    content: dict[str, Any]  # the message's content (stream: name, text; display_data: data, metadata)
 
 
 class CellExecution:
@@ -59,7 +60,7 @@ class CellExecution:
 
         self.ranks = list(ranks)
         self._index = {rank: i for i, rank in enumerate(self.ranks)}
-        self._arrivals: collections.deque[tuple[int, str, Any]] = collections.deque()  # IO thread appends, ours takes
+        self._arrivals: collections.deque[Arrival] = collections.deque()  # IO thread appends, ours takes
         self._wake = threading.Event()
         self.last_arrival = time.monotonic()   # when the last message came (IO thread writes)
         self._idle_at: dict[int, float] = {}   # rank -> when its engine went idle (IO thread)
@@ -68,7 +69,7 @@ class CellExecution:
         self._kept: list[Any] = []
         self._engine_ids = list(engine_ids)
         self._metadata = dict(metadata or {})
-        self._futures = []
+        self._futures: list[Any] = []  # ipyparallel's MessageFuture, one per rank
         for rank, engine_id in zip(self.ranks, self._engine_ids):
             self._futures.append(self._send(rank, engine_id))
         # copies: ipyparallel's multi_future reads the list it was given when its last child is
@@ -128,14 +129,14 @@ class CellExecution:
         self._wake.set()
 
     # ------------------------------------------------------------------ the notebook's thread
-    def wait(self, timeout):
+    def wait(self, timeout: float) -> None:
         """Block until a message or a reply arrives, or ``timeout`` seconds pass."""
         if self._wake.wait(timeout):
             self._wake.clear()  # before take(): whatever comes after wakes the next wait
 
-    def take(self):
+    def take(self) -> list[Arrival]:
         """The messages that arrived since the last call, oldest first."""
-        out = []
+        out: list[Arrival] = []
         while self._arrivals:
             out.append(self._arrivals.popleft())
         return out
@@ -172,7 +173,7 @@ class CellExecution:
         return [r for r, f in zip(self.ranks, self._futures)
                 if not f.done() and not f.output.done()]
 
-    def output_done(self, rank=None):
+    def output_done(self, rank: int | None = None) -> bool:
         """Whether the rank's (every rank's) output is complete: its engine went idle."""
         futures = self._futures if rank is None else [self._futures[self._index[rank]]]
         return all(f.output.done() for f in futures)
@@ -187,21 +188,25 @@ class CellExecution:
         rank whose reply is :meth:`lost`, the error its output showed (its iopub ``error``)."""
         future = self._futures[self._index[rank]]
         if not future.done():
-            return future.output.metadata["error"] if rank in self.lost() else None
-        exc = future.exception()
+            if rank not in self.lost():
+                return None
+            shown: BaseException | None = future.output.metadata["error"]
+            return shown
+        exc: BaseException | None = future.exception()
         if exc is not None:
             return exc
         result = future.result()
         return result if isinstance(result, BaseException) else None
 
-    def stderr(self):
+    def stderr(self) -> list[str]:
         """Each rank's stderr so far, as ipyparallel accumulated it (rank order)."""
         return [f.output.metadata["stderr"] or "" for f in self._futures]
 
-    def finished_at(self, rank):
+    def finished_at(self, rank: int) -> datetime | None:
         """When the rank's reply says its cell ended (or was received), or None."""
         md = self._futures[self._index[rank]].output.metadata
-        return md["completed"] or md["received"]
+        when: datetime | None = md["completed"] or md["received"]
+        return when
 
 
 def send_control(client: "Client", engine_ids: list[int], msg_type: str,

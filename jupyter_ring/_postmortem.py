@@ -130,7 +130,7 @@ class PostMortem:
             raise UsageError(f"%ring debug: the cluster was stopped or restarted since "
                              f"In[{failure.cell}] failed, and the ranks' tracebacks went with its "
                              "ranks; run the cell again, then %ring debug")
-        cluster = self.magics._alive_cluster()  # a dead rank: DeadRankError says so
+        cluster = self.magics.held.alive()  # a dead rank: DeadRankError says so
         chosen = self._ranks(ranks, failure, cluster.size)
         args = argparse.Namespace(timeout=None, rank0_output=False, no_dashboard=True)
         sink = TextSink(tag=len(chosen) > 1)

@@ -14,6 +14,10 @@ import os
 import re
 import sys
 import tempfile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 __all__ = ["main", "run_notebook", "format_outputs", "NOTEBOOK"]
 
@@ -23,7 +27,7 @@ NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _isolate(tmp):
+def _isolate(tmp: str) -> None:
     for var, sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter_config"),
                      ("JUPYTER_DATA_DIR", "jupyter_data"), ("JUPYTER_RUNTIME_DIR", "jupyter_runtime")):
         if not os.environ.get(var):
@@ -31,7 +35,7 @@ def _isolate(tmp):
             os.makedirs(os.environ[var], exist_ok=True)
 
 
-def run_notebook(path=NOTEBOOK, timeout=120):
+def run_notebook(path: str = NOTEBOOK, timeout: float = 120) -> "NotebookNode":
     """Execute the notebook (a copy in memory); return the executed nbformat notebook.
 
     A cell that fails, unless tagged ``raises-exception``, stops the run with nbclient's
@@ -43,7 +47,7 @@ def run_notebook(path=NOTEBOOK, timeout=120):
     from nbclient.exceptions import CellExecutionError
     from traitlets.config import Config
 
-    nb = nbformat.read(path, as_version=4)
+    nb: NotebookNode = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory(prefix="jupyter_ring_kernel_") as sockets:  # mode 0700
         config = Config()
         config.KernelManager.transport = "ipc"
@@ -54,14 +58,14 @@ def run_notebook(path=NOTEBOOK, timeout=120):
         try:
             client.execute()
         except CellExecutionError as exc:
-            exc.notebook = nb
+            exc.notebook = nb  # type: ignore[attr-defined]  # our attribute on nbclient's error, read by the tests
             raise
     return nb
 
 
-def format_outputs(nb):
+def format_outputs(nb: "NotebookNode") -> str:
     """The notebook's code cells and their text outputs, as a transcript."""
-    lines = []
+    lines: list[str] = []
     count = 0
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -83,7 +87,7 @@ def format_outputs(nb):
     return "\n".join(lines)
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jupyter_ring.demo", description=__doc__.splitlines()[0])
     parser.add_argument("notebook", nargs="?", default=NOTEBOOK, help="notebook to run (default: the quickstart)")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per cell (default 120)")

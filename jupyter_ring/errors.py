@@ -18,7 +18,7 @@ code written against earlier releases working.
 """
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from .engines._interrupts import BEFORE_IT_BEGAN
 
@@ -44,7 +44,7 @@ class DeadRankError(ClusterError):
         super().__init__(message)
         self.ranks = ranks
 
-    def _render_traceback_(self):
+    def _render_traceback_(self) -> list[str]:
         return [f"DeadRankError: {self}"]
 
 
@@ -62,7 +62,9 @@ class DistributedError(JupyterRingError):
     headline rank. ``full_traceback`` False hides the runtime's own frames below the user's call.
     """
 
-    def __init__(self, rank, host, error, others, note="", reasons=None, full_traceback=True):
+    def __init__(self, rank: int, host: str, error: BaseException,
+                 others: Sequence[tuple[int, str, BaseException]], note: str = "",
+                 reasons: Mapping[int, str] | None = None, full_traceback: bool = True) -> None:
         self.reasons = dict(reasons or {})  # rank -> why the front end interrupted it
         self.rank = rank
         self.host = host
@@ -80,20 +82,20 @@ class DistributedError(JupyterRingError):
         self.others = [item for item in others if (item[0], item[1]) not in alike]
         super().__init__(self._summary())
 
-    def _where(self):
+    def _where(self) -> str:
         ranks = [r for r, _ in self.same]
         hosts = sorted({h for _, h in self.same})
         if len(ranks) == 1:
             return f"[rank {self.rank} @ {self.host}]"
         return f"[ranks {', '.join(map(str, ranks))} @ {', '.join(hosts)}]"
 
-    def _summary(self):
+    def _summary(self) -> str:
         text = f"{self._where()} {self.ename}: {self.evalue}"
         if self.others:
             text += "; also " + ", ".join(f"rank {r}: {_ename(e)}" for r, _, e in self.others)
         return text
 
-    def _render_traceback_(self):
+    def _render_traceback_(self) -> list[str]:
         lines = [f"{self._where()} {self.ename}: {_first_line(self.evalue)}"]
         remote_tb = getattr(self.error, "traceback", None)
         if remote_tb:
@@ -122,7 +124,8 @@ class CellInterrupted(JupyterRingError, KeyboardInterrupt):
     ``errors`` maps rank -> the rank's remote error (or None when it had finished).
     """
 
-    def __init__(self, by, errors, unstopped=()):
+    def __init__(self, by: str, errors: Mapping[int, BaseException | None],
+                 unstopped: Iterable[int] = ()) -> None:
         self.by = by
         self.errors = dict(errors)
         self.unstopped = list(unstopped)
@@ -132,7 +135,7 @@ class CellInterrupted(JupyterRingError, KeyboardInterrupt):
             f"rank(s) {', '.join(map(str, self.unstopped))} did not stop")
         super().__init__(text + (": " + ", ".join(places) if places else ""))
 
-    def _render_traceback_(self):
+    def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self}"]
 
 
@@ -173,14 +176,15 @@ _LIBRARY_FRAME = re.compile(r"^File .*[/\\]jupyter_ring[/\\](runtime|engines)[/\
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def trim_traceback(text, full=False):
+def trim_traceback(text: str, full: bool = False) -> list[str]:
     """A remote traceback's lines, without the trailing run of jupyter_ring's own frames below
     the user's last frame (one line says how many were hidden and how to see them)."""
     lines = text.splitlines()
     if full:
         return lines
     # IPython's frames are blocks separated by blank lines; the last block is "Ename: value"
-    blocks, block = [], []
+    blocks: list[list[str]] = []
+    block: list[str] = []
     for line in lines:
         if _ANSI.sub("", line).strip():
             block.append(line)
@@ -195,7 +199,7 @@ def trim_traceback(text, full=False):
         hidden += 1
     if not hidden:
         return lines
-    out = []
+    out: list[str] = []
     for index, block in enumerate(blocks):
         if index == len(blocks) - 1:
             out.append("")
@@ -213,6 +217,6 @@ def _ename(error: object) -> str:
     return str(getattr(error, "ename", None) or type(error).__name__)
 
 
-def _first_line(text):
+def _first_line(text: object) -> str:
     text = str(text).strip()
     return text.splitlines()[0] if text else ""

@@ -12,9 +12,11 @@ builds it, this publisher numbers it and sends it, ``widgets._state.DashboardSta
 Imports no widget library: only ipyparallel's ``publish_data`` and the runtime's reporter.
 """
 
-from typing import TYPE_CHECKING, Callable, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell
+
     from ..runtime.internal import Reporter
 
 __all__ = ["KEY_PREFIX", "MAX_RATE", "Snapshot", "CommTotals", "Stall", "Publisher",
@@ -63,7 +65,7 @@ class Snapshot(TypedDict):
     final: bool                                   # the cell ended: the last word for this cell
 
 
-def snapshot_key(seq):
+def snapshot_key(seq: int) -> str:
     """The datapub key of snapshot number ``seq`` (zero-padded: keys sort in publication order)."""
     return f"{KEY_PREFIX}{seq:010d}"
 
@@ -84,19 +86,24 @@ class Publisher:
         self.enabled = True
         self.sent_in_cell = False
 
-    def __call__(self, snapshot):
+    def __call__(self, snapshot: dict[str, Any]) -> None:
+        """Send ``snapshot`` (a :class:`Snapshot`, built by the runtime's reporter, which types it
+        as a plain dict) under the next key; nothing while paused (:func:`enable`)."""
         if not self.enabled:
             return
         self.seq += 1
         self.sent_in_cell = True
-        self.send({snapshot_key(self.seq): snapshot})
+        self.send({snapshot_key(self.seq): snapshot})  # type: ignore[dict-item]  # the reporter's dict is a Snapshot
 
     def pre_execute(self) -> None:
+        """A cell starts: the reporter forgets the previous cell's state (if this publishes)."""
         self.sent_in_cell = False
-        if self.reporter.publisher is self:
-            self.reporter.new_cell()
+        reporter = self.reporter
+        if reporter.publisher is self:
+            reporter.new_cell()
 
-    def post_execute(self):
+    def post_execute(self) -> None:
+        """A cell ended: publish its latest state at once, marked final (if it reported any)."""
         reporter = self.reporter
         if reporter.publisher is not self or not self.enabled:
             return
@@ -112,7 +119,7 @@ class Publisher:
 MAX_RATE = 5.0
 
 
-def install(max_rate=MAX_RATE, shell=None):
+def install(max_rate: float = MAX_RATE, shell: "InteractiveShell | None" = None) -> Publisher:
     """Install a :class:`Publisher` on this engine (replacing an earlier one); returns it."""
     from ipyparallel.datapub import publish_data
 
@@ -133,7 +140,7 @@ def install(max_rate=MAX_RATE, shell=None):
     return publisher
 
 
-def uninstall(shell=None):
+def uninstall(shell: "InteractiveShell | None" = None) -> None:
     """Remove this module's publisher (and its cell events) from this engine, if installed."""
     from ..runtime.internal import report as _report
 
@@ -153,7 +160,7 @@ def uninstall(shell=None):
                 pass
 
 
-def enable(on=True):
+def enable(on: bool = True) -> bool:
     """Pause (False) or resume publishing on this engine; the reporter keeps counting."""
     from ..runtime.internal import report as _report
 

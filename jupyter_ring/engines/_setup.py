@@ -12,7 +12,10 @@ import signal
 import socket
 import threading
 from types import FrameType, TracebackType
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import ExecutionResult
 
 __all__ = ["RankRow", "local_rank", "bind_device", "describe", "watch_cells", "number_cells",
            "keep_own_errors", "address_interrupts", "reply_always", "arm_where", "arm_debugger", "arm_elastic", "ascii_logs",
@@ -30,12 +33,22 @@ class RankRow(TypedDict):
     device: str    # "cpu" or "cuda:0 (GPU <id>)": the GPU this rank sees as cuda:0
 
 
+class RankNumbers(Protocol):
+    """What :func:`describe` reads of the runtime (``jupyter_ring.runtime``, the module)."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def local_rank(self) -> int: ...
+
+
 # Launchers that export the node-local rank: MPICH/Hydra, Open MPI, Slurm, PMIx.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
                     "PMIX_LOCAL_RANK", "PMI_LOCAL_RANK")
 
 
-def local_rank():
+def local_rank() -> int:
     """This process's rank among the ranks on its host, from the launcher or from MPI."""
     for var in _LOCAL_RANK_VARS:
         value = os.environ.get(var, "")
@@ -51,7 +64,7 @@ def local_rank():
         node.Free()
 
 
-def bind_device(gpus):
+def bind_device(gpus: list[str] | None) -> str:
     """Set ``CUDA_VISIBLE_DEVICES`` to this rank's GPU; return a device label for the table.
 
     ``gpus`` is the list of GPU ids (strings) visible to the notebook kernel, ``[]`` to hide every
@@ -67,13 +80,13 @@ def bind_device(gpus):
     return f"cuda:0 (GPU {gpu})"
 
 
-def describe(ring, device):
+def describe(ring: RankNumbers, device: str) -> RankRow:
     """This rank's row of the ``%ring start`` table."""
     return RankRow(rank=ring.rank(), size=ring.size(), local_rank=ring.local_rank(),
                    host=socket.gethostname(), pid=os.getpid(), device=device)
 
 
-def watch_cells():
+def watch_cells() -> None:
     """After a cell fails or is interrupted on this rank, abandon the collectives it queued.
 
     An interrupt can land between ``loss.backward()`` (whose hooks queue the gradients'
@@ -231,10 +244,10 @@ def reply_always() -> None:
         return
     run = kernel.do_execute
 
-    async def do_execute(*args: Any, **kwargs: Any) -> dict:
+    async def do_execute(*args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             try:
-                reply = await run(*args, **kwargs)
+                reply: dict[str, Any] = await run(*args, **kwargs)
             finally:
                 # the cell is over: what is left is the reply (flush, send), not the cell's
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -247,7 +260,7 @@ def reply_always() -> None:
     kernel._jupyter_ring_replies = True
 
 
-def _interrupted_reply(kernel: Any) -> dict:
+def _interrupted_reply(kernel: Any) -> dict[str, Any]:
     """The execute reply of a request interrupted outside its cell's code (as ipykernel's)."""
     from ._interrupts import interrupted_reply
 
@@ -255,7 +268,7 @@ def _interrupted_reply(kernel: Any) -> dict:
                                      "outside its code")
 
 
-def ascii_logs():
+def ascii_logs() -> None:
     """Write the engine's own log lines with non-ASCII characters escaped (``\\u00e9``).
 
     MPICH's ``mpiexec.gforker`` stops forwarding a rank's stdout/stderr at the first non-ASCII
@@ -277,7 +290,7 @@ def ascii_logs():
         log = log.parent if log.propagate else None
 
 
-def _after_cell(result):
+def _after_cell(result: "ExecutionResult") -> None:
     if result.error_in_exec is not None:
         from ..runtime.internal import api as _api
 
@@ -285,7 +298,7 @@ def _after_cell(result):
                             f"on this rank ({type(result.error_in_exec).__name__})")
 
 
-def arm_where(directory, rank):
+def arm_where(directory: str, rank: int) -> None:
     """Make this rank's stacks and collective readable by ``%ring where`` (runtime/_observe/where.py).
 
     ``directory`` is the kernel's folder for the cluster; a rank on another host without that

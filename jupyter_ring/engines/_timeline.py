@@ -1,11 +1,23 @@
 """The rank's side of ``%ring timeline``: its recent collectives, sent back to the kernel."""
 
 import time
+from typing import TypedDict
 
-__all__ = ["recent_collectives"]
+from ..runtime.internal import RecentRecord
+
+__all__ = ["RecentCollectives", "recent_collectives"]
 
 
-def recent_collectives(seconds):
+class RecentCollectives(TypedDict):
+    """A rank's answer to ``%ring timeline``: its rank (-1 without a runtime), its wall clock
+    and the collectives it finished lately."""
+
+    rank: int
+    now: float
+    records: list[RecentRecord]
+
+
+def recent_collectives(seconds: float) -> RecentCollectives:
     """``{"rank", "now", "records"}``: the collectives this rank's runtime finished in the last
     ``seconds`` (``runtime._observe.trace.Trace.recent``); no records when the runtime is not started."""
     from ..runtime.internal import api as _api

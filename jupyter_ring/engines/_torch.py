@@ -43,7 +43,17 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult
+    from torch.distributed import TCPStore
+
+    from ..runtime import Config, ProcessSet
+    from ..runtime.internal import process_groups
 
 __all__ = ["reserve", "start", "repair", "TorchGuard", "ABORT_NOTE"]
 
@@ -57,16 +67,35 @@ ABORT_NOTE = "[jupyter_ring] torch.distributed:"
 _STUCK_AFTER = 0.3      # seconds after SIGINT a main thread that has not moved counts as stuck
 _TICK = 0.5             # the monitor's period (sequence numbers, stall check)
 
+_T = TypeVar("_T")
+
+# The main thread's place at a tick: (id of its frame, its last instruction, the function's name).
+Position = tuple[int, int, str]
+
+
+class RingRuntime(Protocol):
+    """What the guard uses of the ring runtime (``jupyter_ring.runtime``, the module)."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def config(self) -> "Config": ...
+
+    def allgather_object(self, obj: _T, name: str | None = None,
+                         process_set: "ProcessSet | None" = None) -> list[_T]: ...
+
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls ``callback(module)`` once ``name`` has been imported (its loader wrapped)."""
 
-    def __init__(self, name, callback):
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
         self.name = name
         self.callback = callback
         self._busy = False
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if fullname != self.name or self._busy:
             return None
         self._busy = True
@@ -81,14 +110,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _ThenCall(importlib.abc.Loader):
-    def __init__(self, loader, finder):
+    """A module's own loader, then the finder's callback with the module it loaded."""
+
+    def __init__(self, loader: importlib.abc.Loader, finder: _AfterImport) -> None:
         self.loader = loader
         self.finder = finder
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
         if self.finder in sys.meta_path:
             sys.meta_path.remove(self.finder)
@@ -101,35 +132,37 @@ class _ThenCall(importlib.abc.Loader):
 class TorchGuard:
     """This rank's torch.distributed set-up: the rendezvous store (rank 0) and the monitor."""
 
-    def __init__(self, ring, address, listener):
+    def __init__(self, ring: RingRuntime, address: str, listener: socket.socket | None) -> None:
         self.ring = ring
         self.rank = ring.rank()
         self.size = ring.size()
         self.address = address
         self.listener = listener      # rank 0: the reserved rendezvous socket
-        self.server = None            # rank 0: the TCPStore served on it
-        self.main = threading.main_thread().ident
-        self._wake_r = self._wake_w = None
+        self.server: TCPStore | None = None  # rank 0: the TCPStore served on it
+        self.main = threading.main_thread().ident or 0  # (set: the main thread has started)
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
         self._chained = -1
-        self._thread = None
-        self._sigint_at = None        # (monotonic time, main thread position) of the last SIGINT
-        self._position = None         # the main thread's (frame, instruction) at the last tick
+        self._thread: threading.Thread | None = None
+        # (monotonic time, main thread position) of the last SIGINT
+        self._sigint_at: tuple[float, Position | None] | None = None
+        self._position: Position | None = None  # the main thread's place at the last tick
         self._still_since = time.monotonic()
-        self._published = {}          # group key -> sequence number published last
+        self._published: dict[str, int] = {}  # group key -> sequence number published last
         self._last_publish = 0.0
         self.executing = False        # a cell runs (IPython's pre/post_run_cell): the main thread
         # is then the user's; between cells it idles in the kernel's event loop, never "stuck"
-        self.notes = []               # what the monitor did, for repair() to report
+        self.notes: list[str] = []    # what the monitor did, for repair() to report
 
     # ------------------------------------------------------------------ set-up
-    def install(self):
+    def install(self) -> None:
         """Main thread: the SIGINT wakeup, the monitor thread, the torch.distributed hook."""
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        wake_r, wake_w = self._wake_r, self._wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
         # Python's C signal handler writes the signal number here even while the main thread is
         # blocked in C++; a wakeup fd already there (an event loop's) keeps getting it from us
-        self._chained = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._chained = signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
         from IPython import get_ipython
 
         events = get_ipython().events
@@ -168,32 +201,34 @@ class TorchGuard:
 
         _torch_comm.count_ddp(module.DistributedDataParallel)
 
-    def _cell_starts(self, _info):
+    def _cell_starts(self, _info: "ExecutionInfo") -> None:
         self._position = None     # the stall clock starts with the cell
         self._sigint_at = None    # an interrupt that came between cells is not this cell's
         self.executing = True
 
-    def _cell_ends(self, _result):
+    def _cell_ends(self, _result: "ExecutionResult") -> None:
         self.executing = False
         self._sigint_at = None
 
     # ------------------------------------------------------------------ the monitor
-    def _monitor(self):
+    def _monitor(self) -> None:
         while True:
             try:
                 # a tenth of a tick while torch groups exist; else only SIGINT needs waking for
                 period = _TICK / 5 if _WATCHED in sys.modules else _TICK * 2
                 if self._sigint_at is not None:  # look again when the main thread counts as stuck
                     period = min(period, max(0.01, self._sigint_at[0] + _STUCK_AFTER - time.monotonic()))
-                readable, _, _ = select.select([self._wake_r], [], [], period)
+                wake_r = self._wake_r
+                assert wake_r is not None  # install() made it before starting this thread
+                readable, _, _ = select.select([wake_r], [], [], period)
                 if readable:
-                    self._on_signals(self._wake_r.recv(256))
+                    self._on_signals(wake_r.recv(256))
                 self._tick()
             except Exception:  # the monitor must outlive any one bad tick
                 log.exception("jupyter_ring: the torch.distributed monitor failed a tick")
                 time.sleep(_TICK)
 
-    def _on_signals(self, data):
+    def _on_signals(self, data: bytes) -> None:
         if self._chained >= 0:
             try:
                 os.write(self._chained, data)
@@ -202,11 +237,11 @@ class TorchGuard:
         if signal.SIGINT in data:
             self._sigint_at = (time.monotonic(), self._main_position())
 
-    def _main_position(self):
+    def _main_position(self) -> Position | None:
         frame = sys._current_frames().get(self.main)
         return None if frame is None else (id(frame), frame.f_lasti, frame.f_code.co_name)
 
-    def _tick(self):
+    def _tick(self) -> None:
         from ..runtime.internal import api as _api  # on the rank only (the notebook imports this module too)
         from ..runtime.internal import progress as _progress
 
@@ -241,7 +276,7 @@ class TorchGuard:
             self._check_stall(groups, now)
 
     @staticmethod
-    def _groups():
+    def _groups() -> "list[process_groups.ManagedGroup]":
         if _WATCHED not in sys.modules:
             return []
         from ..runtime.internal import process_groups
@@ -249,21 +284,21 @@ class TorchGuard:
         return [g for g in process_groups.registry.groups() if g.pg is not None and not g.aborted]
 
     @staticmethod
-    def _sequence(group):
+    def _sequence(group: "process_groups.ManagedGroup") -> int | None:
         backend = next(iter(group.backends.values()))
         try:
-            return int(backend._get_sequence_number_for_group())
+            return int(backend._get_sequence_number_for_group())  # type: ignore[attr-defined]  # torch's private call, not in its stubs
         except RuntimeError:
             return None
 
-    def _publish(self, groups):
+    def _publish(self, groups: "list[process_groups.ManagedGroup]") -> None:
         for group in groups:
             seq = self._sequence(group)
             if seq is not None and self._published.get(group.key) != seq:
                 group.store.set(f"jupyter_ring/seq/{group.rank}", str(seq))
                 self._published[group.key] = seq
 
-    def _check_stall(self, groups, now):
+    def _check_stall(self, groups: "list[process_groups.ManagedGroup]", now: float) -> None:
         stall = self.ring.config().stall_timeout
         still = now - self._still_since
         if still < stall:
@@ -275,11 +310,13 @@ class TorchGuard:
             return
         for group in groups:
             mine = self._sequence(group)
-            behind = []
+            behind: list[int] = []
             for q in range(group.size):
                 key = f"jupyter_ring/seq/{q}"
-                if q != group.rank and group.store.check([key]) and int(group.store.get(key)) < mine:
+                if q != group.rank and group.store.check([key]) and int(group.store.get(key)) < mine:  # type: ignore[operator]  # see below
                     behind.append(q)
+            # (mine is None where torch cannot tell the group's count: the comparison above then
+            # raises TypeError, which the monitor logs as a failed tick)
             if behind:
                 message = (f"rank {self.rank} waited {still:.1f} s in {group.label} collective #{mine} for "
                            f"rank(s) {behind} (group ranks), which never arrived (stall timeout {stall:g} s). "
@@ -289,7 +326,8 @@ class TorchGuard:
                 self._abort(groups, f"stalled on rank {self.rank}", _stall_error(message, behind))
                 return
 
-    def _abort(self, groups, why, error):
+    def _abort(self, groups: "list[process_groups.ManagedGroup]", why: str,
+               error: type[BaseException] | None) -> None:
         """Abort the groups; with ``error``, raise it in the main thread too."""
         if error is not None and self.executing:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), ctypes.py_object(error))
@@ -302,12 +340,12 @@ class TorchGuard:
         print(note, file=sys.stderr, flush=True)
 
 
-def _stall_error(message, missing):
+def _stall_error(message: str, missing: list[int]) -> type[BaseException]:
     """A StallError class raising ``message``: PyThreadState_SetAsyncExc takes a class."""
     from ..runtime import StallError
 
     class _Stalled(StallError):
-        def __init__(self, *_args):
+        def __init__(self, *_args: object) -> None:
             super().__init__(message, missing)
 
     _Stalled.__name__ = _Stalled.__qualname__ = "StallError"
@@ -318,15 +356,15 @@ def _stall_error(message, missing):
 class _Holder:
     """The engine's guard, and rank 0's reserved rendezvous socket (one per rank process)."""
 
-    def __init__(self):
-        self.guard = None
-        self.listener = None
+    def __init__(self) -> None:
+        self.guard: TorchGuard | None = None
+        self.listener: socket.socket | None = None
 
 
 _holder = _Holder()
 
 
-def reserve(ring, master_addr):
+def reserve(ring: RingRuntime, master_addr: str) -> tuple[str, int] | None:
     """Every rank, in the setup code after ``ring.init()`` (collective when ``master_addr`` is "").
 
     Rank 0 reserves the rendezvous port: a listening socket on ``master_addr`` (the plan's:
@@ -335,17 +373,18 @@ def reserve(ring, master_addr):
     """
     from ..runtime.internal import process_groups
 
-    hosts = None
+    hosts: list[str] | None = None
     if not master_addr:
         hosts = ring.allgather_object(socket.gethostname(), name="jupyter_ring.torch.hosts")
     if ring.rank() != 0:
         return None
-    address = master_addr or process_groups.rendezvous_address(hosts, 0)
-    _holder.listener = socket.create_server((address, 0), backlog=1024)
-    return address, _holder.listener.getsockname()[1]
+    address = master_addr or process_groups.rendezvous_address(hosts or [], 0)  # hosts: gathered above
+    listener = _holder.listener = socket.create_server((address, 0), backlog=1024)
+    port: int = listener.getsockname()[1]
+    return address, port
 
 
-def start(environment, init_backend=None):
+def start(environment: dict[str, str], init_backend: str | None = None) -> str | None:
     """Every rank, once, after :func:`reserve`: this rank's torchrun ``environment`` (computed by
     the notebook from the plan), the guard; with ``init_backend`` ("auto", "gloo" or "nccl") the
     default process group too (collective). Returns its backend, or None."""
@@ -365,19 +404,19 @@ def start(environment, init_backend=None):
     return _init_default_group(ring, init_backend)
 
 
-def _init_default_group(ring, backend):
+def _init_default_group(ring: RingRuntime, backend: str) -> str:
     import torch
     import torch.distributed as dist
 
     every = ring.allgather_object(torch.cuda.is_available(), name="jupyter_ring.torch.gpus")
     if backend == "auto":
         backend = "cpu:gloo,cuda:nccl" if all(every) and dist.is_nccl_available() else "gloo"
-    kwargs = {"device_id": torch.device("cuda", 0)} if "nccl" in backend else {}
+    kwargs: dict[str, Any] = {"device_id": torch.device("cuda", 0)} if "nccl" in backend else {}
     dist.init_process_group(backend, **kwargs)
     return backend
 
 
-def repair():
+def repair() -> str | None:
     """After a failed cell, on every rank (collective over the ring): re-create in place every
     torch.distributed group some rank aborted. Returns a note for the notebook, or None."""
     guard = _holder.guard

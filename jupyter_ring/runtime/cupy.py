@@ -32,6 +32,7 @@ Without a CUDA device every collective raises :class:`RingError` naming what is 
 
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 try:
     import cupy
@@ -39,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the cupy adapter needs cupy: pip install 'jupyter_ring[cupy]'") from exc
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import runtime as _ring
 from . import _api  # named helpers: session(), resolve_op()
@@ -46,13 +48,16 @@ from ._device import transport as _device
 from ._horovod.runtime_names import *  # noqa: F403 - init, rank, ops, errors, ...: as in the numpy API
 from ._horovod.runtime_names import __all__ as _COMMON
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     *_COMMON, "gpu_available", "nccl_available", "allreduce", "allreduce_", "allgather",
     "broadcast", "broadcast_", "reducescatter", "alltoall",
 ]
 
 
-def gpu_available():
+def gpu_available() -> bool:
     """Whether CuPy sees a CUDA device (False on CPU-only machines)."""
     try:
         return bool(cupy.cuda.is_available())
@@ -60,7 +65,7 @@ def gpu_available():
         return False
 
 
-def nccl_available():
+def nccl_available() -> bool:
     """Whether the NCCL path can be used (``cupy.cuda.nccl`` importable, a GPU, not disabled)."""
     if os.environ.get("JUPYTER_RING_CUPY_NCCL", "1") == "0" or not gpu_available():
         return False
@@ -71,14 +76,14 @@ def nccl_available():
     return bool(getattr(nccl, "available", True))
 
 
-def _require_gpu(where):
+def _require_gpu(where: str) -> None:
     if not gpu_available():
         raise RingError(f"{where}: the cupy adapter needs a CUDA GPU, but cupy.cuda.is_available() is False "
                         "(no device or no driver here); run on a GPU machine, or use numpy arrays with "
                         "jupyter_ring.runtime on CPU")
 
 
-def _check(arr, where):
+def _check(arr: object, where: str) -> None:
     if not isinstance(arr, cupy.ndarray):
         raise TypeError(f"{where}: expected a cupy.ndarray, got {type(arr).__name__}; numpy arrays go to "
                         "jupyter_ring.runtime directly")
@@ -89,13 +94,13 @@ def _check(arr, where):
 class _Nccl:
     """The NCCL communicator of one runtime session, made on first use, re-made after an abort."""
 
-    def __init__(self):
-        self.comm = None
-        self.session = None   # the runtime object the communicator belongs to
+    def __init__(self) -> None:
+        self.comm: Any = None  # cupy.cuda.nccl.NcclCommunicator (cupy ships no types)
+        self.session: object = None  # the runtime object the communicator belongs to
         self.generation = 0   # communicators made so far: the same on every rank
         self.aborted = ""     # why this rank gave a collective up; every rank re-makes it then
 
-    def get(self):
+    def get(self) -> Any:
         """The communicator (collective when it has to be made: the agreement lines ranks up)."""
         from cupy.cuda import nccl
 
@@ -109,7 +114,7 @@ class _Nccl:
             self.aborted = ""
         return self.comm
 
-    def abort(self, why):
+    def abort(self, why: str) -> None:
         """Give up the collective in flight: ncclCommAbort, and a new communicator next time."""
         if self.comm is not None:
             try:
@@ -119,7 +124,7 @@ class _Nccl:
         self.comm = None
         self.aborted = why
 
-    def wait(self, stream, what):
+    def wait(self, stream: Any, what: str) -> None:  # stream: a cupy.cuda.Stream
         """Poll the end of ``stream``'s work (a CUDA event): interruptible, with the stall timeout."""
         event = stream.record()
         config = _ring.config()
@@ -144,7 +149,7 @@ _nccl = _Nccl()
 _NCCL_OPS = {Sum: 0, Product: 1, Max: 2, Min: 3, Average: 0}  # ncclSum, ncclProd, ncclMax, ncclMin
 
 
-def _nccl_dtype(dtype):
+def _nccl_dtype(dtype: npt.DTypeLike) -> int | None:
     from cupy.cuda import nccl
 
     table = {np.dtype(np.int8): nccl.NCCL_INT8, np.dtype(np.uint8): nccl.NCCL_UINT8,
@@ -152,10 +157,12 @@ def _nccl_dtype(dtype):
              np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.uint64): nccl.NCCL_UINT64,
              np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
              np.dtype(np.float64): nccl.NCCL_FLOAT64}
-    return table.get(np.dtype(dtype))
+    found: int | None = table.get(np.dtype(dtype))
+    return found
 
 
-def _agree(kind, name, arr, op=None, root=None, rows_may_differ=False):
+def _agree(kind: str, name: str | None, arr: cupy.ndarray, op: int | None = None, root: int | None = None,
+           rows_may_differ: bool = False) -> None:
     """Check over the CPU ring that every rank calls the same NCCL collective (NCCL would hang);
     re-make the communicator on every rank when one rank gave a collective up."""
     shape = tuple(arr.shape[1:]) if rows_may_differ else tuple(arr.shape)
@@ -172,12 +179,12 @@ def _agree(kind, name, arr, op=None, root=None, rows_may_differ=False):
         _nccl.abort("a peer rank gave a collective up")
 
 
-def _use_nccl(arr, process_set):
+def _use_nccl(arr: cupy.ndarray, process_set: ProcessSet) -> bool:
     return (nccl_available() and _ring.size() > 1 and _nccl_dtype(arr.dtype) is not None
             and _api.is_global(process_set))
 
 
-def _tensor(arr, process_set, op=None):
+def _tensor(arr: cupy.ndarray, process_set: ProcessSet, op: int | None = None) -> "torch.Tensor | None":
     """A torch view of ``arr`` (DLPack, no copy) when it goes to the device transport, else None."""
     if not nccl_available() or _device.mode() == "off" or not _api.is_global(process_set):
         return None
@@ -193,26 +200,28 @@ def _tensor(arr, process_set, op=None):
 
 
 # ------------------------------------------------------------------ staging
-def _to_host(arr):
+def _to_host(arr: cupy.ndarray) -> npt.NDArray[Any]:
     """A numpy view of a pinned host copy of ``arr``."""
     arr = cupy.ascontiguousarray(arr)
     mem = cupy.cuda.alloc_pinned_memory(max(arr.nbytes, 1))
-    host = np.frombuffer(mem, arr.dtype, arr.size).reshape(arr.shape)
+    host: npt.NDArray[Any] = np.frombuffer(mem, arr.dtype, arr.size).reshape(arr.shape)
     arr.get(out=host)
     return host
 
 
 # ------------------------------------------------------------------ collectives
-def allreduce(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set):
+def allreduce(arr: cupy.ndarray, average: bool | None = None, name: str | None = None, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """Reduce a cupy array over the ranks (default: Average) into a new cupy array."""
     where = f"allreduce '{name}'"
     _check(arr, where)
     return allreduce_(arr.copy(), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(arr: cupy.ndarray, average: bool | None = None, name: str | None = None, op: int | None = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """In-place allreduce of a C-contiguous cupy array; returns it."""
     where = f"allreduce_ '{name}'"
     _check(arr, where)
@@ -246,7 +255,8 @@ def allreduce_(arr, average=None, name=None, op=None, prescale_factor=1.0, posts
     return arr
 
 
-def allgather(arr, name=None, process_set=global_process_set):
+def allgather(arr: cupy.ndarray, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """Every rank's array concatenated along dim 0 (which may differ between ranks)."""
     where = f"allgather '{name}'"
     _check(arr, where)
@@ -259,7 +269,8 @@ def allgather(arr, name=None, process_set=global_process_set):
     return cupy.asarray(_ring.allgather(_to_host(arr), name=name, process_set=process_set))
 
 
-def broadcast_(arr, root_rank=0, name=None, process_set=global_process_set):
+def broadcast_(arr: cupy.ndarray, root_rank: int = 0, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """In-place broadcast of root's array into ``arr``; returns it."""
     where = f"broadcast_ '{name}'"
     _check(arr, where)
@@ -282,19 +293,22 @@ def broadcast_(arr, root_rank=0, name=None, process_set=global_process_set):
     return arr
 
 
-def broadcast(arr, root_rank=0, name=None, process_set=global_process_set):
+def broadcast(arr: cupy.ndarray, root_rank: int = 0, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """Root's array, returned as a new cupy array on every rank."""
     _check(arr, f"broadcast '{name}'")
     return broadcast_(cupy.ascontiguousarray(arr).copy(), root_rank, name, process_set)
 
 
-def reducescatter(arr, op=Average, name=None, process_set=global_process_set):
+def reducescatter(arr: cupy.ndarray, op: int = Average, name: str | None = None,
+                  process_set: ProcessSet = global_process_set) -> cupy.ndarray:
     """Reduce over ranks and return this rank's block of dim 0 (staged through host memory)."""
     _check(arr, f"reducescatter '{name}'")
     return cupy.asarray(_ring.reducescatter(_to_host(arr), op=op, name=name, process_set=process_set))
 
 
-def alltoall(arr, splits=None, name=None, process_set=global_process_set):
+def alltoall(arr: cupy.ndarray, splits: "npt.ArrayLike | cupy.ndarray | None" = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> tuple[cupy.ndarray, npt.NDArray[np.int32]]:
     """Send ``splits[q]`` rows to rank q of the set, receive theirs: (output, received_splits); staged."""
     _check(arr, f"alltoall '{name}'")
     if isinstance(splits, cupy.ndarray):

@@ -14,6 +14,7 @@ the callback only updates the ranks' local progress, like ``ring.progress``.
 """
 
 import math
+from typing import Any
 
 try:
     import lightning.pytorch as pl
@@ -29,15 +30,16 @@ class RingProgress(pl.Callback):
     """Reports ``trainer.global_step`` (of ``estimated_stepping_batches``) and the training loss
     of each rank through ``ring.progress`` and ``ring.log``."""
 
-    def __init__(self, metric="loss"):
+    def __init__(self, metric: str = "loss") -> None:
         super().__init__()
         self.metric = metric
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         total = trainer.estimated_stepping_batches
         _ring.progress(trainer.global_step, total=total if math.isfinite(total) else None, desc="fit")
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
         _ring.progress(trainer.global_step)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:

@@ -12,15 +12,20 @@ Importing this package imports neither tornado nor jupyter_server; the handlers 
 extension.
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jupyter_server.serverapp import ServerApp
+
 __all__ = ["_jupyter_server_extension_points", "_load_jupyter_server_extension"]
 
 
-def _jupyter_server_extension_points():
+def _jupyter_server_extension_points() -> list[dict[str, str]]:
     """The extension's module for jupyter_server's loader."""
     return [{"module": "jupyter_ring.server"}]
 
 
-def _load_jupyter_server_extension(serverapp):
+def _load_jupyter_server_extension(serverapp: "ServerApp") -> None:
     """Register the routes with the running Jupyter server."""
     from ._handlers import setup_handlers
 

@@ -1,13 +1,14 @@
 """Tornado handlers for the Ring panel (every one authenticated; actions are POST + XSRF/token)."""
 
 import json
+from typing import Any
 
 import tornado.web
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from ..errors import ClusterNotFound, JupyterRingError
-from ._clusters import (CLUSTER_ID_RE, attach_cluster, describe_cluster, find_cluster_file,
+from ._clusters import (CLUSTER_ID_RE, Session, attach_cluster, describe_cluster, find_cluster_file,
                         interrupt_cluster, kernel_pids, kernel_sessions, list_clusters, stop_cluster,
                         where_cluster)
 
@@ -17,13 +18,13 @@ NAMESPACE = "jupyter-ring"
 
 
 class _RingHandler(APIHandler):
-    def _kernels(self):
+    def _kernels(self) -> dict[int, str]:
         return kernel_pids(self.settings.get("kernel_manager"))
 
-    async def _sessions(self):
+    async def _sessions(self) -> dict[str, Session]:
         return await kernel_sessions(self.settings.get("session_manager"))
 
-    def _path(self, cluster_id):
+    def _path(self, cluster_id: str) -> str:
         try:
             return find_cluster_file(cluster_id)
         except ClusterNotFound as exc:
@@ -34,7 +35,7 @@ class ClustersHandler(_RingHandler):
     """``GET /jupyter-ring/clusters`` -> ``{"clusters": [...]}``."""
 
     @tornado.web.authenticated
-    async def get(self):
+    async def get(self) -> None:
         clusters = list_clusters(self._kernels(), sessions=await self._sessions())
         self.finish(json.dumps({"clusters": clusters}))
 
@@ -43,7 +44,7 @@ class ClusterHandler(_RingHandler):
     """``GET /jupyter-ring/clusters/<id>`` -> one cluster's description."""
 
     @tornado.web.authenticated
-    async def get(self, cluster_id):
+    async def get(self, cluster_id: str) -> None:
         path = self._path(cluster_id)
         sessions = await self._sessions()
         try:
@@ -57,7 +58,7 @@ class ClusterActionHandler(_RingHandler):
     """``POST /jupyter-ring/clusters/<id>/(interrupt|stop|where|attach)``."""
 
     @tornado.web.authenticated
-    async def post(self, cluster_id, action):
+    async def post(self, cluster_id: str, action: str) -> None:
         path = self._path(cluster_id)
         try:
             if action == "interrupt":
@@ -76,7 +77,7 @@ class ClusterActionHandler(_RingHandler):
         self.finish(json.dumps({"id": cluster_id, "action": action, **result}))
 
 
-def setup_handlers(web_app):
+def setup_handlers(web_app: Any) -> None:
     """Add the routes under the server's base URL."""
     base = url_path_join(web_app.settings.get("base_url", "/"), NAMESPACE, "clusters")
     web_app.add_handlers(".*$", [

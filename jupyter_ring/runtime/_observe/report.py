@@ -12,21 +12,24 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from .trace import busbw_factor
+from .trace import Trace, busbw_factor
 
 __all__ = ["Reporter", "progress", "log", "track", "set_publisher", "flush"]
 
 _T = TypeVar("_T")
 
+# What the front end installs on each engine: it receives this rank's snapshot (Reporter.snapshot).
+Publisher = Callable[[dict[str, Any]], object]
+
 
 class Reporter:
     """This rank's progress, latest metrics, metric history and communication totals."""
 
-    def __init__(self, max_rate=10.0):
-        self.publisher = None
+    def __init__(self, max_rate: float = 10.0) -> None:
+        self.publisher: Publisher | None = None
         self.min_interval = 1.0 / max_rate
         self.rank = 0
-        self.trace = None       # the runtime's Trace, set by init(): comm figures come from it
+        self.trace: Trace | None = None  # the runtime's Trace, set by init(): comm figures come from it
         self.reset()
 
     def reset(self) -> None:
@@ -141,7 +144,7 @@ class Reporter:
                 and time.perf_counter() - self.last_publish >= self.min_interval):
             self.publish()
 
-    def publish(self, final=False):
+    def publish(self, final: bool = False) -> None:
         """Send a snapshot now (the throttle is the caller's business)."""
         if self.publisher is None:
             self.pending.clear()
@@ -247,17 +250,17 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
     reporter.log(step, **metrics)
 
 
-def track(iterable, desc=None, total=None):
+def track(iterable: Iterable[_T], desc: str | None = None, total: int | float | None = None) -> Iterator[_T]:
     """Iterate while reporting progress: ``for batch in ring.track(loader, desc="epoch 1")``."""
     return reporter.track(iterable, desc, total)
 
 
-def set_publisher(publisher, max_rate=10.0):
+def set_publisher(publisher: Publisher | None, max_rate: float = 10.0) -> None:
     """Install (or, with None, remove) the function that receives snapshots, ≤ ``max_rate``/s."""
     reporter.publisher = publisher
     reporter.min_interval = 1.0 / max_rate
 
 
-def flush():
+def flush() -> None:
     """Publish the latest state now (the front end calls it when a cell ends)."""
     reporter.flush()

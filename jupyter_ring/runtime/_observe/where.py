@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 __all__ = ["WHERE_SIGNAL", "Doing", "Frame", "ThreadStack", "Activity", "activity", "doing", "arm",
            "disarm", "stack_path", "doing_path", "read_doing", "parse_stacks"]
@@ -57,7 +57,7 @@ class Doing(NamedTuple):
     kind: str = ""
     name: str = ""
     since: float = 0.0
-    waiting_for: tuple = ()
+    waiting_for: tuple[int, ...] = ()
     waiting_since: float = 0.0
     pid: int = 0
     main_thread: int = 0
@@ -81,15 +81,16 @@ class Activity:
     ``end``; each is one record copy into the map when armed, a few attribute stores when not.
     """
 
-    def __init__(self):
-        self.kind = ""
-        self.name = ""
+    def __init__(self) -> None:
+        # None right after arm(): the new map holds no text yet, the next begin writes it
+        self.kind: str | None = ""
+        self.name: str | None = ""
         self.since = 0.0
-        self.waiting_for = ()
+        self.waiting_for: tuple[int, ...] = ()
         self.waiting_since = 0.0
-        self._map = None
+        self._map: mmap.mmap | None = None
         self._seq = 0
-        self._stacks = None   # the file faulthandler writes to (it must stay open)
+        self._stacks: IO[bytes] | None = None  # the file faulthandler writes to (it must stay open)
         self._main = threading.main_thread().ident or 0
         self._pid = os.getpid()
 
@@ -127,20 +128,22 @@ class Activity:
             if self._map is not None:
                 self._stamp()
 
-    def _stamp(self):
+    def _stamp(self) -> None:
         # written last: a reader compares two reads of the record to skip a torn one
         self._seq += 1
-        _TIMES.pack_into(self._map, 0, self._seq, self.since, self.waiting_since)
+        if self._map is not None:  # (the callers check: only an armed record is stamped)
+            _TIMES.pack_into(self._map, 0, self._seq, self.since, self.waiting_since)
 
-    def doing(self):
+    def doing(self) -> Doing:
         """The :class:`Doing` record of this process, now."""
         if not self.since:
             return Doing("running", pid=self._pid, main_thread=self._main)
-        return Doing("waiting" if self.waiting_for else "collective", self.kind, self.name,
+        # kind and name are str while since is set (None only between arm() and the next begin)
+        return Doing("waiting" if self.waiting_for else "collective", self.kind or "", self.name or "",
                      self.since, self.waiting_for, self.waiting_since, self._pid, self._main)
 
     # ------------------------------------------------------------------ arming
-    def arm(self, directory, rank):
+    def arm(self, directory: str, rank: int) -> None:
         """Mirror the record into ``directory/rank<r>.doing`` and dump every thread's stack into
         ``directory/rank<r>.stacks`` on ``WHERE_SIGNAL``. Files are created owner-only."""
         self.disarm()
@@ -157,7 +160,7 @@ class Activity:
         self.waiting_for, waiting = (), self.waiting_for
         self.kind = self.name = None  # the new map holds no text yet: the next begin writes it
         if since:  # armed mid-collective: write what is known
-            self.begin(kind, name)
+            self.begin(kind or "", name or "")  # str: since is set
             self.since = since
             self.waiting(waiting)
         self._stamp()
@@ -167,7 +170,8 @@ class Activity:
         # chain=False: the default action of SIGUSR2 (terminate) must never run
         faulthandler.register(WHERE_SIGNAL, file=self._stacks, all_threads=True, chain=False)
 
-    def disarm(self):
+    def disarm(self) -> None:
+        """Stop mirroring the record and dumping stacks on ``WHERE_SIGNAL`` (files stay)."""
         if self._stacks is not None:
             faulthandler.unregister(WHERE_SIGNAL)
             self._stacks.close()
@@ -182,18 +186,19 @@ class Activity:
 activity = Activity()
 
 
-def doing():
+def doing() -> Doing:
     """What this rank is doing now (a :class:`Doing`): the runtime's collective in progress and the
     ranks it waits on, or ``running``."""
     return activity.doing()
 
 
-def arm(directory, rank):
+def arm(directory: str, rank: int) -> None:
     """Make this rank's stacks and :func:`doing` readable from outside (see :class:`Activity`)."""
     activity.arm(directory, rank)
 
 
-def disarm():
+def disarm() -> None:
+    """Undo :func:`arm`."""
     activity.disarm()
 
 
