@@ -102,6 +102,11 @@ def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_befor
     assert "died (engine process exited)" in early and not says_how(early)
     assert not says_how(describe_death([0, 1], rows, [10, 11], ""))  # no nanny line yet
     assert says_how(message)
+    # another process's log line glued to the keeper's (seen when the keeper printed in two
+    # writes): the signal's name alone is read
+    glued = output.replace("Segmentation fault\n", "Segmentation fault2026-11-29 18:58:44.654 "
+                           "[KernelNanny.1] Parent 26143 exited with status None.\n")
+    assert describe_death([1], rows, [10, 11], glued, fix="Replaced.") == message
 
 
 def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):

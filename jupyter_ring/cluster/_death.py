@@ -47,7 +47,9 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
 
 
 # a rank's keeper (engines._keeper.KEEPER_LINE): "jupyter_ring keeper: rank 1 engine 4242 signaled with Killed"
-_KEEPER = r"jupyter_ring keeper: rank (\S+) engine {pid} signaled with (.+)"
+# The signal's name only (strsignal: "Killed", "Segmentation fault", "Real-time signal 34"): text
+# another process wrote into the same line (the keeper writes its line in one write) is left out.
+_KEEPER = r"jupyter_ring keeper: rank (\S+) engine {pid} signaled with ([A-Za-z-]+(?: [a-z]+)*(?: \d+)?)"
 
 
 def died_starting(output: str) -> str:
