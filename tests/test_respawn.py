@@ -107,6 +107,13 @@ def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_befor
     glued = output.replace("Segmentation fault\n", "Segmentation fault2026-11-29 18:58:44.654 "
                            "[KernelNanny.1] Parent 26143 exited with status None.\n")
     assert describe_death([1], rows, [10, 11], glued, fix="Replaced.") == message
+    # the keeper's line before any nanny's (the nanny logs the death later under load): it
+    # alone names the rank (by its engine's pid) and the signal
+    keeper_only = "jupyter_ring keeper: rank 0 engine 201 signaled with Killed\n"
+    assert describe_death([1], rows, [10, 11], keeper_only, fix="Replaced.") == \
+        "rank 1 @ h died (signal: Killed). Replaced."
+    # an earlier engine's keeper line (pid 150, replaced since) names no rank of today's
+    assert not says_how(describe_death([1], rows, [10, 11], output.split("[KernelNanny.11]")[0]))
 
 
 def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):

@@ -80,7 +80,7 @@ def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, s
     nannies = (int(m.group(1)) for m in re.finditer(r"\[KernelNanny\.(\d+)\] Pipe closed, parent", output))
     eid = next((e for e in nannies if e in eid_rank), None)
     if eid is None:
-        return None
+        return _first_keepers_line(output, eid_rank.values(), hosts, pids)
     rank = eid_rank[eid]
     keeper = re.search(_KEEPER.format(pid=pids.get(rank, -1)), output)
     if keeper:
@@ -91,3 +91,16 @@ def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, s
     how = (exit_string.group(1).strip() if exit_string
            else f"signal: {gforker.group(1)}" if gforker else "engine process exited")
     return rank, hosts.get(rank, "?"), how
+
+
+def _first_keepers_line(output: str, ranks: Iterable[int], hosts: Mapping[int, str],
+                        pids: Mapping[int, int]) -> tuple[int, str, str] | None:
+    """``(rank, host, how)`` from the first keeper's line naming the engine pid of one of
+    ``ranks``: a keeper writes its line as soon as its engine is gone, and under load the nanny's
+    log of the same death can come seconds later."""
+    rank_of_pid = {pids[r]: r for r in ranks if r in pids}
+    for line in re.finditer(_KEEPER.format(pid=r"(\d+)"), output):
+        rank = rank_of_pid.get(int(line.group(2)))
+        if rank is not None:
+            return rank, hosts.get(rank, "?"), f"signal: {line.group(3).strip()}"
+    return None
