@@ -12,9 +12,10 @@ Built on the replacement in place (``_respawn``, ``engines._respawn``); the rank
   shut down (an engine that asked to end exits 0 and its keeper with it, so gforker ends no one)
   and every process of theirs is waited for, then killed if it outlives the bound; the shared-memory
   segments that no live rank maps are removed.
-- Either way, every rank of the new world then gets torchrun's environment for the new size and
-  loses torch.distributed's groups of the old world (``engines._scale.retorch``; the default group
-  is made again where ``--torch-distributed`` made it). Process sets are the user's to add again,
+- Either way, every rank of the new world then loses torch.distributed's groups of the old world,
+  rank 0 serves a new rendezvous store (the old one holds the old groups' keys, which a new
+  ``init_process_group`` would read) and every rank gets torchrun's environment for the new size;
+  the default group is made again where ``--torch-distributed`` made it (``engines._scale``). Process sets are the user's to add again,
   as after a replacement.
 
 Refused (:class:`ScaleRefused`, nothing changed): fewer than 1 rank, the size it has, outside
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import psutil
 
@@ -35,7 +36,7 @@ from ..engines._setup import RankRow
 from ..errors import ClusterError
 from ._plan import torchrun_environment
 from ._procs import kill_processes, process_trees, remove_shm_files, shm_files, wait_exit
-from ._respawn import _busy, _everywhere, _names, replace_ranks
+from ._respawn import _busy, _everywhere, _names, _result, replace_ranks
 
 if TYPE_CHECKING:
     from ._ring import RingCluster
@@ -214,21 +215,26 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 
 def _retorch(cluster: RingCluster) -> list[str]:
-    """torchrun's environment for the new size on every rank, torch.distributed's groups of the
-    old world dropped (``engines._scale.retorch``); the notes of the ranks that had some."""
+    """torch.distributed for the new world (``engines._scale``): the old world's groups dropped
+    on every rank, a new rendezvous store on rank 0, torchrun's environment for the new size on
+    every rank (the default group made again with ``--torch-distributed``). The notes of the
+    ranks that had groups of their own."""
     from ..engines import _scale
 
     if cluster.rendezvous is None:
         return []
-    client = cluster._running_client
+    client, ids, timeout = cluster._running_client, cluster.engine_ids, cluster.setup_timeout
+    ours = cluster.torch_backend is not None
+    notes = _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.drop_torch, ours),
+                        timeout, "dropping torch.distributed's groups")
+    address = cluster.rendezvous[0]
+    cluster.rendezvous = address, port = cast("tuple[str, int]", _result(
+        client[ids[0]].apply_async(_scale.rendezvous, address), timeout, "torch.distributed's rendezvous"))
     hosts = [row["host"] for row in cluster.ranks]
-    address, port = cluster.rendezvous
     run_id = cluster._running_cluster.cluster_id
-    envs = {eid: torchrun_environment(rank, hosts, address, port, run_id)
-            for rank, eid in enumerate(cluster.engine_ids)}
-    notes = _everywhere(client, cluster.engine_ids,
-                        lambda eid: client[eid].apply_async(_scale.retorch, envs[eid], cluster.torch_backend),
-                        cluster.setup_timeout, "torch.distributed's new world")
+    envs = {eid: torchrun_environment(rank, hosts, address, port, run_id) for rank, eid in enumerate(ids)}
+    _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.retorch, envs[eid], cluster.torch_backend),
+                timeout, "torch.distributed's new world")
     return sorted({str(note) for note in notes if note})
 
 

@@ -148,3 +148,63 @@ def test_start_checks_the_scale_bounds(line, says):
     words = line.split()[1:]
     with pytest.raises(UsageError, match=re.escape(says)):
         RingMagics(shell=None).commands.start(RING_PARSER.parse_args(words), words)
+
+
+
+TORCH = """%%distributed
+import os, sys, torch, torch.distributed as dist
+import jupyter_ring.runtime.torch as hvd
+_d = lambda q: torch.from_numpy(np.random.default_rng(7 * ring.size() + q).integers(-99, 99, 1013)).double()
+_want = sum(_d(q) for q in range(ring.size()))
+_h = hvd.allreduce(_d(ring.rank()), op=hvd.Sum, name='torch_{tag}')
+_t = _d(ring.rank())
+if dist.is_initialized():
+    dist.all_reduce(_t)
+else:
+    _t = _want
+# the ring's allreduce of a CPU tensor went through the device transport (gloo)
+_through = sys.modules['jupyter_ring.runtime._device.transport']._holder.transport is not None
+print(os.environ['WORLD_SIZE'], dist.get_world_size() if dist.is_initialized() else '-', _through,
+      bool(torch.equal(_t, _want)), bool(torch.equal(_h, _want)))
+"""
+
+
+@pytest.mark.parametrize("default_group", [True, False], ids=["torch-distributed", "own-device-group"])
+def test_scale_remakes_torch_distributed_and_the_device_transport_for_the_new_world(default_group):
+    """The device transport over gloo (a CPU tensor goes through it), over the default group of
+    ``--torch-distributed`` or over a group of its own: after a grow and after a shrink,
+    torchrun's environment and the group are the new world's, the collectives exact on every rank."""
+    start = "%ring start -n 2" + (" --torch-distributed" if default_group else "")
+    with ring_kernel(2, start=start, env={"JUPYTER_RING_DEVICE_TRANSPORT": "gloo"}) as kernel:
+        def check(size, tag, group=default_group):
+            out = kernel.ok(TORCH.format(tag=tag), timeout=120)
+            want = f"{size} {size if group else '-'} True True True"
+            assert all(rank_lines(out, r) == [want] for r in range(size)), out
+            assert rank_lines(out, size) == [], out
+
+        kernel.ok("%%distributed\nimport numpy as np")
+        check(2, "start")
+        old = cluster_pids(kernel)
+        kernel.ok("%ring scale 3", timeout=120)
+        kernel.ok("%%distributed --ranks 2\nimport numpy as np")
+        check(3, "grown")
+        grown = cluster_pids(kernel)
+        kernel.ok("%ring scale 2", timeout=120)
+        check(2, "shrunk")
+        if not default_group:
+            # the user's own group, made in a cell, is dropped by the next resize (the notebook
+            # says so); made again, it is the new world's (a new rendezvous store: no stale keys)
+            init = "%%distributed\ndist.init_process_group('gloo')\nprint(dist.get_world_size())"
+            out = kernel.ok(init, timeout=120)
+            assert rank_lines(out, 0) == rank_lines(out, 1) == ["2"], out
+            out = kernel.ok("%ring scale 3", timeout=120)
+            assert "torch.distributed process group '0' (gloo) belonged to the world before" in out, out
+            assert "call dist.init_process_group() (and new_group) again" in out, out
+            kernel.ok("%%distributed --ranks 2\nimport numpy as np, torch.distributed as dist")
+            out = kernel.ok(init, timeout=120)
+            assert all(rank_lines(out, r) == ["3"] for r in range(3)), out
+            check(3, "user_group", group=True)
+            grown = sorted(set(grown) | set(cluster_pids(kernel)))
+        kernel.ok("%ring stop", timeout=60)
+        left = alive(set(old) | set(grown))
+        assert left == [], [p.cmdline() for p in left]
