@@ -62,6 +62,7 @@ def test_scale_grows_and_shrinks_a_live_cluster_keeping_the_ranks_variables():
         out = kernel.ok("%ring scale 4")
         assert "Scaled 2 -> 4 ranks" in out and "rank(s) 2, 3 are new" in out, out
         assert "%ring sync NAME [NAME ...] --from 0" in out and "rank(s) 0, 1 kept" in out, out
+        assert "no dashboard" not in out, out
         # every rank: the new size, an exact allreduce at a prime length not divisible by 4;
         # the new ranks lack `kept`
         assert exact(kernel, 4, "grown", 1009) == {0: True, 1: True, 2: False, 3: False}
@@ -81,7 +82,7 @@ def test_scale_grows_and_shrinks_a_live_cluster_keeping_the_ranks_variables():
 
         out = kernel.ok("%ring scale 3")
         assert "Scaled 4 -> 3 ranks" in out and "rank(s) 3 stopped" in out, out
-        assert "killed" not in out, out
+        assert "killed" not in out and "no dashboard" not in out, out
         # rank 3's engine, nanny and keeper are gone (gforker ended no one: ranks 0-2 live on)
         assert alive(gone) == [], [p.cmdline() for p in alive(gone)]
         now = rank_pids(kernel)
