@@ -209,3 +209,24 @@ def test_scale_remakes_torch_distributed_and_the_device_transport_for_the_new_wo
         kernel.ok("%ring stop", timeout=60)
         left = alive(set(old) | set(grown))
         assert left == [], [p.cmdline() for p in left]
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"hosts": ["a:2", "b:2"]}, "one-host only for now"),
+    ({"hosts": ["a", "b"], "launcher": "ssh"}, "one-host only for now"),
+    ({"launcher": "slurm", "nodes": 2, "ntasks_per_node": 2}, "one-host only for now"),
+    ({"max_restarts": 0}, "without keepers (--max-restarts 0"),
+])
+def test_scale_refuses_a_multihost_or_keeperless_plan_before_touching_anything(options, says):
+    """The plan a multi-host (Hydra, ssh, Slurm) or ``--max-restarts 0`` cluster starts with
+    (``LaunchPlan`` on a machine whose facts are given, test_plan.py's): refused by the plan alone."""
+    from test_plan import Given
+
+    from jupyter_ring.cluster import RingCluster
+    from jupyter_ring.cluster._scale import ScaleRefused, check_scale
+
+    cluster = RingCluster(n=4, **options)
+    facts = {"allocation": ("a", "b"), "slurm_nodes": ("a", "b")} if "launcher" in options else {}
+    cluster.plan_used, cluster.size = cluster.plan(Given(**facts)), 4
+    with pytest.raises(ScaleRefused, match=re.escape(says)):
+        check_scale(cluster, 6)
