@@ -20,7 +20,8 @@ Built on the replacement in place (``_respawn``, ``engines._respawn``); the rank
 
 Refused (:class:`ScaleRefused`, nothing changed): fewer than 1 rank, the size it has, outside
 ``--min-ranks``/``--max-ranks``, a multi-host cluster (one host only for now), a cluster without
-keepers (``--max-restarts 0``), one whose replacement failed, and while a cell runs on any rank.
+keepers (``--max-restarts 0``), one whose replacement failed, one with a dead rank, and while a
+cell runs on any rank.
 A step that fails raises :class:`~jupyter_ring.errors.ClusterError`; ``%ring restart`` is the way on.
 """
 
@@ -107,6 +108,10 @@ def check_scale(cluster: RingCluster, n: int) -> None:
         raise ScaleRefused(f"{n} is above --max-ranks {cluster.max_ranks} (set by %ring start): "
                            f"scale to {cluster.max_ranks} or fewer, or start the cluster again "
                            f"with a higher --max-ranks")
+    dead = cluster.dead_ranks()
+    if dead:  # (%ring scale replaces them first, where it can: _alive_cluster)
+        raise ScaleRefused(f"rank(s) {_names(dead)} are dead: run a cell to have them replaced in "
+                           "place, or %ring restart, then scale")
     client = cluster._running_client
     busy = [r for r, eid in enumerate(cluster.engine_ids) if _busy(client, eid)]
     if busy:

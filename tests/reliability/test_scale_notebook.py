@@ -230,3 +230,24 @@ def test_scale_refuses_a_multihost_or_keeperless_plan_before_touching_anything(o
     cluster.plan_used, cluster.size = cluster.plan(Given(**facts)), 4
     with pytest.raises(ScaleRefused, match=re.escape(says)):
         check_scale(cluster, 6)
+
+
+def test_scale_refuses_while_a_rank_is_dead():
+    """``RingCluster.scale`` called with a dead rank (the magic replaces it first, where it can):
+    refused naming the rank and the way on; the survivor is untouched."""
+    import signal
+    import time
+
+    from jupyter_ring.cluster import RingCluster
+    from jupyter_ring.cluster._scale import ScaleRefused
+
+    with RingCluster(n=2, gpus="none") as cluster:
+        cluster.view.execute("kept = 41", block=True)
+        os.kill(cluster.ranks[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not cluster.dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ScaleRefused, match=r"rank\(s\) 1 are dead: run a cell .* or %ring restart"):
+            cluster.scale(3)
+        assert cluster.size == 2
+        assert cluster.client[cluster.engine_ids[0]].pull("kept", block=True) == 41
