@@ -86,7 +86,10 @@ def rendezvous(master_addr: str) -> tuple[str, int]:
     from . import _torch
 
     old = _torch._holder.listener
-    address, port = _torch.reserve(ring, master_addr)
+    reserved = _torch.reserve(ring, master_addr)
+    if reserved is None:  # (only rank 0 reserves: the kernel asks rank 0)
+        raise RuntimeError("rendezvous() runs on rank 0 of the new world")
+    address, port = reserved
     guard = _torch._holder.guard
     if guard is not None:
         guard.listener = _torch._holder.listener
