@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 from ._held_cluster import HeldCluster, connected_client, connected_view
 from ._ring_parser import RING_PARSER
 from .cluster import RingCluster, format_table
+from .cluster._scale import ScaleRefused, scale_bounds, scaled_note
 from .errors import _ename
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class RingCommands:
                 raise UsageError(f"%ring start --max-restarts {args.max_restarts}: 0 (never "
                                  "replace a dead rank) or more")
             options["max_restarts"] = args.max_restarts
+        try:
+            options.update(scale_bounds(args.n, args.min_ranks, args.max_ranks, "%ring start"))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         cluster = RingCluster(parent=self.magics, n=args.n, gpus=args.gpus, launcher=args.launcher,
                               hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip,
                               nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
@@ -188,6 +193,17 @@ class RingCommands:
         if self.held.cluster is not None:
             self.held.cluster.stop()
         self.start(RING_PARSER.parse_args(start_argv), start_argv)
+
+    def scale(self, args: argparse.Namespace, argv: list[str]) -> None:
+        """``%ring scale N``: the live cluster grown or shrunk to N ranks (``cluster._scale``)."""
+        cluster = self.held.alive()
+        try:
+            done = cluster.scale(args.n)
+        except ScaleRefused as exc:
+            raise UsageError(f"%ring scale {args.n}: {exc}") from None
+        if done.added:
+            self.held.new_rank_dashboard(cluster, done.added)
+        print(scaled_note(done))
 
     def auto(self, args: argparse.Namespace, argv: list[str]) -> None:
         """``%ring auto [on|off]``: every following cell on the ranks, or not; says which."""

@@ -68,7 +68,7 @@ def ring_parser() -> RingArgumentParser:
                                   description="Start, inspect and stop the cluster of ranks.")
     sub = parser.add_subparsers(
         dest="command",
-        metavar="{start,status,where,timeline,stop,restart,sync,push,pull,auto,debug,pdb,debugpy}")
+        metavar="{start,status,where,timeline,stop,restart,scale,sync,push,pull,auto,debug,pdb,debugpy}")
     _start_parser(sub)
     _state_parsers(sub)
     _variable_parsers(sub)
@@ -107,13 +107,17 @@ def _start_parser(sub: "argparse._SubParsersAction[RingArgumentParser]") -> None
     start.add_argument("--max-restarts", type=int, default=None,
                        help="how many dead ranks are replaced in place, the others keeping their "
                             "variables (default 3; 0: a dead rank ends the job, %%ring restart)")
+    start.add_argument("--min-ranks", type=int, default=None,
+                       help="the fewest ranks %%ring scale may leave (default 1)")
+    start.add_argument("--max-ranks", type=int, default=None,
+                       help="the most ranks %%ring scale may make (default: no bound)")
     start.add_argument("--torch-distributed", action="store_true", default=None,
                        help="also initialise torch.distributed's default process group on "
                             "every rank (gloo; NCCL where every rank has a GPU)")
 
 
 def _state_parsers(sub: "argparse._SubParsersAction[RingArgumentParser]") -> None:
-    """The cluster's state: ``%ring status``, ``timeline``, ``stop``, ``where``, ``restart``."""
+    """The cluster's state: ``%ring status``, ``timeline``, ``stop``, ``where``, ``restart``, ``scale``."""
     sub.add_parser("status", add_help=False, help="show the ranks and whether they are alive")
     timeline = sub.add_parser("timeline", add_help=False,
                               help="draw every rank's recent collectives (a track per rank)")
@@ -128,6 +132,10 @@ def _state_parsers(sub: "argparse._SubParsersAction[RingArgumentParser]") -> Non
     where.add_argument("--timeout", type=float, default=3.0,
                        help="seconds to wait for each rank's dump (default 3)")
     sub.add_parser("restart", add_help=False, help="stop, then start with the same arguments")
+    scale = sub.add_parser("scale", add_help=False,
+                           help="grow or shrink the live cluster to N ranks, the ranks that stay "
+                                "keeping their variables (one host)")
+    scale.add_argument("n", type=int, metavar="N", help="the new number of ranks")
 
 
 def _variable_parsers(sub: "argparse._SubParsersAction[RingArgumentParser]") -> None:

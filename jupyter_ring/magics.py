@@ -116,11 +116,13 @@ class RingMagics(Magics):
                        --partition P --time T]   # the last four with --launcher slurm
                        [--torch-distributed]     # also init torch.distributed's default group
                        [--max-restarts N]        # dead ranks replaced in place (default 3; 0: off)
+                       [--min-ranks A] [--max-ranks B]  # bounds of %ring scale (default 1, none)
             %ring status
             %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
             %ring timeline [--last S]    # every rank's collectives of the last S s, drawn
             %ring stop
             %ring restart            # stop, then start with the same arguments
+            %ring scale N            # grow or shrink to N ranks; the ranks that stay keep their variables
             %ring sync NAME [NAME ...] [--from R]  # to ranks that lack them (a replaced rank)
             %ring push NAME [NAME ...]
             %ring pull NAME [--rank R | --all]
@@ -157,7 +159,7 @@ class RingMagics(Magics):
         argv = shlex.split(line)
         if not argv:
             raise UsageError("%ring needs a subcommand: start, status, where, timeline, stop, restart, "
-                             "sync, push, pull, auto, debug, pdb or debugpy (see %ring?)")
+                             "scale, sync, push, pull, auto, debug, pdb or debugpy (see %ring?)")
         args = RING_PARSER.parse_args(argv)
         getattr(self.commands, args.command)(args, argv)
 

@@ -31,6 +31,7 @@ from ._procs import (Watchdog, cluster_file_patterns, kill_processes, live_proce
                      process_trees, remove_files, remove_shm_files, shm_files,
                      sweep_mpich_segments, wait_exit)
 from ._respawn import Replacement, elastic_survivors, replace_ranks
+from ._scale import Scaled, scale
 from ._sidecar import (RankProgress, SidecarRow, mark_stopping, read_sidecar, remove_sidecar,
                        write_sidecar)
 from ._signals import interrupt_cells, signal_engines
@@ -146,6 +147,10 @@ class RingCluster(LoggingConfigurable):
                                 "rank ends the job and %ring restart starts every rank afresh. "
                                 "One-host clusters (gforker) only; elsewhere a dead rank ends "
                                 "the job.")
+    min_ranks = Integer(1, config=True,
+                        help="The fewest ranks %ring scale may leave (Horovod's --min-np).")
+    max_ranks = Integer(None, allow_none=True, config=True,
+                        help="The most ranks %ring scale may make (Horovod's --max-np); None: no bound.")
     torch_distributed = Bool(False, config=True,
                              help="Also initialise torch.distributed's default process group on "
                                   "every rank at start (gloo on CPU ranks, NCCL where every rank "
@@ -347,6 +352,11 @@ class RingCluster(LoggingConfigurable):
         self._watch()
         self._write_sidecar()
         return done
+
+    def scale(self, n: int) -> Scaled:
+        """Grow or shrink the live cluster to ``n`` ranks between cells, the ranks that stay
+        keeping their namespaces (``_scale.scale``); ``ScaleRefused`` when it cannot."""
+        return scale(self, n, _SETUP_CODE)
 
     def elastic_survivors(self, dead: Iterable[int]) -> bool:
         """Whether every rank but the ``dead`` is inside ``elastic.run`` now."""

@@ -65,7 +65,8 @@ def leave(dead: Sequence[int]) -> str | None:
     old = world()
     old.Set_errhandler(MPI.ERRORS_RETURN)  # a dead peer is an error to report, not an abort
     group = old.Get_group()
-    survivors_group = group.Excl(sorted(set(dead)))
+    # (a growing world passes its new ranks' numbers, beyond the old world: nothing to exclude)
+    survivors_group = group.Excl([r for r in sorted(set(dead)) if r < group.Get_size()])
     group.Free()
     _state.survivors = old.Create_group(survivors_group)
     survivors_group.Free()
