@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import algorithms
-from .core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
+from .core import Runtime
+from .wire import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, reducer
 
 from .errors import RingError
 
@@ -118,7 +119,7 @@ def _own_terms(buf: Array, sources: Sequence[Source], starts: Sequence[int], lo:
 def reduce_plan(rt: Runtime, dtype: np.dtype[Any], op: int, prescale: float, postscale: float, where: str,
                 serial: int = 0) -> ReducePlan:
     """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
-    fn = _reducer(op, dtype)
+    fn = reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
     # the scale as a scalar of the tensor's dtype: the hot path multiplies without converting
     return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor, serial,
@@ -220,7 +221,7 @@ def allreduce(rt: Runtime, members: Sequence[Member], plan: ReducePlan, name: st
     start = time.perf_counter()
     dtype = plan.dtype
     single = len(members) == 1
-    if sources is not None and (not single or rt.fits_eager(members[0].src.nbytes)):
+    if sources is not None and (not single or rt.headers.fits_eager(members[0].src.nbytes)):
         _fill(members[0].src, sources)
         sources = None
     src: Flat | Array
@@ -268,17 +269,17 @@ def eager_one(rt: Runtime, src: Array, dst: Array | None, plan: ReducePlan, name
     start = time.perf_counter()
     dtype = plan.dtype
     total = src.size
-    payload = rt.payload_view(dtype, total)
+    payload = rt.headers.payload_view(dtype, total)
     if plan.scale_pre != 1.0:
         np.multiply(src, dtype.type(plan.scale_pre), out=payload)
     else:
         np.copyto(payload, src)
-    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=nbytes, own=own)
+    rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=nbytes, own=own)
     agreed = time.perf_counter()
     if dst is None:
         dst = np.empty(total, dtype)
     me = rt.rank
-    _reduce_into(dst, [payload if q == me else rt.peer_payload(q, dtype, total) for q in rt.participants],
+    _reduce_into(dst, [payload if q == me else rt.headers.peer_payload(q, dtype, total) for q in rt.participants],
                  plan, rt.joined)
     rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)}, "eager")
     return dst
@@ -332,14 +333,14 @@ class Lane:
             self.payload[...] = tensor
         else:
             np.multiply(tensor, self.pre, out=self.payload)
-        peers = rt.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)  # type: ignore[arg-type]  # a lane is run with its exchange
+        peers = rt.agreement.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)  # type: ignore[arg-type]  # a lane is run with its exchange
         agreed = time.perf_counter()
         out = tensor if in_place else np.empty(self.shape, plan.dtype)
         if peers is None:
             terms = self.terms
         else:  # a peer's join notice came instead of its header: it is left out from now on
             me, dtype, count, shape = rt.rank, plan.dtype, self.payload.size, self.shape
-            terms = [self.payload if q == me else rt.peer_payload(q, dtype, count).reshape(shape)
+            terms = [self.payload if q == me else rt.headers.peer_payload(q, dtype, count).reshape(shape)
                      for q in rt.participants]
         _reduce_into(out, terms, plan, rt.joined)
         rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)},
@@ -353,11 +354,11 @@ class Lane:
         self._wire(rt, self.prepared.agreement)  # type: ignore[union-attr]
 
     def _wire(self, rt: Runtime, own: bytes) -> None:
-        prepared = rt.prepare(own, self.nbytes)
+        prepared = rt.agreement.prepare(own, self.nbytes)
         if prepared is not None:
             dtype, count, shape = self.plan.dtype, int(np.prod(self.shape, dtype=np.int64)), self.shape
-            self.payload = rt.payload_view(dtype, count).reshape(shape)
-            self.terms = [self.payload if q == rt.rank else rt.peer_payload(q, dtype, count).reshape(shape)
+            self.payload = rt.headers.payload_view(dtype, count).reshape(shape)
+            self.terms = [self.payload if q == rt.rank else rt.headers.peer_payload(q, dtype, count).reshape(shape)
                           for q in rt.participants]
             self.prepared = prepared
 
@@ -379,7 +380,7 @@ def prepare_lane(rt: Runtime | None, entry: Reduce, op: object, average: object,
                 None, None,  # type: ignore[arg-type]  # (payload, terms: set by _wire with prepared)
                 entry.src.nbytes, pre)
     if rt is not None:
-        lane._wire(rt, rt.agreement("allreduce", dtype, plan.op, -1, entry.src.size, desc))
+        lane._wire(rt, rt.agreement.own("allreduce", dtype, plan.op, -1, entry.src.size, desc))
     return lane
 
 
@@ -415,7 +416,7 @@ class GatherLane:
         prepared exchange, one concatenation. Returns (output, every rank's dim 0)."""
         start = time.perf_counter()
         self.payload[...] = arr
-        peers = rt.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
+        peers = rt.agreement.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
         if peers is None:
             out = np.empty(self.out_shape, self.dtype)
             np.concatenate(self.terms, out=out)  # type: ignore[arg-type]  # (none is None: expected headers came)
@@ -433,10 +434,10 @@ class GatherLane:
 
     def _wire(self, rt: Runtime, own: bytes, rows: Sequence[int]) -> None:
         """Prepare the exchange (this rank sends its rows and payload) and expect ``rows``."""
-        prepared = rt.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
+        prepared = rt.agreement.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
         if prepared is not None and len(rows) == rt.size:
             self.prepared = prepared
-            self.payload = rt.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
+            self.payload = rt.headers.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
             self._expect(rt, rows)
 
     def _expect(self, rt: Runtime, rows: Sequence[int]) -> None:
@@ -448,15 +449,15 @@ class GatherLane:
         header = self.prepared.header
         sizes = {p: (rows[p], rows[p] * row_bytes) for p in rt.active}
         expected: tuple[bytes, ...] | None
-        expected = tuple(rt.peer_header(header, *sizes[p]) for p in rt.active)
-        if any(size > rt.eager_limit for _rows, size in sizes.values()):
+        expected = tuple(rt.agreement.peer_header(header, *sizes[p]) for p in rt.active)
+        if any(size > rt.headers.eager_limit for _rows, size in sizes.values()):
             expected = None  # never equal: the views below would not hold those rows
         # (Prepared.expected holds None too: its declaration in _core says tuple)
         self.prepared = self.prepared._replace(expected=expected)  # type: ignore[arg-type]
         self.rows = list(rows)
         self.terms = [self.payload if q == rt.rank else
-                      rt.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
-                          (rows[q],) + rest) if rows[q] * row_bytes <= rt.eager_limit else None
+                      rt.headers.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
+                          (rows[q],) + rest) if rows[q] * row_bytes <= rt.headers.eager_limit else None
                       for q in range(rt.size)]
         self.out_shape = (sum(rows),) + rest
 
@@ -474,7 +475,7 @@ def prepare_gather_lane(rt: Runtime, kind: str, arr: Array, rows: Sequence[int],
     lane = GatherLane(kind, arr.dtype, arr.shape, desc,
                       None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
                       np.ascontiguousarray(flat), [], [], ())
-    lane._wire(rt, rt.agreement(kind, arr.dtype, 0, -1, row_elems, desc), rows)
+    lane._wire(rt, rt.agreement.own(kind, arr.dtype, 0, -1, row_elems, desc), rows)
     return lane if lane.prepared is not None else None
 
 
@@ -504,7 +505,7 @@ class CastLane:
         is_root = rt.rank == self.root
         if is_root:
             self.payload[...] = arr
-        peers = rt.run_prepared(self.prepared, "broadcast", name, self.dtype, 0, self.root, self.desc)
+        peers = rt.agreement.run_prepared(self.prepared, "broadcast", name, self.dtype, 0, self.root, self.desc)
         out = arr if in_place else np.empty(self.shape, self.dtype)
         if is_root:
             if not in_place:
@@ -522,16 +523,16 @@ class CastLane:
 
     def _wire(self, rt: Runtime, own: bytes) -> None:
         root, nbytes = self.root, self.nbytes
-        if nbytes > rt.eager_limit:
+        if nbytes > rt.headers.eager_limit:
             return
         peers = {p: (0, nbytes if p == root else -1) for p in rt.active}
-        prepared = rt.prepare(own, nbytes if rt.rank == root else -1, peers=peers)
+        prepared = rt.agreement.prepare(own, nbytes if rt.rank == root else -1, peers=peers)
         if prepared is not None:
             count = int(np.prod(self.shape, dtype=np.int64))
             if rt.rank == root:
-                self.payload = rt.payload_view(self.dtype, count).reshape(self.shape)
+                self.payload = rt.headers.payload_view(self.dtype, count).reshape(self.shape)
             else:
-                self.payload = rt.peer_payload(root, self.dtype, count).reshape(self.shape)
+                self.payload = rt.headers.peer_payload(root, self.dtype, count).reshape(self.shape)
             self.prepared = prepared
 
 
@@ -543,7 +544,7 @@ def prepare_cast_lane(rt: Runtime, arr: Array, root_rank: int, root: int,
     lane = CastLane(arr.dtype, arr.shape, root_rank, root, desc,
                     None, None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
                     arr.nbytes)
-    lane._wire(rt, rt.agreement("broadcast", arr.dtype, 0, root, arr.size, desc))
+    lane._wire(rt, rt.agreement.own("broadcast", arr.dtype, 0, root, arr.size, desc))
     return lane if lane.prepared is not None else None
 
 
@@ -551,7 +552,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
            desc: LazyDesc, pending: int | None, own: bytes | None, start: float, phases: Phases) -> None:
     """Payloads inside the agreement message; every rank reduces them in rank order."""
     dtype = plan.dtype
-    payload = rt.payload_view(dtype, total)
+    payload = rt.headers.payload_view(dtype, total)
     if type(src) is Flat:
         if total:
             np.concatenate(src.arrays, out=payload)  # one C loop over the members
@@ -561,7 +562,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         np.multiply(src, dtype.type(plan.scale_pre), out=payload)
     else:
         np.copyto(payload, src)
-    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=total * dtype.itemsize,
+    rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=total * dtype.itemsize,
                  pending=pending, own=own)
     phases["negotiate"] = (start, time.perf_counter())
     # Reduce in rank order so every rank gets the same bits; our own input is read from the copy
@@ -569,7 +570,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     parts = rt.participants
     me = rt.rank
     out = dst if type(dst) is not Flat else rt.scratch(total * dtype.itemsize).view(dtype)
-    terms = [payload if q == me else rt.peer_payload(q, dtype, total) for q in parts]
+    terms = [payload if q == me else rt.headers.peer_payload(q, dtype, total) for q in parts]
     _reduce_into(out, terms, plan, rt.joined)
     if out is not dst:
         dst.write(0, total, out)  # type: ignore[union-attr]  # (out is a scratch copy when dst is a Flat)
@@ -624,7 +625,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     else:  # a Flat, or an array in registered memory reduced where it lies: not scaled yet
         prescaled = plan.scale_pre == 1.0
     offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0  # type: ignore[union-attr]  # shm: slots
-    peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
+    peers = rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
                          own=own, region=region)
     phases["negotiate"] = (start, time.perf_counter())
     registered = (region and len(rt.participants) > 1 and total and offer and all(peers[p].aux for p in peers)
@@ -733,7 +734,7 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
     what = f"allreduce '{name}' (ring, waiting on rank {left})"
     inflight: list[MPI.Request]
-    inflight = rt._inflight = []
+    inflight = rt.inflight = []
 
     def pieces(j: int) -> list[tuple[int, int]]:
         lo, hi = seg[j]
@@ -780,7 +781,7 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
         buf, base = halves[s % 2], seg[j][0]
         last = s == n - 2
         for req, a, b in reqs:
-            rt._wait([req], what, [left])
+            rt.waits.wait([req], what, [left])
             rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
             out = dst[a:b]
             fn(src[a:b], buf[a - base:b - base], out=out)
@@ -796,7 +797,7 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     t1 = time.perf_counter()
     phases["reduce_scatter"] = (t0, t1)
     if allgather and in_place:
-        rt._wait(seg_sends.get(j0, []), what, [right] * len(seg_sends.get(j0, [])))
+        rt.waits.wait(seg_sends.get(j0, []), what, [right] * len(seg_sends.get(j0, [])))
         ag_next = _post_ag(rt, dst, pieces, j0, left, inflight)
     if allgather:
         for s in range(n - 1):
@@ -804,17 +805,17 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
             if s + 1 < n - 1:
                 nj = (r - s - 2) % n
                 if seg_sends.get(nj):
-                    rt._wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
+                    rt.waits.wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
                 ag_next = _post_ag(rt, dst, pieces, nj, left, inflight)
             for req, a, b in reqs:
-                rt._wait([req], what, [left])
+                rt.waits.wait([req], what, [left])
                 if s < n - 2:
                     send(dst, a, b, TAG_AG, j)
             step_end = time.perf_counter()
             phases[f"allgather[{s}] seg {j} {hop}"] = (step_start, step_end)
             step_start = step_end
         phases["allgather"] = (t1, time.perf_counter())
-    rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
+    rt.waits.wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
 
 def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int, offers: dict[int, int],
@@ -951,7 +952,7 @@ def _sync(rt: Runtime, others: list[int], what: str) -> None:
     """Announce this rank's next shared-memory sync point and wait until ``others`` reach it."""
     slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
     value = slots.arrive(rt.gen)
-    rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
+    rt.waits.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
 
 
 def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Peers, name: str, phases: Phases,
@@ -1044,7 +1045,7 @@ def _post_ag(rt: Runtime, dst: Array, pieces: Callable[[int], list[tuple[int, in
 def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: str | None) -> Array:
     """Reduce over the ranks and keep this rank's block of dim 0 (Horovod's split)."""
     start = time.perf_counter()
-    fn = _reducer(op, arr.dtype)
+    fn = reducer(op, arr.dtype)
     _pre, postscale, divisor = _scale_of(rt, arr.dtype, op, 1.0, 1.0, f"reducescatter '{name}'")
     n, r = rt.size, rt.rank
     rows = arr.shape[0] if arr.ndim else 1
@@ -1052,9 +1053,9 @@ def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: st
     row_elems = int(np.prod(rest, dtype=np.int64))
     flat = arr.reshape(-1)
     bounds = _row_bounds(rows, row_elems, n)
-    eager = rt.fits_eager(flat.nbytes)
+    eager = rt.headers.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("reducescatter", name, flat.dtype, op, -1, flat.size, desc,
+    peers = rt.agreement.negotiate("reducescatter", name, flat.dtype, op, -1, flat.size, desc,
                          payload=_bytes(flat) if eager else None)
     lo, hi = bounds[r], bounds[r + 1]
     phases = {"negotiate": (start, time.perf_counter())}
@@ -1090,9 +1091,9 @@ def allgather(rt: Runtime, arr: Array, name: str, explicit_name: str | None,
     arr = np.ascontiguousarray(arr)
     rest = arr.shape[1:]
     row_elems = int(np.prod(rest, dtype=np.int64))
-    eager = rt.fits_eager(arr.nbytes)
+    eager = rt.headers.fits_eager(arr.nbytes)
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
+    peers = rt.agreement.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
                          payload=_bytes(arr.reshape(-1)) if eager else None)
     out, rows = _gathered(rt, arr, peers, eager, kind, name)
     rt.trace.record(kind, name, out.nbytes, start, time.perf_counter(), {})
@@ -1125,8 +1126,8 @@ def _gathered(rt: Runtime, arr: Array, peers: Peers, eager: bool, kind: str, nam
         for q in rt.peers:
             reqs.append(rt.comm.Isend(_bytes(arr.reshape(-1)), q, TAG_DATA))
             peer_of.append(q)
-    rt._inflight = reqs
-    rt._wait(reqs, f"{kind} '{name}'", peer_of)
+    rt.inflight = reqs
+    rt.waits.wait(reqs, f"{kind} '{name}'", peer_of)
     return out, [rows[q] for q in range(rt.size)]
 
 
@@ -1135,9 +1136,9 @@ def broadcast_into(rt: Runtime, arr: Array, out: Array, root: int, name: str, ex
     start = time.perf_counter()
     flat = arr.reshape(-1)
     is_root = rt.rank == root
-    eager = rt.fits_eager(flat.nbytes)
+    eager = rt.headers.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("broadcast", name, flat.dtype, 0, root, flat.size, desc,
+    peers = rt.agreement.negotiate("broadcast", name, flat.dtype, 0, root, flat.size, desc,
                          payload=_bytes(flat) if (is_root and eager) else None)
     oflat = out.reshape(-1)
     if is_root:
@@ -1145,14 +1146,14 @@ def broadcast_into(rt: Runtime, arr: Array, out: Array, root: int, name: str, ex
             oflat[...] = flat
         if not eager:
             reqs = [rt.comm.Isend(_bytes(flat), q, TAG_DATA) for q in rt.peers]
-            rt._inflight = reqs
-            rt._wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
+            rt.inflight = reqs
+            rt.waits.wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
     elif eager:
         oflat[...] = np.frombuffer(peers[root].payload, flat.dtype, flat.size)  # type: ignore[arg-type]  # eager: the root's payload
     else:
         req = rt.comm.Irecv(_bytes(oflat), root, TAG_DATA)
-        rt._inflight = [req]
-        rt._wait([req], f"broadcast '{name}' (waiting for root {root})", [root])
+        rt.inflight = [req]
+        rt.waits.wait([req], f"broadcast '{name}' (waiting for root {root})", [root])
     rt.trace.record("broadcast", name, flat.nbytes, start, time.perf_counter(), {})
     return out
 
@@ -1170,9 +1171,9 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
     flat = arr.reshape(-1)
     starts = np.cumsum([0] + splits) * row_elems
     blocks = {q: flat[int(starts[q]):int(starts[q + 1])] for q in range(n)}
-    per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
+    per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.headers.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate("alltoall", name, arr.dtype, 0, -1, row_elems, desc, per_peer=per_peer)
+    peers = rt.agreement.negotiate("alltoall", name, arr.dtype, 0, -1, row_elems, desc, per_peer=per_peer)
     received = [splits[q] if q == rt.rank else peers[q].aux for q in range(n)]
     offs = np.cumsum([0] + received) * row_elems
     out = np.empty((sum(received),) + rest, arr.dtype)
@@ -1193,8 +1194,8 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
         if per_peer[q][1] is None:
             reqs.append(rt.comm.Isend(_bytes(blocks[q]), q, TAG_DATA))
             peer_of.append(q)
-    rt._inflight = reqs
-    rt._wait(reqs, f"alltoall '{name}'", peer_of)
+    rt.inflight = reqs
+    rt.waits.wait(reqs, f"alltoall '{name}'", peer_of)
     rt.trace.record("alltoall", name, flat.nbytes, start, time.perf_counter(), {})
     return out, np.asarray(received, np.int32)
 
@@ -1202,7 +1203,7 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
 def barrier(rt: Runtime, name: str) -> None:
     """Return once every rank has arrived (interruptible)."""
     start = time.perf_counter()
-    rt.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
+    rt.agreement.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
     rt.trace.record("barrier", name, 0, start, time.perf_counter(), {})
 
 
@@ -1211,16 +1212,16 @@ def broadcast_object(rt: Runtime, data: npt.NDArray[np.uint8], root: int, name: 
     """Root's pickled ``data`` (uint8 array) unpickled on every other rank (root gets None)."""
     start = time.perf_counter()
     is_root = rt.rank == root
-    eager = is_root and rt.fits_eager(data.nbytes)
-    peers = rt.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
+    eager = is_root and rt.headers.fits_eager(data.nbytes)
+    peers = rt.agreement.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
                          aux=data.nbytes if is_root else 0, payload=data if eager else None)
     result = None
     if is_root:
         nbytes = data.nbytes
         if not eager:
             reqs = [rt.comm.Isend(data, q, TAG_DATA) for q in rt.peers]
-            rt._inflight = reqs
-            rt._wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
+            rt.inflight = reqs
+            rt.waits.wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
     else:
         nbytes, payload = peers[root].aux, peers[root].payload
         if payload is not None:
@@ -1228,8 +1229,8 @@ def broadcast_object(rt: Runtime, data: npt.NDArray[np.uint8], root: int, name: 
         else:
             buf = np.empty(nbytes, np.uint8)
             req = rt.comm.Irecv(buf, root, TAG_DATA)
-            rt._inflight = [req]
-            rt._wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
+            rt.inflight = [req]
+            rt.waits.wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
             raw = buf.tobytes()
         result = pickle.loads(raw)
     rt.trace.record("broadcast_object", name, nbytes, start, time.perf_counter(), {})

@@ -48,7 +48,9 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, final
 import numpy as np
 
 from . import collectives
-from .core import Abandoned, Disagree, Prepared, Recut, Replan, Restart, Runtime
+from .control import Abandoned, Disagree, Recut, Replan, Restart
+from .core import Runtime
+from .wire import Prepared
 from .._observe.debugger import hold
 from .errors import RingError, StallError
 from .._observe.report import reporter
@@ -400,7 +402,7 @@ class Engine:
             try:  # taken inside the try: an interrupt as it is taken must not leak it
                 if self.lock.take() and not self.queue:
                     redo: BaseException | None = None
-                    if lane.prepared is not None and lane.prepared.wiring == rt.wiring and not rt.resync_due():
+                    if lane.prepared is not None and lane.prepared.wiring == rt.headers.wiring and not rt.recovery.due():
                         rt.pending = 1
                         while True:
                             rt.negotiable = True
@@ -511,7 +513,7 @@ class Engine:
         background thread must not go on with tensors the caller is about to reuse.
         """
         self.waiting += 1
-        self.rt.nap = 0.0  # the caller only waits now: the background thread may spin
+        self.rt.waits.nap = 0.0  # the caller only waits now: the background thread may spin
         try:
             with self.done:
                 while handle not in self.results and self.lock.locked():
@@ -614,7 +616,7 @@ class Engine:
             self.flush_now = False
             if not self.lock.take():  # a caller runs the rounds itself
                 continue
-            self.rt.nap = 0.0 if self.waiting else _NAP
+            self.rt.waits.nap = 0.0 if self.waiting else _NAP
             try:
                 while self.queue and not self.closed:
                     try:
@@ -650,11 +652,11 @@ class Engine:
         if own is None:  # the response cache: a signature's agreement is packed once
             if len(self.agreements) > 4096:
                 self.agreements.clear()
-            own = self.agreements[key] = rt.agreement("allreduce", plan.dtype, plan.op, -1, src.size,
+            own = self.agreements[key] = rt.agreement.own("allreduce", plan.dtype, plan.op, -1, src.size,
                                                       entry.describe())
         body: Callable[..., collectives.Array]
         args: tuple[object, ...]
-        if src.nbytes <= rt.eager_limit:  # the payload rides in the agreement message
+        if src.nbytes <= rt.headers.eager_limit:  # the payload rides in the agreement message
             body, args = collectives.eager_one, (rt, src, entry.dst, plan, entry.name, entry.describe, own)
         else:
             body, args = collectives.allreduce_one, (rt, collectives.Member(src, entry.dst), plan, entry.name, entry.describe, own)
