@@ -1058,7 +1058,7 @@ def busy() -> bool:
     collective then waits on another thread (autograd's device thread running gradient hooks, a
     TF1 session's ops), which no KeyboardInterrupt reaches, and ``abandon_queued`` gives it up.
     """
-    return any(e.queue or e.callers or e.lock.locked() for e in _engines())
+    return any(e.queue.entries or e.callers or e.lock.locked() for e in _engines())
 
 
 def _engines() -> list[Engine]:

@@ -10,8 +10,10 @@
   (explaining a disagreement);
 - ``collectives``: the algorithm bodies ``Runtime.run`` runs (eager, one-host shared memory, the
   ring over mpi4py), which are also the host transports;
-- ``progress``: the queue of typed entries per process set, rounds, fusion, matching by name,
-  the background thread;
+- ``progress``: ``Engine``, one per process set, the caller's side (submit, run now, wait,
+  abandon) and its executor lock; its parts: ``entries`` (the typed entries and their queue,
+  fusion into batches), ``rounds`` (what the executor runs: rounds, recuts, a batch's failure),
+  ``settling`` (matching the ranks' queues by name), ``background`` (the background thread);
 - ``shm`` (the shared-memory slots), ``waits`` (how a wait spends its core), ``pool`` (recycled
   result and bucket memory), ``config`` (``JUPYTER_RING_*``), ``errors`` (``RingError`` and its
   subclasses).

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: the runtime does that
     from .shm import SharedSlots
     from mpi4py import MPI
 
-    from .progress import Reduce
+    from .entries import Reduce
 
 __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
