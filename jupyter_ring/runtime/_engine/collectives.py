@@ -635,21 +635,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         sources = None
     if len(rt.participants) == 1 or total == 0:
         algorithm = "local"
-        if single:
-            if src is not dst:
-                np.copyto(dst, src)  # type: ignore[arg-type]
-            if not prescaled:  # registered, and every peer joined: no path below scaled it
-                np.multiply(dst, dtype.type(plan.scale_pre), out=dst)  # type: ignore[arg-type]
-        else:
-            for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
-                if out is not m:
-                    np.copyto(out, m)
-                if not prescaled:
-                    np.multiply(out, dtype.type(plan.scale_pre), out=out)
-        for out in (dst.arrays if type(dst) is Flat else [dst]):
-            _finish(out, plan.scale_post, plan.divisor)
-            if rt.joined:
-                _joined_zeros(out, plan)
+        _local(rt, src, dst, plan, single, prescaled)
     elif offer and all(peers[p].aux for p in peers):
         algorithm = "shm"
         if registered:
@@ -662,20 +648,47 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     else:
         if algorithm not in algorithms.BODIES:  # (shm that a peer could not offer: the ring)
             algorithm = "ring"
-        if type(src) is Flat or not prescaled:
-            staged = np.empty(total, dtype)
-            _read(src, 0, total, staged)
-            if not prescaled:
-                np.multiply(staged, dtype.type(plan.scale_pre), out=staged)
-            _p2p(rt, algorithm, staged, staged, plan, total, name, phases, False)
-            if rt.joined:
-                _joined_zeros(staged, plan)
-            _write(dst, 0, total, staged)
-        else:
-            _p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased)  # type: ignore[arg-type]
-            if rt.joined:
-                _joined_zeros(dst, plan)  # type: ignore[arg-type]
+        _staged_p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased, prescaled)
     return algorithm
+
+
+def _local(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, single: bool, prescaled: bool) -> None:
+    """The allreduce of a rank alone (every peer joined) or of nothing: its own input, finished."""
+    dtype = plan.dtype
+    if single:
+        if src is not dst:
+            np.copyto(dst, src)  # type: ignore[arg-type]
+        if not prescaled:  # registered, and every peer joined: no path below scaled it
+            np.multiply(dst, dtype.type(plan.scale_pre), out=dst)  # type: ignore[arg-type]
+    else:
+        for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
+            if out is not m:
+                np.copyto(out, m)
+            if not prescaled:
+                np.multiply(out, dtype.type(plan.scale_pre), out=out)
+    for out in (dst.arrays if type(dst) is Flat else [dst]):
+        _finish(out, plan.scale_post, plan.divisor)
+        if rt.joined:
+            _joined_zeros(out, plan)
+
+
+def _staged_p2p(rt: Runtime, algorithm: str, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, total: int,
+                name: str, phases: Phases, aliased: bool, prescaled: bool) -> None:
+    """``_p2p`` on one array: ``src`` itself, or a staged copy of a fused pass (or of an input
+    still to be prescaled), written back into ``dst`` after."""
+    if type(src) is Flat or not prescaled:
+        staged = np.empty(total, plan.dtype)
+        _read(src, 0, total, staged)
+        if not prescaled:
+            np.multiply(staged, plan.dtype.type(plan.scale_pre), out=staged)
+        _p2p(rt, algorithm, staged, staged, plan, total, name, phases, False)
+        if rt.joined:
+            _joined_zeros(staged, plan)
+        _write(dst, 0, total, staged)
+    else:
+        _p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased)  # type: ignore[arg-type]
+        if rt.joined:
+            _joined_zeros(dst, plan)  # type: ignore[arg-type]
 
 
 def _p2p(rt: Runtime, algorithm: str, src: Array, dst: Array, plan: ReducePlan, total: int, name: str,
@@ -686,7 +699,6 @@ def _p2p(rt: Runtime, algorithm: str, src: Array, dst: Array, plan: ReducePlan, 
               name, phases, aliased=aliased)
     else:
         algorithms.BODIES[algorithm](rt, src, dst, plan.fn, plan.scale_post, plan.divisor, name, phases, aliased)
-
 
 
 def _finish(arr: Array, postscale: float, divisor: int) -> None:
@@ -721,101 +733,143 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     rank ``ring_order[j]``'s block of ``bounds``, so every rank still finishes its own block.
     Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
-    order = rt.ring_order
-    block = {q: q for q in order}  # rank -> its block of bounds
-    if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
-        order = [q for q in order if q not in rt.joined]
-        block = {q: i for i, q in enumerate(rt.participants)}
-    comm, n, r = rt.comm, len(order), order.index(rt.rank)
-    left, right = order[(r - 1) % n], order[(r + 1) % n]
-    seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
-    hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
-                            if rt.hosts[left] != rt.hosts[rt.rank] else "")
-    step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
-    what = f"allreduce '{name}' (ring, waiting on rank {left})"
-    inflight: list[MPI.Request]
-    inflight = rt.inflight = []
+    _RingPass(rt, src, dst, bounds, name, phases).run(fn, postscale, divisor, allgather, aliased)
 
-    def pieces(j: int) -> list[tuple[int, int]]:
-        lo, hi = seg[j]
+
+class _RingPass:
+    """One pass of the pipelined ring (``_ring``): the ring's order, this rank's neighbours, the
+    segments and their pieces, and the requests in flight."""
+
+    def __init__(self, rt: Runtime, src: Array, dst: Array, bounds: Sequence[int], name: str,
+                 phases: Phases) -> None:
+        order = rt.ring_order
+        block = {q: q for q in order}  # rank -> its block of bounds
+        if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
+            order = [q for q in order if q not in rt.joined]
+            block = {q: i for i, q in enumerate(rt.participants)}
+        self.rt, self.src, self.dst, self.phases = rt, src, dst, phases
+        self.comm, n, r = rt.comm, len(order), order.index(rt.rank)
+        self.n, self.r = n, r
+        left, right = order[(r - 1) % n], order[(r + 1) % n]
+        self.left, self.right = left, right
+        self.seg = seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
+        self.hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
+                                     if rt.hosts[left] != rt.hosts[rt.rank] else "")
+        self.step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
+        self.what = f"allreduce '{name}' (ring, waiting on rank {left})"
+        self.sending = f"allreduce '{name}' (ring, sending to rank {right})"
+        self.inflight: list[MPI.Request] = []
+        rt.inflight = self.inflight
+        maxseg = max(hi - lo for lo, hi in seg)
+        scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
+        self.halves = (scratch[:maxseg], scratch[maxseg:])
+        self.sends: list[MPI.Request] = []
+        self.seg_sends: dict[int, list[MPI.Request]] = {}
+
+    def pieces(self, j: int) -> list[tuple[int, int]]:
+        """Segment ``j``'s pieces, ``chunk_bytes`` each."""
+        lo, hi = self.seg[j]
+        step_elems = self.step_elems
         return [(a, min(a + step_elems, hi)) for a in range(lo, hi, step_elems)]
 
-    maxseg = max(hi - lo for lo, hi in seg)
-    scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
-    halves = (scratch[:maxseg], scratch[maxseg:])
-
-    def post_rs(step: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
-        j = (r - step - 2) % n
-        buf, base = halves[step % 2], seg[j][0]
+    def post_rs(self, step: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
+        """Post the receives of reduce-scatter step ``step`` (into a half of the scratch)."""
+        j = (self.r - step - 2) % self.n
+        buf, base = self.halves[step % 2], self.seg[j][0]
         reqs = []
-        for a, b in pieces(j):
-            req = comm.Irecv(_bytes(buf[a - base:b - base]), left, TAG_DATA)
-            inflight.append(req)
+        for a, b in self.pieces(j):
+            req = self.comm.Irecv(_bytes(buf[a - base:b - base]), self.left, TAG_DATA)
+            self.inflight.append(req)
             reqs.append((req, a, b))
         return j, reqs
 
-    sends: list[MPI.Request] = []
-    seg_sends: dict[int, list[MPI.Request]] = {}
+    def post_ag(self, j: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
+        """Post the receives of segment ``j``'s allgather step (straight into ``dst``)."""
+        reqs = []
+        for a, b in self.pieces(j):
+            req = self.comm.Irecv(_bytes(self.dst[a:b]), self.left, TAG_AG)
+            self.inflight.append(req)
+            reqs.append((req, a, b))
+        return j, reqs
 
-    def send(arr: Array, a: int, b: int, tag: int, j: int) -> None:
-        req = comm.Isend(_bytes(arr[a:b]), right, tag)
-        inflight.append(req)
-        sends.append(req)
-        seg_sends.setdefault(j, []).append(req)
+    def send(self, arr: Array, a: int, b: int, tag: int, j: int) -> None:
+        """Send ``arr[a:b]`` (a piece of segment ``j``) to the right."""
+        req = self.comm.Isend(_bytes(arr[a:b]), self.right, tag)
+        self.inflight.append(req)
+        self.sends.append(req)
+        self.seg_sends.setdefault(j, []).append(req)
 
-    t0 = time.perf_counter()
-    j0 = (r - 1) % n
-    in_place = np.shares_memory(src, dst)
-    # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: out of
-    # place, post it now under its own tag so the first allgather pieces never wait in MPI's
-    # queues. In place, that memory is what step 0 sends, so it waits until those sends are done.
-    ag_next = _post_ag(rt, dst, pieces, j0, left, inflight) if allgather and not in_place else None
-    for a, b in pieces(j0):
-        send(src, a, b, TAG_DATA, j0)
-    pending = post_rs(0)
-    step_start = t0
-    for s in range(n - 1):
-        j, reqs = pending
-        if s + 1 < n - 1:
-            pending = post_rs(s + 1)
-        buf, base = halves[s % 2], seg[j][0]
-        last = s == n - 2
-        for req, a, b in reqs:
-            rt.waits.wait([req], what, [left])
-            rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
-            out = dst[a:b]
-            fn(src[a:b], buf[a - base:b - base], out=out)
-            if last:
-                _finish(out, postscale, divisor)
-                if allgather:
-                    send(dst, a, b, TAG_AG, j)
-            else:
-                send(dst, a, b, TAG_DATA, j)
-        step_end = time.perf_counter()
-        phases[f"reduce_scatter[{s}] seg {j} {hop}"] = (step_start, step_end)
-        step_start = step_end
-    t1 = time.perf_counter()
-    phases["reduce_scatter"] = (t0, t1)
-    if allgather and in_place:
-        rt.waits.wait(seg_sends.get(j0, []), what, [right] * len(seg_sends.get(j0, [])))
-        ag_next = _post_ag(rt, dst, pieces, j0, left, inflight)
-    if allgather:
+    def run(self, fn: np.ufunc, postscale: float, divisor: int, allgather: bool, aliased: bool) -> None:
+        """The reduce-scatter, then the allgather (when asked), then the last sends' completion."""
+        src, dst, r, n = self.src, self.dst, self.r, self.n
+        t0 = time.perf_counter()
+        j0 = (r - 1) % n
+        in_place = np.shares_memory(src, dst)
+        # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: out of
+        # place, post it now under its own tag so the first allgather pieces never wait in MPI's
+        # queues. In place, that memory is what step 0 sends, so it waits until those sends are done.
+        ag_next = self.post_ag(j0) if allgather and not in_place else None
+        for a, b in self.pieces(j0):
+            self.send(src, a, b, TAG_DATA, j0)
+        step_start = self.reduce_scatter(fn, postscale, divisor, allgather, aliased, t0)
+        t1 = time.perf_counter()
+        self.phases["reduce_scatter"] = (t0, t1)
+        if allgather and in_place:
+            sent = self.seg_sends.get(j0, [])
+            self.rt.waits.wait(sent, self.what, [self.right] * len(sent))
+            ag_next = self.post_ag(j0)
+        if allgather:
+            self.allgather(ag_next, step_start)  # type: ignore[arg-type]  # (posted above by now)
+            self.phases["allgather"] = (t1, time.perf_counter())
+        self.rt.waits.wait(self.sends, self.sending, [self.right] * len(self.sends))
+
+    def reduce_scatter(self, fn: np.ufunc, postscale: float, divisor: int, allgather: bool, aliased: bool,
+                       step_start: float) -> float:
+        """n-1 steps: reduce each piece received into ``dst`` and send it on; returns when the
+        last step ended."""
+        rt, src, dst, n, left = self.rt, self.src, self.dst, self.n, self.left
+        wait, what, send = rt.waits.wait, self.what, self.send
+        pending = self.post_rs(0)
         for s in range(n - 1):
-            j, reqs = ag_next  # type: ignore[misc]  # (posted above by now)
+            j, reqs = pending
+            if s + 1 < n - 1:
+                pending = self.post_rs(s + 1)
+            buf, base = self.halves[s % 2], self.seg[j][0]
+            last = s == n - 2
+            for req, a, b in reqs:
+                wait([req], what, [left])
+                rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
+                out = dst[a:b]
+                fn(src[a:b], buf[a - base:b - base], out=out)
+                if last:
+                    _finish(out, postscale, divisor)
+                    if allgather:
+                        send(dst, a, b, TAG_AG, j)
+                else:
+                    send(dst, a, b, TAG_DATA, j)
+            step_end = time.perf_counter()
+            self.phases[f"reduce_scatter[{s}] seg {j} {self.hop}"] = (step_start, step_end)
+            step_start = step_end
+        return step_start
+
+    def allgather(self, ag_next: tuple[int, list[tuple[MPI.Request, int, int]]], step_start: float) -> None:
+        """n-1 steps: receive each finished segment from the left and pass it on to the right."""
+        rt, dst, n, r, left, right = self.rt, self.dst, self.n, self.r, self.left, self.right
+        wait, what, seg_sends = rt.waits.wait, self.what, self.seg_sends
+        for s in range(n - 1):
+            j, reqs = ag_next
             if s + 1 < n - 1:
                 nj = (r - s - 2) % n
                 if seg_sends.get(nj):
-                    rt.waits.wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
-                ag_next = _post_ag(rt, dst, pieces, nj, left, inflight)
+                    wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
+                ag_next = self.post_ag(nj)
             for req, a, b in reqs:
-                rt.waits.wait([req], what, [left])
+                wait([req], what, [left])
                 if s < n - 2:
-                    send(dst, a, b, TAG_AG, j)
+                    self.send(dst, a, b, TAG_AG, j)
             step_end = time.perf_counter()
-            phases[f"allgather[{s}] seg {j} {hop}"] = (step_start, step_end)
+            self.phases[f"allgather[{s}] seg {j} {self.hop}"] = (step_start, step_end)
             step_start = step_end
-        phases["allgather"] = (t1, time.perf_counter())
-    rt.waits.wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
 
 def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int, offers: dict[int, int],
@@ -846,106 +900,127 @@ def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan,
     scaled copy in scratch), and copies its results straight out into the members.
     Ranks that called join() take no part: blocks are split among the participants.
     """
-    slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
-    parts = rt.participants
-    n, me = len(parts), rt.rank
-    index = parts.index(me)
-    others = [q for q in parts if q != me]
-    what = f"allreduce '{name}' (shared memory)"
-    try:
-        half = slots.attach(offer, offers) // 2
-    except OSError as exc:
-        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's shared-memory slot ({exc}); set "
-                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
-    dtype = plan.dtype
-    total = src.size
-    cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
-    step = cap * n
-    slot: dict[int, Array] = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
-    count = -(-total // step)
-    pre = None if prescaled else dtype.type(plan.scale_pre)
-    # own block read straight from the input: one array, or the fused members where they lie
-    direct = type(src) is not Flat or pre is None
-    own_copy = None if direct else rt.scratch(cap * dtype.itemsize).view(dtype)
-    joined = rt.joined
+    _SharedPass(rt, src, dst, plan, offer, offers, name, aliased, prescaled).run(phases)
 
-    def blocks(k: int) -> tuple[int, list[int]]:
+
+class _SharedPass:
+    """One allreduce through the shared-memory slots (``_shared``): the slots mapped, the pieces
+    and their blocks, and the copies and reductions of one piece."""
+
+    def __init__(self, rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int,
+                 offers: dict[int, int], name: str, aliased: bool, prescaled: bool) -> None:
+        self.slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
+        self.rt, self.src, self.dst, self.plan, self.aliased = rt, src, dst, plan, aliased
+        self.parts = parts = rt.participants
+        self.n, self.me = n, me = len(parts), rt.rank
+        self.index = parts.index(me)
+        self.others = [q for q in parts if q != me]
+        self.what = what = f"allreduce '{name}' (shared memory)"
+        try:
+            half = self.slots.attach(offer, offers) // 2
+        except OSError as exc:
+            raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's shared-memory slot ({exc}); set "
+                            "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+        dtype = plan.dtype
+        self.total = src.size
+        self.cap = cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
+        self.step = step = cap * n
+        self.slot: dict[int, Array] = {q: self.slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
+        self.count = -(-self.total // step)
+        self.pre = None if prescaled else dtype.type(plan.scale_pre)
+        # own block read straight from the input: one array, or the fused members where they lie
+        self.direct = type(src) is not Flat or self.pre is None
+        self.own_copy = None if self.direct else rt.scratch(cap * dtype.itemsize).view(dtype)
+
+    def blocks(self, k: int) -> tuple[int, list[int]]:
         """Piece k's start and its blocks' bounds inside it (block i: [c[i], c[i + 1]))."""
-        a = k * step
-        length = min(step, total - a)
+        a = k * self.step
+        length = min(self.step, self.total - a)
+        n = self.n
         return a, [length * i // n for i in range(n + 1)]
 
-    def region(q: int, k: int, i: int, length: int) -> Array:
-        base = (k % 2) * step + i * cap
-        return slot[q][base:base + length]
+    def region(self, q: int, k: int, i: int, length: int) -> Array:
+        """Region ``i`` of piece ``k``'s half of rank ``q``'s slot, ``length`` elements."""
+        base = (k % 2) * self.step + i * self.cap
+        return self.slot[q][base:base + length]
 
-    def copy_in(k: int) -> None:
-        a, c = blocks(k)
-        for i in range(n):
+    def copy_in(self, k: int) -> None:
+        """Copy the blocks of piece ``k`` that the peers own into this rank's slot (prescaled)."""
+        a, c = self.blocks(k)
+        index, direct, pre, src, me = self.index, self.direct, self.pre, self.src, self.me
+        for i in range(self.n):
             if i == index and direct:
                 continue
             # (i == index here only when not direct: own_copy is an array then)
-            out = own_copy[:c[i + 1] - c[i]] if i == index else region(me, k, i, c[i + 1] - c[i])  # type: ignore[index]
+            out = self.own_copy[:c[i + 1] - c[i]] if i == index else self.region(me, k, i, c[i + 1] - c[i])  # type: ignore[index]
             _read(src, a + c[i], a + c[i + 1], out)
             if pre is not None:
                 np.multiply(out, pre, out=out)
 
-    def reduce(k: int) -> None:
-        a, c = blocks(k)
+    def reduce(self, k: int) -> None:
+        """Reduce this rank's block of piece ``k`` over every rank's input, into its slot and out."""
+        a, c = self.blocks(k)
+        index, me, parts, src, plan = self.index, self.me, self.parts, self.src, self.plan
+        joined = self.rt.joined
         lo, hi = c[index], c[index + 1]
-        out = region(me, k, index, hi - lo)
-        if type(src) is Flat and direct:  # member by member, each term read where it lies
-            theirs = [None if q == me else region(q, k, index, hi - lo) for q in parts]
+        out = self.region(me, k, index, hi - lo)
+        if type(src) is Flat and self.direct:  # member by member, each term read where it lies
+            theirs = [None if q == me else self.region(q, k, index, hi - lo) for q in parts]
             for arr, at, to, length in src.spans(a + lo, a + hi):
                 _reduce_into(out[to:to + length], [arr[at:at + length] if t is None else t[to:to + length]
                                                    for t in theirs], plan, joined)
         else:
             # (src is an array when direct here, own_copy one when not)
-            own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]  # type: ignore[index]
-            _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
-        rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
-        _write(dst, a + lo, a + hi, out)
+            own = src[a + lo:a + hi] if self.direct else self.own_copy[:hi - lo]  # type: ignore[index]
+            _reduce_into(out, [own if q == me else self.region(q, k, index, hi - lo) for q in parts], plan, joined)
+        self.rt.partial = self.aliased  # dst is written from here on: no retry (Runtime.run)
+        _write(self.dst, a + lo, a + hi, out)
 
-    def copy_out(k: int) -> None:
-        a, c = blocks(k)
-        for i, q in enumerate(parts):
-            if q != me:
-                _write(dst, a + c[i], a + c[i + 1], region(q, k, i, c[i + 1] - c[i]))
+    def copy_out(self, k: int) -> None:
+        """Copy the peers' finished blocks of piece ``k`` out of their slots into ``dst``."""
+        a, c = self.blocks(k)
+        for i, q in enumerate(self.parts):
+            if q != self.me:
+                _write(self.dst, a + c[i], a + c[i + 1], self.region(q, k, i, c[i + 1] - c[i]))
 
-    def traced(k: int, label: str, t0: float, t1: float) -> None:
-        if k < _SHM_TRACED_PIECES:
-            phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
+    def run(self, phases: Phases) -> None:
+        """The pieces, pipelined: copy in k+1; sync; copy out k; reduce k+1 (see ``_shared``)."""
+        rt, others, what, count = self.rt, self.others, self.what, self.count
 
-    first = time.perf_counter()
-    copy_in(0)
-    _sync(rt, others, what)
-    slots.synced()  # every peer has mapped this rank's slot by now
-    t1 = time.perf_counter()
-    traced(0, "shm-copy-in", first, t1)  # each sync's wait ends the phase before it
-    reduce(0)
-    t2 = time.perf_counter()
-    traced(0, "shm-reduce", t1, t2)
-    for k in range(1, count):
-        copy_in(k)
+        def traced(k: int, label: str, t0: float, t1: float) -> None:
+            if k < _SHM_TRACED_PIECES:
+                phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
+
+        first = time.perf_counter()
+        self.copy_in(0)
+        _sync(rt, others, what)
+        self.slots.synced()  # every peer has mapped this rank's slot by now
+        t1 = time.perf_counter()
+        traced(0, "shm-copy-in", first, t1)  # each sync's wait ends the phase before it
+        self.reduce(0)
+        t2 = time.perf_counter()
+        traced(0, "shm-reduce", t1, t2)
+        for k in range(1, count):
+            self.copy_in(k)
+            _sync(rt, others, what)
+            t3 = time.perf_counter()
+            traced(k, "shm-copy-in", t2, t3)
+            self.copy_out(k - 1)
+            t4 = time.perf_counter()
+            traced(k - 1, "shm-copy-out", t3, t4)
+            self.reduce(k)
+            t2 = time.perf_counter()
+            traced(k, "shm-reduce", t4, t2)
+            if k == _SHM_TRACED_PIECES:
+                rest = t3
         _sync(rt, others, what)
         t3 = time.perf_counter()
-        traced(k, "shm-copy-in", t2, t3)
-        copy_out(k - 1)
-        t4 = time.perf_counter()
-        traced(k - 1, "shm-copy-out", t3, t4)
-        reduce(k)
-        t2 = time.perf_counter()
-        traced(k, "shm-reduce", t4, t2)
-        if k == _SHM_TRACED_PIECES:
-            rest = t3
-    _sync(rt, others, what)
-    t3 = time.perf_counter()
-    copy_out(count - 1)
-    end = time.perf_counter()
-    traced(count - 1, "shm-copy-out", t3, end)
-    if count > _SHM_TRACED_PIECES:
-        phases[f"shm pieces {_SHM_TRACED_PIECES}..{count - 1}"] = (rest, end)
-    phases[f"shm ({count} x {step * dtype.itemsize // 1024} KiB)"] = (first, end)
+        self.copy_out(count - 1)
+        end = time.perf_counter()
+        traced(count - 1, "shm-copy-out", t3, end)
+        if count > _SHM_TRACED_PIECES:
+            phases[f"shm pieces {_SHM_TRACED_PIECES}..{count - 1}"] = (rest, end)
+        phases[f"shm ({count} x {self.step * self.plan.dtype.itemsize // 1024} KiB)"] = (first, end)
 
 
 def _sync(rt: Runtime, others: list[int], what: str) -> None:
@@ -975,18 +1050,9 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
     index = parts.index(me)
     others = [q for q in parts if q != me]
     what = f"allreduce '{name}' (shared memory, registered)"
-    try:
-        slots.attach(offer, {p: peers[p].aux for p in peers})
-        views = {q: buf if q == me else
-                 slots.region(q, peers[q].aux >> 12, peers[q].region, buf.nbytes).view(dtype) for q in parts}
-    except OSError as exc:
-        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's registered buffer ({exc}); set "
-                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+    views = _map_registered(rt, slots, buf, offer, peers, what)
     total = buf.size
     step = max(1, rt.config.shm_window_bytes // dtype.itemsize)
-
-    def sync() -> None:
-        _sync(rt, others, what)
 
     t0 = time.perf_counter()
     pieces = range(0, total, step)
@@ -999,7 +1065,7 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
     if plan.scale_pre != 1.0:
         rt.partial = True  # the input is scaled in place: a retry would scale it twice
         np.multiply(buf, dtype.type(plan.scale_pre), out=buf)
-    sync()  # every rank's input is complete, and every peer has mapped this rank's files
+    _sync(rt, others, what)  # every rank's input is complete, and every peer has mapped this rank's files
     slots.synced()
     if not rt.joined:  # a rank that called join() has not mapped it yet
         slots.mapped_by_every_peer(slots.locate(buf))
@@ -1009,15 +1075,8 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
         t1 = time.perf_counter()
         lo, hi = a + (b - a) * index // n, a + (b - a) * (index + 1) // n
         rt.partial = True  # this rank's tensor is written from here on: no retry (Runtime.run)
-        for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None
-                           else _own_terms(buf, sources, starts, lo, hi)):  # type: ignore[arg-type]  # (sources too)
-            terms = [mine if q == me else views[q][c:d] for q in parts]
-            if index >= 2 and np.may_share_memory(mine, buf):
-                # its own term is read after the first terms are reduced into it
-                terms[index] = rt.scratch((d - c) * dtype.itemsize).view(dtype)
-                np.copyto(terms[index], mine)
-            _reduce_into(buf[c:d], terms, plan, rt.joined)
-        sync()
+        _reduce_registered(rt, buf, views, plan, index, lo, hi, sources, starts)
+        _sync(rt, others, what)
         t2 = time.perf_counter()
         for i, q in enumerate(parts):
             if q != me:
@@ -1028,18 +1087,36 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
             suffix = f" piece {k}" if len(pieces) > 1 else ""
             phases[f"shm-reduce{suffix}"] = (t1, t2)
             phases[f"shm-copy-out{suffix}"] = (t2, t3)
-    sync()  # no peer reads this rank's tensor any more: the caller may write into it
+    _sync(rt, others, what)  # no peer reads this rank's tensor any more: the caller may write into it
     phases[f"shm registered ({len(pieces)} x {step * dtype.itemsize // 1024} KiB)"] = (t0, time.perf_counter())
 
 
-def _post_ag(rt: Runtime, dst: Array, pieces: Callable[[int], list[tuple[int, int]]], j: int, left: int,
-             inflight: list[MPI.Request]) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
-    reqs = []
-    for a, b in pieces(j):
-        req = rt.comm.Irecv(_bytes(dst[a:b]), left, TAG_AG)
-        inflight.append(req)
-        reqs.append((req, a, b))
-    return j, reqs
+def _map_registered(rt: Runtime, slots: SharedSlots, buf: Array, offer: int, peers: Peers, what: str) -> dict[int, Array]:
+    """Map every peer's registered tensor: rank -> the tensor it reduces (this rank's: ``buf``)."""
+    me = rt.rank
+    try:
+        slots.attach(offer, {p: peers[p].aux for p in peers})
+        return {q: buf if q == me else
+                slots.region(q, peers[q].aux >> 12, peers[q].region, buf.nbytes).view(buf.dtype)
+                for q in rt.participants}
+    except OSError as exc:
+        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's registered buffer ({exc}); set "
+                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+
+
+def _reduce_registered(rt: Runtime, buf: Array, views: dict[int, Array], plan: ReducePlan, index: int, lo: int,
+                       hi: int, sources: list[Source] | None, starts: list[int] | None) -> None:
+    """This rank's block [lo, hi) of a piece, reduced over every rank's tensor into its own (its
+    own terms read from ``sources`` where they lie, when given)."""
+    me, dtype = rt.rank, plan.dtype
+    for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None
+                       else _own_terms(buf, sources, starts, lo, hi)):  # type: ignore[arg-type]  # (sources too)
+        terms = [mine if q == me else views[q][c:d] for q in rt.participants]
+        if index >= 2 and np.may_share_memory(mine, buf):
+            # its own term is read after the first terms are reduced into it
+            terms[index] = rt.scratch((d - c) * dtype.itemsize).view(dtype)
+            np.copyto(terms[index], mine)
+        _reduce_into(buf[c:d], terms, plan, rt.joined)
 
 
 def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: str | None) -> Array:
