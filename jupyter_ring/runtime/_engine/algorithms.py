@@ -2,7 +2,7 @@
 hierarchy of hosts (issue 33, item 2; which one runs is ``_algorithm_choice``'s).
 
 Each body runs after the header-only agreement of ``_collectives._large``, on the data
-communicator, with every wait through ``Runtime._wait`` (interruptible, stall-checked, its
+communicator, with every wait through ``Waiter.wait`` (interruptible, stall-checked, its
 requests in ``rt.inflight`` so that an abandoned collective's messages are left behind with the
 old communicator at the resync). Each element is computed once, or by both ranks of a pair in the
 same order (IEEE addition, multiplication, min and max are commutative), so every rank ends

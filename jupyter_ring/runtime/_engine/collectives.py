@@ -41,7 +41,7 @@ Array: TypeAlias = npt.NDArray[Any]  # a tensor: its dtype is a value at run tim
 Desc: TypeAlias = tuple[tuple[str, object], ...]  # labelled fields the ranks agree on (allreduce_desc)
 LazyDesc: TypeAlias = Desc | Callable[[], Desc]   # or what builds them, called only to explain a mismatch
 Phases: TypeAlias = dict[str, tuple[float, float]]  # a trace record's phases: name -> (start, end)
-Peers: TypeAlias = dict[int, PeerMsg]  # what Runtime.negotiate returns: peer -> what it sent
+Peers: TypeAlias = dict[int, PeerMsg]  # what Agreement.negotiate returns: peer -> what it sent
 
 
 def _bytes(arr: Array) -> npt.NDArray[np.uint8]:
@@ -307,7 +307,7 @@ class Lane:
     # what the lane reuses
     plan: ReducePlan
     desc: Desc            # what the ranks agree on (explains a mismatch)
-    prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
+    prepared: Prepared | None  # the header exchange (Agreement.prepare), or None: signature only
     # typed as run() reads them: set with ``prepared`` by _wire, read only once it is (None before)
     payload: Array        # the send buffer's payload region, shaped as the input (None: signature only)
     terms: list[Array]    # every participant's payload in rank order, shaped (ours is ``payload``)
