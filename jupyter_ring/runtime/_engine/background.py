@@ -31,7 +31,9 @@ def _low_timer_slack() -> None:
 
 
 class Background:
-    """The background thread of one engine, started by its first ``submit``, and its doorbell."""
+    """The background thread of one engine, started by its first ``submit``, and its doorbell
+    (``wake``: ``submit`` rings it for the first entry while the thread sleeps, or for a full
+    fusion buffer)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -40,17 +42,10 @@ class Background:
         self.flush_now = False
         self.sleeping = True                   # the thread waits for a doorbell
 
-    def ring(self, first: bool) -> None:
-        """An entry was queued (``first``: into an empty queue): start the thread, and wake it when
-        the fusion buffer is full, or when it sleeps until a doorbell."""
-        engine = self.engine
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name="jupyter_ring-engine", daemon=True)
-            self.thread.start()
-        if engine.queue.backlog() >= engine.config.fusion_threshold:
-            self.flush()
-        elif first and self.sleeping:  # awake, it looks at the queue every cycle by itself
-            self.wake.set()
+    def start(self) -> None:
+        """Start the thread (the engine's first ``submit`` does)."""
+        self.thread = threading.Thread(target=self._loop, name="jupyter_ring-engine", daemon=True)
+        self.thread.start()
 
     def flush(self) -> None:
         """Run what is queued now, without waiting for more."""

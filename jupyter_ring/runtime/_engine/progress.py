@@ -134,7 +134,16 @@ class Engine:
     def submit(self, entry: Entry, nbytes: int = 0) -> int:
         """Queue ``entry``; the background thread runs it once it has waited ``cycle_ms`` (or at
         ``flush()``, or when ``fusion_threshold`` bytes are queued), unless a caller does first."""
-        self.background.ring(self.queue.add(entry, nbytes))
+        queue = self.queue
+        first = queue.add(entry, nbytes)
+        background = self.background
+        if background.thread is None:
+            background.start()
+        # (inline, not Background's method: once per queued collective, the fused path's cost)
+        if queue.submitted - queue.taken >= self.config.fusion_threshold:
+            background.flush()
+        elif first and background.sleeping:  # awake, it looks at the queue every cycle by itself
+            background.wake.set()
         return entry.handle
 
     def flush(self) -> None:
@@ -183,7 +192,7 @@ class Engine:
 
     def run_lane(self, lane: PreparedLane[_R], full: Callable[..., Entry], *args: object) -> object:
         """A blocking call on its prepared ``lane`` (``collectives.Lane``, ``GatherLane`` or ``CastLane``):
-        ``lane.run(rt, *args)`` at once in this thread, with what ``run_now``, ``_alone`` and
+        ``lane.run(rt, *args)`` at once in this thread, with what ``run_now``, ``Rounds.alone`` and
         ``Runtime.run`` do around a collective, in one frame and without an entry.
 
         ``full(lane, *args)`` makes the call's entry for every other way: queued when the engine
