@@ -4,7 +4,7 @@
 
 For each size, ``allreduce_`` (float32, op Max) under 1 and 2 ranks, each call between barriers:
 median wall time, CPU of the calling thread (``time.thread_time``), and the time spent inside the
-runtime's waits on MPI requests (``Runtime._wait``, timed by wrapping it) with how often the
+runtime's waits on MPI requests (``Waiter.wait``, timed by wrapping it) with how often the
 requests had completed at the first test; then ``MPI_Allreduce`` of the same buffer, and a
 floor: the least Python an eager exchange needs (copy the payload into a persistent send
 buffer, start persistent send and receive, test until done, compare a 24-byte header, reduce in
@@ -63,17 +63,17 @@ def worker(args):
 
     comm = MPI.COMM_WORLD
     ring.init()
-    runtime_class = type(_api._proc.rt)
+    waiter_class = type(_api._proc.rt.waits)
     waits = {"seconds": 0.0, "ready": 0, "count": 0}
-    original = runtime_class._wait
+    original = waiter_class.wait
 
     def timed_wait(self, reqs, *rest, **kw):
         start = time.perf_counter()
-        waits["ready"] += bool(self.MPI.Request.Testall(reqs))
+        waits["ready"] += bool(self.rt.MPI.Request.Testall(reqs))
         original(self, reqs, *rest, **kw)
         waits["seconds"] += time.perf_counter() - start
         waits["count"] += 1
-    runtime_class._wait = timed_wait
+    waiter_class.wait = timed_wait
     floor_comm = comm.Dup()
     out = {}
     for nbytes in map(int, args.sizes.split(",")):
@@ -102,7 +102,7 @@ def worker(args):
                 rows["mpi"].append(t3 - t2)
                 rows["floor"].append(t5 - t4)
         out[nbytes] = {k: float(np.median(v)) for k, v in rows.items()}
-    runtime_class._wait = original
+    waiter_class.wait = original
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
     comm.Barrier()

@@ -18,8 +18,13 @@ Where each part lives (one place each):
   environment in ``ENVIRONMENT_LAYERS``, each rank's torchrun environment in
   :func:`torchrun_environment`), from ``_sizing`` (ranks, GPUs, threads) and
   ``_machine`` (what the plan reads from the machine);
+- configured: ``_options`` (``RingOptions``, the traits ``%ring start`` and the config set);
 - launched: ``_launchers`` (the plan on ipyparallel's ``Cluster``), ``_slurm`` (the Slurm
-  engine launcher), ``_ring`` (:class:`RingCluster`: start, rank setup, stop);
+  engine launcher), ``_start`` (the start: controller, engines, the wait for them to register,
+  the ranks' set-up), ``_ring`` (:class:`RingCluster`, the running cluster and what it answers);
+- stopped: ``_stop`` (stop, forget, kill at exit; who stopped it from outside);
+- watched: ``_liveness`` (the ranks the controller lost, the message for them);
+- torch.distributed groups re-created after a failed cell: ``_torch_repair``;
 - interrupted: ``_signals`` (through the engines' nannies, for the kernel and the Ring panel);
 - cleaned up: ``_procs`` (process trees, kill, /dev/shm), ``_watchdog`` (a killed kernel);
 - diagnosed: ``_death`` (which rank died first, and how);

@@ -147,25 +147,8 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
     asks_driver = options.gpus == "auto" and "CUDA_VISIBLE_DEVICES" not in environ
     gpus = visible_gpus(options.gpus, environ, machine.driver_gpus if asks_driver else 0)
     launcher = options.launcher
-    # inside salloc/sbatch on several nodes, Hydra's mpiexec reads the allocation itself
-    allocation = (machine.slurm_allocation()
-                  if launcher == "mpi" and not options.hosts and not options.hostfile else [])
-    one_host = (launcher == "mpi" and not options.hosts and not options.hostfile
-                and not allocation)
-    if launcher == "slurm" or allocation:
-        slots = [HostSlot(h, None) for h in allocation or machine.slurm_nodes(options.partition)]
-    else:
-        slots = [] if one_host else host_slots(options.hosts, options.hostfile)
-    n = _size(options, environ, slots, allocation, gpus, machine.cpus)
-    if n < 1:
-        raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
-    if one_host:
-        controller_ip = "127.0.0.1"
-    else:
-        # the engines on the other hosts connect here: 127.0.0.1 (ipyparallel's default)
-        # makes them time out after 5 s
-        controller_ip = options.controller_ip or machine.address_towards([h for h, _ in slots])
-    shape = Shape(n, one_host, tuple(slots), controller_ip)
+    shape = _shape(options, machine, gpus)
+    n, one_host, controller_ip = shape.n, shape.one_host, shape.controller_ip
     # one host: MPICH's gforker, whose ranks listen on loopback only (Hydra's PMI port is on
     # 0.0.0.0 and inherited by every rank); --hosts needs Hydra's remote launch.
     mpiexec = machine.local_mpiexec if one_host else machine.mpiexec
@@ -201,6 +184,31 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
         engine_timeout=options.engine_timeout, slurm=slurm,
         torch=TorchWorld("127.0.0.1" if one_host else "",
                          "auto" if options.torch_distributed else None))
+
+
+def _shape(options: LaunchOptions, machine: Machine, gpus: Sequence[str]) -> Shape:
+    """Where the ranks run: this host alone, the hosts given, or a Slurm allocation; how many;
+    and the address the controller listens on."""
+    launcher = options.launcher
+    # inside salloc/sbatch on several nodes, Hydra's mpiexec reads the allocation itself
+    allocation = (machine.slurm_allocation()
+                  if launcher == "mpi" and not options.hosts and not options.hostfile else [])
+    one_host = (launcher == "mpi" and not options.hosts and not options.hostfile
+                and not allocation)
+    if launcher == "slurm" or allocation:
+        slots = [HostSlot(h, None) for h in allocation or machine.slurm_nodes(options.partition)]
+    else:
+        slots = [] if one_host else host_slots(options.hosts, options.hostfile)
+    n = _size(options, machine.environ, slots, allocation, gpus, machine.cpus)
+    if n < 1:
+        raise ValueError(f"-n {n}: a cluster needs at least 1 rank")
+    if one_host:
+        controller_ip = "127.0.0.1"
+    else:
+        # the engines on the other hosts connect here: 127.0.0.1 (ipyparallel's default)
+        # makes them time out after 5 s
+        controller_ip = options.controller_ip or machine.address_towards([h for h, _ in slots])
+    return Shape(n, one_host, tuple(slots), controller_ip)
 
 
 def _size(options: LaunchOptions, environ: Mapping[str, str], slots: Sequence[HostSlot],

@@ -21,19 +21,20 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError
-from ._procs import sweep_mpich_segments
+from ._procs import remove_shm_files, shm_files, sweep_mpich_segments
+from ._start import SETUP_CODE
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
 
     from ._ring import RingCluster
 
-__all__ = ["Replacement", "replace_ranks", "elastic_survivors", "replaced_note", "elastic_note", "newcomer_gpus"]
+__all__ = ["Replacement", "respawn", "replace_ranks", "elastic_survivors", "replaced_note", "elastic_note", "newcomer_gpus"]
 
 
 class Replacement(NamedTuple):
@@ -53,6 +54,36 @@ def newcomer_gpus(row: RankRow, planned: Sequence[str] | None) -> list[str] | No
     return None if planned is None else list(planned)
 
 
+def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) -> Replacement:
+    """``RingCluster.respawn``: replace the ``dead`` ranks in place (:func:`replace_ranks`), and
+    keep the cluster's count of replacements, its shared-memory files, watchdog and sidecar up
+    to date. ClusterError if it cannot be done or a step fails: ``%ring restart`` then."""
+    dead = sorted(set(dead))
+    if not cluster.can_respawn(dead):
+        raise ClusterError(f"rank(s) {', '.join(map(str, dead))} cannot be replaced in place "
+                           f"({cluster.restarts} of --max-restarts {cluster.max_restarts} used, or "
+                           "not a one-host cluster); run %ring restart")
+    cluster.restarts += len(dead)
+    try:
+        done = replace_ranks(cluster, dead, SETUP_CODE, cluster.restarts, elastic)
+    except BaseException:
+        # the survivors may have left the old world, a late newcomer may still register:
+        # no second try on this cluster, %ring restart starts every rank afresh
+        cluster.replace_failed = True
+        cluster._watch()
+        raise
+    for rank in dead:
+        cluster.replaced[rank] = cluster.replaced.get(rank, 0) + 1
+    # the dead ranks' segments that no live rank maps (their job's, the killed replacement's
+    # never unlinked): gone now, not at stop, so that a long session of kills leaks none
+    live = shm_files(cluster._local_rank_pids())
+    remove_shm_files(cluster._shm - live)
+    cluster._shm = live
+    cluster._watch()
+    cluster._write_sidecar()
+    return done
+
+
 def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, gen: int,
                   elastic: bool = False) -> Replacement:
     """Replace the ``dead`` ranks of ``cluster`` in place (see the module); ``setup_code``: the
@@ -60,8 +91,7 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
     ``gen``: the cluster's count of replacements, this one included. ``elastic``: the survivors
     run ``elastic.run`` in the cell, which goes on: they are told by a notice, not interrupted,
     and re-form the world from inside ``run`` (``engines._elastic``)."""
-    from ..engines import _respawn, _torch
-    from ._plan import torchrun_environment
+    from ..engines import _respawn
 
     t0 = time.monotonic()
     dead = sorted(set(dead))
@@ -81,13 +111,7 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
         port = _port_of(cluster.where_dir, gen, cluster.setup_timeout)
     else:
         port = _leave_between_cells(cluster, dead, survivors, survivor_ids)
-    deadline = time.monotonic() + cluster.engine_timeout
-    while len(set(client.ids) - known) < len(dead):
-        if time.monotonic() > deadline:
-            raise ClusterError(f"the replacement of rank(s) {_names(dead)} did not register in "
-                               f"{cluster.engine_timeout:g} s; run %ring restart")
-        time.sleep(0.02)
-    new_ids = sorted(set(client.ids) - known)
+    new_ids = _newcomers(cluster, known, dead)
     joins = {eid: client[eid].apply_async(_respawn.join, port, dead, gen, survivors[0]) for eid in new_ids}
     if not elastic:  # (elastic: the survivors accept inside their running cell)
         _everywhere(client, survivor_ids, lambda eid: client[eid].apply_async(_respawn.accept, port),
@@ -96,10 +120,34 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
                 for eid, ar in joins.items()}
     if elastic:  # every survivor has taken it in (the merge is collective): no one needs it now
         _forget_notice(cluster.where_dir, gen)
+    _set_up_newcomers(cluster, ranks_of, setup_code)
+    cluster.view = client[cluster.engine_ids]
+    cluster.view.block = False
+    return Replacement(dead, [cluster.ranks[r] for r in dead], time.monotonic() - t0)
+
+
+def _newcomers(cluster: RingCluster, known: set[int], dead: list[int]) -> list[int]:
+    """The engine ids of the newcomers, once every one has registered (within ``engine_timeout``)."""
+    client = cluster._running_client
+    deadline = time.monotonic() + cluster.engine_timeout
+    while len(set(client.ids) - known) < len(dead):
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the replacement of rank(s) {_names(dead)} did not register in "
+                               f"{cluster.engine_timeout:g} s; run %ring restart")
+        time.sleep(0.02)
+    return sorted(set(client.ids) - known)
+
+
+def _set_up_newcomers(cluster: RingCluster, ranks_of: dict[int, int], setup_code: str) -> None:
+    """Run the rank set-up on each newcomer (engine id -> its rank in ``ranks_of``) and give it
+    torchrun's environment; its row and engine id take the dead rank's place."""
+    from ..engines import _torch
+    from ._plan import torchrun_environment
+
+    client = cluster._running_client
     plan = cluster.plan_used
     rows = cluster.ranks
-    for eid in new_ids:
-        rank = ranks_of[eid]
+    for eid, rank in ranks_of.items():
         view = client[eid]
         view.push({"_jr_gpus": newcomer_gpus(rows[rank], plan.gpus if plan else None),
                    "_jr_umask": cluster.user_umask, "_jr_where": cluster.where_dir,
@@ -111,14 +159,10 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
     if cluster.rendezvous is not None:
         hosts = [row["host"] for row in rows]
         address, port_no = cluster.rendezvous
-        for eid in new_ids:
-            rank = ranks_of[eid]
-            env = torchrun_environment(rank, hosts, address, port_no, ipc.cluster_id)
+        for eid, rank in ranks_of.items():
+            env = torchrun_environment(rank, hosts, address, port_no, cluster._running_cluster.cluster_id)
             _result(client[eid].apply_async(_torch.start, env, None), cluster.setup_timeout,
                     "torchrun's environment")
-    cluster.view = client[cluster.engine_ids]
-    cluster.view.block = False
-    return Replacement(dead, [rows[r] for r in dead], time.monotonic() - t0)
 
 
 def _leave_between_cells(cluster: RingCluster, dead: list[int], survivors: list[int],

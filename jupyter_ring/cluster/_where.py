@@ -105,23 +105,7 @@ def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
     held = {r: read_held(directory, r) or "" for r in ranks}
     sent = time.monotonic()
     send([r for r in ranks if before[r] is not None], WHERE_SIGNAL)
-    seen: dict[int, tuple[int, float]] = {}
-    done: dict[int, float] = {}
-    waiting = [r for r in ranks if before[r] is not None]
-    deadline = sent + timeout
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.003)
-        now = time.monotonic()
-        for r in list(waiting):
-            size, start = _size(stack_path(directory, r)), before[r]
-            if size is None or start is None or size <= start:
-                continue
-            last = seen.get(r)
-            if last is None or last[0] != size:
-                seen[r] = (size, now)
-            elif now - last[1] >= _SETTLE:
-                done[r] = now - sent
-                waiting.remove(r)
+    seen, done = _wait_for_dumps(directory, before, sent, sent + timeout)
     out = []
     for r in ranks:
         row = by_rank[r]
@@ -150,6 +134,30 @@ def collect_where(directory: str, rows: Iterable[RankRow | SidecarRank],
         out.append(RankWhere(r, row["host"], row["pid"], doing, tuple(threads), problem,
                              done.get(r, 0.0), held[r], cells_path(directory, r)))
     return out
+
+
+def _wait_for_dumps(directory: str, before: dict[int, int | None], sent: float,
+                    deadline: float) -> tuple[dict[int, tuple[int, float]], dict[int, float]]:
+    """Wait until each signalled rank's stack file has grown and then stopped growing for
+    ``_SETTLE`` seconds, or ``deadline``. Returns (rank -> (size, when) of those seen growing,
+    rank -> seconds from ``sent`` to its dump for those done)."""
+    seen: dict[int, tuple[int, float]] = {}
+    done: dict[int, float] = {}
+    waiting = [r for r, start in before.items() if start is not None]
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.003)
+        now = time.monotonic()
+        for r in list(waiting):
+            size, start = _size(stack_path(directory, r)), before[r]
+            if size is None or start is None or size <= start:
+                continue
+            last = seen.get(r)
+            if last is None or last[0] != size:
+                seen[r] = (size, now)
+            elif now - last[1] >= _SETTLE:
+                done[r] = now - sent
+                waiting.remove(r)
+    return seen, done
 
 
 def _remote(row: RankRow | SidecarRank) -> bool:

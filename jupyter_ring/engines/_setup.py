@@ -1,6 +1,6 @@
 """The setup ``%ring start`` runs first on every rank: GPU binding, the rank's row, cell hooks.
 
-Runs inside each ipyparallel engine, before the user's first cell (``cluster._ring._SETUP_CODE``).
+Runs inside each ipyparallel engine, before the user's first cell (``cluster._start.SETUP_CODE``).
 It imports no framework: ``CUDA_VISIBLE_DEVICES`` must be set before torch/tensorflow/cupy first
 touch CUDA.
 """

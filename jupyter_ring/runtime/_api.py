@@ -29,7 +29,7 @@ from ._engine import collectives
 from ._engine.algorithms import eager_limit
 from ._engine.config import Config
 from ._engine.waits import WaitPolicy
-from ._engine.core import DTYPE_CODE, DTYPES, Average, Runtime, Sum, _reducer
+from ._engine.core import DTYPE_CODE, DTYPES, Average, Runtime, Sum, reducer
 from ._engine.errors import NotInitializedError, RingError
 from ._engine.progress import AnyLane, Call, Engine, Entry, LaneKey, Reduce
 from ._observe.report import reporter
@@ -288,7 +288,7 @@ def wait_policy() -> WaitPolicy:
     ``config().wait`` (``JUPYTER_RING_WAIT``: auto, spin, yield) chooses; ``auto`` yields the core
     between polls where this host runs more ranks than the process may use cores.
     """
-    return running_runtime().wait_policy()
+    return running_runtime().waits.policy()
 
 
 # ------------------------------------------------------------------ process sets
@@ -873,7 +873,7 @@ def _reducescatter(tensor: npt.ArrayLike, op: int, name: str | None,
         arr = np.ascontiguousarray(_array(tensor, where))
         if arr.ndim == 0:
             raise ValueError(f"{where}: needs a tensor with at least one dimension, got a scalar")
-        _reducer(op, arr.dtype)
+        reducer(op, arr.dtype)
     return engine, Call(next(_proc.handles), "reducescatter", name,
                         lambda rt: collectives.reducescatter(rt, arr, op, name, explicit))
 
@@ -977,7 +977,7 @@ def join() -> int:
     Blocks (interruptibly) until every rank has joined.
     """
     engine = _engine(None, "join")
-    return cast(int, engine.run_now(Call(next(_proc.handles), "join", "join", lambda rt: rt.join("join"))))
+    return cast(int, engine.run_now(Call(next(_proc.handles), "join", "join", lambda rt: rt.agreement.join("join"))))
 
 
 @contextlib.contextmanager
@@ -1001,7 +1001,7 @@ def _poison(engine: Engine | None, kind: str, name: object, exc: Exception) -> N
     if engine is not None and not isinstance(exc, RingError):
         label = name if isinstance(name, str) else "?"
         engine.run_now(Call(next(_proc.handles), "error", label,
-                            lambda rt: rt.poison(kind, label, exc)))
+                            lambda rt: rt.agreement.poison(kind, label, exc)))
 
 
 # ------------------------------------------------------------------ handles
@@ -1058,7 +1058,7 @@ def busy() -> bool:
     collective then waits on another thread (autograd's device thread running gradient hooks, a
     TF1 session's ops), which no KeyboardInterrupt reaches, and ``abandon_queued`` gives it up.
     """
-    return any(e.queue or e.callers or e.lock.locked() for e in _engines())
+    return any(e.queue.entries or e.callers or e.lock.locked() for e in _engines())
 
 
 def _engines() -> list[Engine]:

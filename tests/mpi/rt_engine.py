@@ -177,7 +177,7 @@ if mode == "async":
             failures.append(f"interrupt took {latency:.2f} s to land")
         print(f"INTERRUPTED {r} {latency * 1000:.1f} ms after SIGINT", flush=True)
     if r != 0:
-        if engine.lock.locked() or engine.queue:
+        if engine.lock.locked() or engine.queue.entries:
             failures.append("the background round still runs after the interrupt")
         expect("the interrupted handle", ring.RingError, ["cancelled"], lambda: ring.synchronize(h))
     meeting.meet()

@@ -200,7 +200,7 @@ elif mode == "interrupt":
         if key[0] == "w.lane" and ring.config().allreduce not in ("auto", "eager"):
             continue  # (JUPYTER_RING_ALLREDUCE forces another algorithm: allreduces run no lane)
         lane = _api._proc.engine.lanes[key]
-        assert lane.prepared.wiring == _api._proc.rt.wiring, f"lane {key} was not prepared anew after the resync"
+        assert lane.prepared.wiring == _api._proc.rt.headers.wiring, f"lane {key} was not prepared anew after the resync"
     expect_correct("after an interrupt inside a lane", seed=5)
     # and again mid-ring: large buffers, small pieces, interrupts at staggered times
     ring.config().chunk_bytes = 4096

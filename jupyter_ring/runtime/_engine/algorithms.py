@@ -2,8 +2,8 @@
 hierarchy of hosts (issue 33, item 2; which one runs is ``_algorithm_choice``'s).
 
 Each body runs after the header-only agreement of ``_collectives._large``, on the data
-communicator, with every wait through ``Runtime._wait`` (interruptible, stall-checked, its
-requests in ``rt._inflight`` so that an abandoned collective's messages are left behind with the
+communicator, with every wait through ``Waiter.wait`` (interruptible, stall-checked, its
+requests in ``rt.inflight`` so that an abandoned collective's messages are left behind with the
 old communicator at the resync). Each element is computed once, or by both ranks of a pair in the
 same order (IEEE addition, multiplication, min and max are commutative), so every rank ends
 bit-identical, as on the other paths; the order of the terms differs from the eager path's rank
@@ -20,7 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import algorithm_choice as choice
-from .core import TAG_DATA, Runtime
+from .core import Runtime
+from .wire import TAG_DATA
 
 if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: the runtime does that itself
     from mpi4py import MPI
@@ -55,21 +56,21 @@ def _exchange(rt: Runtime, send: Array | None, recv: Array | None, peer: int, ta
     if send is not None:
         reqs.append(comm.Isend(_bytes(send), peer, tag))
     _track(rt, reqs)
-    rt._wait(reqs, what, [peer] * len(reqs))
+    rt.waits.wait(reqs, what, [peer] * len(reqs))
 
 
 def _track(rt: Runtime, reqs: list[MPI.Request]) -> None:
     """Count ``reqs`` among the collective's requests (an interrupt abandons them at the resync)."""
-    inflight = rt._inflight
+    inflight = rt.inflight
     if isinstance(inflight, list):  # this collective's own (``_start``): grown in place
         inflight.extend(reqs)
     else:
-        rt._inflight = [*inflight, *reqs]
+        rt.inflight = [*inflight, *reqs]
 
 
 def _start(rt: Runtime, src: Array, dst: Array, aliased: bool) -> None:
     """``dst`` holds this rank's (prescaled) input; from here on the caller's memory is written."""
-    rt._inflight = []
+    rt.inflight = []
     if src is not dst:
         np.copyto(dst, src)
     rt.partial = aliased  # dst is the caller's input in place: no retry (Runtime.run)
@@ -182,7 +183,7 @@ def _exchange2(rt: Runtime, send: Array, to: int, recv: Array, frm: int, tag: in
     comm = rt.comm
     reqs = [comm.Irecv(_bytes(recv), frm, tag), comm.Isend(_bytes(send), to, tag)]
     _track(rt, reqs)
-    rt._wait(reqs, what, [frm, to])
+    rt.waits.wait(reqs, what, [frm, to])
 
 
 def uniform_hosts(rt: Runtime, group: Sequence[int]) -> list[list[int]] | None:
@@ -238,7 +239,7 @@ def hierarchical(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: f
 
 def eager_limit(rt: Runtime) -> int:
     """The largest allreduce (bytes) whose payload rides in the agreement message on ``rt`` now."""
-    return choice.eager_limit(rt.config.allreduce, len(rt.participants), rt.eager_limit, _has_shm(rt))
+    return choice.eager_limit(rt.config.allreduce, len(rt.participants), rt.headers.eager_limit, _has_shm(rt))
 
 
 def _has_shm(rt: Runtime) -> bool:
@@ -251,7 +252,7 @@ def algorithm(rt: Runtime, nbytes: int) -> str:
     parts = rt.participants
     hosts = uniform_hosts(rt, parts)
     count = len({rt.hosts[q] for q in parts})
-    alg = choice.choose(rt.config.allreduce, nbytes, len(parts), count, hosts is not None, rt.eager_limit,
+    alg = choice.choose(rt.config.allreduce, nbytes, len(parts), count, hosts is not None, rt.headers.eager_limit,
                         _has_shm(rt), rt.config.shm_threshold)
     return "ring" if alg == "hier" and hosts is None else alg
 

@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import algorithms
-from .core import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, Runtime, _reducer
+from .core import Runtime
+from .wire import TAG_DATA, Average, JoinNote, Max, Min, PeerMsg, Prepared, Product, reducer
 
 from .errors import RingError
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: the runtime does that
     from .shm import SharedSlots
     from mpi4py import MPI
 
-    from .progress import Reduce
+    from .entries import Reduce
 
 __all__ = ["Source", "allreduce", "allgather", "broadcast_into", "reducescatter", "alltoall", "barrier",
            "broadcast_object", "allgather_object", "allreduce_desc", "reduce_plan", "ReducePlan", "Member",
@@ -40,7 +41,7 @@ Array: TypeAlias = npt.NDArray[Any]  # a tensor: its dtype is a value at run tim
 Desc: TypeAlias = tuple[tuple[str, object], ...]  # labelled fields the ranks agree on (allreduce_desc)
 LazyDesc: TypeAlias = Desc | Callable[[], Desc]   # or what builds them, called only to explain a mismatch
 Phases: TypeAlias = dict[str, tuple[float, float]]  # a trace record's phases: name -> (start, end)
-Peers: TypeAlias = dict[int, PeerMsg]  # what Runtime.negotiate returns: peer -> what it sent
+Peers: TypeAlias = dict[int, PeerMsg]  # what Agreement.negotiate returns: peer -> what it sent
 
 
 def _bytes(arr: Array) -> npt.NDArray[np.uint8]:
@@ -118,7 +119,7 @@ def _own_terms(buf: Array, sources: Sequence[Source], starts: Sequence[int], lo:
 def reduce_plan(rt: Runtime, dtype: np.dtype[Any], op: int, prescale: float, postscale: float, where: str,
                 serial: int = 0) -> ReducePlan:
     """Check ``op`` and the scale factors for ``dtype`` once; raises TypeError/ValueError."""
-    fn = _reducer(op, dtype)
+    fn = reducer(op, dtype)
     scale_pre, scale_post, divisor = _scale_of(rt, dtype, op, prescale, postscale, where)
     # the scale as a scalar of the tensor's dtype: the hot path multiplies without converting
     return ReducePlan(dtype, op, fn, prescale, postscale, scale_pre, dtype.type(scale_post), divisor, serial,
@@ -220,7 +221,7 @@ def allreduce(rt: Runtime, members: Sequence[Member], plan: ReducePlan, name: st
     start = time.perf_counter()
     dtype = plan.dtype
     single = len(members) == 1
-    if sources is not None and (not single or rt.fits_eager(members[0].src.nbytes)):
+    if sources is not None and (not single or rt.headers.fits_eager(members[0].src.nbytes)):
         _fill(members[0].src, sources)
         sources = None
     src: Flat | Array
@@ -268,17 +269,17 @@ def eager_one(rt: Runtime, src: Array, dst: Array | None, plan: ReducePlan, name
     start = time.perf_counter()
     dtype = plan.dtype
     total = src.size
-    payload = rt.payload_view(dtype, total)
+    payload = rt.headers.payload_view(dtype, total)
     if plan.scale_pre != 1.0:
         np.multiply(src, dtype.type(plan.scale_pre), out=payload)
     else:
         np.copyto(payload, src)
-    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=nbytes, own=own)
+    rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=nbytes, own=own)
     agreed = time.perf_counter()
     if dst is None:
         dst = np.empty(total, dtype)
     me = rt.rank
-    _reduce_into(dst, [payload if q == me else rt.peer_payload(q, dtype, total) for q in rt.participants],
+    _reduce_into(dst, [payload if q == me else rt.headers.peer_payload(q, dtype, total) for q in rt.participants],
                  plan, rt.joined)
     rt.trace.record("allreduce", name, nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)}, "eager")
     return dst
@@ -306,7 +307,7 @@ class Lane:
     # what the lane reuses
     plan: ReducePlan
     desc: Desc            # what the ranks agree on (explains a mismatch)
-    prepared: Prepared | None  # the header exchange (Runtime.prepare), or None: signature only
+    prepared: Prepared | None  # the header exchange (Agreement.prepare), or None: signature only
     # typed as run() reads them: set with ``prepared`` by _wire, read only once it is (None before)
     payload: Array        # the send buffer's payload region, shaped as the input (None: signature only)
     terms: list[Array]    # every participant's payload in rank order, shaped (ours is ``payload``)
@@ -332,14 +333,14 @@ class Lane:
             self.payload[...] = tensor
         else:
             np.multiply(tensor, self.pre, out=self.payload)
-        peers = rt.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)  # type: ignore[arg-type]  # a lane is run with its exchange
+        peers = rt.agreement.run_prepared(self.prepared, "allreduce", name, plan.dtype, plan.op, -1, self.desc)  # type: ignore[arg-type]  # a lane is run with its exchange
         agreed = time.perf_counter()
         out = tensor if in_place else np.empty(self.shape, plan.dtype)
         if peers is None:
             terms = self.terms
         else:  # a peer's join notice came instead of its header: it is left out from now on
             me, dtype, count, shape = rt.rank, plan.dtype, self.payload.size, self.shape
-            terms = [self.payload if q == me else rt.peer_payload(q, dtype, count).reshape(shape)
+            terms = [self.payload if q == me else rt.headers.peer_payload(q, dtype, count).reshape(shape)
                      for q in rt.participants]
         _reduce_into(out, terms, plan, rt.joined)
         rt.trace.record("allreduce", name, self.nbytes, start, time.perf_counter(), {"negotiate": (start, agreed)},
@@ -353,11 +354,11 @@ class Lane:
         self._wire(rt, self.prepared.agreement)  # type: ignore[union-attr]
 
     def _wire(self, rt: Runtime, own: bytes) -> None:
-        prepared = rt.prepare(own, self.nbytes)
+        prepared = rt.agreement.prepare(own, self.nbytes)
         if prepared is not None:
             dtype, count, shape = self.plan.dtype, int(np.prod(self.shape, dtype=np.int64)), self.shape
-            self.payload = rt.payload_view(dtype, count).reshape(shape)
-            self.terms = [self.payload if q == rt.rank else rt.peer_payload(q, dtype, count).reshape(shape)
+            self.payload = rt.headers.payload_view(dtype, count).reshape(shape)
+            self.terms = [self.payload if q == rt.rank else rt.headers.peer_payload(q, dtype, count).reshape(shape)
                           for q in rt.participants]
             self.prepared = prepared
 
@@ -379,7 +380,7 @@ def prepare_lane(rt: Runtime | None, entry: Reduce, op: object, average: object,
                 None, None,  # type: ignore[arg-type]  # (payload, terms: set by _wire with prepared)
                 entry.src.nbytes, pre)
     if rt is not None:
-        lane._wire(rt, rt.agreement("allreduce", dtype, plan.op, -1, entry.src.size, desc))
+        lane._wire(rt, rt.agreement.own("allreduce", dtype, plan.op, -1, entry.src.size, desc))
     return lane
 
 
@@ -415,7 +416,7 @@ class GatherLane:
         prepared exchange, one concatenation. Returns (output, every rank's dim 0)."""
         start = time.perf_counter()
         self.payload[...] = arr
-        peers = rt.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
+        peers = rt.agreement.run_prepared(self.prepared, self.kind, name, self.dtype, 0, -1, self.desc)
         if peers is None:
             out = np.empty(self.out_shape, self.dtype)
             np.concatenate(self.terms, out=out)  # type: ignore[arg-type]  # (none is None: expected headers came)
@@ -433,10 +434,10 @@ class GatherLane:
 
     def _wire(self, rt: Runtime, own: bytes, rows: Sequence[int]) -> None:
         """Prepare the exchange (this rank sends its rows and payload) and expect ``rows``."""
-        prepared = rt.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
+        prepared = rt.agreement.prepare(own, self.payload.nbytes, aux=self.payload.shape[0])
         if prepared is not None and len(rows) == rt.size:
             self.prepared = prepared
-            self.payload = rt.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
+            self.payload = rt.headers.payload_view(self.dtype, self.payload.size).reshape(self.payload.shape)
             self._expect(rt, rows)
 
     def _expect(self, rt: Runtime, rows: Sequence[int]) -> None:
@@ -448,15 +449,15 @@ class GatherLane:
         header = self.prepared.header
         sizes = {p: (rows[p], rows[p] * row_bytes) for p in rt.active}
         expected: tuple[bytes, ...] | None
-        expected = tuple(rt.peer_header(header, *sizes[p]) for p in rt.active)
-        if any(size > rt.eager_limit for _rows, size in sizes.values()):
+        expected = tuple(rt.agreement.peer_header(header, *sizes[p]) for p in rt.active)
+        if any(size > rt.headers.eager_limit for _rows, size in sizes.values()):
             expected = None  # never equal: the views below would not hold those rows
         # (Prepared.expected holds None too: its declaration in _core says tuple)
         self.prepared = self.prepared._replace(expected=expected)  # type: ignore[arg-type]
         self.rows = list(rows)
         self.terms = [self.payload if q == rt.rank else
-                      rt.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
-                          (rows[q],) + rest) if rows[q] * row_bytes <= rt.eager_limit else None
+                      rt.headers.peer_payload(q, self.dtype, rows[q] * row_bytes // self.payload.itemsize).reshape(
+                          (rows[q],) + rest) if rows[q] * row_bytes <= rt.headers.eager_limit else None
                       for q in range(rt.size)]
         self.out_shape = (sum(rows),) + rest
 
@@ -474,7 +475,7 @@ def prepare_gather_lane(rt: Runtime, kind: str, arr: Array, rows: Sequence[int],
     lane = GatherLane(kind, arr.dtype, arr.shape, desc,
                       None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
                       np.ascontiguousarray(flat), [], [], ())
-    lane._wire(rt, rt.agreement(kind, arr.dtype, 0, -1, row_elems, desc), rows)
+    lane._wire(rt, rt.agreement.own(kind, arr.dtype, 0, -1, row_elems, desc), rows)
     return lane if lane.prepared is not None else None
 
 
@@ -504,7 +505,7 @@ class CastLane:
         is_root = rt.rank == self.root
         if is_root:
             self.payload[...] = arr
-        peers = rt.run_prepared(self.prepared, "broadcast", name, self.dtype, 0, self.root, self.desc)
+        peers = rt.agreement.run_prepared(self.prepared, "broadcast", name, self.dtype, 0, self.root, self.desc)
         out = arr if in_place else np.empty(self.shape, self.dtype)
         if is_root:
             if not in_place:
@@ -522,16 +523,16 @@ class CastLane:
 
     def _wire(self, rt: Runtime, own: bytes) -> None:
         root, nbytes = self.root, self.nbytes
-        if nbytes > rt.eager_limit:
+        if nbytes > rt.headers.eager_limit:
             return
         peers = {p: (0, nbytes if p == root else -1) for p in rt.active}
-        prepared = rt.prepare(own, nbytes if rt.rank == root else -1, peers=peers)
+        prepared = rt.agreement.prepare(own, nbytes if rt.rank == root else -1, peers=peers)
         if prepared is not None:
             count = int(np.prod(self.shape, dtype=np.int64))
             if rt.rank == root:
-                self.payload = rt.payload_view(self.dtype, count).reshape(self.shape)
+                self.payload = rt.headers.payload_view(self.dtype, count).reshape(self.shape)
             else:
-                self.payload = rt.peer_payload(root, self.dtype, count).reshape(self.shape)
+                self.payload = rt.headers.peer_payload(root, self.dtype, count).reshape(self.shape)
             self.prepared = prepared
 
 
@@ -543,7 +544,7 @@ def prepare_cast_lane(rt: Runtime, arr: Array, root_rank: int, root: int,
     lane = CastLane(arr.dtype, arr.shape, root_rank, root, desc,
                     None, None,  # type: ignore[arg-type]  # (set by _wire, or the lane is not returned)
                     arr.nbytes)
-    lane._wire(rt, rt.agreement("broadcast", arr.dtype, 0, root, arr.size, desc))
+    lane._wire(rt, rt.agreement.own("broadcast", arr.dtype, 0, root, arr.size, desc))
     return lane if lane.prepared is not None else None
 
 
@@ -551,7 +552,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
            desc: LazyDesc, pending: int | None, own: bytes | None, start: float, phases: Phases) -> None:
     """Payloads inside the agreement message; every rank reduces them in rank order."""
     dtype = plan.dtype
-    payload = rt.payload_view(dtype, total)
+    payload = rt.headers.payload_view(dtype, total)
     if type(src) is Flat:
         if total:
             np.concatenate(src.arrays, out=payload)  # one C loop over the members
@@ -561,7 +562,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         np.multiply(src, dtype.type(plan.scale_pre), out=payload)
     else:
         np.copyto(payload, src)
-    rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=total * dtype.itemsize,
+    rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, preset=total * dtype.itemsize,
                  pending=pending, own=own)
     phases["negotiate"] = (start, time.perf_counter())
     # Reduce in rank order so every rank gets the same bits; our own input is read from the copy
@@ -569,7 +570,7 @@ def _eager(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     parts = rt.participants
     me = rt.rank
     out = dst if type(dst) is not Flat else rt.scratch(total * dtype.itemsize).view(dtype)
-    terms = [payload if q == me else rt.peer_payload(q, dtype, total) for q in parts]
+    terms = [payload if q == me else rt.headers.peer_payload(q, dtype, total) for q in parts]
     _reduce_into(out, terms, plan, rt.joined)
     if out is not dst:
         dst.write(0, total, out)  # type: ignore[union-attr]  # (out is a scratch copy when dst is a Flat)
@@ -624,7 +625,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     else:  # a Flat, or an array in registered memory reduced where it lies: not scaled yet
         prescaled = plan.scale_pre == 1.0
     offer = rt.shm.advertise(0 if region else nbytes, rt.config.shm_window_bytes) if shm else 0  # type: ignore[union-attr]  # shm: slots
-    peers = rt.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
+    peers = rt.agreement.negotiate("allreduce", name, dtype, plan.op, -1, total, desc, aux=offer, pending=pending,
                          own=own, region=region)
     phases["negotiate"] = (start, time.perf_counter())
     registered = (region and len(rt.participants) > 1 and total and offer and all(peers[p].aux for p in peers)
@@ -634,21 +635,7 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
         sources = None
     if len(rt.participants) == 1 or total == 0:
         algorithm = "local"
-        if single:
-            if src is not dst:
-                np.copyto(dst, src)  # type: ignore[arg-type]
-            if not prescaled:  # registered, and every peer joined: no path below scaled it
-                np.multiply(dst, dtype.type(plan.scale_pre), out=dst)  # type: ignore[arg-type]
-        else:
-            for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
-                if out is not m:
-                    np.copyto(out, m)
-                if not prescaled:
-                    np.multiply(out, dtype.type(plan.scale_pre), out=out)
-        for out in (dst.arrays if type(dst) is Flat else [dst]):
-            _finish(out, plan.scale_post, plan.divisor)
-            if rt.joined:
-                _joined_zeros(out, plan)
+        _local(rt, src, dst, plan, single, prescaled)
     elif offer and all(peers[p].aux for p in peers):
         algorithm = "shm"
         if registered:
@@ -661,20 +648,47 @@ def _large(rt: Runtime, src: Flat | Array, dst: Flat | Array, total: int, plan: 
     else:
         if algorithm not in algorithms.BODIES:  # (shm that a peer could not offer: the ring)
             algorithm = "ring"
-        if type(src) is Flat or not prescaled:
-            staged = np.empty(total, dtype)
-            _read(src, 0, total, staged)
-            if not prescaled:
-                np.multiply(staged, dtype.type(plan.scale_pre), out=staged)
-            _p2p(rt, algorithm, staged, staged, plan, total, name, phases, False)
-            if rt.joined:
-                _joined_zeros(staged, plan)
-            _write(dst, 0, total, staged)
-        else:
-            _p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased)  # type: ignore[arg-type]
-            if rt.joined:
-                _joined_zeros(dst, plan)  # type: ignore[arg-type]
+        _staged_p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased, prescaled)
     return algorithm
+
+
+def _local(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, single: bool, prescaled: bool) -> None:
+    """The allreduce of a rank alone (every peer joined) or of nothing: its own input, finished."""
+    dtype = plan.dtype
+    if single:
+        if src is not dst:
+            np.copyto(dst, src)  # type: ignore[arg-type]
+        if not prescaled:  # registered, and every peer joined: no path below scaled it
+            np.multiply(dst, dtype.type(plan.scale_pre), out=dst)  # type: ignore[arg-type]
+    else:
+        for m, out in zip(src.arrays, dst.arrays):  # type: ignore[union-attr]
+            if out is not m:
+                np.copyto(out, m)
+            if not prescaled:
+                np.multiply(out, dtype.type(plan.scale_pre), out=out)
+    for out in (dst.arrays if type(dst) is Flat else [dst]):
+        _finish(out, plan.scale_post, plan.divisor)
+        if rt.joined:
+            _joined_zeros(out, plan)
+
+
+def _staged_p2p(rt: Runtime, algorithm: str, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, total: int,
+                name: str, phases: Phases, aliased: bool, prescaled: bool) -> None:
+    """``_p2p`` on one array: ``src`` itself, or a staged copy of a fused pass (or of an input
+    still to be prescaled), written back into ``dst`` after."""
+    if type(src) is Flat or not prescaled:
+        staged = np.empty(total, plan.dtype)
+        _read(src, 0, total, staged)
+        if not prescaled:
+            np.multiply(staged, plan.dtype.type(plan.scale_pre), out=staged)
+        _p2p(rt, algorithm, staged, staged, plan, total, name, phases, False)
+        if rt.joined:
+            _joined_zeros(staged, plan)
+        _write(dst, 0, total, staged)
+    else:
+        _p2p(rt, algorithm, src, dst, plan, total, name, phases, aliased)  # type: ignore[arg-type]
+        if rt.joined:
+            _joined_zeros(dst, plan)  # type: ignore[arg-type]
 
 
 def _p2p(rt: Runtime, algorithm: str, src: Array, dst: Array, plan: ReducePlan, total: int, name: str,
@@ -685,7 +699,6 @@ def _p2p(rt: Runtime, algorithm: str, src: Array, dst: Array, plan: ReducePlan, 
               name, phases, aliased=aliased)
     else:
         algorithms.BODIES[algorithm](rt, src, dst, plan.fn, plan.scale_post, plan.divisor, name, phases, aliased)
-
 
 
 def _finish(arr: Array, postscale: float, divisor: int) -> None:
@@ -720,101 +733,143 @@ def _ring(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: float, d
     rank ``ring_order[j]``'s block of ``bounds``, so every rank still finishes its own block.
     Each step's phase names the rank it received from and, when that hop crosses hosts, says so.
     """
-    order = rt.ring_order
-    block = {q: q for q in order}  # rank -> its block of bounds
-    if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
-        order = [q for q in order if q not in rt.joined]
-        block = {q: i for i, q in enumerate(rt.participants)}
-    comm, n, r = rt.comm, len(order), order.index(rt.rank)
-    left, right = order[(r - 1) % n], order[(r + 1) % n]
-    seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
-    hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
-                            if rt.hosts[left] != rt.hosts[rt.rank] else "")
-    step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
-    what = f"allreduce '{name}' (ring, waiting on rank {left})"
-    inflight: list[MPI.Request]
-    inflight = rt._inflight = []
+    _RingPass(rt, src, dst, bounds, name, phases).run(fn, postscale, divisor, allgather, aliased)
 
-    def pieces(j: int) -> list[tuple[int, int]]:
-        lo, hi = seg[j]
+
+class _RingPass:
+    """One pass of the pipelined ring (``_ring``): the ring's order, this rank's neighbours, the
+    segments and their pieces, and the requests in flight."""
+
+    def __init__(self, rt: Runtime, src: Array, dst: Array, bounds: Sequence[int], name: str,
+                 phases: Phases) -> None:
+        order = rt.ring_order
+        block = {q: q for q in order}  # rank -> its block of bounds
+        if rt.joined:  # ranks that called join() are left out of the ring; bounds has a block a participant
+            order = [q for q in order if q not in rt.joined]
+            block = {q: i for i, q in enumerate(rt.participants)}
+        self.rt, self.src, self.dst, self.phases = rt, src, dst, phases
+        self.comm, n, r = rt.comm, len(order), order.index(rt.rank)
+        self.n, self.r = n, r
+        left, right = order[(r - 1) % n], order[(r + 1) % n]
+        self.left, self.right = left, right
+        self.seg = seg = [(bounds[block[q]], bounds[block[q] + 1]) for q in order]
+        self.hop = f"from {left}" + (f" @ {rt.hosts[left]} (network)"
+                                     if rt.hosts[left] != rt.hosts[rt.rank] else "")
+        self.step_elems = max(1, rt.config.chunk_bytes // src.itemsize)
+        self.what = f"allreduce '{name}' (ring, waiting on rank {left})"
+        self.sending = f"allreduce '{name}' (ring, sending to rank {right})"
+        self.inflight: list[MPI.Request] = []
+        rt.inflight = self.inflight
+        maxseg = max(hi - lo for lo, hi in seg)
+        scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
+        self.halves = (scratch[:maxseg], scratch[maxseg:])
+        self.sends: list[MPI.Request] = []
+        self.seg_sends: dict[int, list[MPI.Request]] = {}
+
+    def pieces(self, j: int) -> list[tuple[int, int]]:
+        """Segment ``j``'s pieces, ``chunk_bytes`` each."""
+        lo, hi = self.seg[j]
+        step_elems = self.step_elems
         return [(a, min(a + step_elems, hi)) for a in range(lo, hi, step_elems)]
 
-    maxseg = max(hi - lo for lo, hi in seg)
-    scratch = rt.scratch(2 * maxseg * src.itemsize).view(src.dtype)
-    halves = (scratch[:maxseg], scratch[maxseg:])
-
-    def post_rs(step: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
-        j = (r - step - 2) % n
-        buf, base = halves[step % 2], seg[j][0]
+    def post_rs(self, step: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
+        """Post the receives of reduce-scatter step ``step`` (into a half of the scratch)."""
+        j = (self.r - step - 2) % self.n
+        buf, base = self.halves[step % 2], self.seg[j][0]
         reqs = []
-        for a, b in pieces(j):
-            req = comm.Irecv(_bytes(buf[a - base:b - base]), left, TAG_DATA)
-            inflight.append(req)
+        for a, b in self.pieces(j):
+            req = self.comm.Irecv(_bytes(buf[a - base:b - base]), self.left, TAG_DATA)
+            self.inflight.append(req)
             reqs.append((req, a, b))
         return j, reqs
 
-    sends: list[MPI.Request] = []
-    seg_sends: dict[int, list[MPI.Request]] = {}
+    def post_ag(self, j: int) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
+        """Post the receives of segment ``j``'s allgather step (straight into ``dst``)."""
+        reqs = []
+        for a, b in self.pieces(j):
+            req = self.comm.Irecv(_bytes(self.dst[a:b]), self.left, TAG_AG)
+            self.inflight.append(req)
+            reqs.append((req, a, b))
+        return j, reqs
 
-    def send(arr: Array, a: int, b: int, tag: int, j: int) -> None:
-        req = comm.Isend(_bytes(arr[a:b]), right, tag)
-        inflight.append(req)
-        sends.append(req)
-        seg_sends.setdefault(j, []).append(req)
+    def send(self, arr: Array, a: int, b: int, tag: int, j: int) -> None:
+        """Send ``arr[a:b]`` (a piece of segment ``j``) to the right."""
+        req = self.comm.Isend(_bytes(arr[a:b]), self.right, tag)
+        self.inflight.append(req)
+        self.sends.append(req)
+        self.seg_sends.setdefault(j, []).append(req)
 
-    t0 = time.perf_counter()
-    j0 = (r - 1) % n
-    in_place = np.shares_memory(src, dst)
-    # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: out of
-    # place, post it now under its own tag so the first allgather pieces never wait in MPI's
-    # queues. In place, that memory is what step 0 sends, so it waits until those sends are done.
-    ag_next = _post_ag(rt, dst, pieces, j0, left, inflight) if allgather and not in_place else None
-    for a, b in pieces(j0):
-        send(src, a, b, TAG_DATA, j0)
-    pending = post_rs(0)
-    step_start = t0
-    for s in range(n - 1):
-        j, reqs = pending
-        if s + 1 < n - 1:
-            pending = post_rs(s + 1)
-        buf, base = halves[s % 2], seg[j][0]
-        last = s == n - 2
-        for req, a, b in reqs:
-            rt._wait([req], what, [left])
-            rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
-            out = dst[a:b]
-            fn(src[a:b], buf[a - base:b - base], out=out)
-            if last:
-                _finish(out, postscale, divisor)
-                if allgather:
-                    send(dst, a, b, TAG_AG, j)
-            else:
-                send(dst, a, b, TAG_DATA, j)
-        step_end = time.perf_counter()
-        phases[f"reduce_scatter[{s}] seg {j} {hop}"] = (step_start, step_end)
-        step_start = step_end
-    t1 = time.perf_counter()
-    phases["reduce_scatter"] = (t0, t1)
-    if allgather and in_place:
-        rt._wait(seg_sends.get(j0, []), what, [right] * len(seg_sends.get(j0, [])))
-        ag_next = _post_ag(rt, dst, pieces, j0, left, inflight)
-    if allgather:
+    def run(self, fn: np.ufunc, postscale: float, divisor: int, allgather: bool, aliased: bool) -> None:
+        """The reduce-scatter, then the allgather (when asked), then the last sends' completion."""
+        src, dst, r, n = self.src, self.dst, self.r, self.n
+        t0 = time.perf_counter()
+        j0 = (r - 1) % n
+        in_place = np.shares_memory(src, dst)
+        # Allgather step 0 lands in segment r-1 of dst, which the reduce-scatter never writes: out of
+        # place, post it now under its own tag so the first allgather pieces never wait in MPI's
+        # queues. In place, that memory is what step 0 sends, so it waits until those sends are done.
+        ag_next = self.post_ag(j0) if allgather and not in_place else None
+        for a, b in self.pieces(j0):
+            self.send(src, a, b, TAG_DATA, j0)
+        step_start = self.reduce_scatter(fn, postscale, divisor, allgather, aliased, t0)
+        t1 = time.perf_counter()
+        self.phases["reduce_scatter"] = (t0, t1)
+        if allgather and in_place:
+            sent = self.seg_sends.get(j0, [])
+            self.rt.waits.wait(sent, self.what, [self.right] * len(sent))
+            ag_next = self.post_ag(j0)
+        if allgather:
+            self.allgather(ag_next, step_start)  # type: ignore[arg-type]  # (posted above by now)
+            self.phases["allgather"] = (t1, time.perf_counter())
+        self.rt.waits.wait(self.sends, self.sending, [self.right] * len(self.sends))
+
+    def reduce_scatter(self, fn: np.ufunc, postscale: float, divisor: int, allgather: bool, aliased: bool,
+                       step_start: float) -> float:
+        """n-1 steps: reduce each piece received into ``dst`` and send it on; returns when the
+        last step ended."""
+        rt, src, dst, n, left = self.rt, self.src, self.dst, self.n, self.left
+        wait, what, send = rt.waits.wait, self.what, self.send
+        pending = self.post_rs(0)
         for s in range(n - 1):
-            j, reqs = ag_next  # type: ignore[misc]  # (posted above by now)
+            j, reqs = pending
+            if s + 1 < n - 1:
+                pending = self.post_rs(s + 1)
+            buf, base = self.halves[s % 2], self.seg[j][0]
+            last = s == n - 2
+            for req, a, b in reqs:
+                wait([req], what, [left])
+                rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
+                out = dst[a:b]
+                fn(src[a:b], buf[a - base:b - base], out=out)
+                if last:
+                    _finish(out, postscale, divisor)
+                    if allgather:
+                        send(dst, a, b, TAG_AG, j)
+                else:
+                    send(dst, a, b, TAG_DATA, j)
+            step_end = time.perf_counter()
+            self.phases[f"reduce_scatter[{s}] seg {j} {self.hop}"] = (step_start, step_end)
+            step_start = step_end
+        return step_start
+
+    def allgather(self, ag_next: tuple[int, list[tuple[MPI.Request, int, int]]], step_start: float) -> None:
+        """n-1 steps: receive each finished segment from the left and pass it on to the right."""
+        rt, dst, n, r, left, right = self.rt, self.dst, self.n, self.r, self.left, self.right
+        wait, what, seg_sends = rt.waits.wait, self.what, self.seg_sends
+        for s in range(n - 1):
+            j, reqs = ag_next
             if s + 1 < n - 1:
                 nj = (r - s - 2) % n
                 if seg_sends.get(nj):
-                    rt._wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
-                ag_next = _post_ag(rt, dst, pieces, nj, left, inflight)
+                    wait(seg_sends[nj], what, [right] * len(seg_sends[nj]))
+                ag_next = self.post_ag(nj)
             for req, a, b in reqs:
-                rt._wait([req], what, [left])
+                wait([req], what, [left])
                 if s < n - 2:
-                    send(dst, a, b, TAG_AG, j)
+                    self.send(dst, a, b, TAG_AG, j)
             step_end = time.perf_counter()
-            phases[f"allgather[{s}] seg {j} {hop}"] = (step_start, step_end)
+            self.phases[f"allgather[{s}] seg {j} {self.hop}"] = (step_start, step_end)
             step_start = step_end
-        phases["allgather"] = (t1, time.perf_counter())
-    rt._wait(sends, f"allreduce '{name}' (ring, sending to rank {right})", [right] * len(sends))
 
 
 def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int, offers: dict[int, int],
@@ -845,113 +900,134 @@ def _shared(rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan,
     scaled copy in scratch), and copies its results straight out into the members.
     Ranks that called join() take no part: blocks are split among the participants.
     """
-    slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
-    parts = rt.participants
-    n, me = len(parts), rt.rank
-    index = parts.index(me)
-    others = [q for q in parts if q != me]
-    what = f"allreduce '{name}' (shared memory)"
-    try:
-        half = slots.attach(offer, offers) // 2
-    except OSError as exc:
-        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's shared-memory slot ({exc}); set "
-                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
-    dtype = plan.dtype
-    total = src.size
-    cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
-    step = cap * n
-    slot: dict[int, Array] = {q: slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
-    count = -(-total // step)
-    pre = None if prescaled else dtype.type(plan.scale_pre)
-    # own block read straight from the input: one array, or the fused members where they lie
-    direct = type(src) is not Flat or pre is None
-    own_copy = None if direct else rt.scratch(cap * dtype.itemsize).view(dtype)
-    joined = rt.joined
+    _SharedPass(rt, src, dst, plan, offer, offers, name, aliased, prescaled).run(phases)
 
-    def blocks(k: int) -> tuple[int, list[int]]:
+
+class _SharedPass:
+    """One allreduce through the shared-memory slots (``_shared``): the slots mapped, the pieces
+    and their blocks, and the copies and reductions of one piece."""
+
+    def __init__(self, rt: Runtime, src: Flat | Array, dst: Flat | Array, plan: ReducePlan, offer: int,
+                 offers: dict[int, int], name: str, aliased: bool, prescaled: bool) -> None:
+        self.slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
+        self.rt, self.src, self.dst, self.plan, self.aliased = rt, src, dst, plan, aliased
+        self.parts = parts = rt.participants
+        self.n, self.me = n, me = len(parts), rt.rank
+        self.index = parts.index(me)
+        self.others = [q for q in parts if q != me]
+        self.what = what = f"allreduce '{name}' (shared memory)"
+        try:
+            half = self.slots.attach(offer, offers) // 2
+        except OSError as exc:
+            raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's shared-memory slot ({exc}); set "
+                            "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+        dtype = plan.dtype
+        self.total = src.size
+        self.cap = cap = max(1, half // dtype.itemsize // n)  # elements of one region: a block of a piece
+        self.step = step = cap * n
+        self.slot: dict[int, Array] = {q: self.slots.slot(q)[:2 * step * dtype.itemsize].view(dtype) for q in parts}
+        self.count = -(-self.total // step)
+        self.pre = None if prescaled else dtype.type(plan.scale_pre)
+        # own block read straight from the input: one array, or the fused members where they lie
+        self.direct = type(src) is not Flat or self.pre is None
+        self.own_copy = None if self.direct else rt.scratch(cap * dtype.itemsize).view(dtype)
+
+    def blocks(self, k: int) -> tuple[int, list[int]]:
         """Piece k's start and its blocks' bounds inside it (block i: [c[i], c[i + 1]))."""
-        a = k * step
-        length = min(step, total - a)
+        a = k * self.step
+        length = min(self.step, self.total - a)
+        n = self.n
         return a, [length * i // n for i in range(n + 1)]
 
-    def region(q: int, k: int, i: int, length: int) -> Array:
-        base = (k % 2) * step + i * cap
-        return slot[q][base:base + length]
+    def region(self, q: int, k: int, i: int, length: int) -> Array:
+        """Region ``i`` of piece ``k``'s half of rank ``q``'s slot, ``length`` elements."""
+        base = (k % 2) * self.step + i * self.cap
+        return self.slot[q][base:base + length]
 
-    def copy_in(k: int) -> None:
-        a, c = blocks(k)
-        for i in range(n):
+    def copy_in(self, k: int) -> None:
+        """Copy the blocks of piece ``k`` that the peers own into this rank's slot (prescaled)."""
+        a, c = self.blocks(k)
+        index, direct, pre, src, me = self.index, self.direct, self.pre, self.src, self.me
+        for i in range(self.n):
             if i == index and direct:
                 continue
             # (i == index here only when not direct: own_copy is an array then)
-            out = own_copy[:c[i + 1] - c[i]] if i == index else region(me, k, i, c[i + 1] - c[i])  # type: ignore[index]
+            out = self.own_copy[:c[i + 1] - c[i]] if i == index else self.region(me, k, i, c[i + 1] - c[i])  # type: ignore[index]
             _read(src, a + c[i], a + c[i + 1], out)
             if pre is not None:
                 np.multiply(out, pre, out=out)
 
-    def reduce(k: int) -> None:
-        a, c = blocks(k)
+    def reduce(self, k: int) -> None:
+        """Reduce this rank's block of piece ``k`` over every rank's input, into its slot and out."""
+        a, c = self.blocks(k)
+        index, me, parts, src, plan = self.index, self.me, self.parts, self.src, self.plan
+        joined = self.rt.joined
         lo, hi = c[index], c[index + 1]
-        out = region(me, k, index, hi - lo)
-        if type(src) is Flat and direct:  # member by member, each term read where it lies
-            theirs = [None if q == me else region(q, k, index, hi - lo) for q in parts]
+        out = self.region(me, k, index, hi - lo)
+        if type(src) is Flat and self.direct:  # member by member, each term read where it lies
+            theirs = [None if q == me else self.region(q, k, index, hi - lo) for q in parts]
             for arr, at, to, length in src.spans(a + lo, a + hi):
                 _reduce_into(out[to:to + length], [arr[at:at + length] if t is None else t[to:to + length]
                                                    for t in theirs], plan, joined)
         else:
             # (src is an array when direct here, own_copy one when not)
-            own = src[a + lo:a + hi] if direct else own_copy[:hi - lo]  # type: ignore[index]
-            _reduce_into(out, [own if q == me else region(q, k, index, hi - lo) for q in parts], plan, joined)
-        rt.partial = aliased  # dst is written from here on: no retry (Runtime.run)
-        _write(dst, a + lo, a + hi, out)
+            own = src[a + lo:a + hi] if self.direct else self.own_copy[:hi - lo]  # type: ignore[index]
+            _reduce_into(out, [own if q == me else self.region(q, k, index, hi - lo) for q in parts], plan, joined)
+        self.rt.partial = self.aliased  # dst is written from here on: no retry (Runtime.run)
+        _write(self.dst, a + lo, a + hi, out)
 
-    def copy_out(k: int) -> None:
-        a, c = blocks(k)
-        for i, q in enumerate(parts):
-            if q != me:
-                _write(dst, a + c[i], a + c[i + 1], region(q, k, i, c[i + 1] - c[i]))
+    def copy_out(self, k: int) -> None:
+        """Copy the peers' finished blocks of piece ``k`` out of their slots into ``dst``."""
+        a, c = self.blocks(k)
+        for i, q in enumerate(self.parts):
+            if q != self.me:
+                _write(self.dst, a + c[i], a + c[i + 1], self.region(q, k, i, c[i + 1] - c[i]))
 
-    def traced(k: int, label: str, t0: float, t1: float) -> None:
-        if k < _SHM_TRACED_PIECES:
-            phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
+    def run(self, phases: Phases) -> None:
+        """The pieces, pipelined: copy in k+1; sync; copy out k; reduce k+1 (see ``_shared``)."""
+        rt, others, what, count = self.rt, self.others, self.what, self.count
 
-    first = time.perf_counter()
-    copy_in(0)
-    _sync(rt, others, what)
-    slots.synced()  # every peer has mapped this rank's slot by now
-    t1 = time.perf_counter()
-    traced(0, "shm-copy-in", first, t1)  # each sync's wait ends the phase before it
-    reduce(0)
-    t2 = time.perf_counter()
-    traced(0, "shm-reduce", t1, t2)
-    for k in range(1, count):
-        copy_in(k)
+        def traced(k: int, label: str, t0: float, t1: float) -> None:
+            if k < _SHM_TRACED_PIECES:
+                phases[f"{label} piece {k}" if count > 1 else label] = (t0, t1)
+
+        first = time.perf_counter()
+        self.copy_in(0)
+        _sync(rt, others, what)
+        self.slots.synced()  # every peer has mapped this rank's slot by now
+        t1 = time.perf_counter()
+        traced(0, "shm-copy-in", first, t1)  # each sync's wait ends the phase before it
+        self.reduce(0)
+        t2 = time.perf_counter()
+        traced(0, "shm-reduce", t1, t2)
+        for k in range(1, count):
+            self.copy_in(k)
+            _sync(rt, others, what)
+            t3 = time.perf_counter()
+            traced(k, "shm-copy-in", t2, t3)
+            self.copy_out(k - 1)
+            t4 = time.perf_counter()
+            traced(k - 1, "shm-copy-out", t3, t4)
+            self.reduce(k)
+            t2 = time.perf_counter()
+            traced(k, "shm-reduce", t4, t2)
+            if k == _SHM_TRACED_PIECES:
+                rest = t3
         _sync(rt, others, what)
         t3 = time.perf_counter()
-        traced(k, "shm-copy-in", t2, t3)
-        copy_out(k - 1)
-        t4 = time.perf_counter()
-        traced(k - 1, "shm-copy-out", t3, t4)
-        reduce(k)
-        t2 = time.perf_counter()
-        traced(k, "shm-reduce", t4, t2)
-        if k == _SHM_TRACED_PIECES:
-            rest = t3
-    _sync(rt, others, what)
-    t3 = time.perf_counter()
-    copy_out(count - 1)
-    end = time.perf_counter()
-    traced(count - 1, "shm-copy-out", t3, end)
-    if count > _SHM_TRACED_PIECES:
-        phases[f"shm pieces {_SHM_TRACED_PIECES}..{count - 1}"] = (rest, end)
-    phases[f"shm ({count} x {step * dtype.itemsize // 1024} KiB)"] = (first, end)
+        self.copy_out(count - 1)
+        end = time.perf_counter()
+        traced(count - 1, "shm-copy-out", t3, end)
+        if count > _SHM_TRACED_PIECES:
+            phases[f"shm pieces {_SHM_TRACED_PIECES}..{count - 1}"] = (rest, end)
+        phases[f"shm ({count} x {self.step * self.plan.dtype.itemsize // 1024} KiB)"] = (first, end)
 
 
 def _sync(rt: Runtime, others: list[int], what: str) -> None:
     """Announce this rank's next shared-memory sync point and wait until ``others`` reach it."""
     slots: SharedSlots = rt.shm  # type: ignore[assignment]  # this path runs only with slots
     value = slots.arrive(rt.gen)
-    rt.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
+    rt.waits.poll(lambda: slots.arrived(value, others), what, lambda: slots.missing(value, others))
 
 
 def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Peers, name: str, phases: Phases,
@@ -974,18 +1050,9 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
     index = parts.index(me)
     others = [q for q in parts if q != me]
     what = f"allreduce '{name}' (shared memory, registered)"
-    try:
-        slots.attach(offer, {p: peers[p].aux for p in peers})
-        views = {q: buf if q == me else
-                 slots.region(q, peers[q].aux >> 12, peers[q].region, buf.nbytes).view(dtype) for q in parts}
-    except OSError as exc:
-        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's registered buffer ({exc}); set "
-                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+    views = _map_registered(rt, slots, buf, offer, peers, what)
     total = buf.size
     step = max(1, rt.config.shm_window_bytes // dtype.itemsize)
-
-    def sync() -> None:
-        _sync(rt, others, what)
 
     t0 = time.perf_counter()
     pieces = range(0, total, step)
@@ -998,7 +1065,7 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
     if plan.scale_pre != 1.0:
         rt.partial = True  # the input is scaled in place: a retry would scale it twice
         np.multiply(buf, dtype.type(plan.scale_pre), out=buf)
-    sync()  # every rank's input is complete, and every peer has mapped this rank's files
+    _sync(rt, others, what)  # every rank's input is complete, and every peer has mapped this rank's files
     slots.synced()
     if not rt.joined:  # a rank that called join() has not mapped it yet
         slots.mapped_by_every_peer(slots.locate(buf))
@@ -1008,15 +1075,8 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
         t1 = time.perf_counter()
         lo, hi = a + (b - a) * index // n, a + (b - a) * (index + 1) // n
         rt.partial = True  # this rank's tensor is written from here on: no retry (Runtime.run)
-        for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None
-                           else _own_terms(buf, sources, starts, lo, hi)):  # type: ignore[arg-type]  # (sources too)
-            terms = [mine if q == me else views[q][c:d] for q in parts]
-            if index >= 2 and np.may_share_memory(mine, buf):
-                # its own term is read after the first terms are reduced into it
-                terms[index] = rt.scratch((d - c) * dtype.itemsize).view(dtype)
-                np.copyto(terms[index], mine)
-            _reduce_into(buf[c:d], terms, plan, rt.joined)
-        sync()
+        _reduce_registered(rt, buf, views, plan, index, lo, hi, sources, starts)
+        _sync(rt, others, what)
         t2 = time.perf_counter()
         for i, q in enumerate(parts):
             if q != me:
@@ -1027,24 +1087,42 @@ def _registered(rt: Runtime, buf: Array, plan: ReducePlan, offer: int, peers: Pe
             suffix = f" piece {k}" if len(pieces) > 1 else ""
             phases[f"shm-reduce{suffix}"] = (t1, t2)
             phases[f"shm-copy-out{suffix}"] = (t2, t3)
-    sync()  # no peer reads this rank's tensor any more: the caller may write into it
+    _sync(rt, others, what)  # no peer reads this rank's tensor any more: the caller may write into it
     phases[f"shm registered ({len(pieces)} x {step * dtype.itemsize // 1024} KiB)"] = (t0, time.perf_counter())
 
 
-def _post_ag(rt: Runtime, dst: Array, pieces: Callable[[int], list[tuple[int, int]]], j: int, left: int,
-             inflight: list[MPI.Request]) -> tuple[int, list[tuple[MPI.Request, int, int]]]:
-    reqs = []
-    for a, b in pieces(j):
-        req = rt.comm.Irecv(_bytes(dst[a:b]), left, TAG_AG)
-        inflight.append(req)
-        reqs.append((req, a, b))
-    return j, reqs
+def _map_registered(rt: Runtime, slots: SharedSlots, buf: Array, offer: int, peers: Peers, what: str) -> dict[int, Array]:
+    """Map every peer's registered tensor: rank -> the tensor it reduces (this rank's: ``buf``)."""
+    me = rt.rank
+    try:
+        slots.attach(offer, {p: peers[p].aux for p in peers})
+        return {q: buf if q == me else
+                slots.region(q, peers[q].aux >> 12, peers[q].region, buf.nbytes).view(buf.dtype)
+                for q in rt.participants}
+    except OSError as exc:
+        raise RingError(f"{what}: rank {rt.world[me]} cannot map a peer's registered buffer ({exc}); set "
+                        "JUPYTER_RING_SHM_THRESHOLD=off on every rank to use the ring") from exc
+
+
+def _reduce_registered(rt: Runtime, buf: Array, views: dict[int, Array], plan: ReducePlan, index: int, lo: int,
+                       hi: int, sources: list[Source] | None, starts: list[int] | None) -> None:
+    """This rank's block [lo, hi) of a piece, reduced over every rank's tensor into its own (its
+    own terms read from ``sources`` where they lie, when given)."""
+    me, dtype = rt.rank, plan.dtype
+    for c, d, mine in ([(lo, hi, buf[lo:hi])] if starts is None
+                       else _own_terms(buf, sources, starts, lo, hi)):  # type: ignore[arg-type]  # (sources too)
+        terms = [mine if q == me else views[q][c:d] for q in rt.participants]
+        if index >= 2 and np.may_share_memory(mine, buf):
+            # its own term is read after the first terms are reduced into it
+            terms[index] = rt.scratch((d - c) * dtype.itemsize).view(dtype)
+            np.copyto(terms[index], mine)
+        _reduce_into(buf[c:d], terms, plan, rt.joined)
 
 
 def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: str | None) -> Array:
     """Reduce over the ranks and keep this rank's block of dim 0 (Horovod's split)."""
     start = time.perf_counter()
-    fn = _reducer(op, arr.dtype)
+    fn = reducer(op, arr.dtype)
     _pre, postscale, divisor = _scale_of(rt, arr.dtype, op, 1.0, 1.0, f"reducescatter '{name}'")
     n, r = rt.size, rt.rank
     rows = arr.shape[0] if arr.ndim else 1
@@ -1052,9 +1130,9 @@ def reducescatter(rt: Runtime, arr: Array, op: int, name: str, explicit_name: st
     row_elems = int(np.prod(rest, dtype=np.int64))
     flat = arr.reshape(-1)
     bounds = _row_bounds(rows, row_elems, n)
-    eager = rt.fits_eager(flat.nbytes)
+    eager = rt.headers.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("reducescatter", name, flat.dtype, op, -1, flat.size, desc,
+    peers = rt.agreement.negotiate("reducescatter", name, flat.dtype, op, -1, flat.size, desc,
                          payload=_bytes(flat) if eager else None)
     lo, hi = bounds[r], bounds[r + 1]
     phases = {"negotiate": (start, time.perf_counter())}
@@ -1090,9 +1168,9 @@ def allgather(rt: Runtime, arr: Array, name: str, explicit_name: str | None,
     arr = np.ascontiguousarray(arr)
     rest = arr.shape[1:]
     row_elems = int(np.prod(rest, dtype=np.int64))
-    eager = rt.fits_eager(arr.nbytes)
+    eager = rt.headers.fits_eager(arr.nbytes)
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
+    peers = rt.agreement.negotiate(kind, name, arr.dtype, 0, -1, row_elems, desc, aux=arr.shape[0],
                          payload=_bytes(arr.reshape(-1)) if eager else None)
     out, rows = _gathered(rt, arr, peers, eager, kind, name)
     rt.trace.record(kind, name, out.nbytes, start, time.perf_counter(), {})
@@ -1125,8 +1203,8 @@ def _gathered(rt: Runtime, arr: Array, peers: Peers, eager: bool, kind: str, nam
         for q in rt.peers:
             reqs.append(rt.comm.Isend(_bytes(arr.reshape(-1)), q, TAG_DATA))
             peer_of.append(q)
-    rt._inflight = reqs
-    rt._wait(reqs, f"{kind} '{name}'", peer_of)
+    rt.inflight = reqs
+    rt.waits.wait(reqs, f"{kind} '{name}'", peer_of)
     return out, [rows[q] for q in range(rt.size)]
 
 
@@ -1135,9 +1213,9 @@ def broadcast_into(rt: Runtime, arr: Array, out: Array, root: int, name: str, ex
     start = time.perf_counter()
     flat = arr.reshape(-1)
     is_root = rt.rank == root
-    eager = rt.fits_eager(flat.nbytes)
+    eager = rt.headers.fits_eager(flat.nbytes)
     desc = (("name", explicit_name), ("shape", tuple(arr.shape)))
-    peers = rt.negotiate("broadcast", name, flat.dtype, 0, root, flat.size, desc,
+    peers = rt.agreement.negotiate("broadcast", name, flat.dtype, 0, root, flat.size, desc,
                          payload=_bytes(flat) if (is_root and eager) else None)
     oflat = out.reshape(-1)
     if is_root:
@@ -1145,14 +1223,14 @@ def broadcast_into(rt: Runtime, arr: Array, out: Array, root: int, name: str, ex
             oflat[...] = flat
         if not eager:
             reqs = [rt.comm.Isend(_bytes(flat), q, TAG_DATA) for q in rt.peers]
-            rt._inflight = reqs
-            rt._wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
+            rt.inflight = reqs
+            rt.waits.wait(reqs, f"broadcast '{name}' (root sending)", rt.peers)
     elif eager:
         oflat[...] = np.frombuffer(peers[root].payload, flat.dtype, flat.size)  # type: ignore[arg-type]  # eager: the root's payload
     else:
         req = rt.comm.Irecv(_bytes(oflat), root, TAG_DATA)
-        rt._inflight = [req]
-        rt._wait([req], f"broadcast '{name}' (waiting for root {root})", [root])
+        rt.inflight = [req]
+        rt.waits.wait([req], f"broadcast '{name}' (waiting for root {root})", [root])
     rt.trace.record("broadcast", name, flat.nbytes, start, time.perf_counter(), {})
     return out
 
@@ -1170,9 +1248,9 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
     flat = arr.reshape(-1)
     starts = np.cumsum([0] + splits) * row_elems
     blocks = {q: flat[int(starts[q]):int(starts[q + 1])] for q in range(n)}
-    per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
+    per_peer = {q: (splits[q], _bytes(blocks[q]) if rt.headers.fits_eager(blocks[q].nbytes) else None) for q in rt.peers}
     desc = (("name", explicit_name), ("trailing shape", rest))
-    peers = rt.negotiate("alltoall", name, arr.dtype, 0, -1, row_elems, desc, per_peer=per_peer)
+    peers = rt.agreement.negotiate("alltoall", name, arr.dtype, 0, -1, row_elems, desc, per_peer=per_peer)
     received = [splits[q] if q == rt.rank else peers[q].aux for q in range(n)]
     offs = np.cumsum([0] + received) * row_elems
     out = np.empty((sum(received),) + rest, arr.dtype)
@@ -1193,8 +1271,8 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
         if per_peer[q][1] is None:
             reqs.append(rt.comm.Isend(_bytes(blocks[q]), q, TAG_DATA))
             peer_of.append(q)
-    rt._inflight = reqs
-    rt._wait(reqs, f"alltoall '{name}'", peer_of)
+    rt.inflight = reqs
+    rt.waits.wait(reqs, f"alltoall '{name}'", peer_of)
     rt.trace.record("alltoall", name, flat.nbytes, start, time.perf_counter(), {})
     return out, np.asarray(received, np.int32)
 
@@ -1202,7 +1280,7 @@ def alltoall(rt: Runtime, arr: Array, splits: list[int], name: str,
 def barrier(rt: Runtime, name: str) -> None:
     """Return once every rank has arrived (interruptible)."""
     start = time.perf_counter()
-    rt.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
+    rt.agreement.negotiate("barrier", name, None, 0, -1, 0, (("name", name),))
     rt.trace.record("barrier", name, 0, start, time.perf_counter(), {})
 
 
@@ -1211,16 +1289,16 @@ def broadcast_object(rt: Runtime, data: npt.NDArray[np.uint8], root: int, name: 
     """Root's pickled ``data`` (uint8 array) unpickled on every other rank (root gets None)."""
     start = time.perf_counter()
     is_root = rt.rank == root
-    eager = is_root and rt.fits_eager(data.nbytes)
-    peers = rt.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
+    eager = is_root and rt.headers.fits_eager(data.nbytes)
+    peers = rt.agreement.negotiate("broadcast_object", name, None, 0, root, 0, (("name", explicit_name),),
                          aux=data.nbytes if is_root else 0, payload=data if eager else None)
     result = None
     if is_root:
         nbytes = data.nbytes
         if not eager:
             reqs = [rt.comm.Isend(data, q, TAG_DATA) for q in rt.peers]
-            rt._inflight = reqs
-            rt._wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
+            rt.inflight = reqs
+            rt.waits.wait(reqs, f"broadcast_object '{name}' (root sending)", rt.peers)
     else:
         nbytes, payload = peers[root].aux, peers[root].payload
         if payload is not None:
@@ -1228,8 +1306,8 @@ def broadcast_object(rt: Runtime, data: npt.NDArray[np.uint8], root: int, name: 
         else:
             buf = np.empty(nbytes, np.uint8)
             req = rt.comm.Irecv(buf, root, TAG_DATA)
-            rt._inflight = [req]
-            rt._wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
+            rt.inflight = [req]
+            rt.waits.wait([req], f"broadcast_object '{name}' (waiting for root {root})", [root])
             raw = buf.tobytes()
         result = pickle.loads(raw)
     rt.trace.record("broadcast_object", name, nbytes, start, time.perf_counter(), {})

@@ -4,7 +4,7 @@ MPI cannot tell a dead peer from a slow one here (MPICH's ch4 has no failure det
 docs/architecture.md), so a collective with a dead peer would wait for the stall timeout. Whoever
 does know arms :data:`lost_ranks` with a function that returns the dead ranks' numbers: on a
 notebook's cluster, the rank's respawn (``engines._respawn``), which reads the kernel's notice
-that a rank died. ``Runtime.poll`` asks it every 0.25 s of a wait, as it asks the debugger's
+that a rank died. ``Waiter.poll`` asks it every 0.25 s of a wait, as it asks the debugger's
 hold, and raises ``RankLostError`` (a ``HorovodInternalError``) when a rank it waits with is
 among them: ``elastic.run`` then restores its last commit and re-forms the world.
 

@@ -1,6 +1,6 @@
 """How a rank waits for its peers: spin on a core of its own, give the core away where ranks share.
 
-Every wait of the runtime polls from Python (``Runtime.poll``), so that SIGINT, the stall timeout
+Every wait of the runtime polls from Python (``polling.Waiter.poll``), so that SIGINT, the stall timeout
 and a peer's resync notice are seen within milliseconds. What it does between two polls decides
 what a wait costs the machine:
 

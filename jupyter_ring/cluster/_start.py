@@ -1,0 +1,200 @@
+"""Starting a :class:`RingCluster`: the controller and the engines of its :class:`LaunchPlan`,
+the wait for every engine to register, and the ranks' set-up (``ring.init()``, GPUs, torchrun's
+environment).
+
+``start`` is ``RingCluster.start``'s body; ``SETUP_CODE`` is what every engine runs first (a
+replaced rank's too, ``_respawn``); ``not_ready`` says why a start gave up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+
+from ..engines._setup import RankRow
+from ..errors import ClusterError
+from ._death import died_starting
+from ._launchers import curve_client, ipp_cluster
+from ._plan import LaunchPlan, TorchWorld, torchrun_environment
+from ._procs import Watchdog, live_process, shm_files, sweep_mpich_segments
+
+if TYPE_CHECKING:
+    # ipyparallel ships no type information (no py.typed, no stubs): mypy reads its classes as
+    # Any, and the names say which object is meant
+    import ipyparallel as ipp
+
+    from ._ring import RingCluster
+
+__all__ = ["SETUP_CODE", "start", "not_ready"]
+
+# Run first on every engine, in the user namespace: bind the GPU before any framework import,
+# then start the runtime so that ``ring`` is there in every cell; rank 0 reserves the port of
+# torch.distributed's rendezvous (engines._torch; torch itself is not imported).
+SETUP_CODE = """\
+import os as _jr_os
+_jr_os.umask(_jr_umask)
+import jupyter_ring.engines._setup as _jr_engine
+_jr_device = _jr_engine.bind_device(_jr_gpus)
+import jupyter_ring.runtime as ring
+ring.init()
+_jr_engine.watch_cells()
+_jr_engine.number_cells()
+_jr_engine.keep_own_errors()
+_jr_engine.address_interrupts()
+_jr_engine.reply_always()
+_jr_engine.ascii_logs()
+_jr_info = _jr_engine.describe(ring, _jr_device)
+_jr_engine.arm_where(_jr_where, ring.rank())
+_jr_engine.arm_debugger(_jr_where, ring.rank())
+_jr_engine.arm_elastic(_jr_where, ring.rank())
+import jupyter_ring.engines._torch as _jr_torch
+_jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
+del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr
+"""
+
+
+def start(rc: RingCluster) -> list[RankRow]:
+    """Start controller and engines, bind devices, ``ring.init()``; return the rank rows."""
+    if rc.running:
+        raise ClusterError("a cluster is already running; %ring restart replaces it")
+    # Owner-only from creation: every file and folder written while the cluster starts
+    # (connection and cluster files, logs, pid files) is created 0600/0700 by this process
+    # or by the controller, mpiexec and engines, which inherit this umask (ipyparallel's own
+    # chmod after writing would leave a window). The ranks get the user's umask back in
+    # SETUP_CODE, so files that cells write keep their usual modes. umask is per process:
+    # another thread of this kernel creating a file meanwhile gets 0600 too (never looser).
+    rc._user_umask = os.umask(0o077)
+    try:
+        plan = rc.plan()
+        rc.note, rc.address = plan.note, plan.controller_ip
+        rc.ipp_cluster = cluster = ipp_cluster(plan)
+        try:
+            if rc.watchdog:
+                rc._watchdog = Watchdog(os.path.join(plan.profile_dir, "security"))
+                rc._watchdog.start()
+            cluster.start_controller_sync()
+            rc._watch()
+            sweep_mpich_segments()  # a stale segment named as the job's fails its MPI_Init
+            cluster.start_engines_sync(plan.n)
+            rc._watch()
+            with curve_client():
+                rc.client = cluster.connect_client_sync()
+            _wait_for_engines(rc, plan.n)
+            _setup_ranks(rc, plan)
+        except BaseException:
+            rc.stop()
+            raise
+    finally:
+        os.umask(rc._user_umask)
+    return rc.ranks
+
+
+def _wait_for_engines(rc: RingCluster, n: int) -> None:
+    """Wait until ``n`` engines registered; ClusterError (:func:`not_ready`) when
+    ``engine_timeout`` passes or the engines' job ends first. The job is looked at here every
+    half second: ipyparallel hears of its end only while its event loop runs, which outside
+    a running loop (a script, a test) it does not, and a job that failed at once cost the
+    whole timeout."""
+    client = rc._running_client
+    deadline = time.monotonic() + rc.engine_timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            client.wait_for_engines(n, timeout=max(min(left, 0.5), 0.01), block=True,
+                                    interactive=False)
+            return
+        except TimeoutError:
+            pass
+        except Exception as exc:  # ipyparallel's EngineError: the engines' job ended
+            if type(exc).__name__ != "EngineError":
+                raise
+            why = f"the engines' job ended while they started ({exc})"
+            raise ClusterError(not_ready(rc, n, why)) from exc
+        ended = _jobs_ended(rc._running_cluster) or died_starting(rc._engines_output())
+        if ended:
+            raise ClusterError(not_ready(rc, n, ended))
+        if left <= 0.5:
+            raise ClusterError(not_ready(rc, n))
+
+
+def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
+    """Run ``SETUP_CODE`` on every engine and take the ranks' rows, in rank order."""
+    client = rc._running_client
+    ids = sorted(client.ids)
+    view = client[ids]
+    view.push({"_jr_gpus": None if plan.gpus is None else list(plan.gpus),
+               "_jr_umask": rc._user_umask, "_jr_where": rc.where_dir,
+               "_jr_torch_addr": plan.torch.master_addr}, block=False)
+    ar = view.execute(SETUP_CODE, block=False)
+    if not ar.wait(rc.setup_timeout):
+        raise ClusterError(f"ring.init() did not finish on every rank in {rc.setup_timeout:g} s")
+    ar.get()
+    infos, rendezvous = zip(*view.pull(("_jr_info", "_jr_rendezvous"), block=True))
+    order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
+    rc.engine_ids = [ids[i] for i in order]
+    rc.ranks = [infos[i] for i in order]
+    rc.size = len(rc.ranks)
+    rc.view = client[rc.engine_ids]
+    rc.view.block = False
+    rc.plan_used, rc.rendezvous = plan, rendezvous[order[0]]
+    _start_torch(rc, plan.torch, rendezvous[order[0]])
+    # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
+    # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
+    rc._shm = shm_files(rc._local_rank_pids())
+    rc._watch()
+    rc._write_sidecar()
+
+
+def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int]) -> None:
+    """Give every rank torchrun's environment (computed here, from the plan's world, the
+    hosts the ranks reported and rank 0's reserved port) and its torch.distributed guard;
+    with --torch-distributed, the default process group."""
+    from ..engines import _torch
+
+    hosts = [row["host"] for row in rc.ranks]
+    address, port = rendezvous
+    run_id = rc._running_cluster.cluster_id
+    pending = [rc._running_client[eid].apply_async(
+        _torch.start, torchrun_environment(rank, hosts, address, port, run_id),
+        world.init_backend) for rank, eid in enumerate(rc.engine_ids)]
+    deadline = time.monotonic() + rc.setup_timeout
+    for ar in pending:
+        if not ar.wait(max(0.0, deadline - time.monotonic())):
+            raise ClusterError("torch.distributed's set-up did not finish on every rank in "
+                               f"{rc.setup_timeout:g} s")
+    rc.torch_backend = pending[0].get()
+
+
+def not_ready(rc: RingCluster, n: int, why: str = "") -> str:
+    """Why ``start`` gave up: how many ranks registered, and the end of the engines' output
+    (mpiexec's and the engines' own lines: where a rank that never came says why).
+    ``why``: what ended the wait before the engine timeout (the job ended, a rank died)."""
+    ready = len(rc._running_client.ids) if rc.client is not None else 0
+    lines = rc._engines_output().strip().splitlines()
+    # a rank that crashed wrote its Python stacks (PYTHONFAULTHANDLER): they begin the excerpt
+    crashed = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    tail = "\n".join(lines[crashed[-1]:crashed[-1] + 40] if crashed else lines[-20:])
+    tail = tail or "(the engines wrote nothing)"
+    why = why or f"they did not register with the controller within {rc.engine_timeout:g} s"
+    return (f"{n - ready} of {n} ranks did not start: {why} ({ready} registered). "
+            f"The end of the engines' output:\n{tail}\n"
+            "Run %ring start again; if it happens again, the lines above say why.")
+
+
+def _jobs_ended(cluster: ipp.Cluster) -> str:
+    """How the engine sets' local jobs (mpiexec) that have ended did ("" while all run). A
+    batch job's launcher (sbatch) has no process of its own here: it is not looked at."""
+    ended = []
+    for launcher in cluster.engines.values():
+        proc = getattr(launcher, "process", None)
+        if isinstance(proc, psutil.Process) and live_process(proc.pid) is None:
+            try:
+                code: object = proc.wait(0)
+            except psutil.Error:
+                code = None  # reaped by ipyparallel's own wait meanwhile
+            ended.append(f"the engines' job (pid {proc.pid}) ended while they started"
+                         + ("" if code is None else f", exit code {code}"))
+    return "; ".join(ended)
