@@ -63,3 +63,37 @@ def test_all_is_exactly_what_the_module_exports(name):
     unlisted = sorted(_defined_here(module) - set(exported))
     assert not unlisted, (f"{name} defines public names missing from __all__: {unlisted} "
                           "(export them, or start their names with _)")
+
+
+def _imported_modules(path, package):
+    """Every ``jupyter_ring...`` name imported by the file at ``path`` (relative imports resolved
+    against ``package``, its dotted package), with each ``from X import Y`` also as ``X.Y``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[:len(base) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found += [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return [name for name in found if name.startswith("jupyter_ring.")]
+
+
+@pytest.mark.parametrize("room", ["engines", "server", "runtime"])
+def test_a_room_reaches_no_private_module_of_another(room):
+    """The ranks' side (engines/), the Jupyter server's routes (server/) and the runtime use another
+    package only through what its ``__init__`` exports (docs/architecture.md, "The runtime's
+    rooms"): no ``jupyter_ring.<other>._module``."""
+    import pathlib
+
+    top = pathlib.Path(jupyter_ring.__file__).parent
+    reaching = []
+    for path in sorted((top / room).rglob("*.py")):
+        parts = path.relative_to(top.parent).with_suffix("").parts
+        package = ".".join(parts if parts[-1] == "__init__" else parts[:-1])
+        for name in _imported_modules(path, package):
+            other = name.split(".")
+            if other[1] != room and any(p.startswith("_") and not p.startswith("__") for p in other[2:]):
+                reaching.append(f"{path.relative_to(top)}: {name}")
+    assert not reaching, "\n".join(reaching)

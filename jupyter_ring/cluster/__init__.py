@@ -56,7 +56,8 @@ if TYPE_CHECKING:  # the lazy exports below, as a type checker (and a reader) sh
     from ._procs import (cluster_file_patterns as cluster_file_patterns, kill_processes as kill_processes,
                          live_process as live_process, process_trees as process_trees,
                          remove_files as remove_files, wait_exit as wait_exit)
-    from ._sidecar import mark_stopped as mark_stopped, read_sidecar as read_sidecar, remove_sidecar as remove_sidecar
+    from ._sidecar import (Sidecar as Sidecar, mark_stopped as mark_stopped, read_sidecar as read_sidecar,
+                           remove_sidecar as remove_sidecar)
     from ._where import (RankWhere as RankWhere, collect_where as collect_where,
                          format_where as format_where, rank_ranges as rank_ranges, where_dir as where_dir,
                          where_json as where_json)
@@ -78,7 +79,7 @@ _EXPORTS = {
     # for the Jupyter server's routes (server/_clusters.py): the cluster's files and processes
     "cluster_file_patterns": "_procs", "kill_processes": "_procs", "live_process": "_procs",
     "process_trees": "_procs", "remove_files": "_procs", "wait_exit": "_procs",
-    "mark_stopped": "_sidecar", "read_sidecar": "_sidecar", "remove_sidecar": "_sidecar",
+    "Sidecar": "_sidecar", "mark_stopped": "_sidecar", "read_sidecar": "_sidecar", "remove_sidecar": "_sidecar",
     "atomic_cluster_class": "_launchers", "ipp_log": "_launchers",
     "replaced_note": "_respawn", "elastic_note": "_respawn",
 }

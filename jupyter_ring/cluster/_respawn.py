@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError
+from ._plan import torchrun_environment
 from ._procs import remove_shm_files, shm_files, sweep_mpich_segments
 from ._start import SETUP_CODE
 
@@ -43,6 +44,7 @@ class Replacement(NamedTuple):
     ranks: list[int]
     rows: list[RankRow]
     seconds: float
+    notes: tuple[str, ...] = ()  # torch.distributed's groups of the old world that were dropped
 
 
 def newcomer_gpus(row: RankRow, planned: Sequence[str] | None) -> list[str] | None:
@@ -74,6 +76,14 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
         raise
     for rank in dead:
         cluster.replaced[rank] = cluster.replaced.get(rank, 0) + 1
+    if not elastic:  # (elastic: the survivors run their cell on; its torch groups are the user's)
+        event = f"the replacement of rank(s) {_names(dead)}"
+        try:
+            done = done._replace(notes=tuple(remake_torch_world(cluster, event)))
+        except BaseException:
+            cluster.replace_failed = True
+            cluster._watch()
+            raise
     # the dead ranks' segments that no live rank maps (their job's, the killed replacement's
     # never unlinked): gone now, not at stop, so that a long session of kills leaks none
     live = shm_files(cluster._local_rank_pids())
@@ -126,6 +136,30 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
     return Replacement(dead, [cluster.ranks[r] for r in dead], time.monotonic() - t0)
 
 
+def remake_torch_world(cluster: RingCluster, event: str) -> list[str]:
+    """torch.distributed for the world ``event`` made (a resize, a replacement; ``engines._scale``):
+    the old world's groups dropped on every rank, a new rendezvous store on rank 0, torchrun's
+    environment for the new world on every rank (the default group made again with
+    ``--torch-distributed``). The notes of the ranks that had groups of their own."""
+    from ..engines import _scale
+
+    if cluster.rendezvous is None:
+        return []
+    client, ids, timeout = cluster._running_client, cluster.engine_ids, cluster.setup_timeout
+    ours = cluster.torch_backend is not None
+    notes = _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.drop_torch, ours, event),
+                        timeout, "dropping torch.distributed's groups")
+    address = cluster.rendezvous[0]
+    cluster.rendezvous = address, port = cast("tuple[str, int]", _result(
+        client[ids[0]].apply_async(_scale.rendezvous, address), timeout, "torch.distributed's rendezvous"))
+    hosts = [row["host"] for row in cluster.ranks]
+    run_id = cluster._running_cluster.cluster_id
+    envs = {eid: torchrun_environment(rank, hosts, address, port, run_id) for rank, eid in enumerate(ids)}
+    _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.retorch, envs[eid], cluster.torch_backend),
+                timeout, "torch.distributed's new world")
+    return sorted({str(note) for note in notes if note})
+
+
 def _newcomers(cluster: RingCluster, known: set[int], dead: list[int]) -> list[int]:
     """The engine ids of the newcomers, once every one has registered (within ``engine_timeout``)."""
     client = cluster._running_client
@@ -142,7 +176,6 @@ def _set_up_newcomers(cluster: RingCluster, ranks_of: dict[int, int], setup_code
     """Run the rank set-up on each newcomer (engine id -> its rank in ``ranks_of``) and give it
     torchrun's environment; its row and engine id take the dead rank's place."""
     from ..engines import _torch
-    from ._plan import torchrun_environment
 
     client = cluster._running_client
     plan = cluster.plan_used
@@ -299,7 +332,8 @@ def replaced_note(done: Replacement, size: int, restarts: int, max_restarts: int
     return (f"Rank(s) {ranks} replaced in place in {done.seconds:.1f} s (restart {restarts} of "
             f"--max-restarts {max_restarts}): the new rank(s) have a fresh namespace (only `ring`); "
             f"rank(s) {_names(kept)} kept their variables. Copy variables to the new rank(s) with "
-            f"%ring sync NAME [NAME ...] --from {kept[0]}; the cell that was running must be run again.")
+            f"%ring sync NAME [NAME ...] --from {kept[0]}; the cell that was running must be run again."
+            + "".join(f"\n{note}" for note in done.notes))
 
 
 def elastic_note(done: Replacement, restarts: int, max_restarts: int) -> str:

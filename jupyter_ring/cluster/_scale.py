@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple
 
 import psutil
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError
-from ._plan import torchrun_environment
 from ._procs import kill_processes, process_trees, remove_shm_files, shm_files, wait_exit
-from ._respawn import _busy, _everywhere, _names, _result, replace_ranks
+from ._respawn import _busy, _everywhere, _names, _result, remake_torch_world, replace_ranks
 
 if TYPE_CHECKING:
     from ._ring import RingCluster
@@ -128,7 +127,7 @@ def scale(cluster: RingCluster, n: int, setup_code: str) -> Scaled:
         notes = _grow(cluster, n, setup_code) if n > old else _shrink(cluster, n)
         for row in cluster.ranks:
             row["size"] = n
-        notes += _retorch(cluster)
+        notes += remake_torch_world(cluster, "the resize (%ring scale)")
     except ClusterError as exc:
         cluster.replace_failed = True  # the world may be half re-formed: %ring restart only
         cluster._watch()
@@ -217,30 +216,6 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except psutil.Error:
         return []
-
-
-def _retorch(cluster: RingCluster) -> list[str]:
-    """torch.distributed for the new world (``engines._scale``): the old world's groups dropped
-    on every rank, a new rendezvous store on rank 0, torchrun's environment for the new size on
-    every rank (the default group made again with ``--torch-distributed``). The notes of the
-    ranks that had groups of their own."""
-    from ..engines import _scale
-
-    if cluster.rendezvous is None:
-        return []
-    client, ids, timeout = cluster._running_client, cluster.engine_ids, cluster.setup_timeout
-    ours = cluster.torch_backend is not None
-    notes = _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.drop_torch, ours),
-                        timeout, "dropping torch.distributed's groups")
-    address = cluster.rendezvous[0]
-    cluster.rendezvous = address, port = cast("tuple[str, int]", _result(
-        client[ids[0]].apply_async(_scale.rendezvous, address), timeout, "torch.distributed's rendezvous"))
-    hosts = [row["host"] for row in cluster.ranks]
-    run_id = cluster._running_cluster.cluster_id
-    envs = {eid: torchrun_environment(rank, hosts, address, port, run_id) for rank, eid in enumerate(ids)}
-    _everywhere(client, ids, lambda eid: client[eid].apply_async(_scale.retorch, envs[eid], cluster.torch_backend),
-                timeout, "torch.distributed's new world")
-    return sorted({str(note) for note in notes if note})
 
 
 def scaled_note(done: Scaled) -> str:

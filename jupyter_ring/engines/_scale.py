@@ -47,7 +47,7 @@ def shrink(size: int) -> bool:
     return True
 
 
-def drop_torch(ours: bool) -> str | None:
+def drop_torch(ours: bool, event: str = "the resize (%ring scale)") -> str | None:
     """Every rank of the new world, where torch.distributed was imported: its groups of the old
     world aborted (connections closed) and destroyed, the device transport's own groups dropped
     (the next device collective makes them over the new world). ``ours``: the default group was
@@ -61,15 +61,16 @@ def drop_torch(ours: bool) -> str | None:
 
     made = dist.is_available() and dist.is_initialized()
     default = process_groups.registry.find(dist.group.WORLD) if made else None
-    dropped = process_groups.abort_all("the world was resized (%ring scale)")
+    why = f"{event} ended the world it belonged to"
+    dropped = process_groups.abort_all(why)
     if ours and default is not None:
         dropped.remove(default.label)
-    _drop_device_groups()
+    _drop_device_groups(why)
     if made:
         dist.destroy_process_group()
     if not dropped:
         return None
-    return (f"torch.distributed: {', '.join(dropped)} belonged to the world before the resize and "
+    return (f"torch.distributed: {', '.join(dropped)} belonged to the world before {event} and "
             "was destroyed; call dist.init_process_group() (and new_group) again in a cell")
 
 
@@ -115,7 +116,7 @@ def retorch(environment: dict[str, str], backend: str | None) -> None:
         _torch._init_default_group(ring, backend)
 
 
-def _drop_device_groups() -> None:
+def _drop_device_groups(why: str) -> None:
     """The device transport's own groups (made over the old world) aborted; the next device
     collective makes a transport, and its groups, for the new world."""
     module = sys.modules.get("jupyter_ring.runtime._device.transport")
@@ -124,5 +125,5 @@ def _drop_device_groups() -> None:
     if holder is None or transport is None:
         return
     for group in list(transport._groups._private.values()):
-        group.abort("the world was resized (%ring scale)")
+        group.abort(why)
     holder.transport = None

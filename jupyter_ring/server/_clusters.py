@@ -33,8 +33,7 @@ if TYPE_CHECKING:
     from ipyparallel import Cluster
 
     from .._live import RunningCell
-    # the sidecar's record type; jupyter_ring.cluster exports read_sidecar but not its type
-    from ..cluster._sidecar import Sidecar
+    from ..cluster import Sidecar
 
 __all__ = ["ClusterNotFound", "ClusterDescription", "PanelRank", "Owner", "Session", "find_cluster_file",
            "list_clusters", "describe_cluster",

@@ -12,7 +12,8 @@ import pytest
 
 from jupyter_ring.server._clusters import describe_cluster
 from real_kernel import alive, cluster_pids, ring_kernel
-from reliability.test_respawn_notebook import CLUSTER, rank_lines, rank_pids, shm_mapped
+from reliability.test_respawn_notebook import (CLUSTER, kill_during_allreduces, rank_lines, rank_pids, shm_mapped,
+                                               xfail_on_survivor_abort)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -208,6 +209,33 @@ def test_scale_remakes_torch_distributed_and_the_device_transport_for_the_new_wo
             grown = sorted(set(grown) | set(cluster_pids(kernel)))
         kernel.ok("%ring stop", timeout=60)
         left = alive(set(old) | set(grown))
+        assert left == [], [p.cmdline() for p in left]
+
+
+def test_a_replacement_remakes_torch_distributed_for_the_new_world():
+    """``--torch-distributed`` through a rank's death (the same path as a resize): the survivors'
+    groups of the old world held the dead rank and the newcomer had none; after the replacement
+    every rank has the default group of the new world (a new rendezvous store, served by the new
+    rank 0), and torch's and the ring's device-transport allreduces are exact on every rank."""
+    with ring_kernel(2, start="%ring start -n 2 --torch-distributed",
+                     env={"JUPYTER_RING_DEVICE_TRANSPORT": "gloo"}) as kernel:
+        def check(tag):
+            out = kernel.ok("%%distributed\nimport numpy as np\n" + TORCH.format(tag=tag).split("\n", 1)[1],
+                            timeout=120)
+            assert all(rank_lines(out, r) == ["2 2 True True True"] for r in range(2)), out
+
+        check("start")
+        pids = set(cluster_pids(kernel))
+        # rank 0: the newcomer serves the new world's rendezvous store (one kill: a second one,
+        # beside a newcomer, meets issue 34's known survivor abort)
+        _, error, _ = kill_during_allreduces(kernel, 0)
+        xfail_on_survivor_abort(error, kernel, victim=0)
+        assert error is not None and error["ename"] == "DeadRankError", error
+        assert "Rank(s) 0 replaced in place" in error["evalue"], error["evalue"]
+        pids |= set(cluster_pids(kernel))
+        check("replaced")
+        kernel.ok("%ring stop", timeout=60)
+        left = alive(pids)
         assert left == [], [p.cmdline() for p in left]
 
 
