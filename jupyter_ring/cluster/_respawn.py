@@ -68,6 +68,9 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
     cluster.restarts += len(dead)
     try:
         done = replace_ranks(cluster, dead, SETUP_CODE, cluster.restarts, elastic)
+        if not elastic:  # (elastic: the survivors run their cell on; its torch groups are the user's)
+            event = f"the replacement of rank(s) {_names(dead)}"
+            done = done._replace(notes=tuple(remake_torch_world(cluster, event)))
     except BaseException:
         # the survivors may have left the old world, a late newcomer may still register:
         # no second try on this cluster, %ring restart starts every rank afresh
@@ -76,22 +79,20 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
         raise
     for rank in dead:
         cluster.replaced[rank] = cluster.replaced.get(rank, 0) + 1
-    if not elastic:  # (elastic: the survivors run their cell on; its torch groups are the user's)
-        event = f"the replacement of rank(s) {_names(dead)}"
-        try:
-            done = done._replace(notes=tuple(remake_torch_world(cluster, event)))
-        except BaseException:
-            cluster.replace_failed = True
-            cluster._watch()
-            raise
-    # the dead ranks' segments that no live rank maps (their job's, the killed replacement's
-    # never unlinked): gone now, not at stop, so that a long session of kills leaks none
+    settle_new_world(cluster)
+    return done
+
+
+def settle_new_world(cluster: RingCluster) -> None:
+    """After a replacement or a resize: the segments no live rank maps removed (the dead ranks'
+    job's, a killed replacement's never unlinked, a job whose every rank left: now, not at stop,
+    so that a long session of kills leaks none), the watchdog and the sidecar told of the new
+    processes and ranks."""
     live = shm_files(cluster._local_rank_pids())
     remove_shm_files(cluster._shm - live)
     cluster._shm = live
     cluster._watch()
     cluster._write_sidecar()
-    return done
 
 
 def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, gen: int,

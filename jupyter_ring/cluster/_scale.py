@@ -35,8 +35,8 @@ import psutil
 
 from ..engines._setup import RankRow
 from ..errors import ClusterError
-from ._procs import kill_processes, process_trees, remove_shm_files, shm_files, wait_exit
-from ._respawn import _busy, _everywhere, _names, _result, remake_torch_world, replace_ranks
+from ._procs import kill_processes, process_trees, wait_exit
+from ._respawn import _busy, _everywhere, _names, _result, remake_torch_world, replace_ranks, settle_new_world
 
 if TYPE_CHECKING:
     from ._ring import RingCluster
@@ -137,12 +137,7 @@ def scale(cluster: RingCluster, n: int, setup_code: str) -> Scaled:
         cluster.replace_failed = True
         cluster._watch()
         raise
-    # the segments that no live rank maps (those of a job whose every rank has left): gone now
-    live = shm_files(cluster._local_rank_pids())
-    remove_shm_files(cluster._shm - live)
-    cluster._shm = live
-    cluster._watch()
-    cluster._write_sidecar()
+    settle_new_world(cluster)
     added, removed = list(range(old, n)), list(range(n, old))
     return Scaled(old, n, added, removed, time.monotonic() - t0, notes)
 
