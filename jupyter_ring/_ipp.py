@@ -13,7 +13,8 @@ The callbacks run on ipyparallel's IO thread and only queue a record and wake th
 thread, which takes them in order (:meth:`CellExecution.take`) and draws them. Everything else
 the front end does with ipyparallel goes through its public API (views, ``Client.ids``,
 ``send_signal``, launchers' ``pid``/``state``/``output_file``), except the notebook's interrupt of
-a cell, a control-channel request of our own (:func:`send_control`). If an ipyparallel release
+a cell, a control-channel request of our own (:func:`send_control`), and the text a launcher kept
+of its output file once its process ended (:func:`launcher_output`). If an ipyparallel release
 changes these internals, this file is the one to change.
 """
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from ipyparallel import Client
 
-__all__ = ["Arrival", "CellExecution", "send_control"]
+__all__ = ["Arrival", "CellExecution", "launcher_output", "send_control"]
 
 # Seconds a rank's engine may be idle after a request (its iopub status for it said so) before a
 # reply that has not come counts as lost: the engine sends the reply first, but the two travel
@@ -218,3 +219,18 @@ def send_control(client: "Client", engine_ids: list[int], msg_type: str,
     idents = client._build_targets(list(engine_ids))[0]
     return [client._send(client._control_stream, msg_type, content=content, ident=ident)
             for ident in idents]
+
+
+def launcher_output(launcher: object) -> str:
+    """What an engine set's launcher (mpiexec's job) wrote: its output file while the job runs;
+    once its process has ended, ipyparallel reads the file into the launcher's ``_output`` and
+    removes it (``_log_output``), so that text then. "" where there is neither."""
+    path = getattr(launcher, "output_file", "") or ""
+    if path:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            pass
+    kept = getattr(launcher, "_output", None)
+    return kept if isinstance(kept, str) else ""

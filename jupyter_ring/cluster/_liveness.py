@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from .._ipp import launcher_output
 from ._death import RESTART_FIX, describe_death, says_how
 
 if TYPE_CHECKING:
@@ -62,22 +63,11 @@ def describe(rc: RingCluster, dead: Iterable[int], fix: str = RESTART_FIX, settl
 
 
 def engines_output(rc: RingCluster) -> str:
-    """What the engine sets wrote (mpiexec's report, the nannies' and keepers' lines); ""
-    where it cannot be read: a message built from it is the point, its detail a bonus."""
-    output = ""
+    """What the engine sets wrote (mpiexec's report, the nannies' and keepers' lines), a job
+    that has ended included (ipyparallel removes its file then and keeps the text: a rank that
+    was the last of its job, a replacement's, died with it); "" where it cannot be read: a
+    message built from it is the point, its detail a bonus."""
     try:
-        for engine_set in rc._running_cluster.engines.values():
-            output += _read(getattr(engine_set, "output_file", ""))
+        return "".join(launcher_output(engine_set) for engine_set in rc._running_cluster.engines.values())
     except Exception:  # noqa: BLE001
-        return ""
-    return output
-
-
-def _read(path: str) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
         return ""

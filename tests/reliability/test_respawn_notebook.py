@@ -8,6 +8,7 @@ tests/test_notebooks.py::test_dead_engine_is_reported_by_rank_within_2s."""
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -174,3 +175,21 @@ def test_a_replacement_that_dies_is_replaced_again():
         kernel.ok("%ring stop", timeout=60)
         left = alive(set(old) | set(new))
         assert left == [], [p.cmdline() for p in left]
+
+
+def test_a_rank_that_was_the_last_of_its_job_is_still_said_how_it_died():
+    """When a killed rank was the last live rank of its mpiexec job (a one-rank world; a
+    replacement's own job), the job ends and ipyparallel reads its output file into the launcher
+    and removes it: the death diagnosis reads that text, so it still says how the rank died
+    (before: "rank 0 @ vm died." with no cause, seen as the second death of an elastic cell)."""
+    with ring_kernel(1) as kernel:
+        pid = rank_pids(kernel)[0]
+        files = kernel.ok(f"print([e.output_file for e in {CLUSTER}._running_cluster.engines.values()])")
+        os.kill(pid, signal.SIGKILL)
+        # the job ends with its one rank; ipyparallel removes its output file as it sees the end
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f) for f in json.loads(files.strip().replace("'", '"'))):
+            assert time.monotonic() < deadline, f"the ended job's output file stayed: {files}"
+            time.sleep(0.1)
+        said = kernel.ok(f"print({CLUSTER}.describe_death([0], settle=0))")
+        assert re.search(r"rank 0 @ \S+ died \(signal: Killed\)", said), said
