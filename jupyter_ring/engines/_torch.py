@@ -310,13 +310,13 @@ class TorchGuard:
             return
         for group in groups:
             mine = self._sequence(group)
+            if mine is None:  # a backend that keeps no count (torch's "fake"): nothing to compare
+                continue
             behind: list[int] = []
             for q in range(group.size):
                 key = f"jupyter_ring/seq/{q}"
-                if q != group.rank and group.store.check([key]) and int(group.store.get(key)) < mine:  # type: ignore[operator]  # see below
+                if q != group.rank and group.store.check([key]) and int(group.store.get(key)) < mine:
                     behind.append(q)
-            # (mine is None where torch cannot tell the group's count: the comparison above then
-            # raises TypeError, which the monitor logs as a failed tick)
             if behind:
                 message = (f"rank {self.rank} waited {still:.1f} s in {group.label} collective #{mine} for "
                            f"rank(s) {behind} (group ranks), which never arrived (stall timeout {stall:g} s). "
