@@ -68,7 +68,9 @@ class RingOptions(LoggingConfigurable):
     engine_timeout = Float(60.0, config=True,
                            help="Seconds to wait for all engines to register before failing; on "
                                 "one host, 3 s more for each rank beyond the cores this process "
-                                "may use (their starts queue for the cores).")
+                                "may use (their starts queue for the cores). Past it, the wait "
+                                "goes on while engines still register (one at least every "
+                                "min(engine_timeout, 30) s).")
     setup_timeout = Float(60.0, config=True,
                           help="Seconds to wait for ring.init() on every rank; on one host, 3 s "
                                "more for each rank beyond the cores, as engine_timeout.")

@@ -94,15 +94,20 @@ def start(rc: RingCluster) -> list[RankRow]:
 
 def _wait_for_engines(rc: RingCluster, plan: LaunchPlan) -> None:
     """Wait until the plan's ``n`` engines registered; ClusterError (:func:`not_ready`) when its
-    ``engine_timeout`` (the option's, grown for ranks beyond the cores) passes or the engines'
-    job ends first. The job is looked at here every
-    half second: ipyparallel hears of its end only while its event loop runs, which outside
-    a running loop (a script, a test) it does not, and a job that failed at once cost the
-    whole timeout."""
+    ``engine_timeout`` (the option's, grown for ranks beyond the cores) has passed with no
+    engine registering for ``engine_timeout`` (the option's, at most 30 s): a start still
+    making progress on a crowded host goes on. Or when the engines' job ends first. The job is
+    looked at here every half second: ipyparallel hears of its end only while its event loop
+    runs, which outside a running loop (a script, a test) it does not, and a job that failed at
+    once cost the whole timeout."""
     client, n = rc._running_client, plan.n
-    deadline = time.monotonic() + plan.engine_timeout
+    started = last_progress = time.monotonic()
+    deadline, stall, seen = started + plan.engine_timeout, min(rc.engine_timeout, 30.0), 0
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if len(client.ids) > seen:
+            seen, last_progress = len(client.ids), now
+        left = max(deadline - now, last_progress + stall - now)
         try:
             client.wait_for_engines(n, timeout=max(min(left, 0.5), 0.01), block=True,
                                     interactive=False)
@@ -118,7 +123,8 @@ def _wait_for_engines(rc: RingCluster, plan: LaunchPlan) -> None:
         if ended:
             raise ClusterError(not_ready(rc, n, ended))
         if left <= 0.5:
-            raise ClusterError(not_ready(rc, n, timeout=plan.engine_timeout))
+            waited = max(plan.engine_timeout, round(time.monotonic() - started))
+            raise ClusterError(not_ready(rc, n, timeout=waited))
 
 
 def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
