@@ -213,8 +213,8 @@ def main() -> None:
                 for tree in trees if round_ % 2 == 0 else trees[::-1]:
                     row = run_tree(tree, n, args.cells)
                     rows.append((os.path.basename(tree.rstrip("/")), n, row))
-                    print(f"# {rows[-1][0]} {n}: load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')}",
-                          flush=True)
+                    print(f"# {rows[-1][0]} {n}: load {os.getloadavg()[0]:.1f} {time.strftime('%H:%M:%S')} "
+                          + json.dumps(row), flush=True)
     else:
         rows = [("", n, row) for n, row in run_here(ranks, args.cells)]
     table(rows)
