@@ -185,6 +185,10 @@ def table(rows: list[tuple[str, int, dict[str, float | list[str]]]]) -> None:
     problems = []
     for tree, n, row in rows:
         cells = []
+        if any(p.startswith("start:") for p in row.get("problems", [])):  # type: ignore[union-attr]
+            print(f"| {tree} | {n} | failed | " + " | ".join("-" for _ in COLUMNS[1:]) + " |")
+            problems += [f"{tree} {n}: {row['problems'][0]}"]  # type: ignore[index]
+            continue
         for column in COLUMNS:
             value = row.get(column)
             flag = "!" if any(p.startswith(column.split(" s")[0].split(" ms")[0])
