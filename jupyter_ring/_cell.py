@@ -38,6 +38,11 @@ _SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
 # A rank's failure: the rank, when its cell ended (None: unknown), what it raised.
 _Failure = tuple[int, datetime | None, BaseException]
 
+# Seconds RingMagics.interrupt_grace grows for each rank beyond the cores on one host: each
+# interrupted rank formats its KeyboardInterrupt on a core it queues for (64 ranks on 2 cores
+# at load 90: 4.3 s from the interrupt to the cell's end, against the 5 s grace).
+_GRACE_PER_CROWDED_RANK = 0.1
+
 # Line magics that keep an auto-mode cell in the notebook kernel when they open it.
 _LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
 
@@ -134,7 +139,10 @@ class CellRun:
             if not self._watch(execution, debuggers):
                 return  # the kernel is stopping: run() ends the output, says so and waits for the end
         except KeyboardInterrupt:
-            unstopped = self.interrupts.interrupt_all(self.magics.interrupt_grace)
+            plan = cluster.plan_used
+            crowded = plan.crowded if plan is not None else 0.0
+            unstopped = self.interrupts.interrupt_all(
+                self.magics.interrupt_grace + _GRACE_PER_CROWDED_RANK * crowded)
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
             self._show_interrupted(errors)
             raise CellInterrupted("you", errors, unstopped) from None

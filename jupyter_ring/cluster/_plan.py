@@ -25,8 +25,8 @@ from typing import NamedTuple, Protocol
 
 from ..launch import mpi_env
 from ._machine import Machine
-from ._sizing import (THREAD_VARS, HostSlot, crowded_start_allowance, default_size, host_slots,
-                      share_note, threads_per_rank, visible_gpus)
+from ._sizing import (CROWDED_START_S, THREAD_VARS, HostSlot, default_size, host_slots,
+                      ranks_beyond_cores, share_note, threads_per_rank, visible_gpus)
 
 __all__ = ["LaunchPlan", "LaunchOptions", "SlurmJob", "Shape", "TorchWorld", "plan_launch",
            "EnvironmentLayer", "engine_environment", "torchrun_environment", "ENVIRONMENT_LAYERS",
@@ -130,8 +130,9 @@ class LaunchPlan:
     # profile (~0.7 s sooner) instead of getting it in their environment once it is up
     send_engines_connection_env: bool = True
     engine_timeout: float = 60.0    # the option's, plus start_allowance
-    # seconds added to the engine and set-up timeouts for the ranks beyond this host's cores
-    # (one host: crowded_start_allowance; 0 where the ranks' hosts are not this one)
+    # the ranks beyond this host's cores (one host; 0 where the ranks' hosts are not this one),
+    # and the seconds that adds to the engine and set-up timeouts (CROWDED_START_S each)
+    crowded: float = 0.0
     start_allowance: float = 0.0
     slurm: SlurmJob | None = None
     torch: TorchWorld = TorchWorld("127.0.0.1", None)
@@ -173,7 +174,8 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
                          os.path.join(profile, "log", f"jupyter_ring-slurm-{machine.pid}.sbatch"))
         _check_slurm(slurm)
     keeper = mpiexec.endswith("gforker") and options.max_restarts > 0
-    allowance = crowded_start_allowance(n, environ, machine.cpus) if one_host else 0.0
+    crowded = ranks_beyond_cores(n, environ, machine.cpus) if one_host else 0.0
+    allowance = CROWDED_START_S * crowded
     return LaunchPlan(
         n=n, one_host=one_host, slots=shape.slots, keeper=keeper,
         gpus=tuple(gpus) if gpus or options.gpus != "auto" else None,
@@ -186,7 +188,8 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
         engine_args=engine_args,
         environment=engine_environment(options, machine, shape),
         send_engines_connection_env=not one_host,
-        engine_timeout=options.engine_timeout + allowance, start_allowance=allowance, slurm=slurm,
+        engine_timeout=options.engine_timeout + allowance, crowded=crowded, start_allowance=allowance,
+        slurm=slurm,
         torch=TorchWorld("127.0.0.1" if one_host else "",
                          "auto" if options.torch_distributed else None))
 

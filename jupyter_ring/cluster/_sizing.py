@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["GiB", "THREAD_VARS", "HostSlot", "visible_gpus", "default_size", "threads_per_rank", "share_note",
-           "crowded_start_allowance", "parse_ranks", "host_slots", "cpu_count", "nvidia_gpu_count"]
+           "ranks_beyond_cores", "parse_ranks", "host_slots", "cpu_count", "nvidia_gpu_count"]
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,10 @@ def _cpu_share(environ: Mapping[str, str], cpus: int) -> float:
 CROWDED_START_S = 3.0
 
 
-def crowded_start_allowance(n: int, environ: Mapping[str, str], cpus: int) -> float:
-    """Seconds added to the engine and set-up timeouts for ``n`` ranks on this host:
-    ``CROWDED_START_S`` for each rank beyond the cores this process may use."""
-    return CROWDED_START_S * max(0.0, n - _cpu_share(environ, cpus))
+def ranks_beyond_cores(n: int, environ: Mapping[str, str], cpus: int) -> float:
+    """How many of ``n`` ranks on this host are beyond the cores this process may use (0 when
+    they fit): each waits for a core, and the waits that scale with the world grow by it."""
+    return max(0.0, n - _cpu_share(environ, cpus))
 
 
 def threads_per_rank(n: int, environ: Mapping[str, str] | None = None,
