@@ -23,7 +23,7 @@ from ._cell_output import TICK, CellDashboard, CellOutput
 from ._debug import Debuggers
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, ClusterError, DeadRankError, DistributedError, _ename, _first_line,
-                     trim_traceback, where_stopped)
+                     _rank_list, trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
     from .cluster import RingCluster
@@ -334,10 +334,10 @@ class CellRun:
         self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
         notes = []
         if interrupted:
-            by_why: dict[str, list[str]] = {}
+            by_why: dict[str, list[int]] = {}
             for r, why in sorted(interrupted.items()):
-                by_why.setdefault(why, []).append(str(r))
-            notes += [f"interrupted rank(s) {', '.join(rs)}: {why}" for why, rs in by_why.items()]
+                by_why.setdefault(why, []).append(r)
+            notes += [f"interrupted rank(s) {_rank_list(rs)}: {why}" for why, rs in by_why.items()]
         if dead:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),
