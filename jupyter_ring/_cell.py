@@ -23,7 +23,7 @@ from ._cell_output import TICK, CellDashboard, CellOutput
 from ._debug import Debuggers
 from ._ipp import CellExecution
 from .errors import (CellInterrupted, ClusterError, DeadRankError, DistributedError, _ename, _first_line,
-                     trim_traceback, where_stopped)
+                     _rank_list, trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
     from .cluster import RingCluster
@@ -37,6 +37,11 @@ _SECONDARY = {"KeyboardInterrupt", "StallError", "EngineError"}
 
 # A rank's failure: the rank, when its cell ended (None: unknown), what it raised.
 _Failure = tuple[int, datetime | None, BaseException]
+
+# Seconds RingMagics.interrupt_grace grows for each rank beyond the cores on one host: each
+# interrupted rank formats its KeyboardInterrupt on a core it queues for (64 ranks on 2 cores
+# at load 90: 4.3 s from the interrupt to the cell's end, against the 5 s grace).
+_GRACE_PER_CROWDED_RANK = 0.1
 
 # Line magics that keep an auto-mode cell in the notebook kernel when they open it.
 _LOCAL_LINE_MAGICS = ("ring", "load_ext", "reload_ext", "unload_ext")
@@ -134,7 +139,10 @@ class CellRun:
             if not self._watch(execution, debuggers):
                 return  # the kernel is stopping: run() ends the output, says so and waits for the end
         except KeyboardInterrupt:
-            unstopped = self.interrupts.interrupt_all(self.magics.interrupt_grace)
+            plan = cluster.plan_used
+            crowded = plan.crowded if plan is not None else 0.0
+            unstopped = self.interrupts.interrupt_all(
+                self.magics.interrupt_grace + _GRACE_PER_CROWDED_RANK * crowded)
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
             self._show_interrupted(errors)
             raise CellInterrupted("you", errors, unstopped) from None
@@ -326,10 +334,10 @@ class CellRun:
         self.sink.select(rank)  # the headline rank's tab, not merely the first one noticed
         notes = []
         if interrupted:
-            by_why: dict[str, list[str]] = {}
+            by_why: dict[str, list[int]] = {}
             for r, why in sorted(interrupted.items()):
-                by_why.setdefault(why, []).append(str(r))
-            notes += [f"interrupted rank(s) {', '.join(rs)}: {why}" for why, rs in by_why.items()]
+                by_why.setdefault(why, []).append(r)
+            notes += [f"interrupted rank(s) {_rank_list(rs)}: {why}" for why, rs in by_why.items()]
         if dead:
             notes.append(self.cluster.describe_death(dead))
         raise DistributedError(rank, host.get(rank, "?"), exc, others, "\n".join(notes),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._cell_output import TICK
 from ._ipp import REPLY_GRACE, CellExecution
-from .errors import _ename
+from .errors import _ename, _rank_list
 
 if TYPE_CHECKING:  # the front end's modules import this one
     from .cluster import RingCluster
@@ -117,7 +117,7 @@ class CellInterrupts:
             error = execution.error(rank)
             if error is not None and _ename(error) == "StallError":
                 missing += [r for r in _stall_ranks(error) if r not in missing]
-        running = execution.running()
+        running = set(execution.running())
         late = [r for r in pending
                 if r in running and now - self.interrupted_at.get(r, now) >= _WHERE_AFTER]
         if missing:
@@ -166,7 +166,7 @@ class CellInterrupts:
         self.note_lost()
         pending = [] if finished else execution.pending()  # some may have just stopped
         if pending:
-            print(f"rank(s) {', '.join(map(str, pending))} did not stop within "
+            print(f"rank(s) {_join(pending)} did not stop within "
                   f"{grace:g} s of SIGINT; they may be stuck outside Python. "
                   "%ring status shows them; %ring restart replaces the cluster.", file=sys.stderr)
         return pending
@@ -251,4 +251,4 @@ def _stall_ranks(error: object) -> list[int]:
 
 
 def _join(ranks: Iterable[int]) -> str:
-    return ", ".join(map(str, ranks))
+    return _rank_list(ranks)  # "0-62, 64": 64 ranks in a few characters

@@ -71,20 +71,22 @@ class CellExecution:
         self._engine_ids = list(engine_ids)
         self._metadata = dict(metadata or {})
         self._futures: list[Any] = []  # ipyparallel's MessageFuture, one per rank
-        for rank, engine_id in zip(self.ranks, self._engine_ids):
-            self._futures.append(self._send(rank, engine_id))
+        # one lookup of the engines' routing identities for the whole world (a view per rank,
+        # as client[[id]] makes, cost the notebook ~2 ms of CPU a rank and cell)
+        idents = client._build_targets(self._engine_ids)[0]
+        for rank, ident in zip(self.ranks, idents):
+            self._futures.append(self._send(rank, ident))
         # copies: ipyparallel's multi_future reads the list it was given when its last child is
         # done, and resubmit() replaces an item of ours (read then, the new request's future
         # blocked the client's IO thread for good)
         self.ar = AsyncResult(client, list(self._futures), fname="execute", targets=list(self._engine_ids),
                               owner=True)
 
-    def _send(self, rank: int, engine_id: int) -> Any:
+    def _send(self, rank: int, ident: bytes) -> Any:
+        # what DirectView.execute sends for each of its targets, on the same socket
         client = self._client
-        view = client[[engine_id]]
-        idents, _ = client._build_targets([engine_id])
         return client.send_execute_request(
-            view._socket, self._code, silent=False, ident=idents[0], metadata={"label": None, **self._metadata},
+            client._mux_stream, self._code, silent=False, ident=ident, metadata={"label": None, **self._metadata},
             message_future_hook=functools.partial(self._hook, rank))
 
     def resubmit(self, rank: int, engine_id: int) -> None:
@@ -99,7 +101,7 @@ class CellExecution:
         old = self._futures[index]
         self._dropped.add(id(old))
         self._kept.append(old)  # alive, so that its id is never another future's
-        self._futures[index] = self._send(rank, engine_id)
+        self._futures[index] = self._send(rank, self._client._build_targets([engine_id])[0][0])
         self.ar.owner = False  # the survivors' requests are the new result's now
         self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
                               targets=list(self._engine_ids), owner=True)
@@ -166,8 +168,11 @@ class CellExecution:
         rank raised, if anything, is in its output (:meth:`error`).
         """
         now = time.monotonic()
-        return [r for r, f in zip(self.ranks, self._futures)
-                if not f.done() and now - self._idle_at.get(r, now) >= REPLY_GRACE]
+        return [r for r, f in zip(self.ranks, self._futures) if not f.done() and self._lost(r, now)]
+
+    def _lost(self, rank: int, now: float) -> bool:
+        # the rank's engine went idle REPLY_GRACE s ago (its reply not looked at here)
+        return now - self._idle_at.get(rank, now) >= REPLY_GRACE
 
     def running(self) -> list[int]:
         """Ranks without a reply whose engine has not gone idle either: still in the cell."""
@@ -189,7 +194,7 @@ class CellExecution:
         rank whose reply is :meth:`lost`, the error its output showed (its iopub ``error``)."""
         future = self._futures[self._index[rank]]
         if not future.done():
-            if rank not in self.lost():
+            if not self._lost(rank, time.monotonic()):  # one rank's check: this runs per rank
                 return None
             shown: BaseException | None = future.output.metadata["error"]
             return shown

@@ -87,12 +87,16 @@ class DistributedError(JupyterRingError):
         hosts = sorted({h for _, h in self.same})
         if len(ranks) == 1:
             return f"[rank {self.rank} @ {self.host}]"
-        return f"[ranks {', '.join(map(str, ranks))} @ {', '.join(hosts)}]"
+        return f"[ranks {_rank_list(ranks)} @ {', '.join(hosts)}]"
 
     def _summary(self) -> str:
         text = f"{self._where()} {self.ename}: {self.evalue}"
         if self.others:
-            text += "; also " + ", ".join(f"rank {r}: {_ename(e)}" for r, _, e in self.others)
+            # 63 ranks interrupted after one raised: one entry, not 63
+            by_kind: dict[str, list[int]] = {}
+            for r, _, e in self.others:
+                by_kind.setdefault(_ename(e), []).append(r)
+            text += "; also " + ", ".join(f"{_ranks_word(rs)}: {kind}" for kind, rs in by_kind.items())
         return text
 
     def _render_traceback_(self) -> list[str]:
@@ -103,14 +107,18 @@ class DistributedError(JupyterRingError):
         if self.others:
             lines.append("")
             lines.append(f"other ranks ({len(self.others)}), probably as a consequence:")
+            # ranks that say the same thing share a line (at 64 ranks, one line instead of 63)
+            alike: dict[tuple[str, str], list[int]] = {}
             for rank, host, error in self.others:
-                line = f"  [rank {rank} @ {host}] {_ename(error)}"
+                line = _ename(error)
                 evalue = _first_line(getattr(error, "evalue", str(error)))
                 if evalue:
                     line += f": {evalue}"
                 if rank in self.reasons:
                     line += f" (interrupted: {self.reasons[rank]})"
-                lines.append(line)
+                alike.setdefault((host, line), []).append(rank)
+            for (host, line), ranks in alike.items():
+                lines.append(f"  [{_ranks_word(ranks)} @ {host}] {line}")
         if self.note:
             lines.append(self.note)
         return lines
@@ -129,14 +137,31 @@ class CellInterrupted(JupyterRingError, KeyboardInterrupt):
         self.by = by
         self.errors = dict(errors)
         self.unstopped = list(unstopped)
-        places = [f"rank {r} {where_stopped(e)}" for r, e in sorted(self.errors.items())]
+        # ranks stopped at the same place share an entry ("ranks 0-63 at line 2: ...")
+        alike: dict[str, list[int]] = {}
+        for r, e in sorted(self.errors.items()):
+            alike.setdefault(where_stopped(e), []).append(r)
+        places = [f"{_ranks_word(rs)} {place}" for place, rs in alike.items()]
         text = f"interrupted by {by}; "
         text += "every rank stopped" if not self.unstopped else (
-            f"rank(s) {', '.join(map(str, self.unstopped))} did not stop")
+            f"rank(s) {_rank_list(self.unstopped)} did not stop")
         super().__init__(text + (": " + ", ".join(places) if places else ""))
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self}"]
+
+
+def _rank_list(ranks: Iterable[int]) -> str:
+    """``0, 1`` for two ranks, else as ``cluster.rank_ranges``: ``0-15``, ``0-5, 7, 9-63``."""
+    from .cluster._where import rank_ranges  # here: the cluster's modules import this one
+
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks)) if len(ranks) <= 2 else rank_ranges(ranks)
+
+
+def _ranks_word(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 4``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_rank_list(ranks)}"
 
 
 def where_stopped(error: object) -> str:

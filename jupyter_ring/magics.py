@@ -40,7 +40,8 @@ class RingMagics(Magics):
 
     interrupt_grace = Float(5.0, config=True,
                             help="Seconds to wait for the ranks to stop after SIGINT before "
-                                 "giving the notebook back.")
+                                 "giving the notebook back; on one host, 0.1 s more for each "
+                                 "rank beyond the cores.")
     interrupt_peers = Bool(True, config=True,
                            help="When a rank fails while others still run (e.g. blocked in a "
                                 "collective waiting for it), interrupt the others.")

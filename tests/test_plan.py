@@ -240,3 +240,25 @@ def test_planning_here_starts_nothing_and_writes_nothing(tmp_path):
     assert profile == str(tmp_path / "ipython" / "profile_default")
     assert not made, "planning made the profile"
     assert children == [], "planning left processes running"
+
+
+@pytest.mark.parametrize("n, cpus, cpu_limit, allowance", [
+    (2, 2, "", 0.0), (8, 8, "", 0.0), (3, 2, "", 3.0), (16, 2, "", 42.0), (64, 2, "", 186.0),
+    (64, 8, "2", 186.0),  # JupyterHub's CPU_LIMIT is the share the ranks queue for
+])
+def test_engine_and_setup_timeouts_grow_with_the_ranks_beyond_the_cores(n, cpus, cpu_limit, allowance):
+    environ = {"CPU_LIMIT": cpu_limit} if cpu_limit else {}
+    p = plan(Given(environ, cpus=cpus), n=n, engine_timeout=45)
+    assert (p.start_allowance, p.engine_timeout) == (allowance, 45 + allowance)
+    assert p.crowded == allowance / 3  # the ranks beyond the cores (the interrupt's grace grows by it)
+    # the controller keeps an accepted engine's registration while its heart is not beating yet
+    # (it starts after the engine's nanny and kernel) as long: else it drops the engine
+    assert f"--IPController.registration_timeout={45 + int(allowance)}" in p.controller_args
+
+
+def test_ranks_on_other_hosts_get_the_timeouts_as_given():
+    p = plan(Given(cpus=2), hosts=["a:32", "b:32"], engine_timeout=45)
+    assert (p.n, p.one_host, p.crowded, p.start_allowance, p.engine_timeout) == (64, False, 0.0, 0.0, 45)
+    assert "--IPController.registration_timeout=45" in p.controller_args
+    # never below ipyparallel's own 30 s
+    assert "--IPController.registration_timeout=30" in plan(Given(), engine_timeout=5).controller_args

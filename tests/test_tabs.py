@@ -148,6 +148,30 @@ def test_a_line_every_rank_prints_alike_is_held_until_all_came_then_leaves_once(
     assert not fold and fold.open == {}
 
 
+def test_a_line_whose_copies_keep_coming_is_held_for_them_up_to_the_longest_hold():
+    """64 ranks on 2 cores under load print one line over more than the hold: it stays one line
+    as long as its copies keep coming (each within the hold of the one before), up to hold_max."""
+    fold = _tabs.LineFold(range(64), hold=0.5, hold_max=5.0)
+    left = []
+    for rank in range(64):  # a copy every 0.07 s: 4.4 s from the first to the last
+        now = 10.0 + 0.07 * rank
+        fold.add(rank, "stdout", ["same line"], now=now)
+        left += fold.take(now + 0.05)
+        assert left == [] or rank == 63, (rank, left)
+    assert left == [("stdout", tuple(range(64)), "same line")]  # one line, once all came
+    left = []
+    for rank in range(20):  # copies every 0.3-0.4 s for ever: the line leaves 5 s after the first
+        now = 30.0 + 0.3 * rank + 0.1 * min(rank, 4)
+        fold.add(rank, "stdout", ["slow"], now=now)
+        left += [(round(now, 2), out) for out in fold.take(now)]
+    assert left == [(35.2, ("stdout", tuple(range(17)), "slow"))], left
+    assert fold.take(None) == [("stdout", (17, 18, 19), "slow")]
+    fold.add(0, "stdout", ["alone"], now=20.0)
+    fold.add(1, "stdout", ["alone"], now=20.4)
+    assert fold.take(20.8) == []  # 0.4 s after its last copy
+    assert fold.take(20.9) == [("stdout", (0, 1), "alone")]
+
+
 def test_many_ranks_fold_identical_lines_in_all_ranks_and_the_text_and_keep_their_own_tabs(capsys):
     ranks = list(range(_tabs.FOLD_FROM + 3))
     n = len(ranks)

@@ -66,9 +66,14 @@ class RingOptions(LoggingConfigurable):
                         "are only signed (HMAC key in the connection file). Costs: see "
                         "docs/benchmarks.md.")
     engine_timeout = Float(60.0, config=True,
-                           help="Seconds to wait for all engines to register before failing.")
+                           help="Seconds to wait for all engines to register before failing; on "
+                                "one host, 3 s more for each rank beyond the cores this process "
+                                "may use (their starts queue for the cores). Past it, the wait "
+                                "goes on while engines still register (one at least every "
+                                "min(engine_timeout, 30) s).")
     setup_timeout = Float(60.0, config=True,
-                          help="Seconds to wait for ring.init() on every rank.")
+                          help="Seconds to wait for ring.init() on every rank; on one host, 3 s "
+                               "more for each rank beyond the cores, as engine_timeout.")
     watchdog = Bool(True, config=True,
                     help="Start a watchdog process that kills the cluster if this process dies.")
     engine_env = List(Unicode(), config=True,

@@ -17,6 +17,7 @@ so it is not one of those layers: the plan decides what it can (:class:`TorchWor
 hosts the ranks report and rank 0's port, once they run (``RingCluster`` applies them).
 """
 
+import math
 import os
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ from typing import NamedTuple, Protocol
 
 from ..launch import mpi_env
 from ._machine import Machine
-from ._sizing import (THREAD_VARS, HostSlot, default_size, host_slots, share_note,
-                      threads_per_rank, visible_gpus)
+from ._sizing import (CROWDED_START_S, THREAD_VARS, HostSlot, default_size, host_slots,
+                      ranks_beyond_cores, share_note, threads_per_rank, visible_gpus)
 
 __all__ = ["LaunchPlan", "LaunchOptions", "SlurmJob", "Shape", "TorchWorld", "plan_launch",
            "EnvironmentLayer", "engine_environment", "torchrun_environment", "ENVIRONMENT_LAYERS",
@@ -128,7 +129,11 @@ class LaunchPlan:
     # one host: engines start with the controller and read its connection file from the
     # profile (~0.7 s sooner) instead of getting it in their environment once it is up
     send_engines_connection_env: bool = True
-    engine_timeout: float = 60.0
+    engine_timeout: float = 60.0    # the option's, plus start_allowance
+    # the ranks beyond this host's cores (one host; 0 where the ranks' hosts are not this one),
+    # and the seconds that adds to the engine and set-up timeouts (CROWDED_START_S each)
+    crowded: float = 0.0
+    start_allowance: float = 0.0
     slurm: SlurmJob | None = None
     torch: TorchWorld = TorchWorld("127.0.0.1", None)
     # each rank runs under engines._keeper, so that a dead rank can be replaced in place (one
@@ -169,19 +174,22 @@ def plan_launch(options: LaunchOptions, machine: Machine | None = None) -> Launc
                          os.path.join(profile, "log", f"jupyter_ring-slurm-{machine.pid}.sbatch"))
         _check_slurm(slurm)
     keeper = mpiexec.endswith("gforker") and options.max_restarts > 0
+    crowded = ranks_beyond_cores(n, environ, machine.cpus) if one_host else 0.0
+    allowance = CROWDED_START_S * crowded
     return LaunchPlan(
         n=n, one_host=one_host, slots=shape.slots, keeper=keeper,
         gpus=tuple(gpus) if gpus or options.gpus != "auto" else None,
         note=share_note(n, gpus, environ, machine.cpus) if options.n is not None and one_host
         else "",
         profile_dir=profile, controller_ip=controller_ip,
-        controller_args=_controller_args(options),
+        controller_args=_controller_args(options, options.engine_timeout + allowance),
         engine_launcher=SLURM_LAUNCHER if launcher == "slurm" else "mpi",
         mpiexec=mpiexec, mpi_args=exitinfo + _mpi_args(options, machine),
         engine_args=engine_args,
         environment=engine_environment(options, machine, shape),
         send_engines_connection_env=not one_host,
-        engine_timeout=options.engine_timeout, slurm=slurm,
+        engine_timeout=options.engine_timeout + allowance, crowded=crowded, start_allowance=allowance,
+        slurm=slurm,
         torch=TorchWorld("127.0.0.1" if one_host else "",
                          "auto" if options.torch_distributed else None))
 
@@ -226,11 +234,17 @@ def _size(options: LaunchOptions, environ: Mapping[str, str], slots: Sequence[Ho
     return default_size(gpus, environ, cpus)
 
 
-def _controller_args(options: LaunchOptions) -> tuple[str, ...]:
+def _controller_args(options: LaunchOptions, engine_timeout: float) -> tuple[str, ...]:
     # the controller declares an engine dead after heartbeat_tolerance seconds of missed beats
     misses = max(3, round(options.heartbeat_tolerance * 1000 / options.heartbeat_period))
+    # An engine's heart starts beating only once it has started its nanny and its kernel after
+    # the controller accepted it; a registration whose first beat takes longer than this is
+    # dropped, the engine running on unseen (ipyparallel's 30 s: 64 ranks on 2 cores under load
+    # were all dropped). As long as the kernel waits for the engines, at least 30 s.
+    registration = max(30, math.ceil(engine_timeout))
     return (f"--HeartMonitor.period={options.heartbeat_period}",
             f"--HeartMonitor.max_heartmonitor_misses={misses}",
+            f"--IPController.registration_timeout={registration}",
             f"--IPController.db_class={options.controller_db}",
             f"--IPController.enable_curve={options.encrypt}",
             # its warnings are noise here: one "unhandled iopub msg_type: 'data_message'" per

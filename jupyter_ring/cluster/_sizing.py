@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 __all__ = ["GiB", "THREAD_VARS", "HostSlot", "visible_gpus", "default_size", "threads_per_rank", "share_note",
-           "parse_ranks", "host_slots", "cpu_count", "nvidia_gpu_count"]
+           "ranks_beyond_cores", "parse_ranks", "host_slots", "cpu_count", "nvidia_gpu_count"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,19 @@ def _cpu_share(environ: Mapping[str, str], cpus: int) -> float:
     except ValueError:
         limit = cpus
     return max(1.0, min(float(cpus), limit))
+
+
+# Seconds the engine and set-up timeouts grow for each rank beyond the cores it may use on one
+# host: a rank's start (its engine, nanny and keeper: imports, registration, ring.init()) is
+# about a CPU-second, and the ranks beyond the cores queue for them, so a fixed 60 s gave up on
+# 64 ranks on 2 cores under load with none registered yet. Room for a host shared with others.
+CROWDED_START_S = 3.0
+
+
+def ranks_beyond_cores(n: int, environ: Mapping[str, str], cpus: int) -> float:
+    """How many of ``n`` ranks on this host are beyond the cores this process may use (0 when
+    they fit): each waits for a core, and the waits that scale with the world grow by it."""
+    return max(0.0, n - _cpu_share(environ, cpus))
 
 
 def threads_per_rank(n: int, environ: Mapping[str, str] | None = None,

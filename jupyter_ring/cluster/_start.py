@@ -82,7 +82,7 @@ def start(rc: RingCluster) -> list[RankRow]:
             rc._watch()
             with curve_client():
                 rc.client = cluster.connect_client_sync()
-            _wait_for_engines(rc, plan.n)
+            _wait_for_engines(rc, plan)
             _setup_ranks(rc, plan)
         except BaseException:
             rc.stop()
@@ -92,16 +92,22 @@ def start(rc: RingCluster) -> list[RankRow]:
     return rc.ranks
 
 
-def _wait_for_engines(rc: RingCluster, n: int) -> None:
-    """Wait until ``n`` engines registered; ClusterError (:func:`not_ready`) when
-    ``engine_timeout`` passes or the engines' job ends first. The job is looked at here every
-    half second: ipyparallel hears of its end only while its event loop runs, which outside
-    a running loop (a script, a test) it does not, and a job that failed at once cost the
-    whole timeout."""
-    client = rc._running_client
-    deadline = time.monotonic() + rc.engine_timeout
+def _wait_for_engines(rc: RingCluster, plan: LaunchPlan) -> None:
+    """Wait until the plan's ``n`` engines registered; ClusterError (:func:`not_ready`) when its
+    ``engine_timeout`` (the option's, grown for ranks beyond the cores) has passed with no
+    engine registering for ``engine_timeout`` (the option's, at most 30 s): a start still
+    making progress on a crowded host goes on. Or when the engines' job ends first. The job is
+    looked at here every half second: ipyparallel hears of its end only while its event loop
+    runs, which outside a running loop (a script, a test) it does not, and a job that failed at
+    once cost the whole timeout."""
+    client, n = rc._running_client, plan.n
+    started = last_progress = time.monotonic()
+    deadline, stall, seen = started + plan.engine_timeout, min(rc.engine_timeout, 30.0), 0
     while True:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if len(client.ids) > seen:
+            seen, last_progress = len(client.ids), now
+        left = max(deadline - now, last_progress + stall - now)
         try:
             client.wait_for_engines(n, timeout=max(min(left, 0.5), 0.01), block=True,
                                     interactive=False)
@@ -117,7 +123,8 @@ def _wait_for_engines(rc: RingCluster, n: int) -> None:
         if ended:
             raise ClusterError(not_ready(rc, n, ended))
         if left <= 0.5:
-            raise ClusterError(not_ready(rc, n))
+            waited = max(plan.engine_timeout, round(time.monotonic() - started))
+            raise ClusterError(not_ready(rc, n, timeout=waited))
 
 
 def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
@@ -129,8 +136,9 @@ def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
                "_jr_umask": rc._user_umask, "_jr_where": rc.where_dir,
                "_jr_torch_addr": plan.torch.master_addr}, block=False)
     ar = view.execute(SETUP_CODE, block=False)
-    if not ar.wait(rc.setup_timeout):
-        raise ClusterError(f"ring.init() did not finish on every rank in {rc.setup_timeout:g} s")
+    timeout = rc.setup_timeout + plan.start_allowance  # ranks beyond the cores queue for them
+    if not ar.wait(timeout):
+        raise ClusterError(f"ring.init() did not finish on every rank in {timeout:g} s")
     ar.get()
     infos, rendezvous = zip(*view.pull(("_jr_info", "_jr_rendezvous"), block=True))
     order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
@@ -140,7 +148,7 @@ def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
     rc.view = client[rc.engine_ids]
     rc.view.block = False
     rc.plan_used, rc.rendezvous = plan, rendezvous[order[0]]
-    _start_torch(rc, plan.torch, rendezvous[order[0]])
+    _start_torch(rc, plan.torch, rendezvous[order[0]], timeout)
     # MPICH unlinks its shared-memory segments only in MPI_Finalize: note them now, while
     # the ranks are alive, so that a rank killed later leaves no file behind (stop, watchdog)
     rc._shm = shm_files(rc._local_rank_pids())
@@ -148,7 +156,7 @@ def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
     rc._write_sidecar()
 
 
-def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int]) -> None:
+def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int], timeout: float) -> None:
     """Give every rank torchrun's environment (computed here, from the plan's world, the
     hosts the ranks reported and rank 0's reserved port) and its torch.distributed guard;
     with --torch-distributed, the default process group."""
@@ -160,25 +168,27 @@ def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int]
     pending = [rc._running_client[eid].apply_async(
         _torch.start, torchrun_environment(rank, hosts, address, port, run_id),
         world.init_backend) for rank, eid in enumerate(rc.engine_ids)]
-    deadline = time.monotonic() + rc.setup_timeout
+    deadline = time.monotonic() + timeout
     for ar in pending:
         if not ar.wait(max(0.0, deadline - time.monotonic())):
             raise ClusterError("torch.distributed's set-up did not finish on every rank in "
-                               f"{rc.setup_timeout:g} s")
+                               f"{timeout:g} s")
     rc.torch_backend = pending[0].get()
 
 
-def not_ready(rc: RingCluster, n: int, why: str = "") -> str:
+def not_ready(rc: RingCluster, n: int, why: str = "", timeout: float | None = None) -> str:
     """Why ``start`` gave up: how many ranks registered, and the end of the engines' output
     (mpiexec's and the engines' own lines: where a rank that never came says why).
-    ``why``: what ended the wait before the engine timeout (the job ended, a rank died)."""
+    ``why``: what ended the wait before the engine timeout (the job ended, a rank died);
+    ``timeout``: the seconds waited (default ``engine_timeout``)."""
     ready = len(rc._running_client.ids) if rc.client is not None else 0
     lines = rc._engines_output().strip().splitlines()
     # a rank that crashed wrote its Python stacks (PYTHONFAULTHANDLER): they begin the excerpt
     crashed = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
     tail = "\n".join(lines[crashed[-1]:crashed[-1] + 40] if crashed else lines[-20:])
     tail = tail or "(the engines wrote nothing)"
-    why = why or f"they did not register with the controller within {rc.engine_timeout:g} s"
+    waited = rc.engine_timeout if timeout is None else timeout
+    why = why or f"they did not register with the controller within {waited:g} s"
     return (f"{n - ready} of {n} ranks did not start: {why} ({ready} registered). "
             f"The end of the engines' output:\n{tail}\n"
             "Run %ring start again; if it happens again, the lines above say why.")

@@ -48,9 +48,12 @@ FINAL_MAX = 8 * 1024 * 1024
 # 1 MB per rank, that was ~15 % of its time).
 LIVE_PERIOD = 0.1
 # From this many ranks on, identical lines of several ranks are folded into one (see LineFold);
-# a line waits at most FOLD_HOLD seconds for its copies from the other ranks.
+# a line waits FOLD_HOLD seconds for its copies from the other ranks, and as long again after
+# each copy that came, FOLD_HOLD_MAX seconds at most: 64 ranks on 2 cores under load print one
+# line over more than FOLD_HOLD, and a fixed hold cut it into two folded lines.
 FOLD_FROM = 5
 FOLD_HOLD = 0.5
+FOLD_HOLD_MAX = 5.0
 
 # One live display of the tabs: (ipywidgets Tab, its Output per tab, the display id); ipywidgets
 # ships no annotations, hence Any.
@@ -58,12 +61,13 @@ _View: TypeAlias = "tuple[Any, list[Any], str]"
 
 
 class _Group:
-    """One line (of one stream) as printed by ``ranks`` so far; ``since``: its first arrival."""
+    """One line (of one stream) as printed by ``ranks`` so far; ``since``: its first arrival,
+    ``last``: its latest."""
 
-    __slots__ = ("name", "line", "ranks", "since")
+    __slots__ = ("name", "line", "ranks", "since", "last")
 
     def __init__(self, name: str, line: str, rank: int, since: float) -> None:
-        self.name, self.line, self.ranks, self.since = name, line, {rank}, since
+        self.name, self.line, self.ranks, self.since, self.last = name, line, {rank}, since, since
 
 
 class LineFold:
@@ -71,13 +75,14 @@ class LineFold:
 
     A rank's line joins the oldest held group of the same stream and text that lacks that rank
     (so a rank printing one line twice makes two groups), else starts a group. Groups leave in
-    the order of their first line, once every rank is in, or ``hold`` seconds after their first
-    line came (a line no other rank prints waits that long); ``take(None)`` empties it.
+    the order of their first line, once every rank is in, or once ``hold`` seconds passed without
+    a copy coming (a line no other rank prints waits that long), or ``hold_max`` seconds after
+    their first line; ``take(None)`` empties it.
     """
 
-    def __init__(self, ranks: Iterable[int], hold: float = FOLD_HOLD) -> None:
+    def __init__(self, ranks: Iterable[int], hold: float = FOLD_HOLD, hold_max: float = FOLD_HOLD_MAX) -> None:
         self.size = len(set(ranks))
-        self.hold = hold
+        self.hold, self.hold_max = hold, hold_max
         self.groups: deque[_Group] = deque()  # held groups, oldest first
         self.open: dict[tuple[str, str], list[_Group]] = {}  # (stream, line) -> its held groups, oldest first
 
@@ -87,6 +92,7 @@ class LineFold:
             for group in self.open.get(key, ()):
                 if rank not in group.ranks:
                     group.ranks.add(rank)
+                    group.last = now
                     break
             else:
                 group = _Group(name, line, rank, now)
@@ -100,8 +106,9 @@ class LineFold:
         groups = self.groups
         while groups:
             group = groups[0]
-            if now is not None and len(group.ranks) < self.size and now - group.since < self.hold:
-                break
+            if (now is not None and len(group.ranks) < self.size and now - group.last < self.hold
+                    and now - group.since < self.hold_max):
+                break  # copies still coming
             groups.popleft()
             held = self.open[group.name, group.line]
             held.remove(group)

@@ -272,16 +272,50 @@ export function renderWhereReport(report: IWhereReport, at: Date = new Date()): 
       `${report.ranks.length} rank(s) at ${at.toLocaleTimeString()}, innermost frame first`)
   );
   const summary = el('ul', 'jp-RingPanel-whereRanks');
-  for (const rank of report.ranks) {
-    const doing = rank.problem ? 'stack not read' : rank.doing || rank.state;
-    const item = el('li', `jp-mod-${rank.problem ? 'unread' : rank.state}`,
-      `rank ${rank.rank}: ${doing}`);
-    item.dataset.rank = String(rank.rank);
+  for (const line of whereLines(report.ranks)) {
+    const many = line.ranks.length > 1;
+    const item = el('li', `jp-mod-${line.state}`,
+      `${many ? 'ranks' : 'rank'} ${rankRanges(line.ranks)}: ${line.doing}`);
+    item.dataset[many ? 'ranks' : 'rank'] = rankRanges(line.ranks);
     summary.appendChild(item);
   }
   body.appendChild(summary);
   body.appendChild(el('pre', 'jp-RingPanel-whereText', report.text));
   return body;
+}
+
+/** One line of the Where? dialog: the ranks it stands for, their state class and what they do. */
+export interface IWhereLine {
+  ranks: number[];
+  state: string;
+  doing: string;
+}
+
+/**
+ * The Where? dialog's lines: a line per rank up to ``COMPACT_FROM`` ranks; beyond, ranks whose
+ * line reads alike but for its seconds share one (64 ranks waiting in one allreduce: one line,
+ * worded as its first rank's), in the order of their first rank.
+ */
+export function whereLines(ranks: IWhereReport['ranks']): IWhereLine[] {
+  const lines = ranks.map(rank => ({
+    ranks: [rank.rank],
+    state: rank.problem ? 'unread' : rank.state,
+    doing: rank.problem ? 'stack not read' : rank.doing || rank.state
+  }));
+  if (lines.length <= COMPACT_FROM) {
+    return lines;
+  }
+  const groups = new Map<string, IWhereLine>();
+  for (const line of [...lines].sort((a, b) => a.ranks[0] - b.ranks[0])) {
+    const key = `${line.state}|${line.doing.replace(/\d+(\.\d+)? s\b/g, 's')}`;
+    const group = groups.get(key);
+    if (group) {
+      group.ranks.push(line.ranks[0]);
+    } else {
+      groups.set(key, { ...line, ranks: [...line.ranks] });
+    }
+  }
+  return Array.from(groups.values());  // in the order of their first rank, each's ranks sorted
 }
 
 /** The card's meta line: "2 ranks · restarts 1/3 · profile default" (restarts where ranks are

@@ -1,4 +1,4 @@
-import { COMPACT_FROM, rankGroups, rankRanges, renderClusters, renderWhereReport } from '../src/render';
+import { COMPACT_FROM, rankGroups, rankRanges, renderClusters, renderWhereReport, whereLines } from '../src/render';
 import { makeCluster } from './fixtures';
 
 function buttons(node: HTMLElement): Record<string, HTMLButtonElement> {
@@ -88,6 +88,44 @@ describe('renderClusters', () => {
 });
 
 describe('renderWhereReport', () => {
+  // 64 ranks: 62 wait in one allreduce (each for its own seconds), rank 5 runs its own code,
+  // rank 40's stack was not read
+  function sixtyFour() {
+    return Array.from({ length: 64 }, (_, rank) => {
+      const base = { rank, host: 'vm', pid: 1000 + rank, waiting_for: [5], threads: [], problem: '' };
+      if (rank === 5) {
+        return { ...base, state: 'running', waiting_for: [], doing: 'running (not in a collective)' };
+      }
+      if (rank === 40) {
+        return { ...base, state: 'unknown', waiting_for: [], doing: '', problem: 'no stack dump within 3 s' };
+      }
+      const s = (3 + rank / 100).toFixed(2);
+      return { ...base, state: 'waiting', doing: `inside allreduce 'g' for ${s} s, waiting for rank(s) 5 for ${s} s` };
+    });
+  }
+
+  it('gives 64 ranks a line per thing they do, their ranks as ranges, in rank order', () => {
+    const ranks = sixtyFour();
+    expect(whereLines(ranks).map(l => [rankRanges(l.ranks), l.state])).toEqual([
+      ['0-4, 6-39, 41-63', 'waiting'], ['5', 'running'], ['40', 'unread']
+    ]);
+    const body = renderWhereReport({ id: 'c-64', text: '(report)', ranks: [...ranks].reverse() });
+    const items = Array.from(body.querySelectorAll('li')).map(li => li.textContent);
+    expect(items).toEqual([
+      "ranks 0-4, 6-39, 41-63: inside allreduce 'g' for 3.00 s, waiting for rank(s) 5 for 3.00 s",
+      'rank 5: running (not in a collective)',
+      'rank 40: stack not read'
+    ]);
+    expect(body.querySelector('li[data-ranks="0-4, 6-39, 41-63"]')).not.toBeNull();
+    expect(body.querySelector('li[data-rank="5"]')).not.toBeNull();
+    expect(body.querySelector('.jp-RingPanel-whereMeta')!.textContent).toContain('64 rank(s) at');
+  });
+
+  it(`keeps a line per rank up to ${COMPACT_FROM} ranks`, () => {
+    const ranks = sixtyFour().slice(0, COMPACT_FROM);
+    expect(whereLines(ranks).map(l => l.ranks)).toEqual(ranks.map(r => [r.rank]));
+  });
+
   it('offers Where? on a live cluster, also an orphan, and calls onAction with it', () => {
     const node = document.createElement('div');
     const calls: string[] = [];
