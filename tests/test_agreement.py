@@ -75,6 +75,11 @@ def test_relayed_agreement_joins_with_ranks_out_of_data_at_different_steps(mpiru
     all_ranks_ok(mpirun("rt_engine.py", n, "join", env=LOG, timeout=180), n)
 
 
+def test_relayed_agreement_in_process_sets_with_failures_named_by_global_rank(mpirun):
+    """Process sets run their own relayed agreement; a bad root on every member poisons alike."""
+    all_ranks_ok(mpirun("rt_engine.py", 3, "sets", env={**LOG, "JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=120), 3)
+
+
 def test_relayed_agreement_resyncs_after_abandoned_rounds_and_async_failures(mpirun):
     """rt_engine's async mode: background interrupts and stalls, and resyncs in a row announced
     by a rank whose peers are still finishing the collective before (``Recovery.must_restart``)."""

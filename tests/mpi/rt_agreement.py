@@ -121,6 +121,10 @@ if n > 1:
         expect("a peer's bad root", ring.PeerError, [f"rank {bad}", "'b'"],
                lambda: ring.broadcast(np.ones(3), root_rank=0, name="b"))
     exact("after a second poison", 4)
+    # every rank's arguments bad alike: each raises its own error, none a peer's, then exact
+    expect("bad root on every rank", ValueError, ["root_rank"],
+           lambda: ring.broadcast(np.ones(3), root_rank=-1, name="b2"))
+    exact("after every rank's poison", 5)
 
 print(f"RANK_FAIL {r}: " + "; ".join(failures[:20]) if failures else f"RANK_OK {r}", flush=True)
 ring.shutdown()

@@ -382,6 +382,12 @@ class Agreement:
         rt.seq += 1
         buf = bytearray(HEADER_BYTES + len(text))
         message = h.message(buf, own, len(text), np.frombuffer(text, np.uint8), -1)
+        if self.gather is not None and self.gather.pending is not None:
+            # this rank resynced on its way here and kept a peer's poison for this very collective:
+            # every rank has it already (met while waiting, kept at its resync, or sent it), so
+            # this rank's own would reach ranks that are past it on the fresh communicator
+            self.gather.pending = None
+            return
         if self.gather is not None:
             # Relayed headers cannot carry it (this rank relays nothing of this collective): it
             # goes to every peer directly, joined ones too (they relay). Peers' rows sent to this

@@ -42,7 +42,12 @@ RD_MAX_BYTES = 256 * KiB
 
 AGREEMENTS = ("auto", "all", "log")
 # From this many ranks on, ``auto`` relays the agreement's headers in ⌈log2 n⌉ steps instead of
-# sending them to every peer (docs/scaling.md, "The agreement").
+# sending them to every peer. Not yet at any world size: measured on this 2-core machine at 4, 8,
+# 16 and 32 ranks (oversubscribed, the only worlds it holds) the relay lost to the direct exchange
+# (each of its steps waits for one more rank to be scheduled, while the direct messages are all in
+# flight at once) and it gives up the eager path; the model (docs/scaling.md, "The agreement") puts
+# its gain on a LAN, ranks with cores of their own, past ~16 ranks, unmeasured. Opt in with
+# JUPYTER_RING_AGREEMENT=log.
 LOG_AGREEMENT_RANKS = 1 << 30
 
 

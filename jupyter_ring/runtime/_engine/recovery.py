@@ -157,7 +157,9 @@ class Recovery:
         rt = self.rt
         target = rt.gen + 1
         newcomm = self._announce_and_dup(target)
-        if rt.agreement.gather is not None:
+        if rt.agreement.gather is not None and not rt.dirty:
+            # a clean rank resyncs for a peer's notice: a poison left unread is for the collective
+            # it is about to run (a dirty rank is done with its own: it raised, or poisoned it too)
             rt.agreement.gather.keep_poison()
         old = rt.comm
         for reqs, _ in self._abandoned + [(self.drains, None)]:
