@@ -39,7 +39,7 @@ def _fold(n: int) -> int:
 
 # algorithm -> (S, M, V) for n ranks, m bytes (the agreement: one step, n−1 header messages)
 COSTS: dict[str, Callable[[int, int], tuple[float, float, float]]] = {
-    "agree": lambda n, m: (1, n - 1, 48 * (n - 1)),
+    "agree": lambda n, m: (1, n - 1, 56 * (n - 1)),  # 56-byte headers (wire.HEADER_BYTES)
     "eager": lambda n, m: (1, n - 1, (n - 1) * m),
     "rd": lambda n, m: (1 + _log(n) + _fold(n), (n - 1) + _log(n) + _fold(n) / 2, (_log(n) + _fold(n) / 2) * m),
     "ring": lambda n, m: (1 + 2 * (n - 1), (n - 1) + 2 * (n - 1), 2 * (n - 1) / n * m),

@@ -1126,13 +1126,12 @@ def stats() -> dict[str, dict[str, float]]:
     allreduces also per algorithm that ran, as ``allreduce[rd]`` (``JUPYTER_RING_ALLREDUCE``); and
     the header exchanges every collective starts with, as ``agreement[all]`` (to every peer) or
     ``agreement[log]`` (relayed in log2(n) steps; ``JUPYTER_RING_AGREEMENT``): count, header bytes
-    this rank sent, time_s."""
+    this rank sent, time_s (the relayed one's only)."""
     rt = running_runtime()
     out = rt.trace.stats(algorithms=True)
-    count, nbytes, seconds = rt.agreement.tally
-    if count:
-        out[f"agreement[{rt.agreement.mode}]"] = {"count": count, "bytes": nbytes, "time_s": seconds,
-                                                   "algbw": 0.0, "busbw": 0.0}
+    counts = rt.agreement.counts()
+    if counts["count"]:
+        out[f"agreement[{rt.agreement.mode}]"] = counts
     return out
 
 
@@ -1140,7 +1139,7 @@ def reset_stats() -> None:
     """Clear the trace and the running totals."""
     rt = running_runtime()
     rt.trace.reset()
-    rt.agreement.tally[:] = [0, 0, 0.0]
+    rt.agreement.reset_counts()
 
 
 def timeline(path: _Path) -> _Path:

@@ -4,17 +4,18 @@ a mismatch raised alike on every rank, a rank's bad arguments (its poison) reach
 and exact collectives after each. Every rank asserts its own expected values and prints
 RANK_OK r or RANK_FAIL r: reasons."""
 
-import math
 import os
 
 import numpy as np
 
 from jupyter_ring import runtime as ring
+from jupyter_ring.runtime._engine.wire import HEADER_BYTES
 
 ring.init()
 r, n = ring.rank(), ring.size()
 assert os.environ.get("JUPYTER_RING_AGREEMENT") == "log"
 failures = []
+LENGTHS = sorted({0, 1, 2, n - 1, n + 1, 13, 1009})
 
 
 def data(seed, q, shape, dtype=np.float64):
@@ -31,7 +32,7 @@ def check(label, got, want):
 
 def exact(label, seed):
     """One of each collective kind on random data at awkward sizes, checked on this rank."""
-    for length in sorted({0, 1, 2, n - 1, n + 1, 13, 1009}):
+    for length in LENGTHS:
         xs = [data(seed + length, q, length) for q in range(n)]
         check(f"{label} allreduce len={length}", ring.allreduce(xs[r], op=ring.Sum, name=f"ar.{length}"), sum(xs))
         ints = [data(seed + length, q, length, np.int32) for q in range(n)]
@@ -86,12 +87,11 @@ exact("first", 1)
 stats = ring.stats()
 if n > 1:
     relayed = stats.get("agreement[log]")
-    steps = math.ceil(math.log2(n))
     if relayed is None or "agreement[all]" in stats:
         failures.append(f"stats() has {sorted(k for k in stats if k.startswith('agreement'))}, want agreement[log]")
-    elif relayed["count"] < 7 * 5 or relayed["bytes"] < relayed["count"] * steps * 48:
+    elif relayed["count"] < 5 * len(LENGTHS) + 4 or relayed["bytes"] != relayed["count"] * (n - 1) * HEADER_BYTES:
         # alltoall's per-peer headers follow its relayed agreement, directly (counted apart)
-        failures.append(f"agreement[log]: {relayed} for {steps} steps of 48-byte headers")
+        failures.append(f"agreement[log]: {relayed}, want at least {5 * len(LENGTHS) + 4} of {n - 1} headers")
     if "allreduce[eager]" in stats:
         failures.append("an eager allreduce ran: relayed headers carry no payload")
 

@@ -50,7 +50,10 @@ class Agreement:
         # "all" (direct, to every peer) or "log" (relayed in log2(n) steps): fixed for the runtime
         self.mode = algorithm_choice.agreement(rt.config.agreement, rt.size)
         self.gather = HeaderAllgather(rt) if self.mode == "log" else None
-        self.tally = [0, 0, 0.0]  # exchanges, header bytes sent, seconds: ring.stats()["agreement[mode]"]
+        # relayed exchanges, header bytes sent, seconds: ring.stats()["agreement[log]"] (the direct
+        # exchanges are counted by rt.seq from seq_base on, untimed: nothing added to the hot path)
+        self.tally = [0, 0, 0.0]
+        self.seq_base = 0
 
     def own(self, kind: str, dtype: np.dtype | None, op: int, root: int, count: int, desc: Desc) -> bytes:
         """The 24 bytes every rank must send alike for this collective (cached per signature)."""
@@ -111,7 +114,6 @@ class Agreement:
         header = prep.header
         h.sendbuf[:HEADER_BYTES] = header
         rt.seq += 1
-        start = time.perf_counter()
         reqs = prep.reqs
         if reqs:
             MPI = rt.MPI
@@ -119,7 +121,6 @@ class Agreement:
             rt.inflight = prep.sends  # the persistent receives are cancelled by resync, not Recovery.abandon
             if not MPI.Request.Testall(reqs):
                 rt.waits.wait(reqs, lambda: f"{kind} '{name}'", h.waits_on)
-        self._count(len(prep.sends) * HEADER_BYTES, start)
         if prep.peer_headers == prep.expected:  # views against bytes: compared byte for byte
             rt.negotiable = False
             return None
@@ -155,7 +156,6 @@ class Agreement:
             result = self._negotiate_log(kind, name, dtype, op, root, desc, own, aux, pending, region)
             if per_peer is None:
                 return result
-        start = time.perf_counter()
         rt.seq += 1
         peers = rt.active
         recvs = h.recvs
@@ -187,7 +187,6 @@ class Agreement:
         rt.waits.wait(reqs, lambda: f"{kind} '{name}'", h.waits_on)
         if rt.keep:
             rt.keep.clear()
-        self._count(len(sends) * HEADER_BYTES, start)
         return self._check_headers(kind, name, dtype, op, root, desc, own, pending)
 
     def _negotiate_log(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
@@ -209,14 +208,27 @@ class Agreement:
         message = h.message(h.sendbuf, own, aux, None, pending, region)
         if not gather.run(message, lambda: f"{kind} '{name}'"):
             self._raise_poison(kind, name, {gather.poisoned: h.eager[gather.poisoned]})
-        self._count(gather.messages * HEADER_BYTES, start)
-        return self._check_headers(kind, name, dtype, op, root, desc, own, pending, gather.rows)
-
-    def _count(self, nbytes: int, start: float) -> None:
         tally = self.tally
         tally[0] += 1
-        tally[1] += nbytes
+        tally[1] += gather.sent_bytes
         tally[2] += time.perf_counter() - start
+        return self._check_headers(kind, name, dtype, op, root, desc, own, pending, gather.rows)
+
+    def counts(self) -> dict[str, float]:
+        """``ring.stats()``'s ``agreement[all]`` or ``agreement[log]``: exchanges since init or
+        ``reset_counts``, header bytes this rank sent (the direct exchange's estimated as one header to each
+        peer), seconds (relayed only: the direct exchange is not timed)."""
+        if self.gather is not None:
+            count, nbytes, seconds = self.tally
+        else:
+            count = self.rt.seq - self.seq_base
+            nbytes, seconds = count * HEADER_BYTES * (self.rt.size - 1), 0.0
+        return {"count": count, "bytes": nbytes, "time_s": seconds, "algbw": 0.0, "busbw": 0.0}
+
+    def reset_counts(self) -> None:
+        """Start ``counts`` again from zero."""
+        self.tally[:] = [0, 0, 0.0]
+        self.seq_base = self.rt.seq
 
     def _check_headers(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
                        desc: Desc | Callable[[], Desc], own: bytes, pending: int,

@@ -1,4 +1,4 @@
-"""The agreement in ⌈log2 n⌉ steps: Bruck's allgather of the 48-byte headers (issue 33, item 2).
+"""The agreement in ⌈log2 n⌉ steps: Bruck's allgather of the headers (issue 33, item 2).
 
 The direct agreement (``Agreement.negotiate``) sends every peer this rank's header and receives
 theirs: n-1 messages a rank, every collective. Here the same headers travel by Bruck's
@@ -89,12 +89,12 @@ class HeaderAllgather:
         self._told = -1
 
     @property
-    def messages(self) -> int:
-        """Messages this rank sends (and receives) in one exchange: ⌈log2 n⌉."""
-        return len(self.steps)
+    def sent_bytes(self) -> int:
+        """Bytes this rank sends in one exchange, in ⌈log2 n⌉ messages: n-1 headers, as directly."""
+        return sum(count for _to, _src, count in self.steps) * HEADER_BYTES
 
     def run(self, header: bytes | memoryview, what: Callable[[], str]) -> bool:
-        """Exchange ``header`` (this rank's, 48 bytes) for every peer's, into ``rows``.
+        """Exchange ``header`` (this rank's, ``HEADER_BYTES``) for every peer's, into ``rows``.
 
         Returns True when every header arrived; False when a peer's poison arrived instead
         (``poisoned`` names it, its message is in that peer's eager buffer): the exchange is given
