@@ -350,6 +350,7 @@ class Agreement:
         gather = self.gather
         assert gather is not None
         header = bytes(message)
+        gather.pending = None  # a poison kept at a resync on the way here: no concern of a joined rank
         while True:
             if not gather.run(header, lambda: f"join '{name}' (waiting for every rank to join)"):
                 raise Restart()  # abandoned: Runtime.run resyncs, then this join runs again
