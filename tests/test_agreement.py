@@ -86,3 +86,12 @@ def test_relayed_agreement_resyncs_after_abandoned_rounds_and_async_failures(mpi
     result = mpirun("rt_engine.py", 4, "async", env={**LOG, "JUPYTER_RING_STALL_TIMEOUT": "2"}, timeout=150)
     all_ranks_ok(result, 4)
     assert len(result.lines("STALL")) == 3
+
+
+@pytest.mark.parametrize("env", [LOG, {"JUPYTER_RING_ALLREDUCE": "rd"}], ids=["log", "rd"])
+def test_a_resync_announced_after_a_collective_its_peers_still_finish_restarts_nothing(mpirun, env):
+    """A rank completes a collective and announces a resync at its next one while a peer still
+    waits for the last messages of the first (the relay's later steps, recursive doubling's):
+    the peer completes it (``Recovery.must_restart``) instead of running it again alone on the
+    fresh communicator, where the others run the next one (a mismatch, then a stall)."""
+    all_ranks_ok(mpirun("rt_agreement.py", 4, "resyncs", env={**env, "JUPYTER_RING_STALL_TIMEOUT": "5"}, timeout=120), 4)
