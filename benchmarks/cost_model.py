@@ -5,7 +5,10 @@
 
 Each algorithm's time for ``m`` bytes over ``n`` ranks is ``α·S + o·M + β·V``: ``S`` dependent
 message steps (latencies one after the other), ``M`` messages a rank sends (per-message overhead:
-the agreement's n−1 headers are here), ``V`` bytes a rank sends (table ``COSTS``). ``α``, ``o``
+the agreement's n−1 headers are here), ``V`` bytes a rank sends (table ``COSTS``). An algorithm
+named ``…·log`` starts with the agreement relayed in ⌈log2 n⌉ steps (``JUPYTER_RING_AGREEMENT=log``:
+``L`` steps and ``L`` messages instead of one step and n−1 messages); ``agree`` is the agreement
+alone (``ring.barrier()``, scaling.py's ``barrier`` row). ``α``, ``o``
 and ``β`` are fitted by least squares (relative error) to every measured point of every
 algorithm at once, MPI_Allreduce's too (MPICH: recursive doubling up to 2 KiB a rank... modelled
 as Rabenseifner's reduce-scatter + allgather, its choice for the sizes measured). Prints the
@@ -36,6 +39,7 @@ def _fold(n: int) -> int:
 
 # algorithm -> (S, M, V) for n ranks, m bytes (the agreement: one step, n−1 header messages)
 COSTS: dict[str, Callable[[int, int], tuple[float, float, float]]] = {
+    "agree": lambda n, m: (1, n - 1, 56 * (n - 1)),  # 56-byte headers (wire.HEADER_BYTES)
     "eager": lambda n, m: (1, n - 1, (n - 1) * m),
     "rd": lambda n, m: (1 + _log(n) + _fold(n), (n - 1) + _log(n) + _fold(n) / 2, (_log(n) + _fold(n) / 2) * m),
     "ring": lambda n, m: (1 + 2 * (n - 1), (n - 1) + 2 * (n - 1), 2 * (n - 1) / n * m),
@@ -56,6 +60,18 @@ def _hier(n: int, m: int) -> tuple[float, float, float]:
 
 
 COSTS["hier"] = _hier
+
+
+def _relayed(direct: Callable[[int, int], tuple[float, float, float]]) -> Callable[[int, int], tuple[float, float, float]]:
+    """``direct``'s costs with the agreement relayed: ⌈log2 n⌉ steps and messages instead of 1 and n−1."""
+    def cost(n: int, m: int) -> tuple[float, float, float]:
+        s, msgs, v = direct(n, m)
+        return (s - 1 + _log(n), msgs - (n - 1) + _log(n), v)
+    return cost
+
+
+for _alg in ("agree", "rd", "ring", "hier"):
+    COSTS[f"{_alg}·log"] = _relayed(COSTS[_alg])
 
 
 def fit(points: list[tuple[str, int, int, float]]) -> np.ndarray:
@@ -82,6 +98,12 @@ def load(paths: list[str]) -> list[tuple[str, int, int, float]]:
                 for alg in ("rd", "ring", "eager"):
                     if f"ring_s_{alg}" in entry and (alg != "eager" or m <= 64 * KiB):
                         points.append((alg, n, m, entry[f"ring_s_{alg}"]))
+                # --agreements all,log: auto's choice under each agreement (the barrier row: the agreement alone)
+                for agreement, suffix in (("all", ""), ("log", "·log")):
+                    ran = entry.get(f"ran_auto, agreement {agreement}")
+                    alg = "agree" if ran == "barrier" else ran
+                    if alg in ("agree", "eager", "rd", "ring") and f"{alg}{suffix}" in COSTS:
+                        points.append((f"{alg}{suffix}", n, m, entry[f"ring_s_auto, agreement {agreement}"]))
     return points
 
 
@@ -125,6 +147,15 @@ def main() -> None:
             ours = {a: t for a, t in times.items() if a != "mpi" and (a != "eager" or m <= 64 * KiB)}
             winners.append(min(ours, key=ours.__getitem__))
         print(f"| {n} | " + " | ".join(cells) + " | " + ", ".join(winners) + " |")
+    print("\n| ranks (ms) | agreement | agreement·log | 4 KiB best | 4 KiB rd·log | 1 MiB best | 1 MiB hier·log | 4 KiB mpi |")
+    print("|---|" + "---|" * 7)
+    for n in [int(r) for r in args.ranks.split(",")]:
+        best = {m: min(predict(coef, a, n, m) for a in ("eager", "rd", "ring", "hier") if a != "eager" or m <= 64 * KiB)
+                for m in (4 * KiB, MiB)}
+        cells = [predict(coef, "agree", n, 0), predict(coef, "agree·log", n, 0), best[4 * KiB],
+                 predict(coef, "rd·log", n, 4 * KiB), best[MiB], predict(coef, "hier·log", n, MiB),
+                 predict(coef, "mpi", n, 4 * KiB)]
+        print(f"| {n} | " + " | ".join(f"{t * 1e3:,.3g}" for t in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
 """Allreduce as the world grows: jupyter_ring against MPI_Allreduce at 2, 4, 8 ranks, side by side.
 
     .venv/bin/python benchmarks/scaling.py [--ranks 2,4,8] [--min-kib 4] [--max-mib 64]
-        [--waits auto,spin] [--algorithms auto,rd,ring] [--runs 2] [--json out.json]
+        [--waits auto,spin] [--algorithms auto,rd,ring] [--agreements all,log] [--runs 2] [--json out.json]
 
 For each world size and each variant, a wait policy of ``--waits`` (``JUPYTER_RING_WAIT``: auto,
 spin, yield) with an allreduce algorithm of ``--algorithms`` (``JUPYTER_RING_ALLREDUCE``: auto,
-eager, rd, ring, shm, hier), one ``mpiexec -n N`` run of this script; the runs alternate
+eager, rd, ring, shm, hier) and an agreement of ``--agreements`` (``JUPYTER_RING_AGREEMENT``: auto,
+all, log), one ``mpiexec -n N`` run of this script; the runs alternate
 (``--runs`` rounds of every variant), so a machine's slow stretch hits every variant alike.
 Inside a run, per float32 size,
 the calls are interleaved: a barrier, ``ring.allreduce`` (out of place), a barrier,
 ``MPI_Allreduce`` (out of place, same MPI): median wall time of each on rank 0 (every rank waits
 for the slowest, so rank 0's time is the collective's). Prints one table per world size: the
 medians over runs, ring ÷ MPI per variant, and which algorithm ran (``ring.stats()``: ``auto``
-names its choice).
+names its choice). The first row, ``barrier``, times ``ring.barrier()`` against ``MPI_Barrier``:
+an agreement and nothing else.
 
 ``--hosts H --per-host R --link 10GbE`` runs every variant on ``H`` simulated hosts of ``R`` ranks
 (tests/multihost/manyhosts.py: network namespaces on a bridge, each host's link shaped to the
@@ -44,6 +46,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-mib", type=int, default=64)
     parser.add_argument("--waits", default="auto", help="JUPYTER_RING_WAIT values to compare")
     parser.add_argument("--algorithms", default="auto", help="JUPYTER_RING_ALLREDUCE values to compare")
+    parser.add_argument("--agreements", default="auto", help="JUPYTER_RING_AGREEMENT values to compare")
     parser.add_argument("--runs", type=int, default=2, help="rounds of every policy per world size")
     parser.add_argument("--max-reps", type=int, default=300, help="calls per size at most (a loaded machine: fewer)")
     parser.add_argument("--hosts", type=int, default=0, help="simulated hosts (0: the ranks on this host)")
@@ -76,6 +79,19 @@ def worker(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     rows = []
+    ring.barrier()
+    ours, mpis = [], []
+    for _ in range(args.max_reps):  # the agreement alone
+        comm.Barrier()
+        t = time.perf_counter()
+        ring.barrier()
+        ours.append(time.perf_counter() - t)
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Barrier()
+        mpis.append(time.perf_counter() - t)
+    rows.append({"bytes": 0, "ring_s": statistics.median(ours), "mpi_s": statistics.median(mpis),
+                 "algorithm": "barrier"})
     for nbytes in sizes(args.min_kib, args.max_mib):
         x = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(x)
@@ -99,12 +115,16 @@ def worker(args: argparse.Namespace) -> None:
     ring.shutdown()
 
 
-def launch(ranks: int, variant: tuple[str, str], args: argparse.Namespace, rig: object = None) -> dict:
+Variant = tuple[str, str, str]  # wait, allreduce algorithm, agreement
+
+
+def launch(ranks: int, variant: Variant, args: argparse.Namespace, rig: object = None) -> dict:
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec, "-n", str(ranks), sys.executable, __file__, "--worker",
            "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib), "--max-reps", str(args.max_reps)]
-    wait, algorithm = variant
-    env = {**os.environ, "JUPYTER_RING_WAIT": wait, "JUPYTER_RING_ALLREDUCE": algorithm, "OMP_NUM_THREADS": "1"}
+    wait, algorithm, agreement = variant
+    env = {**os.environ, "JUPYTER_RING_WAIT": wait, "JUPYTER_RING_ALLREDUCE": algorithm,
+           "JUPYTER_RING_AGREEMENT": agreement, "OMP_NUM_THREADS": "1"}
     if rig is not None:  # on the simulated hosts: Hydra over their ssh, ranks over TCP
         cmd = rig.cmd(0, [cmd[0], "-f", rig.hostfile, *cmd[1:]])
         env.update(rig.env(), UCX_TLS="tcp,self",
@@ -113,16 +133,19 @@ def launch(ranks: int, variant: tuple[str, str], args: argparse.Namespace, rig: 
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise SystemExit(f"{ranks} ranks, wait={wait}, allreduce={algorithm}: no result\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    raise SystemExit(f"{ranks} ranks, wait={wait}, allreduce={algorithm}, agreement={agreement}: no result\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
 
 
-def label(variant: tuple[str, str]) -> str:
-    """A variant's column name: its algorithm, and its wait where that is not auto."""
-    wait, algorithm = variant
-    return algorithm if wait == "auto" else f"{algorithm}, wait {wait}"
+def label(variant: Variant) -> str:
+    """A variant's column name: its algorithm, and its wait and agreement where they are not auto."""
+    wait, algorithm, agreement = variant
+    text = algorithm if wait == "auto" else f"{algorithm}, wait {wait}"
+    return text if agreement == "auto" else f"{text}, agreement {agreement}"
 
 
 def fmt_size(nbytes: int) -> str:
+    if nbytes == 0:
+        return "barrier"
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
@@ -131,8 +154,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    waits = [(w.strip(), a.strip()) for w in args.waits.split(",") if w.strip()
-             for a in args.algorithms.split(",") if a.strip()]
+    waits = [(w.strip(), a.strip(), g.strip()) for w in args.waits.split(",") if w.strip()
+             for a in args.algorithms.split(",") if a.strip() for g in args.agreements.split(",") if g.strip()]
     load = os.getloadavg()
     print(f"# {os.cpu_count()} cores, load {load[0]:.2f} {load[1]:.2f} at start, {time.strftime('%H:%M')} UTC")
     rig = None
@@ -156,11 +179,11 @@ def main() -> None:
             json.dump(results, fh, indent=1)
 
 
-def measure(args: argparse.Namespace, waits: list[tuple[str, str]], rig: object) -> list[dict]:
+def measure(args: argparse.Namespace, waits: list[Variant], rig: object) -> list[dict]:
     """Every variant at every world size, alternated run by run; prints the tables."""
     results = []
     for ranks in [int(r) for r in args.ranks.split(",")]:
-        runs: dict[tuple[str, str], list[dict]] = {w: [] for w in waits}
+        runs: dict[Variant, list[dict]] = {w: [] for w in waits}
         for _ in range(args.runs):
             for wait in waits:
                 runs[wait].append(launch(ranks, wait, args, rig))

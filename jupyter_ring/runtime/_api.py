@@ -1123,13 +1123,23 @@ def session() -> Runtime | None:
 # ------------------------------------------------------------------ trace
 def stats() -> dict[str, dict[str, float]]:
     """Per collective kind: count, bytes, time_s, algbw and busbw (bytes/s) since init/reset;
-    allreduces also per algorithm that ran, as ``allreduce[rd]`` (``JUPYTER_RING_ALLREDUCE``)."""
-    return running_runtime().trace.stats(algorithms=True)
+    allreduces also per algorithm that ran, as ``allreduce[rd]`` (``JUPYTER_RING_ALLREDUCE``); and
+    the header exchanges every collective starts with, as ``agreement[all]`` (to every peer) or
+    ``agreement[log]`` (relayed in log2(n) steps; ``JUPYTER_RING_AGREEMENT``): count, header bytes
+    this rank sent, time_s (the relayed one's only)."""
+    rt = running_runtime()
+    out = rt.trace.stats(algorithms=True)
+    counts = rt.agreement.counts()
+    if counts["count"]:
+        out[f"agreement[{rt.agreement.mode}]"] = counts
+    return out
 
 
 def reset_stats() -> None:
     """Clear the trace and the running totals."""
-    running_runtime().trace.reset()
+    rt = running_runtime()
+    rt.trace.reset()
+    rt.agreement.reset_counts()
 
 
 def timeline(path: _Path) -> _Path:

@@ -7,21 +7,29 @@ peer's poison (``PeerError``), rounds of different lengths (``Recut``), differen
 (``Disagree`` where the engine may settle them by name, else ``CollectiveMismatchError``,
 explained by ``mismatch``). Small collectives finish here: one round trip. Joins (``join``) are
 announced by a header too. The buffers and requests are ``headers``'.
+
+From ``LOG_AGREEMENT_RANKS`` ranks on (or ``JUPYTER_RING_AGREEMENT=log``) the same headers travel
+in ⌈log2 n⌉ steps instead (``log_agreement``: Bruck's allgather, headers only, every rank of the
+communicator relaying, joined ones too); the checks read the gathered table and mean the same.
+Prepared lanes need the direct exchange (one persistent message a peer): there they are not made.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from .control import Disagree, Recut
+from . import algorithm_choice
+from .control import Disagree, Recut, Restart
 from .errors import CollectiveMismatchError, PeerError
+from .log_agreement import HeaderAllgather
 from .mismatch import collective_title, explain_mismatch
 from .wire import (AGREE, AGREE_END, DTYPE_CODE, FLAG_PAYLOAD, HEADER_BYTES, JOIN, KIND_CODE, POISON,
-                   TAG_HEADER, TAIL, Desc, JoinNote, PeerMsg, Prepared, fingerprint)
+                   TAG_HEADER, TAG_POISON, TAIL, Desc, JoinNote, PeerMsg, Prepared, fingerprint)
 from .._observe.where import activity
 
 if TYPE_CHECKING:
@@ -39,6 +47,13 @@ class Agreement:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self._cache: dict[tuple[str, np.dtype | None, int, int, int, Desc], bytes] = {}
+        # "all" (direct, to every peer) or "log" (relayed in log2(n) steps): fixed for the runtime
+        self.mode = algorithm_choice.agreement(rt.config.agreement, rt.size)
+        self.gather = HeaderAllgather(rt) if self.mode == "log" else None
+        # relayed exchanges, header bytes sent, seconds: ring.stats()["agreement[log]"] (the direct
+        # exchanges are counted by rt.seq from seq_base on, untimed: nothing added to the hot path)
+        self.tally = [0, 0, 0.0]
+        self.seq_base = 0
 
     def own(self, kind: str, dtype: np.dtype | None, op: int, root: int, count: int, desc: Desc) -> bytes:
         """The 24 bytes every rank must send alike for this collective (cached per signature)."""
@@ -61,7 +76,7 @@ class Agreement:
         ``eager_bytes``)."""
         rt = self.rt
         h = rt.headers
-        if rt.joined or nbytes > h.eager_limit:
+        if rt.joined or nbytes > h.eager_limit or self.gather is not None:
             return None
         message = h.message(h.sendbuf, own, aux, None, 1, 0, preset=nbytes)
         header = bytes(message[:HEADER_BYTES])
@@ -135,6 +150,12 @@ class Agreement:
             own = self.own(kind, dtype, op, root, count, cast(Desc, desc))
         if pending is None:
             pending = rt.pending
+        if self.gather is not None:
+            # headers only (eager is off at these worlds); alltoall's per-peer headers go directly
+            # after it, as they do at every size
+            result = self._negotiate_log(kind, name, dtype, op, root, desc, own, aux, pending, region)
+            if per_peer is None:
+                return result
         rt.seq += 1
         peers = rt.active
         recvs = h.recvs
@@ -157,7 +178,7 @@ class Agreement:
                 sends.append(comm.Isend(h.message(buf, own, peer_aux, data, pending), p, TAG_HEADER))
             # (a bytearray here; numpy's stubs give ndarray, also Kept, __buffer__ on Python 3.12+ only)
             message = memoryview(rt.keep[-1])[:HEADER_BYTES] if rt.keep else None  # type: ignore[arg-type]
-        if rt.joined:
+        if rt.joined and self.gather is None:
             # joined ranks reply to nothing, but see that this rank still runs collectives
             header = memoryview(h.sendbuf)[:HEADER_BYTES] if per_peer is None else message
             sends = sends + [comm.Isend(header, p, TAG_HEADER) for p in rt.joined]  # not the cached list
@@ -168,14 +189,58 @@ class Agreement:
             rt.keep.clear()
         return self._check_headers(kind, name, dtype, op, root, desc, own, pending)
 
+    def _negotiate_log(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
+                       desc: Desc | Callable[[], Desc], own: bytes, aux: int, pending: int,
+                       region: int) -> dict[int, PeerMsg]:
+        """``negotiate``'s agreement in ⌈log2 n⌉ steps (``log_agreement``): the header alone,
+        relayed by every rank, then the same checks on the gathered table. A peer's poison met on
+        the way raises its ``PeerError`` (the exchange is abandoned: a resync comes next)."""
+        rt = self.rt
+        gather = self.gather
+        assert gather is not None  # only called in log mode
+        h = rt.headers
+        if gather.pending is not None:  # a poison for this collective, found at the resync
+            peer, poison = gather.pending
+            gather.pending = None
+            self._raise_poison(kind, name, {peer: poison})
+        rt.seq += 1
+        start = time.perf_counter()
+        message = h.message(h.sendbuf, own, aux, None, pending, region)
+        if not gather.run(message, lambda: f"{kind} '{name}'"):
+            self._raise_poison(kind, name, {gather.poisoned: h.eager[gather.poisoned]})
+        tally = self.tally
+        tally[0] += 1
+        tally[1] += gather.sent_bytes
+        tally[2] += time.perf_counter() - start
+        return self._check_headers(kind, name, dtype, op, root, desc, own, pending, gather.rows)
+
+    def counts(self) -> dict[str, float]:
+        """``ring.stats()``'s ``agreement[all]`` or ``agreement[log]``: exchanges since init or
+        ``reset_counts``, header bytes this rank sent (the direct exchange's estimated as one header to each
+        peer), seconds (relayed only: the direct exchange is not timed)."""
+        if self.gather is not None:
+            count, nbytes, seconds = self.tally
+        else:
+            count = self.rt.seq - self.seq_base
+            nbytes, seconds = count * HEADER_BYTES * (self.rt.size - 1), 0.0
+        return {"count": count, "bytes": nbytes, "time_s": seconds, "algbw": 0.0, "busbw": 0.0}
+
+    def reset_counts(self) -> None:
+        """Start ``counts`` again from zero."""
+        self.tally[:] = [0, 0, 0.0]
+        self.seq_base = self.rt.seq
+
     def _check_headers(self, kind: str, name: str, dtype: np.dtype | None, op: int, root: int,
-                       desc: Desc | Callable[[], Desc], own: bytes, pending: int) -> dict[int, PeerMsg]:
+                       desc: Desc | Callable[[], Desc], own: bytes, pending: int,
+                       rows: Mapping[int, memoryview] | None = None) -> dict[int, PeerMsg]:
         """Read every active peer's header of the exchange just completed: joins, poison, a
         mismatch (``Disagree`` where negotiable, else explained), rounds of other lengths
-        (``Recut``). Returns peer -> ``PeerMsg``."""
+        (``Recut``). ``rows`` holds every peer's header where the agreement was relayed
+        (joined peers' too: their JOIN notices), else the eager buffers are read. Returns
+        peer -> ``PeerMsg``."""
         rt = self.rt
-        eager = rt.headers.eager
-        peers = rt.active
+        eager: Mapping[int, bytearray | memoryview] = rt.headers.eager if rows is None else rows
+        peers = rt.active if rows is None else rt.peers
         result: dict[int, PeerMsg] = {}
         mismatch = False
         cut = pending            # every rank runs the shortest round proposed
@@ -185,9 +250,10 @@ class Agreement:
             buf = eager[p]
             code = buf[0]
             if code == JOIN:
-                flags, _gen, tick, collectives, _region = TAIL.unpack_from(buf, AGREE_END)
-                rt.joined[p] = JoinNote(collectives, tick)
-                newly_joined = True
+                if p not in rt.joined:  # (relayed: a joined peer's notice comes every exchange)
+                    flags, _gen, tick, collectives, _region = TAIL.unpack_from(buf, AGREE_END)
+                    rt.joined[p] = JoinNote(collectives, tick)
+                    newly_joined = True
                 continue
             view = memoryview(buf)
             if view[:AGREE_END] != own:
@@ -201,7 +267,8 @@ class Agreement:
             rt.set_participants()
         negotiable, rt.negotiable = rt.negotiable, False
         if mismatch:
-            self._raise_poison(kind, name)
+            if rows is None:  # (relayed: a poison never comes as a header, see _negotiate_log)
+                self._raise_poison(kind, name, {p: eager[p] for p in peers})
             if negotiable and not rt.joined:
                 # different collectives at this place: the engines match their queues by name
                 raise Disagree(rt.gen)
@@ -242,6 +309,8 @@ class Agreement:
         count = rt.seq - rt.join_base
         own = AGREE.pack(JOIN, 255, 0, -1, 0, 0)
         message = h.message(h.sendbuf, own, count, None, tick)
+        if self.gather is not None:
+            return self._join_log(name, message, JoinNote(count, tick))
         sends = [comm.Isend(message, p, TAG_HEADER) for p in rt.peers]
         waiting = [p for p in rt.peers if p not in rt.joined]
         reqs = {p: h.recv[p] for p in waiting}
@@ -269,6 +338,36 @@ class Agreement:
         rt.waits.wait(sends, f"join '{name}'", rt.peers)
         notes = dict(rt.joined)
         notes[rt.rank] = JoinNote(count, tick)
+        return self._joined(notes)
+
+    def _join_log(self, name: str, message: memoryview, mine: JoinNote) -> int:
+        """``join`` where the agreement is relayed: this rank takes part in every exchange with
+        its JOIN notice as its header (the peers still running collectives read it there and
+        leave it out) until an exchange in which every rank's header is a JOIN notice, the same
+        exchange on every rank. A poison met on the way (a running peer raised) is no concern of
+        a joined rank: it resyncs with the others and joins again on the fresh communicator."""
+        rt = self.rt
+        gather = self.gather
+        assert gather is not None
+        header = bytes(message)
+        gather.pending = None  # a poison kept at a resync on the way here: no concern of a joined rank
+        while True:
+            if not gather.run(header, lambda: f"join '{name}' (waiting for every rank to join)"):
+                raise Restart()  # abandoned: Runtime.run resyncs, then this join runs again
+            notes = {rt.rank: mine}
+            for p in rt.peers:
+                row = gather.rows[p]
+                if row[0] == JOIN:
+                    _flags, _gen, tick, collectives, _region = TAIL.unpack_from(row, AGREE_END)
+                    notes[p] = JoinNote(collectives, tick)
+            if len(notes) == rt.size:
+                break
+        return self._joined(notes)
+
+    def _joined(self, notes: dict[int, JoinNote]) -> int:
+        """Every rank has joined (``notes``: each one's notice, this rank's too): the last one to
+        join, the same on every rank; the runtime's joins are reset."""
+        rt = self.rt
         last = max(notes, key=lambda q: (notes[q].collectives, q))
         if rt.shm is not None:
             rt.shm.align(rt.gen, max(note.tick for note in notes.values()) + 1)
@@ -288,6 +387,7 @@ class Agreement:
         rt = self.rt
         if rt.size == 1:
             return
+        rt.completed -= 1  # (finished() counts this call, which completes no collective on any peer)
         h = rt.headers
         drains = rt.recovery.drains = [req for req in rt.recovery.drains if not req.Test()]
         text = f"{type(exc).__name__}: {exc}".encode()[:len(h.sendbuf) - HEADER_BYTES]
@@ -295,16 +395,31 @@ class Agreement:
         rt.seq += 1
         buf = bytearray(HEADER_BYTES + len(text))
         message = h.message(buf, own, len(text), np.frombuffer(text, np.uint8), -1)
+        if self.gather is not None and self.gather.pending is not None:
+            # this rank resynced on its way here and kept a peer's poison for this very collective:
+            # every rank has it already (met while waiting, kept at its resync, or sent it), so
+            # this rank's own would reach ranks that are past it on the fresh communicator
+            self.gather.pending = None
+            return
+        if self.gather is not None:
+            # Relayed headers cannot carry it (this rank relays nothing of this collective): it
+            # goes to every peer directly, joined ones too (they relay). Peers' rows sent to this
+            # rank for it stay unreceived: this rank resyncs before its next collective, as the
+            # peers do once they have met the poison (log_agreement).
+            buf[HEADER_BYTES:] = text  # (no eager payload here: the header's packing leaves it out)
+            drains.extend(rt.comm.Isend(buf, p, TAG_POISON) for p in rt.peers)
+            rt.dirty = True
+            return
         capacity = len(h.sendbuf)
         for p in rt.active:
             drains.append(rt.comm.Isend(message, p, TAG_HEADER))
             drains.append(rt.comm.Irecv(bytearray(capacity), p, TAG_HEADER))
 
-    def _raise_poison(self, kind: str, name: str) -> None:
-        """A peer sent poison in place of its header: raise its reason (``PeerError``)."""
+    def _raise_poison(self, kind: str, name: str, bufs: Mapping[int, bytearray | memoryview | bytes]) -> None:
+        """A peer sent poison in place of its header (``bufs``: peer -> what it sent): raise its
+        reason (``PeerError``)."""
         rt = self.rt
-        for p in rt.active:
-            buf = rt.headers.eager[p]
+        for p, buf in bufs.items():
             if buf[0] == POISON:
                 _flags, _gen, _pending, nbytes, _region = TAIL.unpack_from(buf, AGREE_END)
                 reason = bytes(buf[HEADER_BYTES:HEADER_BYTES + nbytes]).decode(errors="replace")

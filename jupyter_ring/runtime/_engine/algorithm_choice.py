@@ -25,7 +25,8 @@ world's shape), so every rank picks the same algorithm without a message. ``JUPY
 
 from __future__ import annotations
 
-__all__ = ["ALGORITHMS", "EAGER_FANOUT_BYTES", "RD_MAX_BYTES", "choose", "eager_limit"]
+__all__ = ["ALGORITHMS", "AGREEMENTS", "EAGER_FANOUT_BYTES", "LOG_AGREEMENT_RANKS", "RD_MAX_BYTES", "agreement",
+           "choose", "eager_limit"]
 
 KiB = 1 << 10
 
@@ -38,6 +39,26 @@ EAGER_FANOUT_BYTES = 256 * KiB
 # ring's 2(n-1) latencies cost less than rd's extra bytes at the fitted α/β) the ring or the
 # hierarchy runs.
 RD_MAX_BYTES = 256 * KiB
+
+AGREEMENTS = ("auto", "all", "log")
+# From this many ranks on, ``auto`` relays the agreement's headers in ⌈log2 n⌉ steps instead of
+# sending them to every peer. Not yet at any world size: measured on this 2-core machine at 4, 8,
+# 16 and 32 ranks (oversubscribed, the only worlds it holds) the relay lost to the direct exchange
+# (each of its steps waits for one more rank to be scheduled, while the direct messages are all in
+# flight at once) and it gives up the eager path; the model (docs/scaling.md, "The agreement") puts
+# its gain on a LAN, ranks with cores of their own, past ~16 ranks, unmeasured. Opt in with
+# JUPYTER_RING_AGREEMENT=log.
+LOG_AGREEMENT_RANKS = 1 << 30
+
+
+def agreement(requested: str, ranks: int) -> str:
+    """How a world of ``ranks`` exchanges its headers under ``requested`` (``AGREEMENTS``):
+    ``all`` (to every peer) or ``log`` (Bruck's allgather); one rank has nobody to tell: ``all``."""
+    if ranks <= 1:
+        return "all"
+    if requested == "auto":
+        return "log" if ranks >= LOG_AGREEMENT_RANKS else "all"
+    return requested
 
 
 def eager_limit(requested: str, ranks: int, eager_bytes: int, shm: bool) -> int:

@@ -4,7 +4,7 @@ import dataclasses
 import os
 from typing import Any, cast
 
-from .algorithm_choice import ALGORITHMS
+from .algorithm_choice import AGREEMENTS, ALGORITHMS
 from .waits import WAIT_MODES
 
 __all__ = ["Config"]
@@ -70,6 +70,12 @@ class Config:
     doubling, the ring, shared memory, the hierarchy of hosts; thresholds in
     ``runtime/_engine/algorithm_choice.py``); ``eager``, ``rd``, ``ring``, ``shm`` or ``hier`` forces one
     where it applies. The same on every rank."""
+    agreement: str = "auto"
+    """How the ranks exchange the header every collective starts with: ``all`` sends it to every
+    peer (one round trip, n-1 messages a rank, eager payloads ride along), ``log`` relays it in
+    ⌈log2 n⌉ steps (Bruck's allgather, headers only: small data goes by recursive doubling),
+    ``auto`` picks ``log`` from ``algorithm_choice.LOG_AGREEMENT_RANKS`` ranks on. The same on
+    every rank."""
     finalize_timeout: float = 10.0
     """Seconds a rank may spend in MPI_Finalize at exit before it is ended (SIGALRM): a rank
     whose launcher or peers are unreachable (a host cut off) would otherwise wait there forever;
@@ -108,5 +114,8 @@ class Config:
         if self.allreduce not in ALGORITHMS:
             raise ValueError(f"allreduce must be one of {', '.join(ALGORITHMS)} (JUPYTER_RING_ALLREDUCE), "
                              f"got {self.allreduce!r}")
+        if self.agreement not in AGREEMENTS:
+            raise ValueError(f"agreement must be one of {', '.join(AGREEMENTS)} (JUPYTER_RING_AGREEMENT), "
+                             f"got {self.agreement!r}")
         if self.shm_window_bytes < 1 << 16:
             raise ValueError(f"shm_window_bytes must be at least 65536, got {self.shm_window_bytes}")

@@ -109,6 +109,9 @@ class Runtime:
         self.join_base = 0
         self.gen = 0
         self.dirty = False
+        # collectives completed on the present data communicator (a resync's notice says how many
+        # the announcing rank completed: Recovery.must_restart)
+        self.completed = 0
         self.partial = False      # the collective in progress has written into its caller's input
         self.inflight: Sequence[MPI.Request] = []  # requests of the collective in progress
         self.keep: list[Kept] = []  # send buffers that must outlive their requests
@@ -259,6 +262,7 @@ class Runtime:
     def finished(self) -> None:
         """A collective's try completed: nothing of it is in flight, it is no longer in progress."""
         self.inflight = []
+        self.completed += 1
         activity.end()
 
     def gave_up(self, exc: BaseException) -> None:

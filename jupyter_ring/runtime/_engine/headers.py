@@ -49,7 +49,10 @@ class HeaderBuffers:
         capacity = HEADER_BYTES + rt.config.eager_bytes
         self.eager = {p: bytearray(capacity) for p in rt.peers}
         self.sendbuf = bytearray(capacity)
-        self.eager_limit = rt.config.eager_bytes
+        # relayed headers carry no payload (log_agreement): small data goes by recursive doubling
+        self.eager_limit = rt.config.eager_bytes if rt.agreement.gather is None else -1
+        if rt.agreement.gather is not None:
+            rt.agreement.gather.restart()
         self._views = {}
         # Persistent receives for the headers: started by every collective, rebuilt at resync.
         self.free()

@@ -123,7 +123,7 @@ class Waiter:
                 return
             if rt.abort is not None:
                 raise Abandoned(rt.abort)
-            if check_notices and rt.recovery.poll_notices() > rt.gen:
+            if check_notices and rt.recovery.must_restart():
                 raise Restart()
             waited = time.perf_counter() - start
             if waited - clock.named >= _LOOK_EVERY:

@@ -46,7 +46,10 @@ class Recovery:
         # interrupts, with notices waiting that MPI_Iprobe found: no rank then heard a notice, and
         # every resync stalled (tests/multihost/test_resync_hosts.py). A probe posts nothing.
         self._notices: dict[int, set[int]] = {}  # resync target -> set of ranks that announced it
-        self._notice_buf = np.zeros(1, np.int64)
+        # resync target -> the fewest collectives an announcing rank had completed on the communicator
+        # it leaves (a notice is [target, completed]: see must_restart)
+        self._completed: dict[int, int] = {}
+        self._notice_buf = np.zeros(2, np.int64)
         self._status = rt.MPI.Status()
         self._highest_notice = 0
         self._checked = 0.0       # when due() last ran (perf_counter)
@@ -73,10 +76,29 @@ class Recovery:
         buf = self._notice_buf
         while message is not None:
             message.Recv([buf, MPI.INT64_T])  # matched: it is this rank's, already arrived
-            self._notices.setdefault(int(buf[0]), set()).add(status.Get_source())
+            target = int(buf[0])
+            self._notices.setdefault(target, set()).add(status.Get_source())
+            self._completed[target] = min(self._completed.get(target, int(buf[1])), int(buf[1]))
             message = improbe(MPI.ANY_SOURCE, TAG_RESYNC, status)
         self._highest_notice = max(self._notices, default=0)
         return self._highest_notice
+
+    def must_restart(self) -> bool:
+        """Whether a peer's resync notice ends the collective this rank waits in (``Restart``).
+
+        Not when every rank that announced the next generation had completed this very collective
+        before it gave up a later one: then every rank had entered it, and each one still in it
+        completes it (none of them gives it up for such a notice), as the multi-step exchanges
+        (the relayed agreement, recursive doubling, the ring) need: a rank that completed a
+        collective while a peer still waits for the last messages of it, then gave up its next one,
+        would otherwise send that peer back to run it alone on the fresh communicator. The resync
+        then comes before this rank's next collective (``due``).
+        """
+        rt = self.rt
+        target = rt.gen + 1
+        if self.poll_notices() < target:
+            return False
+        return self._completed.get(target, 0) <= rt.completed
 
     def discard(self, req: MPI.Request) -> None:
         """Give up ``req``: cancel it, or (a persistent header send) keep it until close."""
@@ -135,6 +157,10 @@ class Recovery:
         rt = self.rt
         target = rt.gen + 1
         newcomm = self._announce_and_dup(target)
+        if rt.agreement.gather is not None and not rt.dirty:
+            # a clean rank resyncs for a peer's notice: a poison left unread is for the collective
+            # it is about to run (a dirty rank is done with its own: it raised, or poisoned it too)
+            rt.agreement.gather.keep_poison()
         old = rt.comm
         for reqs, _ in self._abandoned + [(self.drains, None)]:
             for r in reqs:
@@ -146,6 +172,8 @@ class Recovery:
         rt.gen = target
         rt.dirty = False
         self._notices = {t: s for t, s in self._notices.items() if t > target}
+        self._completed = {t: c for t, c in self._completed.items() if t > target}
+        rt.completed = 0
         self._highest_notice = max(self._notices, default=0)
         # join notices were messages on the old communicator: a joined rank announces itself anew
         rt.joined = {}
@@ -163,7 +191,7 @@ class Recovery:
         rt = self.rt
         MPI = rt.MPI
         if self._pending_dup is None:
-            note = np.array([target], np.int64)
+            note = np.array([target, rt.completed], np.int64)
             rt.keep.append(note)
             self._notice_sends = [rt.ctl.Isend([note, MPI.INT64_T], p, TAG_RESYNC) for p in rt.peers]
             self._pending_dup = rt.ctl.Idup()

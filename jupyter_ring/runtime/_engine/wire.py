@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Sum", "Average", "Min", "Max", "Product", "Adasum", "OP_NAMES", "KINDS", "KIND_CODE",
            "POISON", "JOIN", "HELD", "DTYPES", "DTYPE_CODE", "AGREE", "TAIL", "HEADER_BYTES",
-           "AGREE_END", "FLAG_PAYLOAD", "TAG_HEADER", "TAG_DATA", "TAG_DESC", "TAG_RESYNC", "Desc",
+           "AGREE_END", "FLAG_PAYLOAD", "TAG_HEADER", "TAG_DATA", "TAG_DESC", "TAG_RESYNC", "TAG_AGREE_LOG",
+           "TAG_POISON", "TAG_PRESENT", "Desc",
            "Kept", "PeerMsg", "Prepared", "JoinNote", "fingerprint", "reducer"]
 
 # Reduce ops (Horovod's names; Adasum is named so that ported code gets a clear error).
@@ -61,6 +62,9 @@ AGREE_END = AGREE.size
 FLAG_PAYLOAD = 1
 
 TAG_HEADER, TAG_DATA, TAG_DESC, TAG_RESYNC = 11, 12, 13, 14
+# the agreement in log2(n) steps (``log_agreement``): its relayed headers, the poison that goes
+# to every peer directly there (a waiting rank probes for it), and the presence notes of a long wait
+TAG_AGREE_LOG, TAG_POISON, TAG_PRESENT = 15, 16, 17
 
 # What the ranks agree on, labelled (("name", ...), ("shape", ...)): fingerprinted into the
 # header, and compared field by field to explain a mismatch. A collective may pass a function
