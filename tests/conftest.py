@@ -141,6 +141,18 @@ def _xdist_group(item):
     return None
 
 
+def _join_group(item, group):
+    """Put ``item`` in xdist's ``group``: the mark, and the ``@group`` suffix of its node id that
+    xdist's scheduler reads. xdist (3.8) adds the suffix by setting ``item._nodeid``, which pytest 9
+    no longer reads (a node's id is ``item._id``, a NodeId): every test was then a group of its own,
+    a module's fixture started on both workers and the groups' tests ran on both at once."""
+    item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(item, "_id") and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # xdist's workers collect; a plain run keeps its order
@@ -150,6 +162,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = _xdist_group(item)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+            _join_group(item, group)
         grouped.append((rank.get(group, len(rank) if group else len(rank) + 1), item))
     items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]
