@@ -125,9 +125,28 @@ def framework_adapters():
 # - tests/hub run JupyterHub with real Unix accounts;
 # - a module whose tests share a module-scoped fixture (one kernel and cluster for the module)
 #   stays on one worker, so the fixture starts once.
-# The groups go out first, longest first, so that neither worker is left with a long tail.
+# The groups go out first, longest first, then the tests that start processes (a browser, an MPI
+# job), the others, and last the quick modules' tests: the last tests either worker takes (each
+# holds up to three ahead) are then short, and neither worker is left alone with a long tail.
 _SHARED_GROUPS = {"multihost": "hosts", "hub": "hub"}
 _GROUP_ORDER = ("hub", "hosts")
+_HEAVY_FOLDERS = ("browser", "reliability")  # every test there starts a browser, kernel or job
+# modules whose tests start no process (a few seconds for all of them): the end of the queue
+_QUICK_MODULES = ("test_benchmarks_import.py", "test_dashboard.py", "test_dashboard_figures.py",
+                  "test_dashboard_summary.py", "test_debug_prompts.py", "test_plan.py",
+                  "test_report.py", "test_tabs.py", "test_timeline.py")
+
+
+def _queue_place(item, group, rank):
+    """Where ``item`` goes in the workers' queue (lower first): the named groups in order, the
+    other groups, the tests that start processes, the others, the quick modules' tests."""
+    if group is not None:
+        return rank.get(group, len(rank))
+    parts = os.path.relpath(str(item.path), HERE).split(os.sep)
+    if parts[0] in _QUICK_MODULES:
+        return len(rank) + 3
+    heavy = parts[0] in _HEAVY_FOLDERS or "mpirun" in getattr(item, "fixturenames", ())
+    return len(rank) + (1 if heavy else 2)
 
 
 def _xdist_group(item):
@@ -163,5 +182,5 @@ def pytest_collection_modifyitems(config, items):
         group = _xdist_group(item)
         if group is not None:
             _join_group(item, group)
-        grouped.append((rank.get(group, len(rank) if group else len(rank) + 1), item))
+        grouped.append((_queue_place(item, group, rank), item))
     items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]
