@@ -149,10 +149,17 @@ def _queue_place(item, group, rank):
     return len(rank) + (1 if heavy else 2)
 
 
+# tests of several modules that share a costly session-scoped fixture: one worker, so it runs once
+_SHARED_FIXTURES = {"framework_adapters": "framework_adapters"}  # torch and TensorFlow imported
+
+
 def _xdist_group(item):
     parts = os.path.relpath(str(item.path), HERE).split(os.sep)
     if parts[0] in _SHARED_GROUPS:
         return _SHARED_GROUPS[parts[0]]
+    shared = [group for name, group in _SHARED_FIXTURES.items() if name in getattr(item, "fixturenames", ())]
+    if shared:
+        return shared[0]
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()
     if any(d[-1].scope in ("module", "package") for d in defs if d):
