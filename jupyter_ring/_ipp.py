@@ -13,8 +13,9 @@ The callbacks run on ipyparallel's IO thread and only queue a record and wake th
 thread, which takes them in order (:meth:`CellExecution.take`) and draws them. Everything else
 the front end does with ipyparallel goes through its public API (views, ``Client.ids``,
 ``send_signal``, launchers' ``pid``/``state``/``output_file``), except the notebook's interrupt of
-a cell, a control-channel request of our own (:func:`send_control`), and the text a launcher kept
-of its output file once its process ended (:func:`launcher_output`). If an ipyparallel release
+a cell, a control-channel request of our own (:func:`send_control`), the text a launcher kept
+of its output file once its process ended (:func:`launcher_output`), and the end of the event-loop
+thread a Cluster's ``*_sync`` methods start in a kernel (:func:`end_sync_thread`). If an ipyparallel release
 changes these internals, this file is the one to change.
 """
 
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:
     from ipyparallel import Client
 
-__all__ = ["Arrival", "CellExecution", "launcher_output", "send_control"]
+__all__ = ["Arrival", "CellExecution", "end_sync_thread", "launcher_output", "send_control"]
 
 # Seconds a rank's engine may be idle after a request (its iopub status for it said so) before a
 # reply that has not come counts as lost: the engine sends the reply first, but the two travel
@@ -239,3 +240,24 @@ def launcher_output(launcher: object) -> str:
             pass
     kept = getattr(launcher, "_output", None)
     return kept if isinstance(kept, str) else ""
+
+
+def end_sync_thread(cluster: object, timeout: float = 5.0) -> None:
+    """End the thread that runs an ipyparallel Cluster's ``*_sync`` methods, if it has one.
+
+    Called where an asyncio loop runs (a kernel), ``start_controller_sync`` and the others run on
+    a thread with an event loop of its own (``AsyncFirst._in_thread``), which ipyparallel starts
+    once per Cluster and never stops: each ``%ring start`` or ``restart`` left one idle thread in
+    the kernel. Stopping its loop ends it; a later ``*_sync`` call on the same Cluster starts a
+    new one (``_async_thread`` is None again). Nothing to do outside a running loop (a script),
+    where those methods run on a loop of their own that they close."""
+    thread = getattr(cluster, "_async_thread", None)
+    loop = getattr(cluster, "_thread_loop", None)
+    if thread is None or loop is None or thread is threading.current_thread():
+        return
+    loop.add_callback(loop.stop)
+    thread.join(timeout)
+    if thread.is_alive():  # a call still running on it: leave the thread, do not hang a stop
+        return
+    loop.close(all_fds=False)
+    cluster._async_thread = None  # type: ignore[attr-defined]

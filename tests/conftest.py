@@ -125,20 +125,58 @@ def framework_adapters():
 # - tests/hub run JupyterHub with real Unix accounts;
 # - a module whose tests share a module-scoped fixture (one kernel and cluster for the module)
 #   stays on one worker, so the fixture starts once.
-# The groups go out first, longest first, so that neither worker is left with a long tail.
+# The groups go out first, longest first, then the tests that start processes (a browser, an MPI
+# job), the others, and last the quick modules' tests: the last tests either worker takes (each
+# holds up to three ahead) are then short, and neither worker is left alone with a long tail.
 _SHARED_GROUPS = {"multihost": "hosts", "hub": "hub"}
 _GROUP_ORDER = ("hub", "hosts")
+_HEAVY_FOLDERS = ("browser", "reliability")  # every test there starts a browser, kernel or job
+# modules whose tests start no process (a few seconds for all of them): the end of the queue
+_QUICK_MODULES = ("test_benchmarks_import.py", "test_dashboard.py", "test_dashboard_figures.py",
+                  "test_dashboard_summary.py", "test_debug_prompts.py", "test_plan.py",
+                  "test_report.py", "test_tabs.py", "test_timeline.py")
+
+
+def _queue_place(item, group, rank):
+    """Where ``item`` goes in the workers' queue (lower first): the named groups in order, the
+    other groups, the tests that start processes, the others, the quick modules' tests."""
+    if group is not None:
+        return rank.get(group, len(rank))
+    parts = os.path.relpath(str(item.path), HERE).split(os.sep)
+    if parts[0] in _QUICK_MODULES:
+        return len(rank) + 3
+    heavy = parts[0] in _HEAVY_FOLDERS or "mpirun" in getattr(item, "fixturenames", ())
+    return len(rank) + (1 if heavy else 2)
+
+
+# tests of several modules that share a costly session-scoped fixture: one worker, so it runs once
+_SHARED_FIXTURES = {"framework_adapters": "framework_adapters"}  # torch and TensorFlow imported
 
 
 def _xdist_group(item):
     parts = os.path.relpath(str(item.path), HERE).split(os.sep)
     if parts[0] in _SHARED_GROUPS:
         return _SHARED_GROUPS[parts[0]]
+    shared = [group for name, group in _SHARED_FIXTURES.items() if name in getattr(item, "fixturenames", ())]
+    if shared:
+        return shared[0]
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs.values() if info is not None else ()
     if any(d[-1].scope in ("module", "package") for d in defs if d):
         return "/".join(parts)
     return None
+
+
+def _join_group(item, group):
+    """Put ``item`` in xdist's ``group``: the mark, and the ``@group`` suffix of its node id that
+    xdist's scheduler reads. xdist (3.8) adds the suffix by setting ``item._nodeid``, which pytest 9
+    no longer reads (a node's id is ``item._id``, a NodeId): every test was then a group of its own,
+    a module's fixture started on both workers and the groups' tests ran on both at once."""
+    item.add_marker(pytest.mark.xdist_group(group))
+    if hasattr(item, "_id") and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -150,6 +188,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         group = _xdist_group(item)
         if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        grouped.append((rank.get(group, len(rank) if group else len(rank) + 1), item))
+            _join_group(item, group)
+        grouped.append((_queue_place(item, group, rank), item))
     items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]

@@ -80,8 +80,15 @@ class Kernel:
                 interrupt_at = None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no reply in {timeout} s to {code!r}; output so far: {parts}")
+            # how long to wait for a message: an interrupt still to send is sent on time (its
+            # condition looked at every 10 ms, as the panel's and the toolbar's users would)
+            wait = 0.1 if answer is None else 0.005
+            if interrupt_when is not None:
+                wait = 0.01
+            elif interrupt_at is not None:
+                wait = min(wait, max(0.001, interrupt_at - time.monotonic()))
             try:
-                msg = self.kc.get_iopub_msg(timeout=0.1 if answer is None else 0.005)
+                msg = self.kc.get_iopub_msg(timeout=wait)
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:

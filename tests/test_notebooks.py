@@ -397,6 +397,9 @@ def test_completion_and_inspection_come_from_rank_0(kernel):
 def test_dead_engine_is_reported_by_rank_within_2s(kernel):
     import threading
 
+    ipp_threads = ("import json, threading\nprint(json.dumps(sorted(t.name for t in threading.enumerate()"
+                   " if type(t).__name__ == '_OutputProducingThread')))")  # ipyparallel's threads
+    before = json.loads(kernel.ok(ipp_threads))
     pids = {int(line.split()[0]): int(line.split()[1]) for line in kernel.ok(
         "for r in get_ipython().magics_manager.registry['RingMagics'].cluster.ranks:\n"
         "    print(r['rank'], r['pid'])").splitlines()}
@@ -424,6 +427,10 @@ def test_dead_engine_is_reported_by_rank_within_2s(kernel):
     assert states == ["degraded"], states
     assert took < REPORT_S, f"the dead rank was reported {took:.1f} s after it died"
     assert "ranks ready" in kernel.ok("%ring restart", timeout=90)
+    # the replaced cluster's ipyparallel threads ended with it (each restart used to leave its
+    # Cluster's event-loop thread behind, the one its *_sync calls run on in a kernel)
+    after = json.loads(kernel.ok(ipp_threads))
+    assert len(after) == len(before), (before, after)
 
 
 # Kills the kernel: keep it last.

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from .._ipp import end_sync_thread
 from ._procs import (cluster_file_patterns, kill_processes, live_process, remove_files,
                      remove_shm_files, shm_files, wait_exit)
 from ._sidecar import mark_stopping, read_sidecar, remove_sidecar
@@ -54,6 +55,7 @@ def release(rc: RingCluster, stop_processes: bool) -> None:
     if cluster is not None:
         remove_sidecar(cluster.profile_dir, cluster.cluster_id)
         remove_files(cluster_files(cluster))  # what ipyparallel left (a log, a stale file)
+        end_sync_thread(cluster)  # in a kernel, ipyparallel's loop thread for this Cluster
     rc._stop_watchdog()
     remove_shm_files(shm)
     rc.ranks, rc.engine_ids, rc.size, rc.steps, rc._shm = [], [], 0, {}, set()
