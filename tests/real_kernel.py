@@ -25,6 +25,18 @@ def alive(pids):
     return out
 
 
+def alive_after(pids, within):
+    """The processes among ``pids`` still there ``within`` seconds from now (returns as soon as
+    none is): a rank that is exiting when ``%ring stop`` returns (its cmdline already empty) has
+    that long to be gone."""
+    deadline = time.monotonic() + within
+    left = alive(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = alive(pids)
+    return left
+
+
 class Kernel:
     """A real IPython kernel (jupyter_client) with helpers to run code and collect output."""
 

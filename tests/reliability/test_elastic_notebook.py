@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from real_kernel import alive, cluster_pids, ring_kernel
+from bounds import GONE_S
+from real_kernel import alive_after, cluster_pids, ring_kernel
 from reliability.test_respawn_notebook import xfail_on_survivor_abort
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
@@ -155,7 +156,7 @@ def world(request, tmp_path_factory):
         yield world
         world.pids |= set(cluster_pids(kernel))
         kernel.ok("%ring stop", timeout=60)
-    left = alive(world.pids)
+    left = alive_after(world.pids, GONE_S)
     assert left == [], [p.cmdline() for p in left]
 
 
