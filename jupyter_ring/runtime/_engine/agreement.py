@@ -1,6 +1,6 @@
 """Agreement: the header exchange every collective starts with, and what it settles.
 
-Each rank sends every other rank a 48-byte header (kind, dtype, op, root, count, a fingerprint of
+Each rank sends every other rank a 56-byte header (kind, dtype, op, root, count, a fingerprint of
 name/shape/scales: ``wire``) and, when the payload is small, the payload itself in the same
 message. Every rank compares all headers, so every rank sees a disagreement and raises alike: a
 peer's poison (``PeerError``), rounds of different lengths (``Recut``), different collectives

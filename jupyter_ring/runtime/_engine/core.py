@@ -9,7 +9,7 @@ a mismatch explained by ``mismatch``), the polled waits (``polling``) and recove
 One ``Runtime`` object per process holds the communicators. Every collective goes through
 ``Runtime.run``:
 
-1. **Agreement.** Each rank sends every other rank a 48-byte header (kind, dtype, op, root,
+1. **Agreement.** Each rank sends every other rank a 56-byte header (kind, dtype, op, root,
    count, a fingerprint of name/shape/scales) and, when the payload is small, the payload itself
    in the same message. Every rank compares all headers, so every rank sees a disagreement and
    raises the same ``CollectiveMismatchError``. Small collectives finish here: one round trip.

@@ -1,7 +1,7 @@
 """What travels in the agreement message: ops, kinds, dtypes, the header's layout and tags, and
 the records read from it (``PeerMsg``, ``JoinNote``, ``Prepared``).
 
-Every collective starts with a 48-byte header to every peer (``core``'s step 1): the 24 bytes of
+Every collective starts with a 56-byte header to every peer (``core``'s step 1): the 24 bytes of
 ``AGREE`` every rank must send alike (kind, dtype, op, root, count, fingerprint), then the
 ``TAIL`` each rank fills with its own values. The runtime's pieces (``headers``, ``agreement``,
 ``recovery``, ``core``) and the algorithm bodies read and write it through the names here.
