@@ -105,6 +105,22 @@ class CellExecution:
                               targets=list(self._engine_ids), owner=True)
         self._wake.set()
 
+    def add(self, rank: int, engine_id: int) -> None:
+        """Send the cell to ``engine_id`` as a new rank ``rank`` (host discovery grew the world
+        while the cell runs under ``elastic.run``: the new rank runs it from its start)."""
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        if rank in self._index:
+            raise ValueError(f"rank {rank} runs this cell already")
+        self.ranks.append(rank)
+        self._index[rank] = len(self.ranks) - 1
+        self._engine_ids.append(engine_id)
+        self._futures.append(self._send(rank, engine_id))
+        self.ar.owner = False
+        self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
+                              targets=list(self._engine_ids), owner=True)
+        self._wake.set()
+
     def _hook(self, rank: int, future: Any) -> None:
         # before the request is handed to the IO thread: nothing of it can have arrived yet
         future.iopub_callbacks.append(functools.partial(self._on_iopub, rank, future))
