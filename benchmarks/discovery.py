@@ -117,6 +117,9 @@ def main() -> None:
     for target, at in changes:
         first = next(rec["t"] for rec in steps if rec["t"] > at and rec["size"] == target)
         figures["grow" if target == args.high else "shrink"].append(first - at)
+    for line in out.splitlines():  # the kernel's own part: from the change seen to the world re-formed
+        if "Resized" in line:
+            print("  " + line.split(":", 1)[1].split(": rank(s)")[0].strip(), flush=True)
     for name, values in figures.items():
         low, high = (args.low, args.high) if name == "grow" else (args.high, args.low)
         print(f"{name} {low} -> {high}: median {statistics.median(values):.2f} s "

@@ -307,11 +307,16 @@ class CellRun:
             except ClusterError:
                 cluster.replace_failed = True  # the old ranks may wait in the new world: %ring restart
                 raise
+            # the dashboard's publisher first: a request sent after the cell waits for its end
+            self.magics.held.new_rank_dashboard(cluster, resize.added)
             for rank, engine_id in sorted(joined.items()):
                 execution.add(rank, engine_id)
-                self.ranks.append(rank)
-                self.sink.add_rank(rank)
-            self.magics.held.new_rank_dashboard(cluster, resize.added)
+                if rank in self.left:  # it left the world earlier in this cell
+                    self.left.discard(rank)
+                    self.interrupts.interrupted.pop(rank, None)
+                else:
+                    self.ranks.append(rank)
+                    self.sink.add_rank(rank)
         else:
             pending = execution.pending()
             if any(rank in pending for rank in resize.removed):

@@ -107,11 +107,13 @@ class CellExecution:
 
     def add(self, rank: int, engine_id: int) -> None:
         """Send the cell to ``engine_id`` as a new rank ``rank`` (host discovery grew the world
-        while the cell runs under ``elastic.run``: the new rank runs it from its start)."""
+        while the cell runs under ``elastic.run``: the new rank runs it from its start); a rank
+        that left the world earlier in the cell takes its old place (:meth:`resubmit`)."""
         from ipyparallel.client.asyncresult import AsyncResult
 
-        if rank in self._index:
-            raise ValueError(f"rank {rank} runs this cell already")
+        if rank in self._index:  # it left the world earlier in this cell, and comes back
+            self.resubmit(rank, engine_id)
+            return
         self.ranks.append(rank)
         self._index[rank] = len(self.ranks) - 1
         self._engine_ids.append(engine_id)
