@@ -274,7 +274,7 @@ class CellRun:
         from .cluster._scale import ScaleRefused
         from .cluster._start import SETUP_CODE
 
-        resize = ElasticResize(cluster, n, SETUP_CODE)
+        resize = ElasticResize(cluster, n, SETUP_CODE, follow.discovery.latest().slots)
         try:
             resize.begin()
         except ScaleRefused as exc:
@@ -327,7 +327,7 @@ class CellRun:
             notes = resize.stop_leavers()
             self.left.update(resize.removed)
         follow.resized(resize)
-        print(" ".join([resize.note(follow.discovery.latest().slots), *notes]), file=sys.stderr)
+        print(" ".join([resize.note(), *notes]), file=sys.stderr)
 
     def _cancel_resize(self) -> None:
         """A resize not done by the end of the cell (or before a replacement) is taken back: it

@@ -43,12 +43,13 @@ __all__ = ["ElasticResize"]
 
 class ElasticResize:
     """``cluster`` resized to ``n`` ranks inside a running elastic cell (see the module);
-    ``setup_code``: the rank set-up the newcomers run."""
+    ``setup_code``: the rank set-up the newcomers run; ``slots``: what the source reported."""
 
-    def __init__(self, cluster: RingCluster, n: int, setup_code: str) -> None:
+    def __init__(self, cluster: RingCluster, n: int, setup_code: str, slots: int | None = None) -> None:
         self.cluster = cluster
         self.old, self.n = cluster.size, n
         self.setup_code = setup_code
+        self.slots = n if slots is None else slots  # what the source reported (the note says it)
         self.added = list(range(self.old, n))
         self.removed = list(range(n, self.old))
         self.gen = 0
@@ -150,10 +151,10 @@ class ElasticResize:
                 time.sleep(0.05)
             cluster._watch()
 
-    def note(self, slots: int | None) -> str:
+    def note(self) -> str:
         """What the notebook says once the world has its new size."""
         took = time.monotonic() - self.t0
-        head = (f"(host discovery: {slots} slots) Resized {self.old} -> {self.n} ranks at the next commit "
+        head = (f"(host discovery: {self.slots} slots) Resized {self.old} -> {self.n} ranks at the next commit "
                 f"of elastic.run, {took:.1f} s after the change was seen: ")
         if self.grows:
             return head + (f"rank(s) {_names(self.added)} are new and run this cell from its start, "
