@@ -108,9 +108,8 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
     """Replace the ``dead`` ranks of ``cluster`` in place (see the module); ``setup_code``: the
     rank set-up every engine ran at start (``ring.init()`` there finds the runtime started);
     ``gen``: the cluster's count of changes of world, this one included (:func:`next_generation`).
-    ``elastic``: the survivors
-    run ``elastic.run`` in the cell, which goes on: they are told by a notice, not interrupted,
-    and re-form the world from inside ``run`` (``engines._elastic``)."""
+    ``elastic``: the survivors run ``elastic.run`` in the cell, which goes on: they are told by a
+    notice, not interrupted, and re-form the world from inside ``run`` (``engines._elastic``)."""
     from ..engines import _respawn
 
     t0 = time.monotonic()

@@ -17,9 +17,11 @@ Horovod's elastic workers learn of a world change in two ways, and ``elastic.run
    above without a restore (the commit is current) and syncs unless hosts were only removed
    (``skip_sync``: every survivor already holds the committed state).
 
-On today's fixed world nobody calls :func:`notify_hosts_updated` and no hook is registered: a
-reset only abandons the queued collectives. **For the respawn (issue 34, items 1-3)**, the runtime
-plugs in here and nowhere else:
+On a fixed world (outside a notebook cluster) nobody calls :func:`notify_hosts_updated` and no
+hook is registered: a reset only abandons the queued collectives. **The respawn and host
+discovery (issue 34, items 1-3)** plug in here and nowhere else (``engines._elastic``; a resize
+reaches the ranks as a notice that the poll of :func:`on_check_host_updates` turns into
+:func:`notify_hosts_updated` at the next commit):
 
 - when a rank dies under a running collective, fail the survivors' collective with a subclass of
   ``HorovodInternalError`` (say ``RankLostError``, naming the rank) rather than waiting for the
