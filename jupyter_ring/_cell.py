@@ -26,7 +26,9 @@ from .errors import (CellInterrupted, ClusterError, DeadRankError, DistributedEr
                      _rank_list, trim_traceback, where_stopped)
 
 if TYPE_CHECKING:  # the front end's modules import this one
+    from ._follow import Follower
     from .cluster import RingCluster
+    from .cluster._elastic_resize import ElasticResize
     from .magics import RingMagics
     from .widgets._tabs import RankTabs, TextSink
 
@@ -69,6 +71,8 @@ class CellRun:
         self.execution: CellExecution | None = None
         self.sigint = DeferredInterrupt()  # SIGINT while the cell runs: see the class
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
+        self.resize: "ElasticResize | None" = None  # host discovery's resize at the next commit
+        self.left: set[int] = set()  # ranks that left the world in this cell (a shrink)
 
     def run(self) -> None:
         """Run the cell to its end, showing its output; raises DistributedError, CellInterrupted
@@ -120,6 +124,7 @@ class CellRun:
             with DeferredInterrupt() as self.sigint:
                 self._run_cell(cluster, debuggers)
         finally:
+            self._cancel_resize()
             _live.clear_running_cell(where)
             debuggers.close()
 
@@ -146,6 +151,10 @@ class CellRun:
             errors = {r: execution.error(r) for r in self.ranks if r not in unstopped}
             self._show_interrupted(errors)
             raise CellInterrupted("you", errors, unstopped) from None
+        if self.resize is not None and not self.resize.grows:  # the leavers replied as the cell ended
+            follow = self.magics.held.follow
+            if follow is not None:
+                self._drive_resize(execution, follow)
         self.interrupts.note_lost()
         self.output.wait_for_end(self.magics.output_grace, self.sigint.raise_pending)
         self.output.deliver(final=True)
@@ -174,8 +183,9 @@ class CellRun:
                 next_health_check = now + magics.health_interval
                 if self._check_dead(execution):  # replaced under elastic.run: the cell goes on
                     first_failure = None
+                self._follow_discovery(execution)
             for rank in self.ranks:
-                if execution.error(rank) is not None:
+                if execution.error(rank) is not None and not self._left(rank, execution):
                     if first_failure is None:
                         first_failure = now
                     self.sink.fail(rank)  # live: the tab is marked and selected at once
@@ -219,6 +229,7 @@ class CellRun:
         dead = self.cluster.dead_ranks()
         if not dead:
             return False
+        self._cancel_resize()  # (the resize is done between cells, after the replacement)
         if self._go_on_elastic(execution, dead):
             return True
         execution.ar.wait(0.2)  # let ipyparallel deliver what it has
@@ -232,7 +243,7 @@ class CellRun:
         this cell from its start, and its ``run`` takes the state from them. False where it
         does not apply (the cell fails with DeadRankError, as without elastic code)."""
         cluster, magics = self.cluster, self.magics
-        if (sorted(self.ranks) != list(range(cluster.size)) or not cluster.can_respawn(dead)
+        if (self._world() != list(range(cluster.size)) or not cluster.can_respawn(dead)
                 or not cluster.elastic_survivors(dead)):
             return False
         from .cluster import elastic_note
@@ -248,6 +259,101 @@ class CellRun:
             self.interrupts.interrupted.pop(rank, None)
         print(f"{head} {elastic_note(done, cluster.restarts, cluster.max_restarts)}", file=sys.stderr)
         return True
+
+    def _follow_discovery(self, execution: CellExecution) -> None:
+        """``--host-discovery`` asks for another size while this cell runs: under ``elastic.run``
+        on every rank the world is resized at the next commit (``cluster._elastic_resize``, one
+        step a tick); any other cell runs on undisturbed, the resize waits for its end
+        (``_follow``)."""
+        follow = self.magics.held.follow
+        if follow is None or follow.cluster is not self.cluster:
+            return
+        if self.resize is not None:
+            self._drive_resize(execution, follow)
+            return
+        n = follow.target()
+        if n is None:
+            return
+        cluster = self.cluster
+        if self._world() != list(range(cluster.size)) or not cluster.elastic_survivors([]):
+            follow.wait_for_cell(n)
+            return
+        from .cluster._elastic_resize import ElasticResize
+        from .cluster._scale import ScaleRefused
+        from .cluster._start import SETUP_CODE
+
+        resize = ElasticResize(cluster, n, SETUP_CODE, follow.discovery.latest().slots)
+        try:
+            resize.begin()
+        except ScaleRefused as exc:
+            follow.say(f"(host discovery asks for {n} ranks; not now: {exc})")
+            return
+        except ClusterError as exc:  # the newcomers did not start: the cell goes on as it is
+            resize.cancel()
+            follow.gave_up = n
+            follow.say(f"(host discovery asks for {n} ranks: starting the new rank(s) failed: {exc}; "
+                       f"this cell goes on on {cluster.size} ranks, the resize is tried again after it)")
+            return
+        except BaseException:
+            resize.cancel()
+            raise
+        self.resize = resize
+        follow.resizing(n)
+
+    def _drive_resize(self, execution: CellExecution, follow: "Follower") -> None:
+        """The resize's next step, once the ranks have taken theirs (see ``_elastic_resize``)."""
+        resize, cluster = self.resize, self.cluster
+        assert resize is not None
+        notes: list[str] = []
+        if resize.grows:
+            port = resize.port()
+            if port is None:
+                return  # the ranks have not reached their next commit yet
+            self.resize = None
+            try:
+                joined = resize.join(port)
+            except ClusterError:
+                cluster.replace_failed = True  # the old ranks may wait in the new world: %ring restart
+                raise
+            # the dashboard's publisher first: a request sent after the cell waits for its end
+            self.magics.held.new_rank_dashboard(cluster, resize.added)
+            for rank, engine_id in sorted(joined.items()):
+                execution.add(rank, engine_id)
+                if rank in self.left:  # it left the world earlier in this cell
+                    self.left.discard(rank)
+                    self.interrupts.interrupted.pop(rank, None)
+                else:
+                    self.ranks.append(rank)
+                    self.sink.add_rank(rank)
+        else:
+            pending = execution.pending()
+            if any(rank in pending for rank in resize.removed):
+                return  # a leaving rank is still in the old world
+            if not all(self._left(rank, execution) for rank in resize.removed):
+                return  # their run ended before a commit: taken back (_cancel_resize) at the cell's end
+            self.resize = None
+            notes = resize.stop_leavers()
+            self.left.update(resize.removed)
+        follow.resized(resize)
+        print(" ".join([resize.note(), *notes]), file=sys.stderr)
+
+    def _cancel_resize(self) -> None:
+        """A resize not done by the end of the cell (or before a replacement) is taken back: it
+        is done between cells."""
+        resize, self.resize = self.resize, None
+        if resize is not None:
+            resize.cancel()
+
+    def _world(self) -> list[int]:
+        """The cell's ranks that are in the world now (not those that left it in a shrink)."""
+        return sorted(r for r in self.ranks if r not in self.left)
+
+    def _left(self, rank: int, execution: CellExecution) -> bool:
+        """Whether ``rank`` ended this cell by leaving the world in a shrink (its
+        ``LeftTheWorld``: no failure of the cell)."""
+        error = execution.error(rank)
+        return error is not None and _ename(error) == "LeftTheWorld" and (
+            rank in self.left or (self.resize is not None and rank in self.resize.removed))
 
     def _raise_dead(self, dead: list[int]) -> NoReturn:
         """Mark the dead ranks' tabs, then raise the DeadRankError that names them."""
@@ -292,7 +398,8 @@ class CellRun:
         story, CellInterrupted for an interrupt from outside, else DistributedError with the
         headline rank first; each failed rank's tab shows its part."""
         failures: list[_Failure] = [(rank, execution.finished_at(rank), error)
-                    for rank in self.ranks if (error := execution.error(rank)) is not None]
+                    for rank in self.ranks if (error := execution.error(rank)) is not None
+                    and not self._left(rank, execution)]
         if not failures:
             return
         dead = self._dead_after(failures)

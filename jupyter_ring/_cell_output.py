@@ -229,6 +229,8 @@ class CellDashboard:
                 outcomes[rank] = "stalled"
             elif _ename(error) == "EngineError":
                 outcomes[rank] = "died"
+            elif _ename(error) == "LeftTheWorld":  # host discovery shrank the world at a commit
+                outcomes[rank] = "left"
             else:
                 outcomes[rank] = "failed"
         return outcomes

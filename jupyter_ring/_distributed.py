@@ -7,11 +7,12 @@ the ranks number it, rank tabs or tagged text for its output, the run itself
 """
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
-from ._cell import CellRun
+from ._cell import CellRun, kernel_stopping
 from ._held_cluster import HeldCluster
 from .cluster import parse_ranks, rank_ranges
 from .errors import CellInterrupted, DistributedError
@@ -61,6 +62,18 @@ class DistributedCells:
         except (DistributedError, CellInterrupted) as exc:
             magics.post_mortem.note(exc, number, cluster)  # for %ring debug
             raise
+        finally:
+            self._follow_after_cell()
+
+    def _follow_after_cell(self) -> None:
+        """With ``--host-discovery``: a resize the cell waited for, done now (``_follow``); a
+        failure is said, never put in place of the cell's own outcome."""
+        if self.held.follow is None or kernel_stopping(self.magics.shell) is not None:
+            return
+        try:
+            self.held.follow_discovery()
+        except Exception as exc:  # the resize's own ClusterError says what now (%ring restart)
+            print(f"(host discovery: the resize after this cell failed: {exc})", file=sys.stderr)
 
     def cell_number(self) -> int:
         """The notebook's count of the cell running now (IPython has moved on to the next)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
+from ._follow import Follower
 from .cluster import RingCluster
 from .errors import ClusterError
 
@@ -30,6 +31,7 @@ class HeldCluster:
         self.cluster: RingCluster | None = None
         self.start_argv: list[str] | None = None
         self.dashboard_ready = False
+        self.follow: Follower | None = None  # --host-discovery: the cluster follows its source
 
     def stopped_outside(self) -> str:
         """If the cluster was stopped from outside this kernel (the Ring panel's Stop), let go
@@ -58,7 +60,25 @@ class HeldCluster:
         if dead and cluster.can_respawn(dead):  # a rank died between cells: replaced now
             print(self.replace_dead(cluster, dead), file=sys.stderr)
         cluster.check_alive()  # DeadRankError names the dead ranks and says: %ring restart
+        self.follow_discovery()
         return cluster
+
+    def follow_discovery(self) -> None:
+        """With ``--host-discovery``: the cluster resized to what its source reports, between
+        cells (``_follow``); nothing otherwise."""
+        follow, cluster = self.follow, self.cluster
+        if follow is None:
+            return
+        if cluster is None or not cluster.running or follow.cluster is not cluster:
+            self.stop_following()
+            return
+        follow.between_cells(self)
+
+    def stop_following(self) -> None:
+        """Stop asking the discovery source (the cluster stopped, or is replaced)."""
+        follow, self.follow = self.follow, None
+        if follow is not None:
+            follow.stop()
 
     def replace_dead(self, cluster: RingCluster, dead: list[int]) -> str:
         """Replace the ``dead`` ranks in place where the cluster can (``RingCluster.respawn``);
@@ -97,6 +117,7 @@ class HeldCluster:
     def release(self) -> None:
         """Stop the cluster (kill it if stopping fails) and let go of it: the kernel's exit."""
         cluster, self.cluster = self.cluster, None
+        self.stop_following()
         if cluster is not None and cluster.running:
             try:
                 cluster.stop()

@@ -108,6 +108,24 @@ class CellExecution:
                               targets=list(self._engine_ids), owner=True)
         self._wake.set()
 
+    def add(self, rank: int, engine_id: int) -> None:
+        """Send the cell to ``engine_id`` as a new rank ``rank`` (host discovery grew the world
+        while the cell runs under ``elastic.run``: the new rank runs it from its start); a rank
+        that left the world earlier in the cell takes its old place (:meth:`resubmit`)."""
+        from ipyparallel.client.asyncresult import AsyncResult
+
+        if rank in self._index:  # it left the world earlier in this cell, and comes back
+            self.resubmit(rank, engine_id)
+            return
+        self.ranks.append(rank)
+        self._index[rank] = len(self.ranks) - 1
+        self._engine_ids.append(engine_id)
+        self._futures.append(self._send(rank, engine_id))
+        self.ar.owner = False
+        self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
+                              targets=list(self._engine_ids), owner=True)
+        self._wake.set()
+
     def _hook(self, rank: int, future: Any) -> None:
         # before the request is handed to the IO thread: nothing of it can have arrived yet
         future.iopub_callbacks.append(functools.partial(self._on_iopub, rank, future))

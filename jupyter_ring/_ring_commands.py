@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
 
+from ._follow import Follower
 from ._held_cluster import HeldCluster, connected_client, connected_view
 from ._ring_parser import RING_PARSER
 from .cluster import RingCluster, format_table
+from .cluster._discovery import DiscoveryError, HostDiscovery, wanted
 from .cluster._scale import ScaleRefused, scale_bounds, scaled_note
 from .errors import _ename
 
@@ -26,6 +28,31 @@ if TYPE_CHECKING:
     from .magics import RingMagics
 
 __all__ = ["RingCommands"]
+
+
+def _first_discovery(args: argparse.Namespace, cluster: RingCluster, hosts: bool) -> HostDiscovery | None:
+    """``%ring start --host-discovery``: the source asked once before the start (UsageError
+    naming what is wrong when it cannot answer); without ``-n`` the cluster starts at the size it
+    reports (within ``--min-ranks``/``--max-ranks``). None without the option."""
+    if args.host_discovery is None:
+        return None
+    where = f"%ring start --host-discovery {args.host_discovery}"
+    if hosts or args.launcher != "mpi":
+        raise UsageError(f"{where}: a cluster follows host discovery on one host only for now; drop "
+                         "--hosts/--hostfile/--launcher, or drop --host-discovery")
+    try:
+        discovery = HostDiscovery(args.host_discovery, args.discovery_interval)
+    except DiscoveryError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    found = discovery.ask()
+    if found.error or found.slots is None:
+        raise UsageError(f"{where}: {found.error}")
+    n, why = wanted(found.slots, cluster.min_ranks, cluster.max_ranks)
+    if n is None:
+        raise UsageError(f"{where}: {why}; start it when the source reports more, or lower --min-ranks")
+    if args.n is None:
+        cluster.n = n
+    return discovery
 
 
 class RingCommands:
@@ -63,6 +90,8 @@ class RingCommands:
                               hosts=hosts, hostfile=args.hostfile, controller_ip=args.ip,
                               nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                               partition=args.partition, time_limit=args.time, **options)
+        self.held.stop_following()  # (a cluster stopped from outside may have left one)
+        discovery = _first_discovery(args, cluster, bool(hosts or args.hostfile))
         if (self.magics.cells.widgets_ok is None and self.magics.output != "text"
                 and getattr(self.magics.shell, "kernel", None) is not None):
             # ipywidgets takes ~0.5 s to import: overlap it with the ranks starting up
@@ -77,6 +106,12 @@ class RingCommands:
         self.held.start_argv = argv
         self.held.dashboard_ready = self._setup_dashboard(cluster)
         print(format_table(rows))
+        if discovery is not None:
+            self.held.follow = Follower(discovery, cluster)
+            discovery.start()
+            print(f"host discovery: {discovery.spec} reports {discovery.latest().slots} slot(s); the "
+                  f"cluster follows it (asked every {discovery.interval:g} s, within --min-ranks "
+                  f"{cluster.min_ranks} .. --max-ranks {cluster.max_ranks or 'unbounded'})")
         if cluster.note:
             print(cluster.note)
         if cluster.address != "127.0.0.1":
@@ -121,6 +156,11 @@ class RingCommands:
         else:
             print(f"{cluster.size} ranks alive (started with %ring {' '.join(self.held.start_argv or [])})")
         print(_restarts_line(cluster))
+        follow = self.held.follow
+        if follow is not None and follow.cluster is cluster:
+            found = follow.discovery.latest()
+            print(f"host discovery {follow.discovery.spec}: "
+                  + (found.error if found.error else f"{found.slots} slot(s) ({', '.join(f'{h}:{k}' for h, k in found.hosts.items())})"))
         print(self.auto_status())
 
     def where(self, args: argparse.Namespace, argv: list[str]) -> None:
@@ -178,6 +218,7 @@ class RingCommands:
             print(f"no cluster is running{': ' + stopped if stopped else ''}")
             return
         size = cluster.size
+        self.held.stop_following()
         cluster.stop()
         print(f"stopped {size} ranks")
 
@@ -190,12 +231,18 @@ class RingCommands:
         stopped = self.held.stopped_outside()
         if stopped:
             print(f"({stopped})")
+        self.held.stop_following()
         if self.held.cluster is not None:
             self.held.cluster.stop()
         self.start(RING_PARSER.parse_args(start_argv), start_argv)
 
     def scale(self, args: argparse.Namespace, argv: list[str]) -> None:
         """``%ring scale N``: the live cluster grown or shrunk to N ranks (``cluster._scale``)."""
+        follow = self.held.follow
+        if follow is not None and follow.cluster is self.held.cluster:
+            raise UsageError(f"%ring scale {args.n}: the cluster's size follows --host-discovery "
+                             f"{follow.discovery.spec}; change what it reports, or %ring restart "
+                             "without --host-discovery")
         cluster = self.held.alive()
         try:
             done = cluster.scale(args.n)

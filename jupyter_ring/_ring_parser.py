@@ -111,6 +111,12 @@ def _start_parser(sub: "argparse._SubParsersAction[RingArgumentParser]") -> None
                        help="the fewest ranks %%ring scale may leave (default 1)")
     start.add_argument("--max-ranks", type=int, default=None,
                        help="the most ranks %%ring scale may make (default: no bound)")
+    start.add_argument("--host-discovery", default=None, metavar="SCRIPT|module:callable",
+                       help="Horovod's host discovery: a script printing 'host:slots' lines, or "
+                            "module:callable; the cluster grows and shrinks to its total of slots "
+                            "(one host; within --min-ranks/--max-ranks)")
+    start.add_argument("--discovery-interval", type=float, default=1.0,
+                       help="seconds between two questions to --host-discovery (default 1)")
     start.add_argument("--torch-distributed", action="store_true", default=None,
                        help="also initialise torch.distributed's default process group on "
                             "every rank (gloo; NCCL where every rank has a GPU)")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ._ring import RingCluster
 
-__all__ = ["Replacement", "respawn", "replace_ranks", "elastic_survivors", "replaced_note", "elastic_note", "newcomer_gpus"]
+__all__ = ["Replacement", "respawn", "next_generation", "replace_ranks", "elastic_survivors", "replaced_note", "elastic_note", "newcomer_gpus"]
 
 
 class Replacement(NamedTuple):
@@ -67,7 +67,7 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
                            "not a one-host cluster); run %ring restart")
     cluster.restarts += len(dead)
     try:
-        done = replace_ranks(cluster, dead, SETUP_CODE, cluster.restarts, elastic)
+        done = replace_ranks(cluster, dead, SETUP_CODE, next_generation(cluster), elastic)
         if not elastic:  # (elastic: the survivors run their cell on; its torch groups are the user's)
             event = f"the replacement of rank(s) {_names(dead)}"
             done = done._replace(notes=tuple(remake_torch_world(cluster, event)))
@@ -81,6 +81,14 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
         cluster.replaced[rank] = cluster.replaced.get(rank, 0) + 1
     settle_new_world(cluster)
     return done
+
+
+def next_generation(cluster: RingCluster) -> int:
+    """The number of the cluster's next change of world (a replacement, a resize): one counter
+    for both, so that a rank that acted on one notice never takes the next for it (``gen`` of
+    ``engines._elastic``)."""
+    cluster.generation += 1
+    return cluster.generation
 
 
 def settle_new_world(cluster: RingCluster) -> None:
@@ -99,9 +107,9 @@ def replace_ranks(cluster: RingCluster, dead: Sequence[int], setup_code: str, ge
                   elastic: bool = False) -> Replacement:
     """Replace the ``dead`` ranks of ``cluster`` in place (see the module); ``setup_code``: the
     rank set-up every engine ran at start (``ring.init()`` there finds the runtime started);
-    ``gen``: the cluster's count of replacements, this one included. ``elastic``: the survivors
-    run ``elastic.run`` in the cell, which goes on: they are told by a notice, not interrupted,
-    and re-form the world from inside ``run`` (``engines._elastic``)."""
+    ``gen``: the cluster's count of changes of world, this one included (:func:`next_generation`).
+    ``elastic``: the survivors run ``elastic.run`` in the cell, which goes on: they are told by a
+    notice, not interrupted, and re-form the world from inside ``run`` (``engines._elastic``)."""
     from ..engines import _respawn
 
     t0 = time.monotonic()

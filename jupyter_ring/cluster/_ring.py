@@ -72,6 +72,7 @@ class RingCluster(RingOptions):
         self.plan_used: LaunchPlan | None = None  # the plan start() carried out
         self.rendezvous: tuple[str, int] | None = None  # torch.distributed's, reserved by rank 0
         self.restarts = 0        # ranks replaced in place so far (respawn); --max-restarts bounds it
+        self.generation = 0      # changes of world so far (replacements, resizes): _respawn.next_generation
         self.replace_failed = False  # a replacement failed: dead ranks now need %ring restart
         self.replaced: dict[int, int] = {}  # rank -> how many times it was replaced in place
         # the notebook's cells: ids a rank's interrupt names (engines/_interrupts.py)

@@ -36,7 +36,8 @@ import psutil
 from ..engines._setup import RankRow
 from ..errors import ClusterError
 from ._procs import kill_processes, process_trees, wait_exit
-from ._respawn import _busy, _everywhere, _names, _result, remake_torch_world, replace_ranks, settle_new_world
+from ._respawn import (_busy, _everywhere, _names, _result, next_generation, remake_torch_world, replace_ranks,
+                       settle_new_world)
 
 if TYPE_CHECKING:
     from ._ring import RingCluster
@@ -78,9 +79,10 @@ def scale_bounds(n: int | None, min_ranks: int | None, max_ranks: int | None, wh
             if value is not None}
 
 
-def check_scale(cluster: RingCluster, n: int) -> None:
+def check_scale(cluster: RingCluster, n: int, running_cell: bool = False) -> None:
     """:class:`ScaleRefused` with what is wrong and the fix, when ``cluster`` cannot go to ``n``
-    ranks now; nothing is changed either way."""
+    ranks now; nothing is changed either way. ``running_cell``: the resize happens inside the
+    running cell (``_elastic_resize``), so busy ranks are expected."""
     size = cluster.size
     if n < 1:
         raise ScaleRefused(f"a cluster needs at least 1 rank (asked {n}); %ring stop stops every rank")
@@ -111,6 +113,8 @@ def check_scale(cluster: RingCluster, n: int) -> None:
     if dead:  # (%ring scale replaces them first, where it can: _alive_cluster)
         raise ScaleRefused(f"rank(s) {_names(dead)} are dead: run a cell to have them replaced in "
                            "place, or %ring restart, then scale")
+    if running_cell:
+        return
     client = cluster._running_client
     busy = [r for r, eid in enumerate(cluster.engine_ids) if _busy(client, eid)]
     if busy:
@@ -153,7 +157,7 @@ def _grow(cluster: RingCluster, n: int, setup_code: str) -> list[str]:
         cluster.ranks.append(RankRow(rank=rank, size=n, local_rank=rank, host=host, pid=0, device=device))
         cluster.engine_ids.append(-1)
     cluster.size = n  # the old ranks are replace_ranks' survivors, the new ones its "dead"
-    replace_ranks(cluster, new, setup_code, cluster.restarts)
+    replace_ranks(cluster, new, setup_code, next_generation(cluster))
     return []
 
 

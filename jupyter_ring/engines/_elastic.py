@@ -15,8 +15,19 @@ kinds of files in the cluster's folder (``where_dir``, one host):
 - ``respawn-port-<gen>``: the MPI port the first survivor opened in :func:`reform`; the kernel
   hands it to the newcomer (``engines._respawn.join``), the survivors ``accept`` on it.
 
-``gen`` counts the replacements of the cluster: a notice is acted on once per rank (a newcomer
-joins knowing the generation it was made in, and never reads its own birth as a loss).
+The same notice, with ``"resize": "grow"|"shrink"``, ``"size"`` and ``"ts"``, is host
+discovery's resize while every rank runs ``elastic.run`` (``cluster._elastic_resize``). No
+collective is given up for it: at the next ``state.commit()`` the poll of
+``elastic_world.on_check_host_updates`` (:func:`_poll`) tells the state
+(``notify_hosts_updated``, added or removed), every rank raises ``HostsUpdatedInterrupt`` at that
+commit, and ``run``'s reset calls :func:`reform`: a grow is a replacement whose "dead" ranks are
+the new numbers beyond the old world (every rank stays, the newcomers join on the port); a shrink
+is ``engines._scale.shrink`` (no port), after which a rank beyond the new size raises
+:class:`LeftTheWorld` out of ``run`` (its cell ends; the kernel then stops its engine).
+
+``gen`` counts the cluster's changes of world (replacements and resizes, ``cluster._respawn``):
+a notice is acted on once per rank (a newcomer joins knowing the generation it was made in, and
+never reads its own birth as a loss).
 """
 
 from __future__ import annotations
@@ -25,9 +36,16 @@ import os
 
 from . import _respawn
 
-__all__ = ["NOTICE", "arm", "running_path", "notice_path", "port_path", "lost", "reform", "running_ranks"]
+__all__ = ["NOTICE", "LeftTheWorld", "arm", "running_path", "notice_path", "port_path", "lost", "reform",
+           "running_ranks"]
 
 NOTICE = "respawn-notice"
+
+
+class LeftTheWorld(Exception):
+    """This rank left the world at a commit: host discovery shrank the cluster below its number.
+    Raised out of ``elastic.run`` on the ranks that leave; the notebook stops their engines and
+    does not count the error as the cell's failure."""
 
 
 def running_path(directory: str, rank: int) -> str:
@@ -72,6 +90,7 @@ def arm(directory: str, rank: int, gen: int = 0) -> None:
     debugger.remove(running_path(directory, rank))  # left by the process this one replaces
     lost_ranks.arm(lost)
     elastic_world.on_world_reset(reform)
+    elastic_world.on_check_host_updates(_poll)
     elastic_world.notification_manager.watch_running(_running)
 
 
@@ -100,10 +119,24 @@ def _notice() -> dict[str, object] | None:
 
 
 def lost() -> list[int]:
-    """The ranks the kernel said died, until this rank has re-formed its world without them."""
+    """The ranks the kernel said died, until this rank has re-formed its world without them
+    (none for a resize: no collective is given up for it)."""
     notice = _notice()
-    dead = notice.get("dead") if notice is not None else None
+    dead = notice.get("dead") if notice is not None and "resize" not in notice else None
     return [int(r) for r in dead] if isinstance(dead, list) else []
+
+
+def _poll() -> None:
+    """At a commit: a resize the kernel announced and this rank has not acted on becomes a host
+    update of the running states (every rank raises ``HostsUpdatedInterrupt`` at this commit)."""
+    from ..runtime.internal import elastic_world
+
+    notice = _notice()
+    if notice is None or notice.get("resize") not in ("grow", "shrink"):
+        return
+    update = (elastic_world.HostUpdateResult.added if notice["resize"] == "grow"
+              else elastic_world.HostUpdateResult.removed)
+    elastic_world.notify_hosts_updated(update, float(notice.get("ts", 0.0)))  # type: ignore[arg-type]
 
 
 def reform() -> None:
@@ -115,10 +148,29 @@ def reform() -> None:
     notice = _notice()
     if notice is None or _armed.directory is None:
         return
-    gen, dead, root = int(notice["gen"]), lost(), int(notice.get("root", 0))  # type: ignore[call-overload]
+    if notice.get("resize") == "shrink":
+        _armed.gen = int(notice["gen"])  # type: ignore[call-overload]
+        _shrink(int(notice["size"]))  # type: ignore[call-overload]
+        return
+    raw = notice.get("dead")
+    gen, dead, root = int(notice["gen"]), [int(r) for r in raw] if isinstance(raw, list) else [], int(notice.get("root", 0))  # type: ignore[call-overload]
     _armed.gen = gen  # acted on: the waits of the re-forming itself must not give up on the dead
     port = _respawn.leave(dead)
     if port:
         debugger.write_record(port_path(_armed.directory, gen), {"port": port})
     _respawn.accept(port or "")
     elastic_world.set_sync_root(root)
+
+
+def _shrink(size: int) -> None:
+    """A shrink inside ``run``'s reset: ranks below ``size`` re-form their world
+    (``engines._scale.shrink``); a rank beyond it raises :class:`LeftTheWorld`."""
+    from ..runtime.internal import elastic_world
+    from . import _scale
+
+    me = _respawn.world().Get_rank()
+    if _scale.shrink(size):
+        elastic_world.set_sync_root(0)
+        return
+    raise LeftTheWorld(f"rank {me} left the world at this commit: host discovery shrank the cluster to "
+                       f"{size} rank(s), and this rank's engine stops now (the cell goes on on the others)")

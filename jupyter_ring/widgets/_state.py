@@ -26,7 +26,7 @@ __all__ = ["DashboardState", "RankState", "downsample", "ENDINGS", "reports_work
 
 # How a cell ended on a rank (``DashboardState.freeze(outcomes=...)``), as its row says it.
 ENDINGS = {"done": "done", "interrupted": "interrupted", "stalled": "stalled", "failed": "failed",
-           "died": "died", "no reply": "no reply"}
+           "died": "died", "no reply": "no reply", "left": "left the world"}
 
 # A rank's snapshot (``Reporter.snapshot()``, through the front end's transport): JSON values of
 # every kind, hence Any.
@@ -446,7 +446,8 @@ class DashboardState:
         comm shares become the whole cell's).
 
         ``outcomes`` {rank: how the cell ended there} (keys of ``ENDINGS``: "interrupted",
-        "stalled", "failed", "died", "no reply"); a rank not named ended well ("done")."""
+        "stalled", "failed", "died", "no reply", "left": host discovery shrank the world); a rank
+        not named ended well ("done")."""
         outcomes = outcomes or {}
         for rank, ending in outcomes.items():
             if ending not in ENDINGS:

@@ -148,6 +148,11 @@ class TextSink:
             stream.write(f"{_tag(ranks)}{line}\n")
             stream.flush()
 
+    def add_rank(self, rank: int) -> None:
+        """A rank that joined while the cell runs (host discovery grew the world)."""
+        if self.fold is not None:
+            self.fold.size += 1
+
     def display(self, rank: int, data: Bundle, metadata: dict[str, Any]) -> None:
         from IPython.display import display
 
@@ -256,6 +261,23 @@ class RankTabs:
         self._last_push = time.monotonic()  # the cell's start: the first push waits a period
         self._finished = False
         self.fold = LineFold(self.ranks) if len(self.ranks) >= FOLD_FROM else None
+
+    def add_rank(self, rank: int) -> None:
+        """A tab for a rank that joined while the cell runs (host discovery grew the world)."""
+        if rank in self.panels:
+            return
+        self.ranks.append(rank)
+        self.panels[rank] = _Panel(f"rank {rank}")
+        if self.fold is not None:
+            self.fold.size += 1
+        if self.tab is not None:
+            from ipywidgets import Layout, Output
+
+            for tab, outputs, _ in self._views():
+                out = Output(layout=Layout(max_height="32em", overflow="auto"))
+                outputs.append(out)
+                tab.children = (*tab.children, out)
+        self._changed(force=True)
 
     # ------------------------------------------------------------------------------ content
     def text(self, rank: int, name: str, lines: Sequence[str]) -> None:

@@ -92,6 +92,7 @@ class State:
         newer than the last one acted on (one allgather of a few bytes, so all ranks raise at
         the same commit; Horovod broadcasts rank 0's view, which misses an update rank 0 was not
         told of)."""
+        elastic_world.poll_host_updates()
         prev = self._last_updated_timestamp
         news: list[tuple[float, int]] = []
         while True:

@@ -17,9 +17,11 @@ Horovod's elastic workers learn of a world change in two ways, and ``elastic.run
    above without a restore (the commit is current) and syncs unless hosts were only removed
    (``skip_sync``: every survivor already holds the committed state).
 
-On today's fixed world nobody calls :func:`notify_hosts_updated` and no hook is registered: a
-reset only abandons the queued collectives. **For the respawn (issue 34, items 1-3)**, the runtime
-plugs in here and nowhere else:
+On a fixed world (outside a notebook cluster) nobody calls :func:`notify_hosts_updated` and no
+hook is registered: a reset only abandons the queued collectives. **The respawn and host
+discovery (issue 34, items 1-3)** plug in here and nowhere else (``engines._elastic``; a resize
+reaches the ranks as a notice that the poll of :func:`on_check_host_updates` turns into
+:func:`notify_hosts_updated` at the next commit):
 
 - when a rank dies under a running collective, fail the survivors' collective with a subclass of
   ``HorovodInternalError`` (say ``RankLostError``, naming the rank) rather than waiting for the
@@ -49,7 +51,7 @@ from typing import Protocol
 
 __all__ = ["HostUpdateResult", "HostsUpdatedInterrupt", "HostsListener", "NotificationManager",
            "notification_manager", "notify_hosts_updated", "on_world_reset", "remove_world_reset",
-           "world_reset_hooks", "sync_root", "set_sync_root"]
+           "world_reset_hooks", "on_check_host_updates", "poll_host_updates", "sync_root", "set_sync_root"]
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -182,6 +184,27 @@ def remove_world_reset(hook: Callable[[], None]) -> None:
 def world_reset_hooks() -> list[Callable[[], None]]:
     """The hooks a reset runs, in the order registered."""
     return list(_world_reset_hooks)
+
+
+_host_update_polls: list[Callable[[], None]] = []
+
+
+def on_check_host_updates(poll: Callable[[], None]) -> Callable[[], None]:
+    """Call ``poll()`` on this rank at every ``state.check_host_updates()`` (every commit), before
+    the updates are read: where a notice that comes from outside the process (the notebook's
+    host discovery writes a file) is turned into :func:`notify_hosts_updated`, with no thread
+    of its own. Returns ``poll``."""
+    if not callable(poll):
+        raise TypeError(f"on_check_host_updates: expected a function of no arguments, got {poll!r}")
+    if poll not in _host_update_polls:
+        _host_update_polls.append(poll)
+    return poll
+
+
+def poll_host_updates() -> None:
+    """Run the polls of :func:`on_check_host_updates` (``State.check_host_updates`` does)."""
+    for poll in list(_host_update_polls):
+        poll()
 
 
 _sync_root = 0

@@ -112,6 +112,15 @@ class TorchState(ObjectState):
             handler.sync()
         super().sync()
 
+    def reset(self) -> None:
+        """After a reset of ``run``: the samplers partition what is left of their epoch over the
+        world of now. The sync does it too, but a shrink (hosts only removed) skips the sync: the
+        ranks left would otherwise go on with the old world's shares, and the samples of the
+        ranks that left would not be trained on in that epoch."""
+        for handler in self._handlers.values():
+            if isinstance(handler, SamplerStateHandler):
+                handler.value.reset()
+
     def __setattr__(self, name: str, value: Any) -> None:
         handlers: dict[str, _Handler] = self.__dict__.get("_handlers", {})
         if name in handlers:  # a new model, optimizer or sampler is tracked (and saved) from now on
