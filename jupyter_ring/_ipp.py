@@ -83,6 +83,10 @@ class CellExecution:
         self.ar = AsyncResult(client, list(self._futures), fname="execute", targets=list(self._engine_ids),
                               owner=True)
 
+    def _ident(self, engine_id: int) -> bytes:
+        """The routing identity of one engine (a request to one rank: resubmit, add)."""
+        return self._client._build_targets([engine_id])[0][0]  # type: ignore[no-any-return]
+
     def _send(self, rank: int, ident: bytes) -> Any:
         # what DirectView.execute sends for each of its targets, on the same socket
         client = self._client
@@ -102,7 +106,7 @@ class CellExecution:
         old = self._futures[index]
         self._dropped.add(id(old))
         self._kept.append(old)  # alive, so that its id is never another future's
-        self._futures[index] = self._send(rank, self._client._build_targets([engine_id])[0][0])
+        self._futures[index] = self._send(rank, self._ident(engine_id))
         self.ar.owner = False  # the survivors' requests are the new result's now
         self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
                               targets=list(self._engine_ids), owner=True)
@@ -120,7 +124,7 @@ class CellExecution:
         self.ranks.append(rank)
         self._index[rank] = len(self.ranks) - 1
         self._engine_ids.append(engine_id)
-        self._futures.append(self._send(rank, engine_id))
+        self._futures.append(self._send(rank, self._ident(engine_id)))
         self.ar.owner = False
         self.ar = AsyncResult(self._client, list(self._futures), fname="execute",
                               targets=list(self._engine_ids), owner=True)
