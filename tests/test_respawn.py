@@ -116,6 +116,28 @@ def test_death_diagnosis_reads_the_keepers_line_and_skips_engines_replaced_befor
     assert not says_how(describe_death([1], rows, [10, 11], output.split("[KernelNanny.11]")[0]))
 
 
+def test_death_diagnosis_names_a_host_that_went_silent_before_an_engine_mpi_ended():
+    """Host b died whole (its nannies with it); Hydra then ended rank 1 on a, whose nanny logged
+    a plain exit: b's ranks are named first, as the host gone, and a's as what MPI ended (CI
+    saw "rank 1 @ a died (engine process exited)" when a's nanny wrote first)."""
+    from jupyter_ring.cluster._death import describe_death, says_how
+
+    rows = [{"rank": r, "host": "ab"[r // 2], "pid": 100 + r, "device": "cpu", "local_rank": r % 2,
+             "size": 2} for r in range(4)]
+    exited = "[KernelNanny.11] Pipe closed, parent 101 has status: None\n"
+    message = describe_death([0, 1, 2, 3], rows, [10, 11, 12, 13], exited, fix="Restart.")
+    assert message == ("ranks 2, 3 @ b stopped answering (died, or the host is down or cut off "
+                       "from this one); MPI then ended rank(s) 0, 1. Restart."), message
+    assert says_how(message)
+    # a's rank killed by a signal is the first death's story, b's silence notwithstanding
+    killed = exited + "jupyter_ring keeper: rank 1 engine 101 signaled with Killed\n"
+    assert describe_death([0, 1, 2, 3], rows, [10, 11, 12, 13], killed, fix="Restart.") == \
+        "rank 1 @ a died (signal: Killed); MPI then ended rank(s) 0, 2, 3. Restart."
+    # one rank of b gone, its host-mate alive: no host is gone, the nanny's word stands
+    assert describe_death([1, 2], rows, [10, 11, 12, 13], exited, fix="Restart.") == \
+        "rank 1 @ a died (engine process exited); MPI then ended rank(s) 2. Restart."
+
+
 def test_a_replacement_that_fails_says_so_and_stop_leaves_nothing(tmp_path, monkeypatch):
     """The newcomer does not register in time: ClusterError naming the step and %ring restart;
     no second try; every process of the cluster, the newcomers' job too, gone after stop()."""

@@ -29,7 +29,18 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
     dead = list(dead)
     first = _first_death(output, {eid: rank for rank, eid in enumerate(engine_ids) if rank in dead},
                          hosts, pids)
-    if first is not None:
+    gone = _hosts_gone(dead, hosts, pids, engine_ids, output)
+    if gone and (first is None or first[2] == "engine process exited"):
+        # a host whose every rank vanished with no word from its nannies (they died with it):
+        # that host went first; an engine elsewhere that merely exited is MPI ending the job
+        lost = [r for r in dead if hosts.get(r) in gone]
+        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} @ {host}"
+                         for host in gone for rs in [[r for r in lost if hosts[r] == host]])
+        head += " stopped answering (died, or the host is down or cut off from this one)"
+        others = [r for r in dead if r not in lost]
+        if others:
+            head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
+    elif first is not None:
         rank, host, how = first
         head = f"rank {rank} @ {host} died ({how})"
         others = [r for r in dead if r != rank]
@@ -66,6 +77,23 @@ def says_how(message: str) -> bool:
     exit string, a host cut off), not only that its engine exited or that ranks are gone."""
     return "died (" in message and "died (engine process exited)" not in message or (
         "stopped answering" in message)
+
+
+def _hosts_gone(dead: Sequence[int], hosts: Mapping[int, str], pids: Mapping[int, int],
+                engine_ids: Sequence[int], output: str) -> list[str]:
+    """The hosts (of more than one) all of whose ranks are dead with no nanny or keeper line
+    about any of them: what a host that died or was cut off leaves (its nannies went with it)."""
+    if len(set(hosts.values())) < 2:
+        return []
+    logged = {int(m.group(1)) for m in re.finditer(r"\[KernelNanny\.(\d+)\] Pipe closed", output)}
+    kept = {int(m.group(1)) for m in re.finditer(r"jupyter_ring keeper: rank \S+ engine (\d+)", output)}
+    gone = []
+    for host in dict.fromkeys(hosts[r] for r in sorted(dead) if r in hosts):
+        ranks = [r for r, h in hosts.items() if h == host]
+        if all(r in dead and pids.get(r) not in kept and (r >= len(engine_ids) or engine_ids[r] not in logged)
+               for r in ranks):
+            gone.append(host)
+    return gone
 
 
 def _first_death(output: str, eid_rank: Mapping[int, int], hosts: Mapping[int, str],
