@@ -141,6 +141,21 @@ class LiveDashboard:
             self._draw(now)
         return n
 
+    def new_engines(self, ranks: Iterable[int], how: str) -> None:
+        """New engines took ``ranks`` while the cell runs (``how``: "replaced", a dead engine's
+        place; "joined", host discovery grew the world): their rows say so, and their snapshots,
+        numbered afresh, are taken from now on (see ``DashboardState.replaced``/``joined``).
+        Poll the old engines' last snapshots first: the AsyncResult made for the new ones has
+        none of the dead one's."""
+        if how not in ("replaced", "joined"):
+            raise ValueError(f"new engines took ranks as 'replaced' or 'joined', got {how!r}")
+        for rank in ranks:
+            if how == "replaced":
+                self.state.replaced(rank)
+            else:
+                self.state.joined(rank)
+        self._stale = True
+
     def _draw(self, now: float, final: bool = False) -> None:
         self._stale = False
         self._last_draw = now
