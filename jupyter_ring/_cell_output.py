@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _live
 from ._ipp import CellExecution
@@ -151,7 +151,7 @@ class CellDashboard:
         # new engines that took ranks during the cell, [(ranks, how)], until the dashboard is
         # made (and applied to it then); and the cluster's replacements when the cell began,
         # to tell the ranks replaced after the cell failed there (the dead rank's DeadRankError)
-        self._new_engines: list[tuple[list[int], str]] = []
+        self._new_engines: list[tuple[list[int], Literal["replaced", "joined"]]] = []
         self._replaced_before = dict(cluster.replaced)
         self._replaced_during: dict[int, int] = {}
 
@@ -197,7 +197,7 @@ class CellDashboard:
             self._steps_noted = now
             self._note_steps(self.dashboard)
 
-    def new_engines(self, execution: CellExecution, ranks: list[int], how: str) -> None:
+    def new_engines(self, execution: CellExecution, ranks: list[int], how: Literal["replaced", "joined"]) -> None:
         """New engines take ``ranks`` while the cell runs (``how``: "replaced": a dead rank's
         replacement under ``elastic.run``; "joined": host discovery grew the world): call before
         ``execution`` sends them the cell, while its AsyncResult still holds the old engines'

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from ..engines._publish import KEY_PREFIX
 from ._state import DashboardState, reports_work
@@ -141,7 +141,7 @@ class LiveDashboard:
             self._draw(now)
         return n
 
-    def new_engines(self, ranks: Iterable[int], how: str) -> None:
+    def new_engines(self, ranks: Iterable[int], how: Literal["replaced", "joined"]) -> None:
         """New engines took ``ranks`` while the cell runs (``how``: "replaced", a dead engine's
         place; "joined", host discovery grew the world): their rows say so, and their snapshots,
         numbered afresh, are taken from now on (see ``DashboardState.replaced``/``joined``).
