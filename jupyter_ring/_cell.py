@@ -254,6 +254,7 @@ class CellRun:
         except ClusterError as exc:
             raise DeadRankError(f"{head} Replacing it in place failed: {exc}", dead) from None
         magics.held.new_rank_dashboard(cluster, done.ranks)
+        self.dashboard.new_engines(execution, done.ranks, "replaced")  # (before the resubmit)
         for rank in done.ranks:
             execution.resubmit(rank, cluster.engine_ids[rank])
             self.interrupts.interrupted.pop(rank, None)
@@ -317,6 +318,7 @@ class CellRun:
                 raise
             # the dashboard's publisher first: a request sent after the cell waits for its end
             self.magics.held.new_rank_dashboard(cluster, resize.added)
+            self.dashboard.new_engines(execution, sorted(joined), "joined")  # (before the cell is sent)
             for rank, engine_id in sorted(joined.items()):
                 execution.add(rank, engine_id)
                 if rank in self.left:  # it left the world earlier in this cell

@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import _live
 from ._ipp import CellExecution
@@ -148,6 +148,12 @@ class CellDashboard:
         self.dashboard: "LiveDashboard | None" = None
         self._steps_noted = -float("inf")
         self._next_attach_look = 0.0  # when to look for a request for the live view again
+        # new engines that took ranks during the cell, [(ranks, how)], until the dashboard is
+        # made (and applied to it then); and the cluster's replacements when the cell began,
+        # to tell the ranks replaced after the cell failed there (the dead rank's DeadRankError)
+        self._new_engines: list[tuple[list[int], Literal["replaced", "joined"]]] = []
+        self._replaced_before = dict(cluster.replaced)
+        self._replaced_during: dict[int, int] = {}
 
     def serve_attach(self, now: float) -> None:
         """A notebook reopened while this cell runs asked (the Ring panel's "Show live view",
@@ -183,11 +189,37 @@ class CellDashboard:
             if not live.has_snapshots(ar, work=True):
                 return
             self.dashboard = live.LiveDashboard(self.ranks)
+            for ranks, how in self._new_engines:
+                self.dashboard.new_engines(ranks, how)
         self.dashboard.poll(ar)
         now = time.monotonic()
         if now - self._steps_noted >= 1.0:  # the Ring panel's step column, at most once a second
             self._steps_noted = now
             self._note_steps(self.dashboard)
+
+    def new_engines(self, execution: CellExecution, ranks: list[int], how: Literal["replaced", "joined"]) -> None:
+        """New engines take ``ranks`` while the cell runs (``how``: "replaced": a dead rank's
+        replacement under ``elastic.run``; "joined": host discovery grew the world): call before
+        ``execution`` sends them the cell, while its AsyncResult still holds the old engines'
+        last snapshots, which are taken first. The rows say so (``LiveDashboard.new_engines``)."""
+        self.poll(execution)
+        if how == "replaced":
+            for rank in ranks:
+                self._replaced_during[rank] = self._replaced_during.get(rank, 0) + 1
+        if self.dashboard is not None:
+            self.dashboard.new_engines(ranks, how)
+        else:
+            self._new_engines.append((list(ranks), how))
+
+    def _replaced_after(self) -> list[int]:
+        """Ranks replaced in place since the cell began other than while it ran (the cell failed
+        with the dead rank, which was replaced for the next cell)."""
+        try:
+            now = dict(self.cluster.replaced)
+        except Exception:  # the cluster is going away
+            return []
+        return sorted(r for r, times in now.items()
+                      if times > self._replaced_before.get(r, 0) + self._replaced_during.get(r, 0))
 
     def finish(self, execution: CellExecution | None) -> None:
         """The cell has ended (or failed, or was interrupted): the dashboard becomes static; with
@@ -199,6 +231,8 @@ class CellDashboard:
             live.discard_snapshots(execution.ar)
         if self.dashboard is not None:
             try:
+                for rank in self._replaced_after():
+                    self.dashboard.state.replaced(rank, during=False)
                 self.dashboard.finish(execution and execution.ar, self._outcomes(execution))
                 self._note_steps(self.dashboard)
             except Exception as exc:  # never hide the cell's own outcome

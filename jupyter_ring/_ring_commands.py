@@ -20,7 +20,7 @@ from ._ring_parser import RING_PARSER
 from .cluster import RingCluster, format_table
 from .cluster._discovery import DiscoveryError, HostDiscovery, wanted
 from .cluster._scale import ScaleRefused, scale_bounds, scaled_note
-from .errors import _ename
+from .errors import _ename, _rank_list
 
 if TYPE_CHECKING:
     from .engines._setup import RankRow
@@ -316,8 +316,7 @@ class RingCommands:
         values = client[cluster.engine_ids[source]].pull(args.names, block=True)
         client[[cluster.engine_ids[r] for r in targets]].push(
             dict(zip(args.names, values)), block=True)
-        print(f"copied {', '.join(args.names)} from rank {source} to rank(s) "
-              f"{', '.join(map(str, targets))}")
+        print(f"copied {', '.join(args.names)} from rank {source} to rank(s) {_rank_list(targets)}")
 
     def pull(self, args: argparse.Namespace, argv: list[str]) -> None:
         """``%ring pull NAME [--rank R | --all]``: a rank's variable (or every rank's) into the notebook."""
@@ -372,6 +371,5 @@ def _render_pull_error(exc: Exception, name: str, ranks: list[int]) -> UsageErro
     if inner:
         ename = inner[0][0]
     if ename == "NameError" or "NameError" in str(exc):
-        return UsageError(f"%ring pull: {name!r} is not defined on rank(s) "
-                          f"{', '.join(map(str, ranks))}")
+        return UsageError(f"%ring pull: {name!r} is not defined on rank(s) {_rank_list(ranks)}")
     return UsageError(f"%ring pull {name}: {ename}: {exc}")

@@ -118,6 +118,8 @@ class RingMagics(Magics):
                        [--torch-distributed]     # also init torch.distributed's default group
                        [--max-restarts N]        # dead ranks replaced in place (default 3; 0: off)
                        [--min-ranks A] [--max-ranks B]  # bounds of %ring scale (default 1, none)
+                       [--host-discovery SCRIPT|module:callable [--discovery-interval S]]
+                                                 # the size follows Horovod's host discovery
             %ring status
             %ring where [--all-threads]  # each rank's stack, innermost first, and its collective
             %ring timeline [--last S]    # every rank's collectives of the last S s, drawn

@@ -636,3 +636,62 @@ def test_only_snapshots_that_report_work_make_a_cell_a_dashboard():
     engines[1][snapshot_key(1)] = snap(1, step=0, t=1, history=[(0, 1.0, {"loss": 1.0})],
                                        metrics={"loss": 1.0})
     assert has_snapshots(engines, work=True)
+
+
+def test_a_rank_replaced_during_the_cell_shows_its_new_engine_and_says_it_was_replaced():
+    """Issue 34: a dead rank's replacement runs the cell under elastic.run; its snapshots are
+    numbered from 1 again and its steps count from where it starts. Its reports are taken (not
+    dropped as already seen, not older than the dead engine's), its row says "replaced at step
+    N", the chart keeps the dead engine's points and adds the new one's."""
+    state = DashboardState([0, 1, 2])
+    rng = random.Random(34)
+    losses = {r: [rng.uniform(0.5, 2.0) for _ in range(40)] for r in range(3)}
+    for seq in range(1, 8):  # 7 snapshots of 3 ranks, 2 steps each: the dead rank 1 reached step 13
+        for rank in range(3):
+            step = 2 * seq - (1 if rank == 1 else 0)
+            state.ingest(rank, snap(rank, step=step, total=37, t=100.0 + seq / 5,
+                                    history=[(step, 100.0 + seq / 5, {"loss": losses[rank][step]})],
+                                    metrics={"loss": losses[rank][step]}), seq=seq)
+    dead_points = len(state.ranks[1].history["loss"])
+    state.replaced(1)
+    row = state.ranks[1]
+    assert row.change == "replaced at step 13" and row.step == 13  # kept until the new engine reports
+    for seq in range(1, 4):  # the new engine from the last commit (step 10), numbered from 1
+        step = 10 + seq
+        state.ingest(1, snap(1, step=step, total=37, t=110.0 + seq / 5, metrics={"loss": losses[1][step]},
+                             history=[(step, 110.0 + seq / 5, {"loss": losses[1][step]})]), seq=seq)
+        assert row.step == step and row.metrics == {"loss": losses[1][step]}, (seq, row.step)
+    assert len(row.history["loss"]) == dead_points + 3
+    assert state.series()[1][-1] == (13, losses[1][13])
+    line = state.summary().splitlines()[1]
+    assert line.startswith("rank 1: step 13/37 (35%), replaced at step 13, "), line
+    assert "replaced" not in state.summary().splitlines()[0] + state.summary().splitlines()[2]
+    assert "rank 1 (replaced at step 13)</td>" in render_html(state)
+    # replaced again: the count and the last step; a rank that never reported before says none
+    state.replaced(1)
+    assert row.change == "replaced 2\u00d7, last at step 13"
+    state.replaced(4)
+    assert state.ranks[4].change == "replaced" and "rank 4: no report yet, replaced" in state.summary()
+    state.freeze({})
+    assert "rank 1 (replaced 2\u00d7, last at step 13)</td>" in render_html(state)
+
+
+def test_a_rank_that_joins_during_the_cell_gets_a_row_and_one_replaced_after_it_died_says_so():
+    state = DashboardState([0, 1])
+    for seq in (1, 2):
+        for rank in (0, 1):
+            state.ingest(rank, snap(rank, step=seq, t=float(seq)), seq=seq)
+    state.joined(2)  # host discovery grew the world: the newcomer's row before its first report
+    assert "rank 2: no report yet, joined during the cell" in state.summary()
+    state.ingest(2, snap(2, step=1, t=3.0), seq=1)
+    assert state.ranks[2].step == 1 and "rank 2 (joined during the cell)</td>" in render_html(state)
+    # rank 1 left in a shrink, then joins again: the new engine's snapshots from 1 are taken
+    state.joined(1)
+    state.ingest(1, snap(1, step=1, t=4.0), seq=1)
+    assert state.ranks[1].step == 1 and state.ranks[1].change == "joined during the cell"
+    # the cell failed with rank 0 dead, then rank 0 was replaced for the next cell
+    state.replaced(0, during=False)
+    state.freeze({0: "died"})
+    line = state.summary().splitlines()[0]
+    assert line.startswith("rank 0: step 2, died, replaced in place"), line
+    assert "rank 0 (replaced in place)</td>" in render_html(state)

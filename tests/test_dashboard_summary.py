@@ -95,3 +95,15 @@ def test_the_dashboard_of_a_large_world_live_and_frozen_shows_the_summary_not_64
     small = world(n=SUMMARY_FROM - 1, slow=3)
     page = render_html(small)
     assert "jr-summary" not in page and len(re.findall(r'jr-rank-row[^"]*" data-rank=', page)) == SUMMARY_FROM - 1
+
+
+def test_a_replaced_rank_of_a_large_world_is_always_notable():
+    from jupyter_ring.widgets._render import render_rows
+
+    state = world(n=16, slow=5)
+    at = state.ranks[11].step
+    state.replaced(11)
+    state.ingest(11, snap(11, step=1, t=200.0), seq=1)
+    notable = dict(notable_ranks(state, limit=1))
+    assert notable == {5: "straggler", 11: f"replaced at step {at}"}, notable  # both, past the limit
+    assert f"rank 11 (replaced at step {at})</td>" in render_rows(state)

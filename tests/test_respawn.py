@@ -195,3 +195,38 @@ def test_a_newcomer_binds_the_dead_ranks_gpu(device, planned, want):
 
     row = {"rank": 1, "host": "h", "pid": 1, "device": device, "local_rank": 1, "size": 2}
     assert newcomer_gpus(row, planned) == want
+
+
+def test_the_notes_after_ranks_are_replaced_or_resized_fold_many_ranks_into_ranges():
+    """At many ranks the notebook's notes name ranges ("ranks 3-7, 9"), as the cell's error does
+    (``errors._rank_list``); two ranks still read "0, 1"."""
+    from jupyter_ring.cluster._death import describe_death
+    from jupyter_ring.cluster._elastic_resize import ElasticResize
+    from jupyter_ring.cluster._respawn import Replacement, elastic_note, replaced_note
+    from jupyter_ring.cluster._scale import Scaled, scaled_note
+
+    dead = [3, 4, 5, 6, 7, 9]
+    note = replaced_note(Replacement(dead, [], 2.5), 16, 6, 8)
+    assert note.startswith("Rank(s) 3-7, 9 replaced in place in 2.5 s (restart 6 of --max-restarts 8)"), note
+    assert "rank(s) 0-2, 8, 10-15 kept their variables" in note and "--from 0;" in note, note
+    assert elastic_note(Replacement(dead, [], 1.0), 6, 8).startswith("Rank(s) 3-7, 9 replaced"), dead
+    assert "rank(s) 0 kept" in replaced_note(Replacement([1], [], 1.0), 2, 1, 3)
+    assert "Rank(s) 0, 1 replaced" in replaced_note(Replacement([0, 1], [], 1.0), 3, 2, 3)
+
+    grown = scaled_note(Scaled(4, 13, list(range(4, 13)), [], 3.0, []))
+    assert "rank(s) 4-12 are new" in grown and "rank(s) 0-3 kept their variables" in grown, grown
+    shrunk = scaled_note(Scaled(13, 5, [], list(range(5, 13)), 1.0, []))
+    assert "rank(s) 5-12 stopped, their variables gone; rank(s) 0-4 kept theirs" in shrunk, shrunk
+
+    resize = ElasticResize.__new__(ElasticResize)
+    resize.old, resize.n, resize.slots, resize.t0 = 11, 4, 4, 0.0
+    resize.added, resize.removed = [], list(range(4, 11))
+    assert "rank(s) 4-10 left the world at that commit and stopped; training goes on on rank(s) 0-3." \
+        in resize.note(), resize.note()
+
+    rows = [{"rank": r, "host": "h", "pid": 100 + r, "device": "cpu", "local_rank": r, "size": 12}
+            for r in range(12)]
+    first = "jupyter_ring keeper: rank 2 engine 102 signaled with Killed\n"
+    message = describe_death([2, 3, 4, 5, 8], rows, list(range(12)), first, fix="Replaced.")
+    assert message == "rank 2 @ h died (signal: Killed); MPI then ended rank(s) 3-5, 8. Replaced.", message
+    assert describe_death([1, 2, 3, 6], rows, list(range(12)), "", fix="X.") == "ranks 1-3, 6 @ h died. X."

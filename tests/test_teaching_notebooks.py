@@ -83,11 +83,32 @@ EXPECTED = {
         r"\[rank 1\] the same weights on every rank: True",
         r"\[rank 0\] without a death: 28 steps, the same weights bit for bit: True",
         r"\[rank 1\] without a death: 28 steps, the same weights bit for bit: True",
+        # part 3: host discovery, a script printing a file rank 0 writes: 2 -> 3 -> 2 ranks, each
+        # at a commit of elastic.run; the new rank 2 synced the state (the same history on every
+        # rank, the allreduced sums right), its dashboard row says it joined, then it left
+        r"\nlocalhost:2\n",
+        r"reports 2 slot\(s\); the cluster follows it \(asked every 0\.2 s, within --min-ranks 2 \.\. "
+        r"--max-ranks 3\)",
+        r"\(host discovery: 3 slots\) Resized 2 -> 3 ranks at the next commit of elastic\.run, [\d.]+ s "
+        r"after the change was seen: rank\(s\) 2 are new and run this cell from its start",
+        r"\[rank 0\] reset at step \d+: the world has 3 ranks now",
+        r"\[rank 1\] reset at step \d+: the world has 3 ranks now",
+        r"\nrank 2: step \d+, joined during the cell, ",
+        *[rf"\[rank {r}\] rank {r} of 3: steps: \d+ on 2, then 5 on 3 ranks; the sums right: True"
+          for r in range(3)],
+        r"\(host discovery: 2 slots\) Resized 3 -> 2 ranks at the next commit of elastic\.run, [\d.]+ s "
+        r"after the change was seen: rank\(s\) 2 left the world at that commit and stopped; training "
+        r"goes on on rank\(s\) 0, 1\.",
+        r"\nrank 2: step \d+, left the world, ",
+        *[rf"\[rank {r}\] rank {r} of 2: steps: \d+ on 2, then \d+ on 3, then 5 on 2 ranks; the sums "
+          r"right: True" for r in range(2)],
         r"stopped 2 ranks"],
 }
 
 # notebook -> patterns its transcript must not contain
-ABSENT = {"06-elastic-training.ipynb": [r"\[rank 0\] reset:"]}  # the newcomer never resets
+# the newcomers never reset (part 2's rank 0, part 3's rank 2), rank 2 never prints in the cell it left
+ABSENT = {"06-elastic-training.ipynb": [r"\[rank 0\] reset:", r"\[rank 2\] reset", r"\[rank 2\] rank 2 of 2",
+                                        r"LeftTheWorld"]}
 
 # notebooks that SIGKILL a rank on purpose, and so can meet the known survivor abort
 KILLS = {"06-elastic-training.ipynb"}

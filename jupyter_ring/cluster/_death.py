@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 
 from ..engines._setup import RankRow
+from ..errors import _rank_list
 
 __all__ = ["RESTART_FIX", "describe_death", "died_starting", "says_how"]
 
@@ -45,12 +46,12 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
         head = f"rank {rank} @ {host} died ({how})"
         others = [r for r in dead if r != rank]
         if others:
-            head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
+            head += f"; MPI then ended rank(s) {_rank_list(others)}"
     else:
-        where: dict[str, list[str]] = {}
+        where: dict[str, list[int]] = {}
         for r in dead:
-            where.setdefault(hosts.get(r, "?"), []).append(str(r))
-        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} @ {host}"
+            where.setdefault(hosts.get(r, "?"), []).append(r)
+        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_rank_list(rs)} @ {host}"
                          for host, rs in where.items())
         head += (" stopped answering (died, or the host is down or cut off from this one)"
                  if len(set(hosts.values())) > 1 else " died")

@@ -30,8 +30,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..engines._setup import RankRow
+from ..errors import _rank_list
 from ._procs import sweep_mpich_segments
-from ._respawn import (_forget_notice, _names, _newcomers, _result, _set_up_newcomers, next_generation,
+from ._respawn import (_forget_notice, _newcomers, _result, _set_up_newcomers, next_generation,
                        settle_new_world)
 from ._scale import _stop_leavers, check_scale
 
@@ -157,7 +158,7 @@ class ElasticResize:
         head = (f"(host discovery: {self.slots} slots) Resized {self.old} -> {self.n} ranks at the next commit "
                 f"of elastic.run, {took:.1f} s after the change was seen: ")
         if self.grows:
-            return head + (f"rank(s) {_names(self.added)} are new and run this cell from its start, "
+            return head + (f"rank(s) {_rank_list(self.added)} are new and run this cell from its start, "
                            "taking the state from rank 0 (their namespace is fresh otherwise).")
-        return head + (f"rank(s) {_names(self.removed)} left the world at that commit and stopped; "
-                       f"training goes on on rank(s) {_names(list(range(self.n)))}.")
+        return head + (f"rank(s) {_rank_list(self.removed)} left the world at that commit and stopped; "
+                       f"training goes on on rank(s) {_rank_list(list(range(self.n)))}.")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from ..engines._setup import RankRow
-from ..errors import ClusterError
+from ..errors import ClusterError, _rank_list
 from ._plan import torchrun_environment
 from ._procs import remove_shm_files, shm_files, sweep_mpich_segments
 from ._start import SETUP_CODE
@@ -62,14 +62,14 @@ def respawn(cluster: RingCluster, dead: Iterable[int], elastic: bool = False) ->
     to date. ClusterError if it cannot be done or a step fails: ``%ring restart`` then."""
     dead = sorted(set(dead))
     if not cluster.can_respawn(dead):
-        raise ClusterError(f"rank(s) {', '.join(map(str, dead))} cannot be replaced in place "
+        raise ClusterError(f"rank(s) {_rank_list(dead)} cannot be replaced in place "
                            f"({cluster.restarts} of --max-restarts {cluster.max_restarts} used, or "
                            "not a one-host cluster); run %ring restart")
     cluster.restarts += len(dead)
     try:
         done = replace_ranks(cluster, dead, SETUP_CODE, next_generation(cluster), elastic)
         if not elastic:  # (elastic: the survivors run their cell on; its torch groups are the user's)
-            event = f"the replacement of rank(s) {_names(dead)}"
+            event = f"the replacement of rank(s) {_rank_list(dead)}"
             done = done._replace(notes=tuple(remake_torch_world(cluster, event)))
     except BaseException:
         # the survivors may have left the old world, a late newcomer may still register:
@@ -175,7 +175,7 @@ def _newcomers(cluster: RingCluster, known: set[int], dead: list[int]) -> list[i
     deadline = time.monotonic() + cluster.engine_timeout
     while len(set(client.ids) - known) < len(dead):
         if time.monotonic() > deadline:
-            raise ClusterError(f"the replacement of rank(s) {_names(dead)} did not register in "
+            raise ClusterError(f"the replacement of rank(s) {_rank_list(dead)} did not register in "
                                f"{cluster.engine_timeout:g} s; run %ring restart")
         time.sleep(0.02)
     return sorted(set(client.ids) - known)
@@ -283,7 +283,7 @@ def _wait_idle(client: ipp.Client, engine_ids: Sequence[int], ranks: Sequence[in
     deadline = time.monotonic() + timeout
     while any(_busy(client, eid) for eid in engine_ids):
         if time.monotonic() > deadline:
-            raise ClusterError(f"rank(s) {_names(list(ranks))} did not end their cell within {timeout:g} s "
+            raise ClusterError(f"rank(s) {_rank_list(list(ranks))} did not end their cell within {timeout:g} s "
                                "of the interrupt; run %ring restart")
         time.sleep(0.05)
 
@@ -329,25 +329,21 @@ def _result(ar: ipp.AsyncResult, timeout: float, what: str) -> object:
                            f"{type(exc).__name__}: {exc}; run %ring restart") from exc
 
 
-def _names(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def replaced_note(done: Replacement, size: int, restarts: int, max_restarts: int) -> str:
     """What the notebook says after a replacement: which ranks are new, that their namespaces
     are fresh, and how to give them the survivors' variables."""
-    ranks = _names(done.ranks)
+    ranks = _rank_list(done.ranks)
     kept = [r for r in range(size) if r not in done.ranks]
     return (f"Rank(s) {ranks} replaced in place in {done.seconds:.1f} s (restart {restarts} of "
             f"--max-restarts {max_restarts}): the new rank(s) have a fresh namespace (only `ring`); "
-            f"rank(s) {_names(kept)} kept their variables. Copy variables to the new rank(s) with "
+            f"rank(s) {_rank_list(kept)} kept their variables. Copy variables to the new rank(s) with "
             f"%ring sync NAME [NAME ...] --from {kept[0]}; the cell that was running must be run again."
             + "".join(f"\n{note}" for note in done.notes))
 
 
 def elastic_note(done: Replacement, restarts: int, max_restarts: int) -> str:
     """What the notebook says when a rank was replaced while ``elastic.run`` ran: the cell goes on."""
-    ranks = _names(done.ranks)
+    ranks = _rank_list(done.ranks)
     return (f"Rank(s) {ranks} replaced in place in {done.seconds:.1f} s (restart {restarts} of "
             f"--max-restarts {max_restarts}); elastic.run goes on from its last commit: the new rank(s) "
             f"run this cell from its start and take the state from the survivors.")

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import psutil
 
 from ..engines._setup import RankRow
-from ..errors import ClusterError
+from ..errors import ClusterError, _rank_list
 from ._procs import kill_processes, process_trees, wait_exit
-from ._respawn import (_busy, _everywhere, _names, _result, next_generation, remake_torch_world, replace_ranks,
+from ._respawn import (_busy, _everywhere, _result, next_generation, remake_torch_world, replace_ranks,
                        settle_new_world)
 
 if TYPE_CHECKING:
@@ -111,14 +111,14 @@ def check_scale(cluster: RingCluster, n: int, running_cell: bool = False) -> Non
                            f"with a higher --max-ranks")
     dead = cluster.dead_ranks()
     if dead:  # (%ring scale replaces them first, where it can: _alive_cluster)
-        raise ScaleRefused(f"rank(s) {_names(dead)} are dead: run a cell to have them replaced in "
+        raise ScaleRefused(f"rank(s) {_rank_list(dead)} are dead: run a cell to have them replaced in "
                            "place, or %ring restart, then scale")
     if running_cell:
         return
     client = cluster._running_client
     busy = [r for r, eid in enumerate(cluster.engine_ids) if _busy(client, eid)]
     if busy:
-        raise ScaleRefused(f"a cell is still running on rank(s) {_names(busy)}: wait for it to end "
+        raise ScaleRefused(f"a cell is still running on rank(s) {_rank_list(busy)}: wait for it to end "
                            "or interrupt it (%ring where shows where it is), then scale")
 
 
@@ -223,11 +223,11 @@ def scaled_note(done: Scaled) -> str:
     kept = list(range(min(done.old, done.new)))
     head = f"Scaled {done.old} -> {done.new} ranks in {done.seconds:.1f} s: "
     if done.added:
-        body = (f"rank(s) {_names(done.added)} are new, with a fresh namespace (only `ring`); rank(s) "
-                f"{_names(kept)} kept their variables. Copy variables to the new rank(s) with "
+        body = (f"rank(s) {_rank_list(done.added)} are new, with a fresh namespace (only `ring`); rank(s) "
+                f"{_rank_list(kept)} kept their variables. Copy variables to the new rank(s) with "
                 f"%ring sync NAME [NAME ...] --from 0.")
     else:
-        body = (f"rank(s) {_names(done.removed)} stopped, their variables gone; rank(s) {_names(kept)} "
+        body = (f"rank(s) {_rank_list(done.removed)} stopped, their variables gone; rank(s) {_rank_list(kept)} "
                 f"kept theirs.")
     tail = (f" ring.size() is {done.new} on every rank; process sets made with ring.add_process_set "
             "belong to the old world: add them again.")

@@ -317,7 +317,8 @@ def row_class(state: DashboardState, rank: int, straggler: bool) -> str:
 def render_rows(state: DashboardState) -> str:
     """The per-rank progress table: a bar, step/total, percent, rate, ETA, latest metrics. The
     live dashboard shows this same table, so a row looks the same before and after the cell
-    ends. A large world (``_summary.summarised``): the percentiles over the ranks first, then a
+    ends. A rank a new engine took in this cell says so by its number ("rank 1 (replaced at
+    step 12)", "rank 2 (joined during the cell)"). A large world (``_summary.summarised``): the percentiles over the ranks first, then a
     row for each notable rank only, saying why it is there."""
     stragglers = set(state.stragglers())
     why = dict(notable_ranks(state)) if summarised(state) else {}
@@ -325,7 +326,10 @@ def render_rows(state: DashboardState) -> str:
     for rank in (why or state.ranks):
         s = state.ranks[rank]
         cells = rank_cells(state, rank)
-        note = f" ({why[rank]})" if rank in why else " (straggler)" if rank in stragglers else ""
+        notes = [why[rank]] if rank in why else ["straggler"] if rank in stragglers else []
+        if s.change and s.change not in notes:  # a new engine took the rank in this cell
+            notes.append(s.change)
+        note = f" ({'; '.join(notes)})" if notes else ""
         rows.append(f'<tr class="{row_class(state, rank, rank in stragglers)}" data-rank="{rank}">'
                     f'<td class="jr-l"><span style="color:{color(rank)}">&#9632;</span> '
                     f'rank {rank}{note}</td>'

@@ -89,6 +89,11 @@ class RankState:
         self.history: dict[str, list[tuple[float, float, float]]] = {}
         self._keys: dict[str, set[tuple[float, float, float]]] = {}
         self._charts: dict[str, _ChartBuffer | None] = {}  # metric -> its buffer (None: rebuild from history)
+        # a new engine took this rank during the cell (issue 34): the step the row showed each
+        # time one replaced a dead engine (None: no report before), or it joined the world then
+        self.replaced_at: list[Any] = []
+        self.replaced_after = False  # the cell failed here (the rank died), then it was replaced
+        self.joined = False
 
     @property
     def fraction(self) -> float | None:
@@ -141,6 +146,37 @@ class RankState:
         if self.fraction is not None:
             return self.fraction
         return 1.0 if self.done else 0.0
+
+    @property
+    def change(self) -> str:
+        """What the row says of new engines that took this rank in this cell: "replaced at step
+        12", "replaced 2×, last at step 20", "replaced in place" (after it died, for the next
+        cell), "joined during the cell"; "" for none."""
+        if self.replaced_at:
+            at = self.replaced_at[-1]
+            where = "" if at is None else f"at step {_num(at)}"
+            if len(self.replaced_at) == 1:
+                return f"replaced {where}".rstrip()
+            return f"replaced {len(self.replaced_at)}\u00d7" + (f", last {where}" if where else "")
+        if self.replaced_after:
+            return "replaced in place"
+        return "joined during the cell" if self.joined else ""
+
+    def new_engine(self) -> None:
+        """A new engine reports for this rank from now on (a replacement, or a rank that left the
+        world and joins again): its snapshots are numbered from 1 and its step counts from where
+        it starts, so what told the old engine's snapshots apart, and the rate window, start
+        again. The row keeps what it shows (step, metrics, chart) until the new engine reports."""
+        self.seq = None
+        self.seqs = set()
+        self.snap_time = -math.inf
+        self.samples = collections.deque()
+        self.first_sample = self._previous = self._idle = None
+        self._last = (0.0, 0.0)
+        self.rate = self.comm_share = None
+        self.slow_since = None
+        self.stall = None
+        self.final = False
 
     @property
     def reported_work(self) -> bool:
@@ -390,6 +426,27 @@ class DashboardState:
             self.ranks = dict(sorted(self.ranks.items()))
         return state
 
+    def replaced(self, rank: int, during: bool = True) -> None:
+        """A new engine replaced ``rank``'s dead one: ``during`` the cell, which the new engine
+        runs too (``elastic.run`` goes on), or after the cell failed there (its row stays the
+        dead engine's; the new one has a fresh namespace for the next cell)."""
+        state = self.rank(rank)
+        if during:
+            state.replaced_at.append(state.step if state.seen else None)
+            state.new_engine()
+        else:
+            state.replaced_after = True
+        self.version += 1
+
+    def joined(self, rank: int) -> None:
+        """``rank`` joined the world during the cell (host discovery grew it): a row of its own, or,
+        for a rank that left the world earlier in the cell, its row taken on by the new engine."""
+        state = self.rank(rank)
+        if state.seen:
+            state.new_engine()
+        state.joined = True
+        self.version += 1
+
     # ------------------------------------------------------------------------------ ingest
     def ingest(self, rank: int | None, snapshot: Snapshot, seq: int | None = None, received: float | None = None) -> int:
         """Merge one snapshot of ``rank``; returns the number of new history points.
@@ -577,13 +634,15 @@ class DashboardState:
         metric = self.chart_metric()
         for rank, s in self.ranks.items():
             if not s.seen:
-                lines.append(f"rank {rank}: no report yet")
+                lines.append(f"rank {rank}: no report yet" + (f", {s.change}" if s.change else ""))
                 continue
             total = f"/{_num(s.total)}" if s.total is not None else ""
             pct = f" ({100 * s.fraction:.0f}%)" if s.fraction is not None else ""
             parts = [f"rank {rank}: step {_num(s.step)}{total}{pct}"]
             if s.stopped:
                 parts.append(s.stopped_as)
+            if s.change:
+                parts.append(s.change)
             if s.rate is not None:
                 parts.append(f"{format_rate(s.rate)} it/s")
             if s.eta is not None and not s.done and s.ended is None:

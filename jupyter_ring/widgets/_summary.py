@@ -8,8 +8,9 @@ and NCCL's tests do for many ranks:
   the rate, the ETA, the share of time in collectives and each logged metric, each row naming the
   rank at its slow end (the lowest step or rate, the longest ETA, the highest share);
 - a row for each *notable* rank: every rank that stopped (interrupted, stalled, failed, died, no
-  reply), every straggler, then the slowest ranks by progress, up to ``NOTABLE`` rows in all
-  (stopped and stragglers always shown), each with why it is there;
+  reply), every straggler, every rank replaced in the cell, then the slowest ranks by progress,
+  up to ``NOTABLE`` rows in all (stopped, stragglers and replaced always shown), each with why
+  it is there;
 - the chart of the median over the ranks per step with the min-max band, and the notable ranks'
   own lines (:func:`summary_series`).
 
@@ -64,8 +65,9 @@ def _progress(state: DashboardState, rank: int) -> float:
 
 def notable_ranks(state: DashboardState, limit: int = NOTABLE) -> list[tuple[int, str]]:
     """``(rank, why)`` of the ranks worth a row of their own: every stopped rank ("failed",
-    "interrupted", ...), every straggler, then the slowest by progress while room is left of
-    ``limit`` rows (a rank that has not reported yet counts as the slowest)."""
+    "interrupted", ...), every straggler, every rank replaced in the cell ("replaced at step
+    12"), then the slowest by progress while room is left of ``limit`` rows (a rank that has
+    not reported yet counts as the slowest)."""
     stragglers = set(state.stragglers())
     out: list[tuple[int, str]] = []
     for rank, s in state.ranks.items():
@@ -73,6 +75,8 @@ def notable_ranks(state: DashboardState, limit: int = NOTABLE) -> list[tuple[int
             out.append((rank, s.stopped_as))
         elif rank in stragglers:
             out.append((rank, "straggler"))
+        elif s.replaced_at or s.replaced_after:
+            out.append((rank, s.change))
     chosen = {rank for rank, _ in out}
     running = [r for r, s in state.ranks.items() if r not in chosen and not s.done]
     running.sort(key=lambda r: (state.ranks[r].seen, _progress(state, r), r))

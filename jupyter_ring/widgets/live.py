@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from ..engines._publish import KEY_PREFIX
 from ._state import DashboardState, reports_work
@@ -140,6 +140,21 @@ class LiveDashboard:
         if self._stale and (force or now - self._last_draw >= self.min_interval):
             self._draw(now)
         return n
+
+    def new_engines(self, ranks: Iterable[int], how: Literal["replaced", "joined"]) -> None:
+        """New engines took ``ranks`` while the cell runs (``how``: "replaced", a dead engine's
+        place; "joined", host discovery grew the world): their rows say so, and their snapshots,
+        numbered afresh, are taken from now on (see ``DashboardState.replaced``/``joined``).
+        Poll the old engines' last snapshots first: the AsyncResult made for the new ones has
+        none of the dead one's."""
+        if how not in ("replaced", "joined"):
+            raise ValueError(f"new engines took ranks as 'replaced' or 'joined', got {how!r}")
+        for rank in ranks:
+            if how == "replaced":
+                self.state.replaced(rank)
+            else:
+                self.state.joined(rank)
+        self._stale = True
 
     def _draw(self, now: float, final: bool = False) -> None:
         self._stale = False

@@ -14,6 +14,7 @@ the world had at each step."""
 
 import collections
 import json
+import re
 import stat
 import textwrap
 
@@ -22,6 +23,7 @@ import pytest
 from real_kernel import alive, cluster_pids, ring_kernel
 from reliability.test_respawn_notebook import rank_lines
 from reliability.test_scale_notebook import exact
+from test_dashboard_kernel import dashboards
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
 pytestmark = pytest.mark.timeout(300)
@@ -158,7 +160,18 @@ def commit_steps(records):
 def run_torch(kernel, folder, slots, old, new):
     logs = folder / f"torch_{old}_{new}"
     logs.mkdir()
-    out = kernel.ok(TORCH.format(target=new, logs=str(logs), slots=str(slots)), timeout=240)
+    messages = []
+    out = kernel.ok(TORCH.format(target=new, logs=str(logs), slots=str(slots)), timeout=240, messages=messages)
+    # the cell's dashboard (issue 34 item 4): a row for each rank of both worlds, the newcomer's
+    # with its own optimizer steps and saying it joined, the leaver's saying it left
+    (text, _), = dashboards(messages)
+    rows = {int(line.split(":")[0].split()[1]): line for line in text.splitlines() if line.startswith("rank ")}
+    assert sorted(rows) == list(range(max(old, new))), text
+    for r, line in rows.items():
+        step = int(re.match(r"rank \d+: step (\d+)", line).group(1))
+        assert step > 0, text
+        assert ("joined during the cell" in line) == (r >= old), text
+        assert ("left the world" in line) == (r >= new), text
     assert f"(host discovery asks for {new} ranks: every rank runs elastic.run" in out, out
     assert f"Resized {old} -> {new} ranks at the next commit of elastic.run" in out, out
     got = finals(out, new)

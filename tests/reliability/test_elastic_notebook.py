@@ -24,7 +24,9 @@ import pytest
 
 from bounds import GONE_S
 from real_kernel import alive_after, cluster_pids, ring_kernel
-from reliability.test_respawn_notebook import xfail_on_survivor_abort
+from jupyter_ring.server._clusters import describe_cluster
+from reliability.test_respawn_notebook import CLUSTER, xfail_on_survivor_abort
+from test_dashboard_kernel import dashboards
 
 pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
 pytestmark = pytest.mark.timeout(300)
@@ -198,12 +200,35 @@ def test_elastic_run_goes_on_through_a_sigkilled_rank_and_ends_as_without_the_ki
     logs = world.folder(f"killed{victim}")
     kernel.ok("%%distributed\noriginal = True")
     world.pids |= set(cluster_pids(kernel))
-    out, error = kernel.execute(TRAIN.format(kill_at=8, victim=victim, pace=0, logs=logs), timeout=200)
+    messages = []
+    out, error = kernel.execute(TRAIN.format(kill_at=8, victim=victim, pace=0, logs=logs), timeout=200,
+                                messages=messages)
     xfail_on_survivor_abort(error, kernel)
     assert error is None, (out, error)
     said_replaced(out, victim)  # and the cell went on to its end on every rank
     check = kernel.ok(CHECK.format(logs=logs))
     assert_as_without_the_kill(world, out, check, clean, victim)
+    dashboard_shows_the_replacement(world, kernel, messages, victim)
+
+
+def dashboard_shows_the_replacement(world, kernel, messages, victim):
+    """Issue 34 item 4: the cell's dashboard has the replaced rank's row, saying so, with the new
+    engine's optimizer steps (it ran the cell from its start: 2 epochs of 14 batches less those
+    the survivors had committed, 6), every other row as the survivors ran it (28 + the 2 steps
+    given up); the Ring panel's description counts the replacement."""
+    (text, _), = dashboards(messages)
+    assert len([line for line in text.splitlines() if line.startswith("rank ")]) == world.n, text
+    for rank in range(world.n):
+        line = next(line for line in text.splitlines() if line.startswith(f"rank {rank}: "))
+        if rank == victim:
+            assert re.match(rf"rank {rank}: step 22, replaced at step [1-8], ", line), text
+        else:
+            assert re.match(rf"rank {rank}: step 30, \d", line) and "replaced" not in line, text
+    path = kernel.ok(f"print({CLUSTER}._running_cluster.cluster_file)").strip()
+    described = describe_cluster(path)
+    replaced = {r["rank"]: r["replaced"] for r in described["ranks"]}
+    assert replaced[victim] >= 1 and described["restarts"]["used"] >= 1, described
+    assert all(replaced[r] == 0 for r in replaced if r != victim) or described["restarts"]["used"] > 1, described
 
 
 # Keras under Horovod's elastic custom loop (horovod's examples/elastic/tensorflow2: a

@@ -42,9 +42,11 @@ def rank_pids(kernel):
 
 
 def kill_during_allreduces(kernel, victim):
-    """SIGKILL ``victim``'s engine 1.5 s into a cell of allreduces; (text, error, kill time)."""
+    """SIGKILL ``victim``'s engine 1.5 s into a cell of allreduces, each a step of its dashboard;
+    (text, error, kill time)."""
     return sigkill_during(kernel, rank_pids(kernel)[victim], "%%distributed\nimport numpy as np\n"
-                          "for step in range(10**9):\n    ring.allreduce(np.ones(1000), name='t')")
+                          "for step in range(1, 10**9):\n    ring.allreduce(np.ones(1000), name='t')\n"
+                          "    ring.progress(step)")
 
 
 # A known defect, kept visible rather than hidden: when a rank dies, a survivor sometimes aborts
@@ -109,6 +111,10 @@ def test_a_sigkilled_rank_is_replaced_in_place_and_the_survivor_keeps_its_variab
         assert "rank 1" in message and "Killed" in message, message
         assert "replaced in place" in message and "fresh namespace" in message, message
         assert "%ring sync" in message and "rank(s) 0 kept their variables" in message, message
+        # the cell's dashboard: rank 1 died, and was replaced for the next cell
+        assert re.search(r"^rank 1: step \d+, (died|no reply), replaced in place, ", out, re.M), out
+        row0 = re.search(r"^rank 0: step \d+, .*$", out, re.M)
+        assert row0 and "replaced" not in row0.group(0), out
         # the next cell runs on the full world at once: the new rank 1 has a fresh namespace
         out = kernel.ok("%%distributed\nprint('kept' in dir(), ring.rank(), ring.size())")
         ready = time.monotonic() - killed
