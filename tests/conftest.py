@@ -191,3 +191,30 @@ def pytest_collection_modifyitems(config, items):
             _join_group(item, group)
         grouped.append((_queue_place(item, group, rank), item))
     items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]
+
+
+# ---- where the suite's CPU goes (issue 32, item 5): JUPYTER_RING_TEST_CPU=FILE -----------------
+# Each test's wall seconds and the CPU seconds of this worker and of its reaped children (kernels,
+# clusters, MPI jobs, browsers: counted when reaped, so a module's fixtures count at its last
+# test) as JSON lines appended to FILE; benchmarks/suite_cpu.py sums them by module.
+_CPU_LOG = os.environ.get("JUPYTER_RING_TEST_CPU")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu():
+        me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    wall, (me, kids) = time.monotonic(), cpu()
+    yield
+    me2, kids2 = cpu()
+    with open(_CPU_LOG, "a") as log:
+        log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 3),
+                              "self": round(me2 - me, 3), "children": round(kids2 - kids, 3)}) + "\n")

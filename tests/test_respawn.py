@@ -132,7 +132,7 @@ def test_death_diagnosis_names_a_host_that_went_silent_before_an_engine_mpi_ende
     # a's rank killed by a signal is the first death's story, b's silence notwithstanding
     killed = exited + "jupyter_ring keeper: rank 1 engine 101 signaled with Killed\n"
     assert describe_death([0, 1, 2, 3], rows, [10, 11, 12, 13], killed, fix="Restart.") == \
-        "rank 1 @ a died (signal: Killed); MPI then ended rank(s) 0, 2, 3. Restart."
+        "rank 1 @ a died (signal: Killed); MPI then ended rank(s) 0, 2-3. Restart."
     # one rank of b gone, its host-mate alive: no host is gone, the nanny's word stands
     assert describe_death([1, 2], rows, [10, 11, 12, 13], exited, fix="Restart.") == \
         "rank 1 @ a died (engine process exited); MPI then ended rank(s) 2. Restart."

@@ -187,7 +187,7 @@ def xfail_on_survivor_abort(nb):
             if SURVIVOR_ABORT in out.evalue:
                 pytest.xfail(f"issue 34's known defect: a survivor aborted in MPICH when a rank died "
                              f"({out.evalue[:160]})")
-            if re.match(r"ranks \d+(, \d+)+ @", out.evalue) or "MPI then ended rank(s)" in out.evalue:
+            if re.match(r"ranks \d+(?:-\d+)?(?:, \d+(?:-\d+)?)* @", out.evalue) or "MPI then ended rank(s)" in out.evalue:
                 pytest.xfail(f"issue 34's known defect: the survivor died when the rank beside it did "
                              f"({out.evalue[:160]})")
 

@@ -35,12 +35,10 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
         # a host whose every rank vanished with no word from its nannies (they died with it):
         # that host went first; an engine elsewhere that merely exited is MPI ending the job
         lost = [r for r in dead if hosts.get(r) in gone]
-        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} @ {host}"
-                         for host in gone for rs in [[r for r in lost if hosts[r] == host]])
-        head += " stopped answering (died, or the host is down or cut off from this one)"
+        head = _at_hosts(lost, hosts) + " stopped answering (died, or the host is down or cut off from this one)"
         others = [r for r in dead if r not in lost]
         if others:
-            head += f"; MPI then ended rank(s) {', '.join(map(str, others))}"
+            head += f"; MPI then ended rank(s) {_rank_list(others)}"
     elif first is not None:
         rank, host, how = first
         head = f"rank {rank} @ {host} died ({how})"
@@ -48,14 +46,18 @@ def describe_death(dead: Iterable[int], rows: Iterable[RankRow],
         if others:
             head += f"; MPI then ended rank(s) {_rank_list(others)}"
     else:
-        where: dict[str, list[int]] = {}
-        for r in dead:
-            where.setdefault(hosts.get(r, "?"), []).append(r)
-        head = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_rank_list(rs)} @ {host}"
-                         for host, rs in where.items())
+        head = _at_hosts(dead, hosts)
         head += (" stopped answering (died, or the host is down or cut off from this one)"
                  if len(set(hosts.values())) > 1 else " died")
     return f"{head}. {fix}"
+
+
+def _at_hosts(ranks: Iterable[int], hosts: Mapping[int, str]) -> str:
+    """``ranks 0, 1 @ a; rank 2 @ b``: ``ranks`` by host, the hosts in the order first met."""
+    where: dict[str, list[int]] = {}
+    for r in ranks:
+        where.setdefault(hosts.get(r, "?"), []).append(r)
+    return "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_rank_list(rs)} @ {host}" for host, rs in where.items())
 
 
 # a rank's keeper (engines._keeper.KEEPER_LINE): "jupyter_ring keeper: rank 1 engine 4242 signaled with Killed"
