@@ -93,6 +93,31 @@ def test_wait_policy_yields_where_ranks_outnumber_cores_and_obeys_the_setting(mo
     assert _waits.cores_available({}, str(quota)) == 1.0
     assert _waits.cores_available({"CPU_LIMIT": "1"}, str(tmp_path / "absent")) == 1.0
     assert _waits.cores_available({"CPU_LIMIT": "lots"}, str(tmp_path / "absent")) == mask
+    # auto with a core a rank spins while the host has a core for every runnable task, and yields
+    # while it has not (/proc/loadavg's running/total): other users' or jobs' tasks want the cores
+    cpus = __import__("os").cpu_count()
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text(f"3.10 2.00 1.50 {cpus + 1}/412 4242\n")
+    assert _waits.runnable_tasks(str(loadavg)) == cpus + 1 and _waits.host_busy(str(loadavg))
+    loadavg.write_text(f"0.10 0.20 0.30 {cpus}/412 4242\n")
+    assert _waits.runnable_tasks(str(loadavg)) == cpus and not _waits.host_busy(str(loadavg))
+    loadavg.write_text("nonsense\n")
+    assert _waits.runnable_tasks(str(loadavg)) is None and not _waits.host_busy(str(loadavg))
+    assert not _waits.host_busy(str(tmp_path / "absent"))
+    assert _waits.runnable_tasks() >= 1  # this host's, the reader at least
+    adaptive = _waits.choose("auto", 2, 2.0)
+    assert adaptive.adaptive and "yields while the host's cores are all busy" in adaptive.describe()
+    assert not any(_waits.choose(*a).adaptive for a in (("spin", 2, 2.0), ("yield", 2, 2.0), ("auto", 4, 2.0)))
+    assert _waits.yields_now(_waits.choose("yield", 1, 16.0), 0.0)
+    assert not _waits.yields_now(_waits.choose("spin", 8, 2.0), 0.0)
+    # the waits look again at most every BUSY_EVERY seconds
+    monkeypatch.setattr(_waits, "_LOADAVG", str(loadavg))
+    monkeypatch.setattr(_waits, "_host", _waits._HostLook())
+    loadavg.write_text(f"3.10 2.00 1.50 {cpus + 1}/412 4242\n")
+    assert _waits.yields_now(adaptive, 1000.0)
+    loadavg.write_text(f"0.10 0.20 0.30 1/412 4242\n")
+    assert _waits.yields_now(adaptive, 1000.0 + _waits.BUSY_EVERY / 2)  # the last look holds
+    assert not _waits.yields_now(adaptive, 1000.0 + _waits.BUSY_EVERY)
     # a long wait naps longer: a peer in a debugger costs its waiters almost nothing
     assert _waits.next_nap(1e-5, 0.0) == 2e-5 and _waits.next_nap(1e-3, 0.5) == _waits.MAX_NAP
     assert _waits.next_nap(1e-3, 5.0) == 2e-3 and _waits.next_nap(8e-3, 5.0) == _waits.LONG_NAP

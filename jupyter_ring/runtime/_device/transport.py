@@ -226,7 +226,8 @@ class DeviceTransport:
         try:
             if not work.is_completed():
                 spin_until = start + _waits.SPIN_SECONDS
-                yields = _ring.wait_policy().yields  # ranks outnumber cores: the peer may need this one
+                # ranks outnumber cores, or other tasks want them: the peer may need this one
+                yields = _waits.yields_now(_ring.wait_policy(), start)
                 while time.perf_counter() < spin_until and not work.is_completed():
                     if yields:
                         os.sched_yield()

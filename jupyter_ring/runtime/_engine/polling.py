@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .control import Abandoned, Restart
 from .errors import RankLostError, StallError
 from .lost import lost_ranks
-from .waits import FIRST_NAP, HELD_NAP, SPIN_SECONDS, WaitPolicy, choose, next_nap
+from .waits import FIRST_NAP, HELD_NAP, SPIN_SECONDS, WaitPolicy, choose, next_nap, yields_now
 from .._observe.debugger import hold
 from .._observe.report import reporter
 from .._observe.where import activity
@@ -59,6 +59,11 @@ class Waiter:
         self._policy = policy
         self._testall = rt.MPI.Request.Testall
         self.nap = 0.0            # seconds a background wait sleeps between polls (see poll)
+
+    def yields_now(self, now: float) -> bool:
+        """Whether a wait beginning at ``now`` (``perf_counter``) gives its core away between its
+        first polls: always under ``yield``, while the host is busy under ``auto``'s spin."""
+        return yields_now(self.policy(), now)
 
     def rechoose(self, ranks_on_host: int) -> None:
         """The hosts are known: choose the wait for this host's ranks."""
@@ -98,8 +103,8 @@ class Waiter:
         # spinning: a thread spinning in Python keeps the GIL, and the caller (whose torch and
         # numpy calls let go of it) would wait a whole switch interval (5 ms) to get it back.
         nap = self.nap if threading.get_ident() != _MAIN_THREAD else 0.0
-        # ranks outnumber cores: the peer this rank waits for may need this very core
-        yields = self.policy().yields
+        # ranks outnumber cores, or other tasks want them: the peer may need this very core
+        yields = self.yields_now(start)
         while time.perf_counter() < spin_until:
             if done():
                 return

@@ -14,7 +14,11 @@ what a wait costs the machine:
   the scheduler's time slice ends (milliseconds), a yielding one lets it run at once. MPICH's own
   progress loop does the same.
 - ``auto`` (the default): ``yield`` where this host runs more ranks than this process may use
-  cores (its affinity mask, a cgroup's CPU quota, JupyterHub's ``CPU_LIMIT``), else ``spin``.
+  cores (its affinity mask, a cgroup's CPU quota, JupyterHub's ``CPU_LIMIT``); else ``spin``
+  while the host has a core for every runnable task, and ``yield`` while it has not (other
+  users' processes, another job's ranks: a shared lab server, a loaded CI machine), looked up
+  in ``/proc/loadavg`` at most every ``BUSY_EVERY`` seconds (:func:`host_busy`). A rank that spins
+  there takes the core from whoever was about to run, its peer included.
 
 ``JUPYTER_RING_WAIT`` (or ``init(wait=...)``) overrides the choice; ``ring.wait_policy()`` says
 which one is in force and why.
@@ -26,8 +30,8 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["WAIT_MODES", "WaitPolicy", "cores_available", "choose", "next_nap",
-           "SPIN_SECONDS", "MAX_NAP", "LONG_WAIT", "LONG_NAP", "HELD_NAP"]
+__all__ = ["WAIT_MODES", "WaitPolicy", "cores_available", "choose", "next_nap", "host_busy", "yields_now",
+           "runnable_tasks", "SPIN_SECONDS", "MAX_NAP", "LONG_WAIT", "LONG_NAP", "HELD_NAP", "BUSY_EVERY"]
 
 WAIT_MODES = ("auto", "spin", "yield")
 SPIN_SECONDS = 0.002   # polls back to back (or yielding) before the first sleep
@@ -36,8 +40,10 @@ MAX_NAP = 1e-3         # the longest sleep between polls in a wait's first LONG_
 LONG_WAIT = 1.0
 LONG_NAP = 1e-2        # ... and after: a long wait (a peer computing) costs ~0.5 % of a core
 HELD_NAP = 5e-2        # ... while a rank waited on is held in a debugger: a person types (~0.1 %)
+BUSY_EVERY = 0.25      # seconds between two looks at the host's runnable tasks (auto, a core a rank)
 
 _CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+_LOADAVG = "/proc/loadavg"
 
 
 class WaitPolicy(NamedTuple):
@@ -50,12 +56,20 @@ class WaitPolicy(NamedTuple):
 
     @property
     def yields(self) -> bool:
-        """Whether a waiting rank gives its core away between polls."""
+        """Whether a waiting rank always gives its core away between polls."""
         return self.mode == "yield"
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the rank spins only while the host is not busy (``auto`` with a core a rank):
+        it yields while the host's runnable tasks outnumber its cores (:func:`host_busy`)."""
+        return self.requested == "auto" and self.mode == "spin"
 
     def describe(self) -> str:
         """One line for users: which wait, and why."""
         share = f"{self.ranks_on_host} rank(s) on this host, {self.cores:g} core(s) to use"
+        if self.adaptive:
+            return f"{self.mode} (auto: {share}; yields while the host's cores are all busy)"
         if self.requested == "auto":
             return f"{self.mode} (auto: {share})"
         return f"{self.mode} (set by JUPYTER_RING_WAIT or init(wait=...); {share})"
@@ -90,6 +104,47 @@ def cores_available(environ: Mapping[str, str] | None = None, cgroup_path: str =
         except ValueError:
             pass
     return min(limits)
+
+
+def runnable_tasks(path: str | None = None) -> int | None:
+    """Tasks runnable on this host at this moment (``/proc/loadavg``'s fourth field,
+    ``running/total``, the reader included), None where it cannot be read."""
+    try:
+        with open(path or _LOADAVG) as fh:
+            return int(fh.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def host_busy(path: str | None = None) -> bool:
+    """Whether this host's runnable tasks outnumber its cores now: a rank that spins then keeps
+    a runnable task (its peer's, or another user's) off a core."""
+    tasks = runnable_tasks(path)
+    return tasks is not None and tasks > (os.cpu_count() or 1)
+
+
+class _HostLook:
+    """The host's cores all busy, as last looked up by this process's waits, and when
+    (``perf_counter``) to look again."""
+
+    busy = False
+    next_look = 0.0
+
+
+_host = _HostLook()
+
+
+def yields_now(policy: WaitPolicy, now: float) -> bool:
+    """Whether a wait under ``policy`` beginning at ``now`` (``perf_counter``) gives its core away
+    between its first polls: always under ``yield``; under ``auto``'s spin while the host is busy
+    (:func:`host_busy`, looked up at most every ``BUSY_EVERY`` seconds by the process's waits)."""
+    if policy.yields:
+        return True
+    if not policy.adaptive:
+        return False
+    if now >= _host.next_look:
+        _host.busy, _host.next_look = host_busy(), now + BUSY_EVERY
+    return _host.busy
 
 
 def choose(requested: str, ranks_on_host: int, cores: float) -> WaitPolicy:
