@@ -200,12 +200,13 @@ def report(result):
 
 
 def run(args, src=None):
-    """One mpiexec run of the workers (``src``: the tree whose jupyter_ring they import)."""
+    """One mpiexec run of the workers (``src``: the tree whose jupyter_ring they import; None:
+    the tree this script is in, put first on their path whatever is installed)."""
     from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
-    if src:
-        env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    tree = os.path.abspath(src or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
            "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib), "--windows", args.windows]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -1,14 +1,17 @@
 """The runtime's own Python per collective: CPU time of one rank's calling thread, no messaging.
 
-    .venv/bin/python benchmarks/hotpath.py [--baseline-src DIR] [--runs 5] [--profile]
+    .venv/bin/python benchmarks/hotpath.py [--baseline-src DIR ...] [--runs 5] [--profile]
 
 One rank (so what is measured is the Python and numpy work of a call, not a peer's latency),
 ``time.thread_time`` of the calling thread, best of 5 blocks per run, medians over ``--runs``
 runs. Cases: a blocking 4 KiB ``allreduce_`` and ``allreduce``, an async 4 KiB allreduce then
 its ``synchronize``, and 100 async 40 KiB allreduces fused (per member, beyond one 4 MiB
-allreduce). ``--baseline-src DIR`` runs another source tree's ``jupyter_ring`` (a checkout of an
-older commit: ``git worktree add /tmp/base <commit>``) in alternate runs and prints both with
-their ratio. ``--profile`` prints cProfile's top functions for the blocking 4 KiB call instead.
+allreduce). "this tree" is the source tree this script is in (its ``jupyter_ring`` is put first on
+the ranks' path, whatever is installed); ``--baseline-src DIR`` runs another source tree's
+``jupyter_ring`` (a checkout of an older commit: ``git worktree add /tmp/base <commit>``; repeat
+it for several) in alternate runs and prints them all with this tree's ratio to each. Each run
+says where its ``jupyter_ring`` came from, and a run that imported it from elsewhere stops the
+benchmark. ``--profile`` prints cProfile's top functions for the blocking 4 KiB call instead.
 """
 
 import argparse
@@ -19,10 +22,13 @@ import subprocess
 import sys
 import time
 
+THIS_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline-src", help="another source tree to measure alternately")
+    p.add_argument("--baseline-src", action="append",
+                   help="another source tree to measure alternately (repeat it for more)")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -75,15 +81,19 @@ def worker(profile):
             best.append((time.thread_time() - start) / count)
         out[label] = min(best)
     out["fused, per member beyond one 4 MiB"] = (out["100 x 40 KiB fused"] - out["one 4 MiB"]) / 100
+    import jupyter_ring
+
+    print("SOURCE " + os.path.dirname(os.path.dirname(os.path.abspath(jupyter_ring.__file__))), flush=True)
     print("RESULT " + json.dumps(out), flush=True)
 
 
 def run(src, profile=False):
+    """One run of the worker on the source tree ``src`` (None: this tree); its results."""
     from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
-    if src:
-        env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    tree = os.path.abspath(src or THIS_TREE)
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [find_mpiexec(), "-n", "1", sys.executable, os.path.abspath(__file__), "--worker"]
     if profile:
         cmd.append("--profile")
@@ -94,6 +104,10 @@ def run(src, profile=False):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    source = [line[len("SOURCE "):] for line in proc.stdout.splitlines() if line.startswith("SOURCE ")]
+    if source != [tree]:
+        sys.exit(f"the run meant for {tree} imported jupyter_ring from {source}: remove what puts another "
+                 "tree first on the path (a .pth file, PYTHONPATH) or pass that tree as --baseline-src")
     return json.loads(lines[0][len("RESULT "):])
 
 
@@ -102,29 +116,30 @@ def main():
     if args.worker:
         worker("--profile" in sys.argv)
         return
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, THIS_TREE)
     if args.profile:
         run(None, profile=True)
         return
-    trees = {"this tree": None}
-    if args.baseline_src:
-        trees = {"baseline": args.baseline_src, **trees}
+    baselines = args.baseline_src or []
+    names = ["baseline"] if len(baselines) == 1 else [f"baseline {i + 1}" for i in range(len(baselines))]
+    trees = {**dict(zip(names, baselines)), "this tree": None}
     results = {name: [] for name in trees}
     loads = []
-    for _ in range(args.runs):  # alternate, so a disturbance hits both alike
+    for _ in range(args.runs):  # alternate, so a disturbance hits every tree alike
         for name, src in trees.items():
             loads.append(os.getloadavg()[0])
             results[name].append(run(src))
     cases = list(results["this tree"][0])
-    head = "| per call (µs, CPU of the calling thread) | " + " | ".join(trees) + (" | ratio |" if args.baseline_src else "")
-    print(f"1 rank, medians of {args.runs} runs (best of 5 blocks each); load average {min(loads):.1f}-{max(loads):.1f}\n")
+    head = ("| per call (µs, CPU of the calling thread) | " + " | ".join(trees)
+            + "".join(f" | this ÷ {name}" for name in names) + " |")
+    print(f"1 rank, medians of {args.runs} runs (best of 5 blocks each); load average {min(loads):.1f}-{max(loads):.1f}")
+    print("trees: " + ", ".join(f"{name} {os.path.abspath(src or THIS_TREE)}" for name, src in trees.items()) + "\n")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for case in cases:
         med = {name: statistics.median(r[case] for r in results[name]) for name in trees}
         cells = [f"{med[name] * 1e6:.1f}" for name in trees]
-        if args.baseline_src:
-            cells.append(f"{med['this tree'] / med['baseline']:.2f}")
+        cells += [f"{med['this tree'] / med[name]:.2f}" for name in names]
         print(f"| {case} | " + " | ".join(cells) + " |")
 
 

@@ -7,8 +7,9 @@ Each call runs between two barriers; within a run every case's calls are interle
 barrier, case B, barrier, ...), so a disturbance hits every case alike; runs of the two trees
 alternate. The table gives each case's median over its runs (µs), and its ratio to the
 ``allreduce_`` of 6 int64 (op Max, the same 48 bytes as the (1, 5) int64 allgather plus one row)
-of the same tree and run. ``--baseline-src DIR`` is another source tree (``git archive main | tar
--x -C /tmp/base``).
+of the same tree and run. "this tree" is the source tree this script is in (put first on the
+ranks' path); ``--baseline-src DIR`` is another source tree (``git archive main | tar -x -C
+/tmp/base``).
 """
 
 import argparse
@@ -69,11 +70,13 @@ def worker(reps):
 
 
 def run(src, ranks, reps):
+    """One run of the worker on ``ranks`` ranks, on the source tree ``src`` (None: the tree this
+    script is in, whatever ``jupyter_ring`` is installed); its medians."""
     from jupyter_ring.launch import find_mpiexec, mpi_env
 
     env = mpi_env()
-    if src:
-        env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    tree = os.path.abspath(src or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
            "--reps", str(reps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, timeout=900)

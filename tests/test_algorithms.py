@@ -79,3 +79,13 @@ def test_ranks_that_joined_are_left_out_of_every_algorithm(mpirun, algorithm):
     result = mpirun("rt_engine.py", 3, "join", env={"JUPYTER_RING_ALLREDUCE": algorithm}, timeout=120)
     ok = sorted(int(line.split()[1]) for line in result.lines("RANK_OK"))
     assert ok == [0, 1, 2], result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_the_kept_choice_follows_every_change_of_its_inputs(mpirun, n):
+    """The eager limit and each size's algorithm are worked out once and kept (issue 32, item 7:
+    the small collectives' cost): a setting or a threshold changed while running, a join, a
+    process set and shutdown + init each change which algorithm runs, on every rank, exactly."""
+    result = mpirun("rt_algorithm_kept.py", n, env={"JUPYTER_RING_STALL_TIMEOUT": "20"}, timeout=120)
+    ok = sorted(int(line.split()[1]) for line in result.lines("RANK_OK"))
+    assert ok == list(range(n)), result.stdout[-3000:]

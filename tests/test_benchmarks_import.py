@@ -39,3 +39,20 @@ def test_benchmark_imports_resolve(path):
             except ImportError:
                 missing.append(f"line {line}: from {module} import {name}: no such name")
     assert not missing, f"benchmarks/{path.name} imports what does not exist:\n" + "\n".join(missing)
+
+
+def test_hotpath_measures_the_tree_it_is_in(tmp_path):
+    """hotpath.py's "this tree" is the source tree holding the script, not whatever jupyter_ring
+    is installed (the editable install is the main checkout's: a worktree's run measured main),
+    and a run that imports jupyter_ring from elsewhere stops the benchmark."""
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "hotpath.py"), "--runs", "1"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"trees: this tree {root}\n" in proc.stdout, proc.stdout
+    assert "| allreduce_ 4 KiB |" in proc.stdout, proc.stdout

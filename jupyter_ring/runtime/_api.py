@@ -537,15 +537,16 @@ def _blocking(tensor: npt.ArrayLike, in_place: bool, average: bool | None, name:
     headers, so a rank whose call differs still fails every rank with the difference named."""
     if type(tensor) is np.ndarray and (name is None or type(name) is str):
         engine = _proc.engine if process_set is None else _member_engine(process_set)
-        lane = None if engine is None else cast("collectives.Lane | None", engine.lanes.get((name, in_place)))
-        if (engine is not None and lane is not None and lane.prepared is not None
-                and lane.fits(tensor, op, average, prescale, postscale)
-                and (not in_place or _flat_ok(tensor.flags, True)) and lane.nbytes <= eager_limit(engine.rt)):
+        # (no cast() calls here: the lane's call is the runtime's hottest path; the key (name,
+        # in place) holds an allreduce lane only, and a lane's run returns its result array)
+        lane: collectives.Lane | None = None if engine is None else engine.lanes.get((name, in_place))  # type: ignore[assignment]
+        if (lane is not None and lane.prepared is not None and lane.fits(tensor, op, average, prescale, postscale)
+                and (not in_place or _flat_ok(tensor.flags, True)) and lane.revision == engine.config.revision):  # type: ignore[union-attr]
             if name is None:
                 name, explicit = _auto_name("allreduce", None)
             else:
                 explicit = name
-            return cast(Array, engine.run_lane(lane, _lane_entry, tensor, in_place, name, explicit))
+            return engine.run_lane(lane, _lane_entry, tensor, in_place, name, explicit)  # type: ignore[union-attr, return-value]
     engine, entry = _reduce(tensor, in_place, average, name, op, prescale, postscale, process_set)
     result = cast(Array, engine.run_now(entry))
     if entry.src.nbytes <= eager_limit(engine.rt) and _lane_worthy(tensor, in_place, prescale, postscale):

@@ -25,8 +25,8 @@ world's shape), so every rank picks the same algorithm without a message. ``JUPY
 
 from __future__ import annotations
 
-__all__ = ["ALGORITHMS", "AGREEMENTS", "EAGER_FANOUT_BYTES", "LOG_AGREEMENT_RANKS", "RD_MAX_BYTES", "agreement",
-           "choose", "eager_limit"]
+__all__ = ["ALGORITHMS", "AGREEMENTS", "EAGER_FANOUT_BYTES", "LOG_AGREEMENT_RANKS", "RD_MAX_BYTES", "Chosen",
+           "agreement", "choose", "eager_limit"]
 
 KiB = 1 << 10
 
@@ -95,3 +95,39 @@ def choose(requested: str, nbytes: int, ranks: int, hosts: int, uniform: bool, e
     if ranks <= 1 or nbytes == 0:
         return "local"
     return requested
+
+
+class Chosen:
+    """One runtime's choice kept between calls (``algorithms.eager_limit`` and ``algorithms.algorithm``
+    read and renew it): ``eager``, its ``eager_limit``, and ``sizes``, the algorithm of each
+    allreduce size seen, valid while the runtime's ``wiring`` (``HeaderBuffers.wiring``: the
+    participants, the eager capacity) and its config's ``revision`` (the setting, the shared-memory
+    threshold) are the ones they were made under. ``wiring`` -1: nothing kept (a new runtime)."""
+
+    __slots__ = ("wiring", "revision", "eager", "sizes")
+
+    SIZES = 256
+    """At most this many sizes kept (a loop's allreduces have a few): all are forgotten past it."""
+
+    def __init__(self) -> None:
+        self.wiring = -1
+        self.revision = -1
+        self.eager = -1
+        self.sizes: dict[int, str] = {}
+
+    def renew(self, wiring: int, revision: int, eager: int) -> None:
+        """Keep ``eager`` under ``wiring`` and ``revision`` (read before the inputs ``eager`` was
+        worked out from); forget the sizes chosen before. The stamps are written last: a caller
+        outside the executor lock (``_api._blocking`` after its call) that finds them current
+        finds what was kept under them."""
+        self.sizes = {}
+        self.eager = eager
+        self.revision = revision
+        self.wiring = wiring
+
+    def keep(self, nbytes: int, algorithm: str) -> str:
+        """Remember ``algorithm`` for ``nbytes`` (under the present wiring and revision); returns it."""
+        if len(self.sizes) >= self.SIZES:
+            self.sizes.clear()
+        self.sizes[nbytes] = algorithm
+        return algorithm

@@ -238,17 +238,41 @@ def hierarchical(rt: Runtime, src: Array, dst: Array, fn: np.ufunc, postscale: f
 
 
 def eager_limit(rt: Runtime) -> int:
-    """The largest allreduce (bytes) whose payload rides in the agreement message on ``rt`` now."""
-    return choice.eager_limit(rt.config.allreduce, len(rt.participants), rt.headers.eager_limit, _has_shm(rt))
+    """The largest allreduce (bytes) whose payload rides in the agreement message on ``rt`` now:
+    kept in ``rt.chosen`` and worked out again only after its inputs changed (see ``_chosen``)."""
+    chosen = rt.chosen
+    if chosen.wiring != rt.headers.wiring or chosen.revision != rt.config.revision:
+        chosen = _chosen(rt)
+    return chosen.eager
+
+
+def algorithm(rt: Runtime, nbytes: int) -> str:
+    """The allreduce algorithm of ``nbytes`` on ``rt`` now (``algorithm_choice.choose``): the same
+    on every rank. Chosen once per size while the inputs stay (``rt.chosen``)."""
+    chosen = rt.chosen
+    if chosen.wiring != rt.headers.wiring or chosen.revision != rt.config.revision:
+        chosen = _chosen(rt)
+    alg = chosen.sizes.get(nbytes)
+    return alg if alg is not None else chosen.keep(nbytes, _choose(rt, nbytes))
+
+
+def _chosen(rt: Runtime) -> choice.Chosen:
+    """``rt.chosen`` renewed: its inputs are the setting and the shared-memory threshold (the
+    config's ``revision`` counts their changes), the participants and the eager capacity (the
+    header buffers' ``wiring`` counts a join, a resync and a rebuild), and whether shared-memory
+    slots exist (made once, after the buffers, at init: ``rt.chosen`` is made after them)."""
+    chosen = rt.chosen
+    chosen.renew(rt.headers.wiring, rt.config.revision,
+                 choice.eager_limit(rt.config.allreduce, len(rt.participants), rt.headers.eager_limit, _has_shm(rt)))
+    return chosen
 
 
 def _has_shm(rt: Runtime) -> bool:
     return rt.shm is not None and rt.config.shm_threshold > 0
 
 
-def algorithm(rt: Runtime, nbytes: int) -> str:
-    """The allreduce algorithm of ``nbytes`` on ``rt`` now (``_algorithm_choice.choose``): the same
-    on every rank. A hierarchy over hosts of unequal ranks runs as one ring."""
+def _choose(rt: Runtime, nbytes: int) -> str:
+    """``algorithm``'s choice worked out: a hierarchy over hosts of unequal ranks runs as one ring."""
     parts = rt.participants
     hosts = uniform_hosts(rt, parts)
     count = len({rt.hosts[q] for q in parts})

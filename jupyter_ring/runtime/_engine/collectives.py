@@ -293,8 +293,11 @@ class Lane:
 
     Made by ``prepare_lane`` after a call of the signature was checked the full way; the engine
     keeps one per (name, in place) and takes it only when the call's arguments equal the key
-    fields; a blocking call runs on it (``Engine.run_lane``) only while the runtime's wiring is
-    the one it was prepared on. Holds no caller array: every call copies its own input in.
+    fields; a blocking call runs on it (``Engine.run_lane``) only while the runtime's wiring and
+    its config's revision are the ones it was prepared under: its exchange is prepared only when
+    the algorithm chosen for its size is the eager path then (``algorithms.eager_limit``), and
+    both count every change of what that choice depends on. Holds no caller array: every call
+    copies its own input in.
     """
 
     # the signature, as the caller passes it (compared on every call)
@@ -313,6 +316,7 @@ class Lane:
     terms: list[Array]    # every participant's payload in rank order, shaped (ours is ``payload``)
     nbytes: int
     pre: np.generic | None  # the prescale factor as a scalar of the dtype, None when it is 1
+    revision: int = -1    # the config's revision the exchange was prepared under (Config.revision)
 
     def fits(self, arr: Array, op: object, average: object, prescale: object, postscale: object) -> bool:
         """Whether a call with these arguments is this lane's signature (``arr`` a numpy array).
@@ -354,8 +358,12 @@ class Lane:
         self._wire(rt, self.prepared.agreement)  # type: ignore[union-attr]
 
     def _wire(self, rt: Runtime, own: bytes) -> None:
+        revision = rt.config.revision  # (read before the choice that it stamps)
+        if self.nbytes > algorithms.eager_limit(rt):
+            return  # another algorithm runs this size now: no exchange to prepare
         prepared = rt.agreement.prepare(own, self.nbytes)
         if prepared is not None:
+            self.revision = revision
             dtype, count, shape = self.plan.dtype, int(np.prod(self.shape, dtype=np.int64)), self.shape
             self.payload = rt.headers.payload_view(dtype, count).reshape(shape)
             self.terms = [self.payload if q == rt.rank else rt.headers.peer_payload(q, dtype, count).reshape(shape)

@@ -2,7 +2,7 @@
 
 import dataclasses
 import os
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from .algorithm_choice import AGREEMENTS, ALGORITHMS
 from .waits import WAIT_MODES
@@ -80,6 +80,15 @@ class Config:
     """Seconds a rank may spend in MPI_Finalize at exit before it is ended (SIGALRM): a rank
     whose launcher or peers are unreachable (a host cut off) would otherwise wait there forever;
     0 waits without limit."""
+
+    revision: ClassVar[int] = 0
+    """How many times a field was assigned (set per instance from the first one on; not a
+    setting): what a runtime derives from the settings and keeps (the allreduce algorithm's
+    choice, ``algorithms.eager_limit``) is renewed when it differs from the one it was made under."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "revision", self.revision + 1)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Config":

@@ -45,6 +45,7 @@ import numpy.typing as npt
 
 from . import shm as _shm, waits as _waits
 from .agreement import Agreement
+from .algorithm_choice import Chosen
 from .control import Abandoned, Disagree, Recut, Replan, Restart
 from .errors import CollectiveMismatchError, PeerError, RingError
 from .headers import HeaderBuffers
@@ -130,6 +131,9 @@ class Runtime:
         self.waits.rechoose(self.local_size)
         self.headers.build()
         self.shm = self._shared_slots()
+        # the allreduce's eager limit and algorithm by size, kept while their inputs stay: made
+        # after the slots, which are one of them and change only at close (algorithms.eager_limit)
+        self.chosen = Chosen()
 
     # ------------------------------------------------------------------ set-up
     def _poll_dup(self, comm: MPI.Comm, what: str) -> MPI.Comm:
@@ -214,6 +218,7 @@ class Runtime:
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        self.chosen = Chosen()  # the slots were one of its inputs: nothing kept outlives them
         self.recovery.release_comms([self.comm, self.ctl])
 
     def scratch(self, nbytes: int) -> npt.NDArray[np.uint8]:

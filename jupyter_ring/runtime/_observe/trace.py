@@ -58,8 +58,8 @@ class Trace:
         self.rank = rank
         self.size = size
         self.records: collections.deque[_Record] = collections.deque(maxlen=max(1, int(maxlen)))
-        self.totals: dict[str, list[float]] = {}  # kind -> [count, bytes, seconds]
-        self.by_algorithm: dict[str, list[float]] = {}  # "allreduce[rd]" -> [count, bytes, seconds]
+        # kind -> algorithm ("": none named) -> [count, bytes, seconds]; a kind's totals are its sums
+        self.totals: dict[str, dict[str, list[float]]] = {}
         # records come from the caller's thread, the engine's and, for torch.distributed's
         # asynchronous collectives, the thread that completes them (runtime._device.torch_comm)
         self._lock = threading.Lock()
@@ -72,25 +72,32 @@ class Trace:
         names the allreduce algorithm that ran (counted apart too). Any thread."""
         with self._lock:
             self.records.append((kind, name, nbytes, start, end, phases, algorithm))
-            for totals, key in ((self.totals, kind), (self.by_algorithm, f"{kind}[{algorithm}]")):
-                total = totals.get(key)
-                if total is None:
-                    total = totals[key] = [0, 0, 0.0]
-                total[0] += 1
-                total[1] += nbytes
-                total[2] += end - start
-                if not algorithm:
-                    break
+            by_algorithm = self.totals.get(kind)
+            if by_algorithm is None:
+                by_algorithm = self.totals[kind] = {}
+            total = by_algorithm.get(algorithm)
+            if total is None:
+                total = by_algorithm[algorithm] = [0, 0, 0.0]
+            total[0] += 1
+            total[1] += nbytes
+            total[2] += end - start
 
     def stats(self, algorithms: bool = False) -> dict[str, dict[str, float]]:
         """Per kind: count, bytes, time_s, algbw and busbw (bytes/s, nccl-tests definitions);
         with ``algorithms`` also per kind and algorithm, as ``allreduce[rd]``."""
         out: dict[str, dict[str, float]] = {}
+        per_kind: dict[str, list[float]] = {}
+        per_algorithm: list[tuple[str, list[float]]] = []
         with self._lock:
-            totals = sorted((kind, tuple(total)) for kind, total in self.totals.items())
-            if algorithms:
-                totals += sorted((key, tuple(total)) for key, total in self.by_algorithm.items())
-        for key, (count, nbytes, seconds) in totals:
+            for kind, by_algorithm in self.totals.items():
+                whole = per_kind[kind] = [0, 0, 0.0]
+                for algorithm, total in by_algorithm.items():
+                    whole[0] += total[0]
+                    whole[1] += total[1]
+                    whole[2] += total[2]
+                    if algorithms and algorithm:
+                        per_algorithm.append((f"{kind}[{algorithm}]", total[:]))
+        for key, (count, nbytes, seconds) in sorted(per_kind.items()) + sorted(per_algorithm):
             kind = key.split("[")[0]
             algbw = nbytes / seconds if seconds > 0 else 0.0
             out[key] = {
@@ -117,7 +124,6 @@ class Trace:
         with self._lock:
             self.records.clear()
             self.totals.clear()
-            self.by_algorithm.clear()
 
     def chrome_events(self) -> list[ChromeEvent]:
         """This rank's records as Chrome-trace events (pid = rank, one track per rank)."""
