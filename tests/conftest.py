@@ -83,6 +83,21 @@ def mpirun():
     return run_mpi
 
 
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory):
+    """One JupyterLab server for this process's browser tests (tests/browser/lab_server.py),
+    started by the first; each test gets a fresh notebook and kernel on it from the ``lab``
+    fixture of tests/browser/test_lab_panel.py. Session-scoped, not module-scoped: the browser
+    tests stay free to go to either worker (a module scope would make each module a group)."""
+    if os.path.join(HERE, "browser") not in sys.path:   # imported from there already, normally
+        sys.path.insert(0, os.path.join(HERE, "browser"))
+    from lab_server import LabServer
+
+    server = LabServer(tmp_path_factory.mktemp("lab"))
+    yield server
+    server.stop()
+
+
 _ADAPTERS = """
 import json, sys
 import jupyter_ring.runtime.tensorflow, jupyter_ring.runtime.keras

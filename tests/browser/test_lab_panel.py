@@ -13,18 +13,15 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 
 import pytest
 
 from conftest import screenshot_path
+from lab_server import get as _get
 from jupyter_ring.cluster._sidecar import sidecar_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,81 +38,17 @@ if not os.path.exists(CHROMIUM):
                 "does this when run as root)", allow_module_level=True)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url, token, method="GET", body=None):
-    req = urllib.request.Request(url, method=method, data=body,
-                                 headers={"Authorization": f"token {token}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        data = resp.read()
-    return json.loads(data) if data else None
-
-
 @pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab on 127.0.0.1 (free port, token auth, temp root dir); killed at the end."""
-    root = tmp_path / "root"
-    root.mkdir()
-    port, token = _free_port(), uuid.uuid4().hex
-    env = dict(os.environ)  # tests/conftest.py has put IPYTHONDIR and JUPYTER_* in temp dirs
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    # JupyterLab 4.6 may still ask "Select Kernel" for a notebook whose kernel is already running
-    # under load; starting the preferred kernel without asking keeps the page free of dialogs.
-    settings = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
-    settings.mkdir(parents=True)
-    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"autoStartDefaultKernel": True}))
-    # ... nor the "get notified about Jupyter news?" toast, which can cover a screenshot
-    notify = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
-    notify.mkdir(parents=True)
-    (notify / "notification.jupyterlab-settings").write_text(json.dumps(
-        {"fetchNews": "false", "checkForUpdates": False}))
-    env["JUPYTERLAB_SETTINGS_DIR"] = str(tmp_path / "lab-settings")
-    log = open(tmp_path / "lab.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-         f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
-         "--ServerApp.port_retries=0",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            _get(f"{base}/api/status", token)
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                log.close()
-                pytest.fail(f"JupyterLab did not start:\n{(tmp_path / 'lab.log').read_text()[-4000:]}")
-            time.sleep(0.3)
-    nb = {"cells": [], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                   "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    _get(f"{base}/api/contents/ring.ipynb", token, "PUT",
-         json.dumps({"type": "notebook", "content": nb}).encode())
-    # Start the notebook's kernel up front, so that the page attaches to it (no kernel dialog).
-    _get(f"{base}/api/sessions", token, "POST",
-         json.dumps({"path": "ring.ipynb", "type": "notebook", "name": "ring.ipynb",
-                     "kernel": {"name": "python3"}}).encode())
-    yield {"base": base, "token": token, "proc": proc, "log": tmp_path / "lab.log"}
-    # Shut the kernels down first (their watchdogs then end any cluster), then the server.
-    try:
-        for kernel in _get(f"{base}/api/kernels", token) or []:
-            _get(f"{base}/api/kernels/{kernel['id']}", token, "DELETE")
-    except OSError:
-        pass
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-    log.close()
+def lab(lab_server):
+    """The process's JupyterLab (tests/browser/lab_server.py), fresh for this test: a new
+    ``ring.ipynb`` with its kernel started, nothing left of earlier tests. Afterwards its kernels
+    are shut down; a process of theirs (a cluster's) still alive then fails the teardown."""
+    offset = lab_server.fresh()
+    yield {"base": lab_server.base, "token": lab_server.token, "proc": lab_server.proc,
+           "log_text": lambda: lab_server.log_text(offset), "wait_quiet": lab_server.wait_quiet}
+    left = lab_server.clear()
+    assert not left, ("alive after the test's kernels were shut down (killed now):\n"
+                      + "\n".join(left))
 
 
 def _run_cell(page, index, code):

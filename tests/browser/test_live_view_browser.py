@@ -43,12 +43,13 @@ print("long done", flush=True)
 
 def _saved_outputs(lab, index):
     """The outputs of cell ``index`` in the notebook as saved; [] while the file is being
-    written (the server answers 400 for a notebook it cannot read)."""
+    written (the server answers 400 for a notebook it cannot read) or has no such cell yet."""
     try:
         notebook = _get(f"{lab['base']}/api/contents/ring.ipynb?content=1", lab["token"])
     except urllib.error.HTTPError:
         return []
-    return notebook["content"]["cells"][index].get("outputs", [])
+    cells = notebook["content"]["cells"]
+    return cells[index].get("outputs", []) if index < len(cells) else []
 
 
 def _step(row_text):
@@ -69,7 +70,10 @@ def test_a_reopened_notebook_gets_the_running_cells_live_view_back(lab, tmp_path
             expect(long.locator(".jr-dashboard .jr-rank-row")).to_have_count(2, timeout=60_000)
             expect(long.locator(".jp-InputPrompt")).to_contain_text("*")
             page.keyboard.press("Control+s")
-            time.sleep(1.0)
+            deadline = time.monotonic() + 20   # saved with the running cell's output
+            while not _saved_outputs(lab, 1):
+                assert time.monotonic() < deadline, "Control+S did not save the notebook"
+                time.sleep(0.1)
             # close the notebook's tab mid-cell (discarding what changed since the save)
             page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current "
                          ".lm-TabBar-tabCloseIcon").click()

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from bounds import GONE_S
 from conftest import screenshot_path
 from test_dashboard_browser import _open_notebook
 from test_lab_panel import _get, _run_cell, lab, playwright_api  # noqa: F401
@@ -148,8 +149,10 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             status = _run_cell(page, 5, "%ring start -n 2\n%ring stop")
             expect(status.locator(".jp-OutputArea-output")).to_contain_text("stopped 2 ranks",
                                                                             timeout=90_000)
-            time.sleep(2.0)  # anything the old clusters' processes still had to say
+            # anything the old clusters' processes still had to say: said once they are gone
+            loud = lab["wait_quiet"](GONE_S)
+            assert not loud, f"still writing to the server's log {GONE_S} s after the stop: {loud}"
         finally:
             browser.close()
-    bad = _alarming(lab["log"].read_text())
+    bad = _alarming(lab["log_text"]())
     assert not bad, "the server's log holds alarming lines:\n" + "\n".join(bad[:40])

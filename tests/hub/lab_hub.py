@@ -7,6 +7,7 @@ code in their kernels over the kernel websocket, the way JupyterLab does. ``clos
 removes the users (``userdel -r``) and reports any process of theirs that survived.
 """
 
+import contextlib
 import json
 import os
 import pwd
@@ -117,9 +118,13 @@ def _describe(procs):
 class LabHub:
     """JupyterHub on 127.0.0.1 with ``users`` as real Unix accounts (created here, removed on close)."""
 
-    def __init__(self, users, cpu_limit=1, mem_limit="4G", password=None, cull_timeout=0):
+    def __init__(self, users, cpu_limit=1, mem_limit="4G", password=None, cull_timeout=0,
+                 activity_interval=None):
         self.users = list(users)
         self.cull_timeout = cull_timeout   # seconds; 0: no idle culler
+        # seconds between the servers' reports of their last activity to the hub (jupyterhub-
+        # singleuser's JUPYTERHUB_ACTIVITY_INTERVAL); None: JupyterHub's default, 300 s
+        self.activity_interval = activity_interval
         self.cpu_limit = cpu_limit
         self.mem_limit = mem_limit
         self.password = password or secrets.token_urlsafe(12)
@@ -151,6 +156,9 @@ class LabHub:
                     f"c.JupyterHub.load_roles.append({{'name': 'lab-tests', 'services': ['lab-tests'],\n"
                     f"    'scopes': ['admin:users', 'admin:servers', 'tokens', 'access:servers']}})\n"
                     f"c.JupyterHub.log_level = 'INFO'\n")
+            if self.activity_interval is not None:
+                f.write(f"c.Spawner.environment['JUPYTERHUB_ACTIVITY_INTERVAL'] = "
+                        f"'{self.activity_interval:d}'\n")
         env = dict(os.environ, JUPYTER_RING_LAB=LAB, LAB_USERS=",".join(self.users),
                    LAB_CPU_LIMIT=str(self.cpu_limit), LAB_MEM_LIMIT=str(self.mem_limit),
                    LAB_PORT=str(self.port), LAB_HUB_PORT=str(_free_port()),
@@ -304,6 +312,29 @@ class LabHub:
             if time.monotonic() > deadline:
                 raise HubError(f"{name}'s server did not stop in {timeout} s:\n{self.log()}")
             time.sleep(0.2)
+
+    @contextlib.contextmanager
+    def page_open(self, name, every=0.5):
+        """While the block runs, poll the student's server's kernel list with their token, as an
+        open JupyterLab page does: the server counts that as activity (jupyter_server's
+        api_last_activity), so an idle culler leaves it alone, also while a cell runs silently."""
+        stop = threading.Event()
+
+        def poll():
+            while not stop.wait(every):
+                try:
+                    self.api("GET", f"/user/{name}/api/kernels", token=self.user_token(name),
+                             expect=None)
+                except OSError:
+                    pass   # a busy server answers late; the next poll counts
+
+        thread = threading.Thread(target=poll, name=f"page of {name}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(35)
 
     def kernel(self, name, token=None, timeout=60):
         """Start a python3 kernel in the student's server and connect to its websocket."""

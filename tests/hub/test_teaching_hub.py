@@ -142,23 +142,29 @@ def test_another_student_cannot_reach_a_cluster(hub):
                 "a forged HMAC key and a made-up CurveZMQ server key": dict(
                     plain, **a_ports, key=secrets.token_hex(16),
                     curve_serverkey=b_info.get("curve_serverkey") or "x" * 40)}
+    # the attempts run at the same time, each in a process of B's (each waits out its 4 s
+    # timeout); one whose process printed no RESULT line (it crashed) fails the test
     drive = _ok(kb.execute(
-        "import json, os, tempfile, ipyparallel as ipp\nresults = {}\n"
+        "import json, os, subprocess, sys, tempfile\n"
+        f"TRY = {_FORGED_CLIENT!r}\n"
+        "tries = {}\n"
         f"for label, info in {attempts!r}.items():\n"
         "    fd, path = tempfile.mkstemp(suffix='.json')\n"
         "    with os.fdopen(fd, 'w') as f:\n"
         "        json.dump(info, f)\n"
-        "    try:\n"
-        "        c = ipp.Client(path, timeout=4)\n"
-        "        results[label] = 'CONNECTED ' + repr(c[:].apply_sync(os.getuid))\n"
-        "        c.close()\n"
-        "    except Exception as exc:\n"
-        "        results[label] = f'{type(exc).__name__}: {exc}'[:120]\n"
+        "    tries[label] = path, subprocess.Popen([sys.executable, '-c', TRY, path], text=True,\n"
+        "                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)\n"
+        "results = {}\n"
+        "for label, (path, proc) in tries.items():\n"
+        "    out = proc.communicate(timeout=90)[0]\n"
+        "    found = [line[7:] for line in out.splitlines() if line.startswith('RESULT ')]\n"
+        "    results[label] = found[-1] if found else f'NO RESULT (exit {proc.returncode}): {out[-600:]}'\n"
         "    os.remove(path)\n"
         "print(json.dumps(results))", timeout=120))
     outcome = json.loads(drive.strip().splitlines()[-1])
+    assert set(outcome) == set(attempts), outcome
     for label, result in outcome.items():
-        assert not result.startswith("CONNECTED"), (label, result)
+        assert not result.startswith(("CONNECTED", "NO RESULT")), (label, result)
         refused.append(f"ipyparallel Client on A's controller with {label}: {result}")
 
     # 3b. raw messages with B's session key to every port A's kernel, controller and engine
@@ -296,27 +302,37 @@ def test_two_students_run_notebooks_01_and_03_at_once(hub):
         RESULTS[f"notebook 01, two at once ({name[-5:]})"] = times["01-quickstart.ipynb"]
 
 
+CULL_S = 5   # the idle culler's timeout here (a course: an hour)
+
+
 def test_culled_server_leaves_nothing():
-    """A hub with the example's idle culler (here after 20 s idle): a student starts a cluster and
-    goes idle; the culler stops the server and no process of the student remains."""
+    """A hub with the example's idle culler (here after CULL_S idle; each server reports its
+    activity to the hub every second): a student, with a JupyterLab page open (its polling of
+    the server's API is activity, also while ``%ring start`` runs silently), starts a cluster,
+    closes the page and goes idle; the culler stops the server and no process of the student
+    remains."""
     student = f"jrlabd{os.getpid() % 10000}"
-    lab = LabHub([student], cull_timeout=20)
+    lab = LabHub([student], cull_timeout=CULL_S, activity_interval=1)
     try:
         lab.start()
         lab.spawn(student)
-        kernel = lab.kernel(student)
-        assert "1 ranks ready" in _ok(kernel.execute("%load_ext jupyter_ring\n%ring start",
-                                                     timeout=120))
-        kernel.close()
-        assert len(user_processes(lab.uid(student))) >= 4
+        with lab.page_open(student):
+            kernel = lab.kernel(student)
+            assert "1 ranks ready" in _ok(kernel.execute("%load_ext jupyter_ring\n%ring start",
+                                                         timeout=120))
+            assert len(user_processes(lab.uid(student))) >= 4
+            kernel.close()
         t0 = time.perf_counter()
         deadline = time.monotonic() + 90
         while lab.server_pid(student) and time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(0.2)
         assert not lab.server_pid(student), f"the idle culler did not stop the server:\n{lab.log()}"
+        culled = time.perf_counter() - t0
+        # idle for the timeout first: the culler counts from the last activity, not from its start
+        assert culled >= CULL_S / 2, f"culled {culled:.1f} s after the page closed"
         left = _wait_gone(lab.uid(student), 20)
         assert not left, f"after the culler stopped the server, still running:\n{left}"
-        RESULTS["culled (20 s idle) -> no process left (s)"] = time.perf_counter() - t0
+        RESULTS[f"culled ({CULL_S} s idle) -> no process left (s)"] = time.perf_counter() - t0
         assert "idle-culler" in lab.log(tail=200_000)
     finally:
         survivors = lab.close()
@@ -354,6 +370,21 @@ def _running_cluster(hub, name):
     if "no cluster is running" in _ok(kernel.execute("%load_ext jupyter_ring\n%ring status")):
         _ok(kernel.execute("%ring start", timeout=120))
     return kernel
+
+
+# One forged ipyparallel Client, run by student B: ``python -c _FORGED_CLIENT connection.json``
+_FORGED_CLIENT = """\
+import os, sys
+import ipyparallel as ipp
+try:
+    c = ipp.Client(sys.argv[1], timeout=4)
+    result = 'CONNECTED ' + repr(c[:].apply_sync(os.getuid))
+    c.close()
+except Exception as exc:
+    result = f'{type(exc).__name__}: {exc}'[:120]
+print('RESULT ' + result, flush=True)
+os._exit(0)   # not held up by a thread the failed Client left behind
+"""
 
 
 def _try_each(kernel, items, action):
