@@ -3,10 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-echo "[test] type check (mypy, settings in pyproject.toml)"
-.venv/bin/python -m mypy
-echo "[test] documentation and API reference (sphinx -W: a broken reference fails; build/docs/index.html)"
-TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/sphinx-build -q -E -W --keep-going -b html docs build/docs
+# The type check and the documentation each use one core: side by side, each one's output after.
+echo "[test] type check (mypy, settings in pyproject.toml) and documentation with its API reference"
+echo "[test] (sphinx -W: a broken reference fails; build/docs/index.html), side by side"
+mkdir -p build
+.venv/bin/python -m mypy > build/mypy.log 2>&1 & mypy=$!
+TF_CPP_MIN_LOG_LEVEL=3 .venv/bin/sphinx-build -q -E -W --keep-going -b html docs build/docs > build/sphinx.log 2>&1 & docs=$!
+checks=0
+wait "$mypy" || checks=1
+echo "[test] mypy:"; cat build/mypy.log
+wait "$docs" || checks=1
+echo "[test] sphinx:"; cat build/sphinx.log
+if [ "$checks" != 0 ]; then echo "[test] the type check or the documentation failed (above)"; exit 1; fi
 # Two workers (pytest-xdist; JUPYTER_RING_TEST_WORKERS=0 runs in this process): tests/conftest.py
 # keeps together what must share a worker and sends the longest groups out first.
 workers=${JUPYTER_RING_TEST_WORKERS:-2}

@@ -47,12 +47,13 @@ while not os.path.exists({release!r}):
 held = 'released'
 """
 
-# the ranks that began wait in a collective rank 3 never joins: the next cell resyncs every rank
+# the ranks that began (each marks it once its ran_y is set: the interrupt comes when ranks 0-2 have)
+# wait in a collective rank 3 never joins: the next cell resyncs every rank
 # across the two hosts (see test_resync_hosts.py)
 NOT_BEGUN = """%%distributed
 import os
-open(os.path.join({marks!r}, str(ring.rank())), 'w').close()
 ran_y = ring.rank()
+open(os.path.join({marks!r}, str(ring.rank())), 'w').close()
 ring.allreduce(np.ones(2), name="waits_for_rank_3")
 """
 
@@ -119,7 +120,7 @@ def test_prompt_post_mortem_and_interrupt_on_a_rank_of_the_other_host(hosts, ker
     try:
         out, error = kernel.execute(NOT_BEGUN.format(marks=marks), timeout=120, messages=messages,
                                     during=release_once_rank_3_waits,
-                                    interrupt_when=lambda: os.path.exists(os.path.join(marks, "0")))
+                                    interrupt_when=lambda: all(os.path.exists(os.path.join(marks, str(r))) for r in range(3)))
     finally:
         open(release, "w").close()
     kernel.ok("_held.wait(60)\nassert _held.successful(), _held.get()")  # not interrupted
