@@ -221,7 +221,9 @@ def dashboard_shows_the_replacement(world, kernel, messages, victim):
     for rank in range(world.n):
         line = next(line for line in text.splitlines() if line.startswith(f"rank {rank}: "))
         if rank == victim:
-            assert re.match(rf"rank {rank}: step 22, replaced at step [1-8], ", line), text
+            # "at step N" where the dashboard had the dead engine's steps; "replaced" alone where
+            # the kill came before the dashboard was made (its first report of work, under load)
+            assert re.match(rf"rank {rank}: step 22, replaced(?: at step [1-8])?, ", line), text
         else:
             assert re.match(rf"rank {rank}: step 30, \d", line) and "replaced" not in line, text
     path = kernel.ok(f"print({CLUSTER}._running_cluster.cluster_file)").strip()
