@@ -231,5 +231,6 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     me2, kids2 = cpu()
     with open(_CPU_LOG, "a") as log:
-        log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 3),
+        log.write(json.dumps({"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                              "end": round(time.time(), 3), "wall": round(time.monotonic() - wall, 3),
                               "self": round(me2 - me, 3), "children": round(kids2 - kids, 3)}) + "\n")

@@ -128,6 +128,32 @@ def test_engines_whose_job_ends_while_starting_say_so_with_their_output(ring_clu
     assert not cluster.running
 
 
+@pytest.mark.timeout(90)
+def test_a_set_up_that_does_not_finish_names_the_engines_still_in_it_and_shows_their_stacks(
+        ring_cluster, monkeypatch):
+    """A rank that never finishes the set-up (here rank 1 sleeps after ring.init(), as a rank
+    stuck in a rendezvous would wait) fails the start within the set-up timeout with a
+    ClusterError that says how many ranks finished, names the engine still in it, and quotes the
+    stacks the rank wrote itself just before the notebook gave up; nothing is left running."""
+    from jupyter_ring.cluster import _start
+
+    stuck = _start.SETUP_CODE.replace("ring.init()\n", "ring.init()\nif ring.rank() == 1:\n"
+                                      "    import time; time.sleep(120)  # the stuck rank\n", 1)
+    assert stuck != _start.SETUP_CODE
+    monkeypatch.setattr(_start, "SETUP_CODE", stuck)
+    cluster = ring_cluster(n=2, gpus="none", setup_timeout=6)
+    began = time.monotonic()
+    with pytest.raises(ClusterError, match=r"did not finish on every rank in 6 s: engine \d+ still in it "
+                                           r"\(1 of 2 done\)") as info:
+        cluster.start()
+    message = str(info.value)
+    assert time.monotonic() - began < 40, message
+    # faulthandler's dump from the stuck rank, with the line it sleeps on
+    assert "Timeout (0:00:04" in message and "most recent call first" in message, message
+    assert "Run %ring stop and %ring start again" in message
+    assert not cluster.running
+
+
 _CRASH_AT_START = """
 import os, signal
 with open("/proc/self/cmdline", "rb") as f:  # the engine, not its keeper

@@ -28,7 +28,7 @@ from ..engines._setup import RankRow
 from ..errors import ClusterError, _rank_list
 from ._plan import torchrun_environment
 from ._procs import remove_shm_files, shm_files, sweep_mpich_segments
-from ._start import SETUP_CODE
+from ._start import SETUP_CODE, setup_namespace
 
 if TYPE_CHECKING:
     import ipyparallel as ipp
@@ -191,9 +191,9 @@ def _set_up_newcomers(cluster: RingCluster, ranks_of: dict[int, int], setup_code
     rows = cluster.ranks
     for eid, rank in ranks_of.items():
         view = client[eid]
-        view.push({"_jr_gpus": newcomer_gpus(rows[rank], plan.gpus if plan else None),
-                   "_jr_umask": cluster.user_umask, "_jr_where": cluster.where_dir,
-                   "_jr_torch_addr": plan.torch.master_addr if plan else "127.0.0.1"}, block=False)
+        view.push(setup_namespace(newcomer_gpus(rows[rank], plan.gpus if plan else None), cluster.user_umask,
+                                  cluster.where_dir, plan.torch.master_addr if plan else "127.0.0.1",
+                                  cluster.setup_timeout), block=False)
         _result(view.execute(setup_code, block=False), cluster.setup_timeout, "the rank set-up")
         info = view.pull("_jr_info", block=False)
         rows[rank] = cast(RankRow, _result(info, cluster.setup_timeout, "the rank set-up"))

@@ -28,13 +28,16 @@ if TYPE_CHECKING:
 
     from ._ring import RingCluster
 
-__all__ = ["SETUP_CODE", "start", "not_ready"]
+__all__ = ["SETUP_CODE", "start", "not_ready", "setup_namespace", "setup_unfinished"]
 
 # Run first on every engine, in the user namespace: bind the GPU before any framework import,
 # then start the runtime so that ``ring`` is there in every cell; rank 0 reserves the port of
 # torch.distributed's rendezvous (engines._torch; torch itself is not imported).
 SETUP_CODE = """\
-import os as _jr_os
+import faulthandler as _jr_faulthandler, os as _jr_os, sys as _jr_sys
+# a rank still here when the notebook is about to give up writes where it waits (every thread's
+# stack) into the engines' output, which the notebook's error quotes
+_jr_faulthandler.dump_traceback_later(_jr_dump_after, file=_jr_sys.__stderr__)
 _jr_os.umask(_jr_umask)
 import jupyter_ring.engines._setup as _jr_engine
 _jr_device = _jr_engine.bind_device(_jr_gpus)
@@ -52,7 +55,9 @@ _jr_engine.arm_debugger(_jr_where, ring.rank())
 _jr_engine.arm_elastic(_jr_where, ring.rank())
 import jupyter_ring.engines._torch as _jr_torch
 _jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
+_jr_faulthandler.cancel_dump_traceback_later()
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr
+del _jr_faulthandler, _jr_sys, _jr_dump_after
 """
 
 
@@ -132,13 +137,12 @@ def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
     client = rc._running_client
     ids = sorted(client.ids)
     view = client[ids]
-    view.push({"_jr_gpus": None if plan.gpus is None else list(plan.gpus),
-               "_jr_umask": rc._user_umask, "_jr_where": rc.where_dir,
-               "_jr_torch_addr": plan.torch.master_addr}, block=False)
-    ar = view.execute(SETUP_CODE, block=False)
     timeout = rc.setup_timeout + plan.start_allowance  # ranks beyond the cores queue for them
+    view.push(setup_namespace(None if plan.gpus is None else list(plan.gpus), rc._user_umask, rc.where_dir,
+                              plan.torch.master_addr, timeout), block=False)
+    ar = view.execute(SETUP_CODE, block=False)
     if not ar.wait(timeout):
-        raise ClusterError(f"ring.init() did not finish on every rank in {timeout:g} s")
+        raise ClusterError(setup_unfinished(rc, ar, ids, timeout))
     ar.get()
     infos, rendezvous = zip(*view.pull(("_jr_info", "_jr_rendezvous"), block=True))
     order = sorted(range(len(ids)), key=lambda i: infos[i]["rank"])
@@ -154,6 +158,37 @@ def _setup_ranks(rc: RingCluster, plan: LaunchPlan) -> None:
     rc._shm = shm_files(rc._local_rank_pids())
     rc._watch()
     rc._write_sidecar()
+
+
+def setup_namespace(gpus: list[str] | None, umask: int, where_dir: str, torch_addr: str,
+                    timeout: float) -> dict[str, object]:
+    """The names ``SETUP_CODE`` reads, pushed to a rank before it runs: its GPUs, the user's
+    umask, the where folder, torch's rendezvous address, and when (a little before the notebook's
+    ``timeout``) a rank still in the set-up writes its stacks for the notebook's error."""
+    return {"_jr_gpus": gpus, "_jr_umask": umask, "_jr_where": where_dir, "_jr_torch_addr": torch_addr,
+            "_jr_dump_after": max(1.0, timeout - _STACKS_AHEAD)}
+
+
+# seconds before its timeout that the notebook has a rank still in the set-up write its stacks:
+# enough for faulthandler's dump to reach the engines' output before the error quotes it
+_STACKS_AHEAD = 2.0
+
+
+def setup_unfinished(rc: RingCluster, ar: ipp.AsyncResult, ids: list[int], timeout: float) -> str:
+    """Why the ranks' set-up timed out: which engines were still in it, and the engines' output
+    from the first stacks a rank still in it wrote (``SETUP_CODE``'s faulthandler)."""
+    client = rc._running_client
+    stuck = [eid for eid, msg_id in zip(ids, ar.msg_ids) if msg_id in client.outstanding]
+    where = (f"engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} still in it" if stuck
+             else "every engine answered as the wait ended")
+    lines = rc._engines_output().strip().splitlines()
+    dumps = [i for i, line in enumerate(lines) if line.startswith("Timeout (")]  # faulthandler's header
+    tail = "\n".join(lines[dumps[0]:][:80] if dumps else lines[-20:]) or "(the engines wrote nothing)"
+    return (f"the ranks' set-up (ring.init() and the torch rendezvous) did not finish on every rank in "
+            f"{timeout:g} s: {where} ({len(ids) - len(stuck)} of {len(ids)} done). Each rank still in "
+            f"it wrote its stacks to the engines' output; its end:\n{tail}\n"
+            "Run %ring stop and %ring start again; if it happens again, the stacks above say where "
+            "the set-up waits (please report them).")
 
 
 def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int], timeout: float) -> None:
