@@ -66,24 +66,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q --upgrade pip
-# The lab extension's npm build (about 20 s, mostly jlpm install) runs beside torch's install:
-# it needs only jlpm (jupyter_builder, the build's own requirement). With its output there, the
-# editable install below skips the build (skip-if-exists) and installs what it made.
-labext=""
-if [ ! -f labextension/prebuilt/static/style.js ]; then
-  echo "[setup] building the lab extension (beside torch's install; output in build/labextension.log)"
-  mkdir -p build
-  .venv/bin/python -m pip install -q "jupyter_builder>=1.3"
-  (cd labextension && PATH="$PWD/../.venv/bin:$PATH" && jlpm install && jlpm build:prod) > build/labextension.log 2>&1 &
-  labext=$!
-fi
 # torch first and pinned: an unpinned torch pulls the CUDA build (GBs). GPU users install
 # 'jupyter_ring[torch]' with their own torch instead.
 echo "[setup] installing torch==2.13.0 (CPU)"
 .venv/bin/python -m pip install -q "torch==2.13.0"
-if [ -n "$labext" ] && ! wait "$labext"; then
-  echo "[setup] the lab extension's build failed:"; tail -40 build/labextension.log; exit 1
-fi
 echo "[setup] installing jupyter_ring[dev,torch,cupy] (editable)"
 .venv/bin/python -m pip install -q -e ".[dev,torch,cupy]"
 # Keras 2 (tf_keras, for TF_USE_LEGACY_KERAS=1: tests/mpi/keras2.py) at TensorFlow's own version,
