@@ -140,47 +140,28 @@ def framework_adapters():
 # - tests/hub run JupyterHub with real Unix accounts;
 # - a module whose tests share a module-scoped fixture (one kernel and cluster for the module)
 #   stays on one worker, so the fixture starts once.
-# The queue: the hub and hosts groups first (the longest), then two kinds of work interleaved
-# evenly (by count), and last the quick modules' tests:
-# - tests that mostly wait (a kernel's cluster, a browser, a module's fixture: each group as one
-#   unit), using a fraction of a core;
-# - MPI jobs (the ``mpirun`` fixture: torch or TensorFlow imported on every rank), whose ranks keep
-#   the cores busy.
-# Run after each other (all the waiting first, as before), the cores idled half the time in the
-# first part and were crowded in the second; interleaved, each worker mixes the two all along.
-# The last tests either worker takes (each holds up to three ahead) are short, and no worker is
-# left alone with a long tail.
+# The groups go out first, longest first, then the tests that start processes (a browser, an MPI
+# job), the others, and last the quick modules' tests: the last tests either worker takes (each
+# holds up to three ahead) are then short, and neither worker is left alone with a long tail.
 _SHARED_GROUPS = {"multihost": "hosts", "hub": "hub"}
 _GROUP_ORDER = ("hub", "hosts")
+_HEAVY_FOLDERS = ("browser", "reliability")  # every test there starts a browser, kernel or job
 # modules whose tests start no process (a few seconds for all of them): the end of the queue
 _QUICK_MODULES = ("test_benchmarks_import.py", "test_dashboard.py", "test_dashboard_figures.py",
                   "test_dashboard_summary.py", "test_debug_prompts.py", "test_plan.py",
                   "test_report.py", "test_tabs.py", "test_timeline.py")
 
 
-def _queue(items, groups):
-    """``items`` in the workers' queue order (see above); ``groups``: each item's group or None."""
-    first = {name: [] for name in _GROUP_ORDER}
-    units = {}  # the waiting kind: a group's items stay together, as one unit
-    computing, quick = [], []
-    for item, group in zip(items, groups):
-        parts = os.path.relpath(str(item.path), HERE).split(os.sep)
-        if group in first:
-            first[group].append(item)
-        elif group is None and parts[0] in _QUICK_MODULES:
-            quick.append(item)
-        elif group is None and "mpirun" in getattr(item, "fixturenames", ()):
-            computing.append(item)
-        else:
-            units.setdefault(group if group is not None else id(item), []).append(item)
-    waiting = list(units.values())
-    # each kind's k-th of n at its fraction k/n of the middle of the queue, the waiting kind first
-    middle = sorted([((k + 0.5) / len(waiting), 0, unit) for k, unit in enumerate(waiting)]
-                    + [((k + 0.5) / len(computing), 1, [item]) for k, item in enumerate(computing)],
-                    key=lambda entry: entry[:2])
-    ordered = [item for name in _GROUP_ORDER for item in first[name]]
-    ordered += [item for _, _, unit in middle for item in unit]
-    return ordered + quick
+def _queue_place(item, group, rank):
+    """Where ``item`` goes in the workers' queue (lower first): the named groups in order, the
+    other groups, the tests that start processes, the others, the quick modules' tests."""
+    if group is not None:
+        return rank.get(group, len(rank))
+    parts = os.path.relpath(str(item.path), HERE).split(os.sep)
+    if parts[0] in _QUICK_MODULES:
+        return len(rank) + 3
+    heavy = parts[0] in _HEAVY_FOLDERS or "mpirun" in getattr(item, "fixturenames", ())
+    return len(rank) + (1 if heavy else 2)
 
 
 # tests of several modules that share a costly session-scoped fixture: one worker, so it runs once
@@ -217,11 +198,14 @@ def _join_group(item, group):
 def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):  # xdist's workers collect; a plain run keeps its order
         return
-    groups = [_xdist_group(item) for item in items]
-    for item, group in zip(items, groups):
+    rank = {name: i for i, name in enumerate(_GROUP_ORDER)}
+    grouped = []
+    for item in items:
+        group = _xdist_group(item)
         if group is not None:
             _join_group(item, group)
-    items[:] = _queue(items, groups)
+        grouped.append((_queue_place(item, group, rank), item))
+    items[:] = [item for _, item in sorted(grouped, key=lambda pair: pair[0])]
 
 
 # ---- where the suite's CPU goes (issue 32, item 5): JUPYTER_RING_TEST_CPU=FILE -----------------
