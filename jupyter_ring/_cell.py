@@ -73,6 +73,7 @@ class CellRun:
         self.debuggers: Debuggers | None = None  # the ranks' breakpoint() prompts, asked here
         self.resize: "ElasticResize | None" = None  # host discovery's resize at the next commit
         self.left: set[int] = set()  # ranks that left the world in this cell (a shrink)
+        self.leaving: "ElasticResize | None" = None  # a shrink whose leavers' processes still exit
 
     def run(self) -> None:
         """Run the cell to its end, showing its output; raises DistributedError, CellInterrupted
@@ -125,6 +126,7 @@ class CellRun:
                 self._run_cell(cluster, debuggers)
         finally:
             self._cancel_resize()
+            self._leavers_gone(wait=True)  # the next cell begins with them gone
             _live.clear_running_cell(where)
             debuggers.close()
 
@@ -272,6 +274,8 @@ class CellRun:
         if self.resize is not None:
             self._drive_resize(execution, follow)
             return
+        if not self._leavers_gone():
+            return  # no other resize while a shrink's leavers still exit
         n = follow.target()
         if n is None:
             return
@@ -334,10 +338,25 @@ class CellRun:
             if not all(self._left(rank, execution) for rank in resize.removed):
                 return  # their run ended before a commit: taken back (_cancel_resize) at the cell's end
             self.resize = None
-            notes = resize.stop_leavers()
+            resize.stop_leavers()  # their processes exit meanwhile: _leavers_gone follows them
+            self.leaving = resize
             self.left.update(resize.removed)
         follow.resized(resize)
         print(" ".join([resize.note(), *notes]), file=sys.stderr)
+
+    def _leavers_gone(self, wait: bool = False) -> bool:
+        """Whether no shrink's leavers are still exiting (``wait``: wait for them, bounded);
+        once they are gone, says which had to be killed, if any."""
+        leaving = self.leaving
+        if leaving is None:
+            return True
+        notes = leaving.leavers_gone(wait)
+        if notes is None:
+            return False
+        self.leaving = None
+        if notes:
+            print(" ".join(notes), file=sys.stderr)
+        return True
 
     def _cancel_resize(self) -> None:
         """A resize not done by the end of the cell (or before a replacement) is taken back: it

@@ -221,7 +221,7 @@ def test_the_notes_after_ranks_are_replaced_or_resized_fold_many_ranks_into_rang
     resize = ElasticResize.__new__(ElasticResize)
     resize.old, resize.n, resize.slots, resize.t0 = 11, 4, 4, 0.0
     resize.added, resize.removed = [], list(range(4, 11))
-    assert "rank(s) 4-10 left the world at that commit and stopped; training goes on on rank(s) 0-3." \
+    assert "rank(s) 4-10 left the world at that commit (their engines are shutting down); training goes on on rank(s) 0-3." \
         in resize.note(), resize.note()
 
     rows = [{"rank": r, "host": "h", "pid": 100 + r, "device": "cpu", "local_rank": r, "size": 12}

@@ -97,7 +97,7 @@ EXPECTED = {
         *[rf"\[rank {r}\] rank {r} of 3: steps: \d+ on 2, then 5 on 3 ranks; the sums right: True"
           for r in range(3)],
         r"\(host discovery: 2 slots\) Resized 3 -> 2 ranks at the next commit of elastic\.run, [\d.]+ s "
-        r"after the change was seen: rank\(s\) 2 left the world at that commit and stopped; training "
+        r"after the change was seen: rank\(s\) 2 left the world at that commit \(their engines are shutting down\); training "
         r"goes on on rank\(s\) 0, 1\.",
         r"\nrank 2: step \d+, left the world, ",
         *[rf"\[rank {r}\] rank {r} of 2: steps: \d+ on 2, then \d+ on 3, then 5 on 2 ranks; the sums "

@@ -16,8 +16,10 @@ the ranks' progress:
 - **shrink** ``old -> n``: :meth:`begin` writes the notice (``resize: shrink``). At the next
   commit every rank raises ``HostsUpdatedInterrupt`` (removed: no sync, every rank holds the
   commit); in the reset ranks ``0..n-1`` make their world of ``n`` and the others raise
-  ``LeftTheWorld`` out of ``run``; once each of those replied, :meth:`stop_leavers` shuts their
-  engines down and waits for every process of theirs (``_scale``).
+  ``LeftTheWorld`` out of ``run``; once each of those replied, :meth:`stop_leavers` cuts the
+  cluster to ``n`` ranks and asks their engines to shut down, and :meth:`leavers_gone` follows
+  their processes out tick by tick (``_scale.Leavers``): the cell's output, interrupts and
+  dashboard go on meanwhile.
 
 :meth:`cancel` takes the notice back (and stops newcomers that never joined) when the cell ends
 first, or a rank dies meanwhile: the resize is then done between cells. torch.distributed's
@@ -34,7 +36,7 @@ from ..errors import _rank_list
 from ._procs import sweep_mpich_segments
 from ._respawn import (_forget_notice, _newcomers, _result, _set_up_newcomers, next_generation,
                        settle_new_world)
-from ._scale import _stop_leavers, check_scale
+from ._scale import Leavers, check_scale
 
 if TYPE_CHECKING:
     from ._ring import RingCluster
@@ -58,6 +60,7 @@ class ElasticResize:
         self.told_at = 0.0            # when the ranks were told (the notice written)
         self._set_id: str | None = None  # the newcomers' engine set (stopped by cancel)
         self._new_ids: list[int] = []
+        self._leavers: Leavers | None = None  # a shrink's leavers while their processes exit
 
     @property
     def grows(self) -> bool:
@@ -124,16 +127,27 @@ class ElasticResize:
         settle_new_world(cluster)
         return {rank: eid for eid, rank in ranks_of.items()}
 
-    def stop_leavers(self) -> list[str]:
-        """After every rank beyond ``n`` left the world (a shrink): their engines stopped, every
-        process of theirs waited for (``_scale._stop_leavers``); notes of those that had to be
-        killed."""
-        cluster = self.cluster
-        _forget_notice(cluster.where_dir, self.gen)
-        notes = _stop_leavers(cluster, self.n)
-        for row in cluster.ranks:
+    def stop_leavers(self) -> None:
+        """After every rank beyond ``n`` left the world (a shrink): the cluster cut to ``n`` ranks
+        and the leavers' engines asked to shut down, without waiting for them: :meth:`leavers_gone`
+        says when every process of theirs has exited (``_scale.Leavers``)."""
+        _forget_notice(self.cluster.where_dir, self.gen)
+        self._leavers = Leavers(self.cluster, self.n)
+        for row in self.cluster.ranks:
             row["size"] = self.n
-        settle_new_world(cluster)
+        self.cluster._write_sidecar()  # the Ring panel shows the new world at once
+
+    def leavers_gone(self, wait: bool = False) -> list[str] | None:
+        """None while a process of the leavers still runs (``wait``: wait for them, bounded);
+        once all are gone (stragglers killed at the bound), the cluster's files and watchdog are
+        brought to the new world and the notes of those killed are returned, once."""
+        leavers = self._leavers
+        if leavers is None:
+            return []
+        notes = leavers.wait() if wait else leavers.gone()
+        if notes is not None:
+            self._leavers = None
+            settle_new_world(self.cluster)
         return notes
 
     def cancel(self) -> None:
@@ -160,5 +174,5 @@ class ElasticResize:
         if self.grows:
             return head + (f"rank(s) {_rank_list(self.added)} are new and run this cell from its start, "
                            "taking the state from rank 0 (their namespace is fresh otherwise).")
-        return head + (f"rank(s) {_rank_list(self.removed)} left the world at that commit and stopped; "
-                       f"training goes on on rank(s) {_rank_list(list(range(self.n)))}.")
+        return head + (f"rank(s) {_rank_list(self.removed)} left the world at that commit (their engines "
+                       f"are shutting down); training goes on on rank(s) {_rank_list(list(range(self.n)))}.")

@@ -179,20 +179,53 @@ def _stop_leavers(cluster: RingCluster, n: int) -> list[str]:
     """The cluster's ranks cut to ``0..n-1``; the engines of the others (their runtime stopped
     by ``_shrink``) shut down, and every process of theirs waited for: engine, nanny, keeper.
     Returns a note when some had to be killed."""
-    rows, ids = cluster.ranks[n:], cluster.engine_ids[n:]
-    procs = _rank_processes([row["pid"] for row in rows])
-    cluster.ranks, cluster.engine_ids, cluster.size = cluster.ranks[:n], cluster.engine_ids[:n], n
-    cluster.view = cluster._running_client[cluster.engine_ids]
-    cluster.view.block = False
-    cluster.replaced = {r: k for r, k in cluster.replaced.items() if r < n}
-    cluster.steps = {r: s for r, s in cluster.steps.items() if r < n}
-    cluster._running_client.shutdown(targets=ids, hub=False, block=False)
-    stuck = wait_exit(procs, _EXIT_BOUND)
-    kill_processes(stuck)
-    if not stuck:
-        return []
-    return [f"(killed {len(stuck)} process(es) of the removed rank(s) that did not exit within "
-            f"{_EXIT_BOUND:g} s: {', '.join(str(p.pid) for p in stuck)})"]
+    return Leavers(cluster, n).wait()
+
+
+class Leavers:
+    """The ranks beyond ``n`` leaving ``cluster``: made, the cluster's ranks are cut to
+    ``0..n-1`` and the others' engines asked to shut down; :meth:`gone` looks (without waiting)
+    whether every process of theirs (engine, nanny, keeper) has exited, and kills those still
+    there ``_EXIT_BOUND`` seconds after the request; :meth:`wait` waits for that."""
+
+    def __init__(self, cluster: RingCluster, n: int) -> None:
+        rows, ids = cluster.ranks[n:], cluster.engine_ids[n:]
+        self.procs = _rank_processes([row["pid"] for row in rows])
+        cluster.ranks, cluster.engine_ids, cluster.size = cluster.ranks[:n], cluster.engine_ids[:n], n
+        cluster.view = cluster._running_client[cluster.engine_ids]
+        cluster.view.block = False
+        cluster.replaced = {r: k for r, k in cluster.replaced.items() if r < n}
+        cluster.steps = {r: s for r, s in cluster.steps.items() if r < n}
+        cluster._running_client.shutdown(targets=ids, hub=False, block=False)
+        self.deadline = time.monotonic() + _EXIT_BOUND
+
+    def gone(self) -> list[str] | None:
+        """None while a process of the leavers runs and the bound has not passed; else (the
+        stragglers killed) the notes of those that had to be killed."""
+        running = [p for p in self.procs if _running(p)]
+        if running and time.monotonic() < self.deadline:
+            return None
+        return self._kill(running)
+
+    def wait(self) -> list[str]:
+        """Wait for the leavers' processes up to the deadline; kill what is left; the notes of
+        those that had to be killed."""
+        return self._kill(wait_exit(self.procs, max(0.0, self.deadline - time.monotonic())))
+
+    @staticmethod
+    def _kill(stuck: list[psutil.Process]) -> list[str]:
+        kill_processes(stuck)
+        if not stuck:
+            return []
+        return [f"(killed {len(stuck)} process(es) of the removed rank(s) that did not exit within "
+                f"{_EXIT_BOUND:g} s: {', '.join(str(p.pid) for p in stuck)})"]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _rank_processes(pids: Sequence[int]) -> list[psutil.Process]:
