@@ -374,10 +374,21 @@ def _running_cluster(hub, name):
 
 # One forged ipyparallel Client, run by student B: ``python -c _FORGED_CLIENT connection.json``
 _FORGED_CLIENT = """\
-import os, sys
+import os, signal, sys, traceback
+stage = 'the Client'   # what is waited for, should it never answer
+def stuck(signum, frame):
+    # no answer at all (once in CI one of the four hung for 90 s): refused too, unless the Client
+    # had connected (then 'CONNECTED', which fails the test)
+    where = traceback.extract_stack(frame)[-1]
+    print(f'RESULT {"CONNECTED, " if stage != "the Client" else ""}no answer within 30 s from '
+          f'{stage} (waiting in {where.name}, {os.path.basename(where.filename)}:{where.lineno})', flush=True)
+    os._exit(0)
+signal.signal(signal.SIGALRM, stuck)
+signal.alarm(30)
 import ipyparallel as ipp
 try:
     c = ipp.Client(sys.argv[1], timeout=4)
+    stage = 'apply_sync on the engines'
     result = 'CONNECTED ' + repr(c[:].apply_sync(os.getuid))
     c.close()
 except Exception as exc:
