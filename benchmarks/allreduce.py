@@ -1,7 +1,7 @@
 """jupyter_ring allreduce vs MPI_Allreduce (mpi4py, same MPI) vs torch.distributed gloo.
 
     .venv/bin/python benchmarks/allreduce.py [--ranks 2] [--min-kib 4] [--max-mib 256] [--json out.json]
-        [--baseline-src DIR] [--runs 3] [--windows 1024,4096]
+        [--baseline-src DIR] [--runs 3] [--windows 1024,4096] [--no-gloo]
 
 Launches itself under the environment's mpiexec. For float32 sizes 4 KiB .. 256 MiB, in one run,
 calls interleaved per size: median time, busbw (nccl-tests: algbw * 2(n-1)/n) and jupyter_ring's
@@ -37,6 +37,9 @@ def parse():
     parser.add_argument("--runs", type=int, default=3, help="runs of each tree with --baseline-src")
     parser.add_argument("--windows", default="", help="shm_window_bytes values (KiB) to compare, comma-separated")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--no-gloo", action="store_true",
+                        help="leave torch.distributed's gloo out of the rounds: on few cores its threads, "
+                             "still busy after its call, slow every other column, MPI's too")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -94,6 +97,8 @@ def worker(args):
     rank, size = comm.Get_rank(), comm.Get_size()
     ring.init()
     try:
+        if args.no_gloo:
+            raise ImportError("--no-gloo")
         import torch
         import torch.distributed as dist
 
@@ -208,7 +213,8 @@ def run(args, src=None):
     tree = os.path.abspath(src or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [find_mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib), "--windows", args.windows]
+           "--min-kib", str(args.min_kib), "--max-mib", str(args.max_mib), "--windows", args.windows,
+           *(["--no-gloo"] if args.no_gloo else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not results:
