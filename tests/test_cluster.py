@@ -154,6 +154,31 @@ def test_a_set_up_that_does_not_finish_names_the_engines_still_in_it_and_shows_t
     assert not cluster.running
 
 
+@pytest.mark.timeout(90)
+def test_a_torch_set_up_that_does_not_finish_names_the_ranks_still_in_it_and_shows_their_stacks(
+        ring_cluster, monkeypatch):
+    """With --torch-distributed, a rank that never finishes init_process_group (here rank 1's is
+    replaced by a sleep, as a rank stuck in the rendezvous would wait) fails the start within the
+    set-up timeout with a ClusterError naming that rank (and rank 0, which waits for it in the
+    rendezvous) and quoting their stacks; nothing is left."""
+    from jupyter_ring.cluster import _start
+
+    stuck = _start.SETUP_CODE.replace(
+        "import jupyter_ring.engines._torch as _jr_torch\n",
+        "import jupyter_ring.engines._torch as _jr_torch\nif ring.rank() == 1:\n"
+        "    _jr_torch._init_default_group = lambda ring, backend: __import__('time').sleep(120)\n", 1)
+    assert stuck != _start.SETUP_CODE
+    monkeypatch.setattr(_start, "SETUP_CODE", stuck)
+    cluster = ring_cluster(n=2, gpus="none", setup_timeout=8, torch_distributed=True)
+    with pytest.raises(ClusterError, match=r"torch.distributed's set-up \(init_process_group with \w+\) did "
+                                           r"not finish on every rank in 8 s: rank\(s\) (0, )?1 still in it") as info:
+        cluster.start()
+    message = str(info.value)
+    assert "Timeout (0:00:06" in message and "most recent call first" in message, message
+    assert "<lambda>" in message, message   # where rank 1 waits
+    assert not cluster.running
+
+
 _CRASH_AT_START = """
 import os, signal
 with open("/proc/self/cmdline", "rb") as f:  # the engine, not its keeper

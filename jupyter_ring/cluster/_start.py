@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ..engines._setup import RankRow
-from ..errors import ClusterError
+from ..errors import ClusterError, _rank_list
 from ._death import died_starting
 from ._launchers import curve_client, ipp_cluster
 from ._plan import LaunchPlan, TorchWorld, torchrun_environment
@@ -181,12 +181,17 @@ def setup_unfinished(rc: RingCluster, ar: ipp.AsyncResult, ids: list[int], timeo
     stuck = [eid for eid, msg_id in zip(ids, ar.msg_ids) if msg_id in client.outstanding]
     where = (f"engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} still in it" if stuck
              else "every engine answered as the wait ended")
+    return (f"the ranks' set-up (ring.init() and the torch rendezvous) did not finish on every rank in "
+            f"{timeout:g} s: {where} ({len(ids) - len(stuck)} of {len(ids)} done). {_stacks(rc)}")
+
+
+def _stacks(rc: RingCluster) -> str:
+    """The engines' output from the first stacks a rank still in a set-up wrote (faulthandler's
+    ``Timeout`` dump, armed a little before the notebook's timeout), and what to do."""
     lines = rc._engines_output().strip().splitlines()
     dumps = [i for i, line in enumerate(lines) if line.startswith("Timeout (")]  # faulthandler's header
     tail = "\n".join(lines[dumps[0]:][:80] if dumps else lines[-20:]) or "(the engines wrote nothing)"
-    return (f"the ranks' set-up (ring.init() and the torch rendezvous) did not finish on every rank in "
-            f"{timeout:g} s: {where} ({len(ids) - len(stuck)} of {len(ids)} done). Each rank still in "
-            f"it wrote its stacks to the engines' output; its end:\n{tail}\n"
+    return (f"Each rank still in it wrote its stacks to the engines' output; its end:\n{tail}\n"
             "Run %ring stop and %ring start again; if it happens again, the stacks above say where "
             "the set-up waits (please report them).")
 
@@ -202,12 +207,14 @@ def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int]
     run_id = rc._running_cluster.cluster_id
     pending = [rc._running_client[eid].apply_async(
         _torch.start, torchrun_environment(rank, hosts, address, port, run_id),
-        world.init_backend) for rank, eid in enumerate(rc.engine_ids)]
+        world.init_backend, max(1.0, timeout - _STACKS_AHEAD)) for rank, eid in enumerate(rc.engine_ids)]
     deadline = time.monotonic() + timeout
     for ar in pending:
         if not ar.wait(max(0.0, deadline - time.monotonic())):
-            raise ClusterError("torch.distributed's set-up did not finish on every rank in "
-                               f"{timeout:g} s")
+            stuck = [rank for rank, ar in enumerate(pending) if not ar.ready()]
+            raise ClusterError(f"torch.distributed's set-up (init_process_group with {world.init_backend}) did "
+                               f"not finish on every rank in {timeout:g} s: rank(s) {_rank_list(stuck)} "
+                               f"still in it. {_stacks(rc)}")
     rc.torch_backend = pending[0].get()
 
 

@@ -33,6 +33,7 @@ re-created in place (the same ``ProcessGroup`` objects, so DDP models keep worki
 """
 
 import ctypes
+import faulthandler
 import importlib.abc
 import importlib.util
 import logging
@@ -384,10 +385,13 @@ def reserve(ring: RingRuntime, master_addr: str) -> tuple[str, int] | None:
     return address, port
 
 
-def start(environment: dict[str, str], init_backend: str | None = None) -> str | None:
+def start(environment: dict[str, str], init_backend: str | None = None,
+          dump_after: float | None = None) -> str | None:
     """Every rank, once, after :func:`reserve`: this rank's torchrun ``environment`` (computed by
     the notebook from the plan), the guard; with ``init_backend`` ("auto", "gloo" or "nccl") the
-    default process group too (collective). Returns its backend, or None."""
+    default process group too (collective). Returns its backend, or None. ``dump_after``: seconds
+    after which a rank still here writes every thread's stack to its stderr (the notebook, about
+    to give up, quotes them)."""
     from .. import runtime as ring
 
     os.environ.update(environment)
@@ -401,7 +405,13 @@ def start(environment: dict[str, str], init_backend: str | None = None) -> str |
     guard.install()
     if not init_backend:
         return None
-    return _init_default_group(ring, init_backend)
+    if dump_after is not None:
+        faulthandler.dump_traceback_later(dump_after, file=sys.__stderr__ or sys.stderr)
+    try:
+        return _init_default_group(ring, init_backend)
+    finally:
+        if dump_after is not None:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _init_default_group(ring: RingRuntime, backend: str) -> str:
