@@ -90,7 +90,7 @@ def _start_ranks(page):
     from playwright.sync_api import expect
 
     start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
-    expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready", timeout=90_000)
+    expect(start.locator(".jp-Cell-outputArea")).to_contain_text("ranks ready", timeout=90_000)
 
 
 def _check_final_dashboard(cell):

@@ -77,7 +77,7 @@ def test_typing_into_a_ranks_pdb_prompt_in_jupyterlab(lab):
         browser, page = _open_notebook(p, lab)
         try:
             start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
-            expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",
+            expect(start.locator(".jp-Cell-outputArea")).to_contain_text("ranks ready",
                                                                            timeout=90_000)
 
             cell = _run_cell(page, 1, BREAKPOINT)

@@ -94,7 +94,7 @@ def test_ring_panel_interrupts_and_stops_a_cluster(lab):
                 timeout=60_000)
 
             start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
-            expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",
+            expect(start.locator(".jp-Cell-outputArea")).to_contain_text("ranks ready",
                                                                            timeout=90_000)
 
             page.locator('.jp-SideBar [data-id="jupyter-ring-panel"]').click()

@@ -58,7 +58,7 @@ def test_rank_tabs_live_then_static_and_killed_kernel_cleans_up(lab):
                 "document.querySelector('.jp-Notebook-ExecutionIndicator[data-status=\"idle\"]')",
                 timeout=60_000)
             start = _run_cell(page, 0, "%load_ext jupyter_ring\n%ring start -n 2")
-            expect(start.locator(".jp-OutputArea-output")).to_contain_text("ranks ready",
+            expect(start.locator(".jp-Cell-outputArea")).to_contain_text("ranks ready",
                                                                            timeout=90_000)
 
             cell = _run_cell(page, 1, "%%distributed\nimport time\n"

@@ -71,7 +71,7 @@ def _start(page, index):
     from playwright.sync_api import expect
 
     cell = _run_cell(page, index, "%load_ext jupyter_ring\n%ring start -n 2")
-    expect(cell.locator(".jp-OutputArea-output")).to_contain_text("ranks ready", timeout=90_000)
+    expect(cell.locator(".jp-Cell-outputArea")).to_contain_text("ranks ready", timeout=90_000)
 
 
 def _dashboard(page, index):
@@ -147,7 +147,7 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             _get(f"{lab['base']}/jupyter-ring/clusters/{running[0]['id']}/stop", lab["token"],
                  "POST", b"")
             status = _run_cell(page, 5, "%ring start -n 2\n%ring stop")
-            expect(status.locator(".jp-OutputArea-output")).to_contain_text("stopped 2 ranks",
+            expect(status.locator(".jp-Cell-outputArea")).to_contain_text("stopped 2 ranks",
                                                                             timeout=90_000)
             # anything the old clusters' processes still had to say: said once they are gone
             loud = lab["wait_quiet"](GONE_S)
