@@ -137,8 +137,8 @@ def test_a_set_up_that_does_not_finish_names_the_engines_still_in_it_and_shows_t
     stacks the rank wrote itself just before the notebook gave up; nothing is left running."""
     from jupyter_ring.cluster import _start
 
-    stuck = _start.SETUP_CODE.replace("ring.init()\n", "ring.init()\nif ring.rank() == 1:\n"
-                                      "    import time; time.sleep(120)  # the stuck rank\n", 1)
+    stuck = _start.SETUP_CODE.replace("    ring.init()\n", "    ring.init()\n    if ring.rank() == 1:\n"
+                                      "        import time; time.sleep(120)  # the stuck rank\n", 1)
     assert stuck != _start.SETUP_CODE
     monkeypatch.setattr(_start, "SETUP_CODE", stuck)
     cluster = ring_cluster(n=2, gpus="none", setup_timeout=6)
@@ -164,9 +164,9 @@ def test_a_torch_set_up_that_does_not_finish_names_the_ranks_still_in_it_and_sho
     from jupyter_ring.cluster import _start
 
     stuck = _start.SETUP_CODE.replace(
-        "import jupyter_ring.engines._torch as _jr_torch\n",
-        "import jupyter_ring.engines._torch as _jr_torch\nif ring.rank() == 1:\n"
-        "    _jr_torch._init_default_group = lambda ring, backend: __import__('time').sleep(120)\n", 1)
+        "    import jupyter_ring.engines._torch as _jr_torch\n",
+        "    import jupyter_ring.engines._torch as _jr_torch\n    if ring.rank() == 1:\n"
+        "        _jr_torch._init_default_group = lambda ring, backend: __import__('time').sleep(120)\n", 1)
     assert stuck != _start.SETUP_CODE
     monkeypatch.setattr(_start, "SETUP_CODE", stuck)
     cluster = ring_cluster(n=2, gpus="none", setup_timeout=8, torch_distributed=True)

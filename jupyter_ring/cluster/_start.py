@@ -36,26 +36,28 @@ __all__ = ["SETUP_CODE", "start", "not_ready", "setup_namespace", "setup_unfinis
 SETUP_CODE = """\
 import faulthandler as _jr_faulthandler, os as _jr_os, sys as _jr_sys
 # a rank still here when the notebook is about to give up writes where it waits (every thread's
-# stack) into the engines' output, which the notebook's error quotes
+# stack) into the engines' output, which the notebook's error quotes; disarmed however it ends
 _jr_faulthandler.dump_traceback_later(_jr_dump_after, file=_jr_sys.__stderr__)
-_jr_os.umask(_jr_umask)
-import jupyter_ring.engines._setup as _jr_engine
-_jr_device = _jr_engine.bind_device(_jr_gpus)
-import jupyter_ring.runtime as ring
-ring.init()
-_jr_engine.watch_cells()
-_jr_engine.number_cells()
-_jr_engine.keep_own_errors()
-_jr_engine.address_interrupts()
-_jr_engine.reply_always()
-_jr_engine.ascii_logs()
-_jr_info = _jr_engine.describe(ring, _jr_device)
-_jr_engine.arm_where(_jr_where, ring.rank())
-_jr_engine.arm_debugger(_jr_where, ring.rank())
-_jr_engine.arm_elastic(_jr_where, ring.rank())
-import jupyter_ring.engines._torch as _jr_torch
-_jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
-_jr_faulthandler.cancel_dump_traceback_later()
+try:
+    _jr_os.umask(_jr_umask)
+    import jupyter_ring.engines._setup as _jr_engine
+    _jr_device = _jr_engine.bind_device(_jr_gpus)
+    import jupyter_ring.runtime as ring
+    ring.init()
+    _jr_engine.watch_cells()
+    _jr_engine.number_cells()
+    _jr_engine.keep_own_errors()
+    _jr_engine.address_interrupts()
+    _jr_engine.reply_always()
+    _jr_engine.ascii_logs()
+    _jr_info = _jr_engine.describe(ring, _jr_device)
+    _jr_engine.arm_where(_jr_where, ring.rank())
+    _jr_engine.arm_debugger(_jr_where, ring.rank())
+    _jr_engine.arm_elastic(_jr_where, ring.rank())
+    import jupyter_ring.engines._torch as _jr_torch
+    _jr_rendezvous = _jr_torch.reserve(ring, _jr_torch_addr)
+finally:
+    _jr_faulthandler.cancel_dump_traceback_later()
 del _jr_engine, _jr_device, _jr_gpus, _jr_os, _jr_umask, _jr_where, _jr_torch, _jr_torch_addr
 del _jr_faulthandler, _jr_sys, _jr_dump_after
 """
@@ -211,7 +213,7 @@ def _start_torch(rc: RingCluster, world: TorchWorld, rendezvous: tuple[str, int]
     deadline = time.monotonic() + timeout
     for ar in pending:
         if not ar.wait(max(0.0, deadline - time.monotonic())):
-            stuck = [rank for rank, ar in enumerate(pending) if not ar.ready()]
+            stuck = [rank for rank, request in enumerate(pending) if not request.ready()]
             raise ClusterError(f"torch.distributed's set-up (init_process_group with {world.init_backend}) did "
                                f"not finish on every rank in {timeout:g} s: rank(s) {_rank_list(stuck)} "
                                f"still in it. {_stacks(rc)}")
