@@ -169,6 +169,7 @@ def test_a_peer_waiting_for_a_rank_in_the_debugger_does_not_stall(kernel):
 INTERRUPTED = """%%distributed
 import numpy as np
 kept = ring.rank() + 40
+ring.barrier()  # every rank has its `kept` before rank 0 stops (and the test interrupts)
 if ring.rank() == 0:
     breakpoint()
     kept = -1
