@@ -19,7 +19,7 @@ CHP=${LAB_CHP:-configurable-http-proxy@4.6.3}
 mkdir -p "$(dirname "$PREFIX")"
 exec 9>"$PREFIX.lock"                   # one build at a time (tests may run in parallel)
 flock 9
-key=$( { cat scripts/lab-env.sh pyproject.toml; echo "$PY $TORCH $CHP";
+key=$( { cat scripts/lab-env.sh scripts/installer.sh pyproject.toml; echo "$PY $TORCH $CHP";
          find jupyter_ring jupyter-config labextension/prebuilt labextension/install.json -type f \
            ! -name '*.pyc' -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0 cat; } | sha256sum | cut -c1-16)
 stamp="$PREFIX/.lab-env-key"
@@ -35,17 +35,16 @@ fi
 echo "[lab-env] building $PREFIX with $($PY --version) ($key)"
 umask 022                               # everything readable and runnable by every student
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip_() {  # pip, quiet, without the notes about absent local index folders some hosts configure
-  "$PREFIX/bin/python" -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
-}
 [ -x "$PREFIX/bin/python" ] || "$PY" -m venv "$PREFIX"
-pip_ install --upgrade pip
-pip_ install "$TORCH"
+source scripts/installer.sh  # install(): uv (the project's, from scripts/setup.sh) where it can be had, else pip
+installer_init "$PREFIX/bin/python" "$PWD/.venv/bin/uv"
+echo "[lab-env] installing with $installer"
+install "$TORCH"
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
-pip_ wheel --no-deps -w "$wheels" .
-pip_ install --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
-pip_ install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab,hub]"
+"$PREFIX/bin/python" -m pip -q wheel --no-deps -w "$wheels" . 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+install --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
+install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab,hub]"
 if [ ! -x "$PREFIX/node/bin/configurable-http-proxy" ]; then
   echo "[lab-env] installing $CHP (npm) into $PREFIX/node"
   npm install -g --silent --prefix "$PREFIX/node" "$CHP" >/dev/null

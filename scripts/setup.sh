@@ -59,24 +59,25 @@ if [ -x .venv/bin/jlpm ] && { [ ! -f labextension/prebuilt/static/style.js ] || 
 fi
 # ---- end JupyterLab extension ----------------------------------------------------------------
 stamp=.venv/.jupyter_ring-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/installer.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] .venv is up to date"
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install -q --upgrade pip
+source scripts/installer.sh  # install(): uv where it can be had, else pip
+installer_init .venv/bin/python
 # torch first and pinned: an unpinned torch pulls the CUDA build (GBs). GPU users install
 # 'jupyter_ring[torch]' with their own torch instead.
-echo "[setup] installing torch==2.13.0 (CPU)"
-.venv/bin/python -m pip install -q "torch==2.13.0"
+echo "[setup] installing torch==2.13.0 (CPU) with $installer"
+install "torch==2.13.0"
 echo "[setup] installing jupyter_ring[dev,torch,cupy] (editable)"
-.venv/bin/python -m pip install -q -e ".[dev,torch,cupy]"
+install -e ".[dev,torch,cupy]"
 # Keras 2 (tf_keras, for TF_USE_LEGACY_KERAS=1: tests/mpi/keras2.py) at TensorFlow's own version,
 # without its dependencies: it requires the package "tensorflow", which would install a second
 # TensorFlow over tensorflow-cpu's files
 tf_version=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("tensorflow-cpu"))')
 echo "[setup] installing tf_keras~=$tf_version (Keras 2, no dependencies)"
-.venv/bin/python -m pip install -q --no-deps "tf_keras~=$tf_version"
+install --no-deps "tf_keras~=$tf_version"
 echo "$want" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import mpi4py, ipyparallel, torch; print("mpi4py", mpi4py.__version__, "ipyparallel", ipyparallel.__version__, "torch", torch.__version__)')"
