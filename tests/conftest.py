@@ -83,6 +83,97 @@ def mpirun():
     return run_mpi
 
 
+_BATCHES: dict = {}
+
+
+def run_batch(scripts, n, script, env=None, timeout=600):
+    """``script``'s verdict from one MPI job that runs all of ``scripts`` on ``n`` ranks in turn
+    (tests/mpi/batch.py), started by the first test that asks for it in this process and kept
+    for the others: the frameworks' import on every rank is paid once, not per script. Fails
+    unless every rank ended ``script`` with status 0; returns the job's MPIResult (each script's
+    markers are its own, so ``lines()`` finds them in the job's output)."""
+    assert script in scripts, (script, scripts)
+    key = (tuple(scripts), n, tuple(sorted((env or {}).items())))
+    if key not in _BATCHES:
+        _BATCHES[key] = run_mpi("batch.py", n, *scripts, env=env, timeout=timeout, check=False)
+    result = _BATCHES[key]
+    ended = {int(rank): int(code) for _, name, rank, code in
+             (line.split() for line in result.stdout.splitlines() if line.startswith("BATCH_END "))
+             if name == script}
+    if ended != dict.fromkeys(range(n), 0):
+        raised = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("BATCH_RAISED ")]
+        said = [f"rank {rank} exited {code}" for rank, code in sorted(ended.items()) if code]
+        missing = sorted(set(range(n)) - set(ended))
+        if missing:
+            why = "; ".join(f"{name} raised on rank {rank}" for name, rank in raised) or "the job ended first"
+            said.append(f"rank(s) {', '.join(map(str, missing))} never ended it ({why}; the job exited "
+                        f"{result.returncode})")
+        pytest.fail(f"{script} on {n} ranks, in one job with {', '.join(s for s in scripts if s != script)} "
+                    f"(tests/mpi/batch.py): {'; '.join(said)}. The job's output:\nstdout:\n"
+                    f"{result.stdout[-8000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def mpibatch_runner():
+    """``run_batch`` itself, for its own tests (tests/test_mpi_batch.py)."""
+    return run_batch
+
+
+# The torch scripts' jobs, one per world size and transport: torch is imported once a rank for all
+# of a job's scripts (test_torch.py, test_horovod.py's names, test_elastic_api.py). The rank counts
+# are spread over the scripts (the whole suite must stay under 15 minutes on 2 cores).
+TORCH_JOBS = {
+    1: ("torch_collectives.py", "hvd_torch.py", "elastic_api.py"),
+    2: ("torch_collectives.py", "torch_train.py", "torch_errors.py", "torch_overlap.py", "hvd_torch.py",
+        "elastic_api.py"),
+    3: ("torch_collectives.py", "torch_train.py", "torch_errors.py", "torch_overlap.py", "hvd_torch.py",
+        "elastic_api.py"),
+    4: ("hvd_torch.py", "elastic_api.py"),
+}
+TORCH_ENV = {"PYTHONWARNINGS": "ignore"}  # torch's own warnings (no script checks warnings by this filter)
+# through the device transport over gloo (JUPYTER_RING_DEVICE_TRANSPORT=gloo: NCCL's code on CPU tensors)
+TORCH_GLOO_JOBS = {
+    1: ("torch_collectives.py",),
+    2: ("torch_collectives.py", "torch_train.py", "torch_errors.py", "torch_device.py"),
+    3: ("torch_collectives.py",),
+    4: ("torch_train.py", "torch_errors.py", "torch_device.py"),
+}
+TORCH_GLOO_ENV = {"JUPYTER_RING_DEVICE_TRANSPORT": "gloo"}
+
+
+# TensorFlow's eager scripts likewise (test_tensorflow.py's tf_all.py, test_horovod.py's hvd_tf.py and
+# hvd_elastic.py, which imports torch too). The graph-mode scripts (tf_graph_tutorial.py,
+# tf_session_ops.py) keep jobs of their own: they turn eager execution off for the whole process
+# and size TensorFlow's threads before it starts; so does keras2.py (TF_USE_LEGACY_KERAS=1).
+TF_JOBS = {
+    2: ("tf_all.py", "hvd_elastic.py"),
+    3: ("hvd_tf.py", "hvd_elastic.py"),
+    4: ("tf_all.py",),
+}
+TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="session")
+def tf_job():
+    """``tf_job(script, n)`` -> ``script``'s MPIResult from the job of its world size (``TF_JOBS``),
+    run once by the first test that asks; its tests share one worker (``_SHARED_FIXTURES``)."""
+    def job(script, n):
+        return run_batch(TF_JOBS[n], n, script, env=TF_ENV, timeout=400 * len(TF_JOBS[n]))
+    return job
+
+
+@pytest.fixture(scope="session")
+def torch_job():
+    """``torch_job(script, n, gloo=False)`` -> ``script``'s MPIResult from the job of its world size
+    (``TORCH_JOBS``, or ``TORCH_GLOO_JOBS`` through the device transport), run once by the first
+    test that asks (``run_batch``). The tests that use it share one worker (``_SHARED_FIXTURES``)."""
+    def job(script, n, gloo=False):
+        scripts, env = (TORCH_GLOO_JOBS[n], TORCH_GLOO_ENV) if gloo else (TORCH_JOBS[n], TORCH_ENV)
+        return run_batch(scripts, n, script, env=env, timeout=240 * len(scripts))
+    return job
+
+
 @pytest.fixture(scope="session")
 def lab_server(tmp_path_factory):
     """One JupyterLab server for this process's browser tests (tests/browser/lab_server.py),
@@ -165,7 +256,9 @@ def _queue_place(item, group, rank):
 
 
 # tests of several modules that share a costly session-scoped fixture: one worker, so it runs once
-_SHARED_FIXTURES = {"framework_adapters": "framework_adapters"}  # torch and TensorFlow imported
+_SHARED_FIXTURES = {"framework_adapters": "framework_adapters",  # torch and TensorFlow imported
+                    # one MPI job for several scripts (torch or TensorFlow on every rank)
+                    "torch_job": "torch_jobs", "tf_job": "tf_jobs"}
 
 
 def _xdist_group(item):

@@ -14,11 +14,12 @@ pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torc
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_elastic_api_on_a_fixed_world(mpirun, n):
+def test_elastic_api_on_a_fixed_world(torch_job, n):
     """Sampler partitions (sizes 0, 1, primes, n +- 1; shuffle on and off), a mid-epoch commit and
     re-partition, state_dict round trips, state sync of random models, Adam and samplers, ``run``
-    after a failure and after host updates told to one rank only."""
-    result = mpirun("elastic_api.py", n, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    after a failure and after host updates told to one rank only (in the torch job of its world
+    size: conftest's ``torch_job``)."""
+    result = torch_job("elastic_api.py", n)
     assert sorted(int(line.split()[1]) for line in result.lines("ELASTIC_API_OK")) == list(range(n)), result.stdout
 
 

@@ -1,8 +1,9 @@
 """Horovod's API exactly: the conformance page is true, and the Horovod names work under real mpiexec.
 
-One launch per area and rank count (torch and TensorFlow imports cost seconds per rank):
-tests/mpi/hvd_torch.py, tests/mpi/hvd_tf.py (TensorFlow + Keras), tests/mpi/tf_graph_tutorial.py
-(Horovod's classic TF1 tutorial with only its import changed).
+tests/mpi/hvd_torch.py, tests/mpi/hvd_tf.py (TensorFlow + Keras), tests/mpi/hvd_elastic.py and
+tests/mpi/tf_graph_tutorial.py (Horovod's classic TF1 tutorial with only its import changed). The
+first three run in jobs shared with other scripts of their framework and world size (conftest's
+``torch_job`` and ``tf_job``: torch and TensorFlow imports cost seconds per rank).
 """
 
 import json
@@ -88,16 +89,16 @@ def test_every_public_name_has_a_docstring(framework_adapters):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_horovod_torch_names(mpirun, n):
+def test_horovod_torch_names(torch_job, n):
     pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
-    result = mpirun("hvd_torch.py", n, timeout=300, env={"PYTHONWARNINGS": "ignore"})
+    result = torch_job("hvd_torch.py", n)  # in the torch job of its world size (conftest's torch_job)
     assert sorted(int(line.split()[1]) for line in result.lines("HVD_TORCH_OK")) == list(range(n)), result.stdout
 
 
 @pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.slow)])  # 2 ranks: tests/mpi/tf_all.py
-def test_horovod_tensorflow_and_keras_names(mpirun, n):
+def test_horovod_tensorflow_and_keras_names(tf_job, n):
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
-    result = mpirun("hvd_tf.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    result = tf_job("hvd_tf.py", n)  # in the TensorFlow job of its world size (conftest's tf_job)
     assert sorted(int(line.split()[1]) for line in result.lines("HVD_TF_OK")) == list(range(n)), result.stdout
 
 
@@ -109,12 +110,12 @@ def test_graph_mode_tutorial_runs_with_only_its_import_changed(mpirun, n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_elastic_state_and_run_for_a_fixed_world(mpirun, n):
+def test_elastic_state_and_run_for_a_fixed_world(tf_job, n):
     """hvd.elastic in torch, TensorFlow and Keras: sync from rank 0, restore, commit, run's retry
     from the last commit and its reset limit, the Keras callbacks through fit."""
     pytest.importorskip("torch", reason="needs torch: pip install 'jupyter_ring[torch]'")
     pytest.importorskip("tensorflow", reason="needs tensorflow: pip install 'jupyter_ring[tensorflow]'")
-    result = mpirun("hvd_elastic.py", n, timeout=400, env={"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"})
+    result = tf_job("hvd_elastic.py", n)  # in the TensorFlow job of its world size (conftest's tf_job)
     assert sorted(int(line.split()[1]) for line in result.lines("HVD_ELASTIC_OK")) == list(range(n)), result.stdout
 
 

@@ -84,8 +84,8 @@ def test_missing_tensorflow_names_the_extra(module, extra):
 
 # 3 ranks: tests/mpi/hvd_tf.py (test_horovod.py), {0,2} of 3 included; 4 ranks outnumber the cores here
 @pytest.mark.parametrize("n", [2, 4])
-def test_tensorflow_and_keras(mpirun, n):
-    result = mpirun("tf_all.py", n, timeout=240, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+def test_tensorflow_and_keras(tf_job, n):
+    result = tf_job("tf_all.py", n)  # in the TensorFlow job of its world size (conftest's tf_job)
     ranks = sorted(int(line.split()[1]) for line in result.lines("TF_ALL_OK"))
     assert ranks == list(range(n)), result.stdout
 

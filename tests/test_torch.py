@@ -66,47 +66,45 @@ def _all_ranks(result, marker, n):
     assert sorted(int(line.split()[1]) for line in lines) == list(range(n)), result.stdout
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_collectives(mpirun, n):
-    _all_ranks(mpirun("torch_collectives.py", n), "TORCH_COLLECTIVES_OK", n)
-
-
+# The scripts run in jobs of several, one per world size and transport (conftest's ``torch_job``).
 # The device transport (NCCL for CUDA tensors) runs the same code over gloo on CPU tensors when
-# JUPYTER_RING_DEVICE_TRANSPORT=gloo: the whole collective and training suites go through it.
-GLOO = {"JUPYTER_RING_DEVICE_TRANSPORT": "gloo"}
+# JUPYTER_RING_DEVICE_TRANSPORT=gloo: the whole collective and training suites go through it, and
+# it trains, fails and rebuilds at 2 and 4 ranks (4 outnumber the cores here).
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_collectives_through_the_device_transport(mpirun, n):
-    _all_ranks(mpirun("torch_collectives.py", n, env=GLOO, timeout=180), "TORCH_COLLECTIVES_OK", n)
+def test_collectives(torch_job, n):
+    _all_ranks(torch_job("torch_collectives.py", n), "TORCH_COLLECTIVES_OK", n)
 
 
-# Rank counts are spread over the tests (the whole suite must stay under 15 minutes on 2 cores): the
-# device transport trains, fails and rebuilds at 2 and 4 ranks (4 outnumber the cores here), runs
-# every collective at 1-3.
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_through_the_device_transport(torch_job, n):
+    _all_ranks(torch_job("torch_collectives.py", n, gloo=True), "TORCH_COLLECTIVES_OK", n)
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_training_and_misuse_through_the_device_transport(mpirun, n):
-    _all_ranks(mpirun("torch_train.py", n, env=GLOO, timeout=180), "TORCH_TRAIN_OK", n)
-    _all_ranks(mpirun("torch_errors.py", n, env=GLOO, timeout=180), "TORCH_ERRORS_OK", n)
+def test_training_and_misuse_through_the_device_transport(torch_job, n):
+    _all_ranks(torch_job("torch_train.py", n, gloo=True), "TORCH_TRAIN_OK", n)
+    _all_ranks(torch_job("torch_errors.py", n, gloo=True), "TORCH_ERRORS_OK", n)
 
 
 @pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_device_transport_failures_abort_and_rebuild(mpirun, n):
+def test_device_transport_failures_abort_and_rebuild(torch_job, n):
     # mismatch, bad arguments, an interrupt and a stall while a transfer is in flight, and the
     # user's default group shared, aborted and re-created in place (DDP keeps working)
-    _all_ranks(mpirun("torch_device.py", n, env=GLOO, timeout=240), "TORCH_DEVICE_OK", n)
+    _all_ranks(torch_job("torch_device.py", n, gloo=True), "TORCH_DEVICE_OK", n)
 
 
 @pytest.mark.parametrize("n", [2, 3])  # one rank: test_collectives[1] and the reference itself
-def test_training_matches_one_process(mpirun, n):
+def test_training_matches_one_process(torch_job, n):
     # MLP and CNN (SGD+momentum and Adam), fp16 compression, backward_passes_per_step=2,
     # unused parameters, per-rank hook order, broadcast_optimizer_state, LR scheduler
-    _all_ranks(mpirun("torch_train.py", n), "TORCH_TRAIN_OK", n)
+    _all_ranks(torch_job("torch_train.py", n), "TORCH_TRAIN_OK", n)
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_misuse_raises_on_every_rank(mpirun, n):
-    _all_ranks(mpirun("torch_errors.py", n, timeout=90), "TORCH_ERRORS_OK", n)
+def test_misuse_raises_on_every_rank(torch_job, n):
+    _all_ranks(torch_job("torch_errors.py", n), "TORCH_ERRORS_OK", n)
 
 
 def test_horovod_style_script_runs_unchanged(mpirun, tmp_path):
@@ -127,11 +125,11 @@ def test_horovod_style_script_runs_unchanged(mpirun, tmp_path):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_buckets_zero_copy_exact_averages_overlap_and_process_set(mpirun, n):
+def test_buckets_zero_copy_exact_averages_overlap_and_process_set(torch_job, n):
     # grads are views of registered memory, exact means bit-identical across ranks (awkward
     # sizes, an empty and an unused parameter, two dtypes, a parameter larger than a bucket);
     # with backward emulated layer by layer, bucket allreduces start before backward ends
-    result = mpirun("torch_overlap.py", n, timeout=180)
+    result = torch_job("torch_overlap.py", n)
     _all_ranks(result, "TORCH_OVERLAP_OK", n)
     assert len(result.lines("OVERLAP")) == n
 
