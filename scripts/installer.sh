@@ -34,6 +34,10 @@ installer_init() {
     done
   done < <("$_installer_py" -m pip config list 2>/dev/null)  # pip.conf's, and PIP_*'s as ":env:"
   _installer_args+=(--index-strategy unsafe-best-match)  # as pip: the best version from any index
+  # and as pip, each installed module compiled to bytecode: a Python that cannot write __pycache__
+  # (PYTHONDONTWRITEBYTECODE=1, as on these hosts; a student in the root-owned lab venv) otherwise
+  # compiles torch's source at every import
+  _installer_args+=(--compile-bytecode)
   installer=uv
 }
 
