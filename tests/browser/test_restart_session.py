@@ -88,6 +88,16 @@ def _wait_idle(page):
         timeout=60_000)
 
 
+def _xfail_on_heartbeat_loss(output):
+    """The known defect (rehearsals 32 and 39, 2 in about 10 whole-suite runs, never alone): the
+    ``%ring start`` right after the Ring panel's Stop started engines that got no heartbeat from the
+    new controller for 30 s and shut down ("Maximum number of heartbeats misses reached"), so the
+    start failed naming them. Its cause is not found; any other failure of the step fails the test."""
+    if "Maximum number of heartbeats misses reached" in output and "did not start" in output:
+        pytest.xfail("known defect: after the Ring panel's Stop the next %ring start's engines got no "
+                     "heartbeat from the new controller and shut down (cause not found)")
+
+
 def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
     from playwright.sync_api import expect
 
@@ -147,8 +157,12 @@ def test_a_session_with_a_restart_during_a_cell_logs_nothing_alarming(lab):
             _get(f"{lab['base']}/jupyter-ring/clusters/{running[0]['id']}/stop", lab["token"],
                  "POST", b"")
             status = _run_cell(page, 5, "%ring start -n 2\n%ring stop")
-            expect(status.locator(".jp-Cell-outputArea")).to_contain_text("stopped 2 ranks",
-                                                                            timeout=90_000)
+            try:
+                expect(status.locator(".jp-Cell-outputArea")).to_contain_text("stopped 2 ranks",
+                                                                                timeout=90_000)
+            except AssertionError:
+                _xfail_on_heartbeat_loss(status.locator(".jp-Cell-outputArea").inner_text())
+                raise
             # anything the old clusters' processes still had to say: said once they are gone
             loud = lab["wait_quiet"](GONE_S)
             assert not loud, f"still writing to the server's log {GONE_S} s after the stop: {loud}"
