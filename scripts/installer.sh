@@ -3,7 +3,7 @@
 #
 # The installs go through uv where it can be had (UV if given, else uv from PyPI into that venv):
 # it downloads and unpacks in parallel, and resolves the same versions; the project's setup on a
-# 2-core machine took 150 s with pip and 60 s with uv (issue 32: the suite's time). pip's settings
+# 2-core machine took 150 s with pip and 74 s with uv (issue 32: the suite's time). pip's settings
 # of where packages lie (find-links, index and extra index URLs, a constraint file, from pip.conf or
 # PIP_*) are handed to uv, which does not read them, and a file:// location that is not on this
 # machine is skipped, as pip skips it. A uv that cannot be had or fails falls back to pip;
@@ -46,6 +46,12 @@ install() {
     "$_installer_uv" pip install -q -p "$_installer_py" "${_installer_args[@]}" "$@" && return 0
     echo "[install] uv could not install $*; pip instead"
   fi
-  "$_installer_py" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  pip_quiet "$_installer_py" install "$@"
+}
+
+pip_quiet() {  # PYTHON ARGS...: PYTHON -m pip -q ARGS, without the notes about absent local index folders
+  local py=$1
+  shift
+  "$py" -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }

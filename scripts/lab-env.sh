@@ -42,7 +42,7 @@ echo "[lab-env] installing with $installer"
 install "$TORCH"
 wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
-"$PREFIX/bin/python" -m pip -q wheel --no-deps -w "$wheels" . 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+pip_quiet "$PREFIX/bin/python" wheel --no-deps -w "$wheels" .
 install --force-reinstall --no-deps "$wheels"/jupyter_ring-*.whl
 install "$(ls "$wheels"/jupyter_ring-*.whl)[mpich,lab,hub]"
 if [ ! -x "$PREFIX/node/bin/configurable-http-proxy" ]; then

@@ -61,7 +61,7 @@ fi
 # jupyter_ring's own modules compiled to bytecode (quick when they are): where Python does not
 # write __pycache__ (PYTHONDONTWRITEBYTECODE=1, as on these hosts) every rank, engine and kernel
 # compiled the package again at each import. A source changed later is compiled anew in memory.
-[ ! -x .venv/bin/python ] || .venv/bin/python -m compileall -q jupyter_ring >/dev/null || true
+.venv/bin/python -m compileall -q jupyter_ring >/dev/null || true
 stamp=.venv/.jupyter_ring-installed
 want=$(cat pyproject.toml scripts/setup.sh scripts/installer.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
